@@ -1,0 +1,147 @@
+"""The graph IR: plain dataclasses that every pass reads and rewrites.
+
+A `Graph` is a list of `Node`s in topological order. Every node produces one value named
+after the node; `inputs` name the nodes it reads. Network inputs, parameters and buffers
+are nodes too (ops `input`, `param`, `buffer`), so autodiff and the optimizer can refer to
+them like any other value, and a later pass can move, split or duplicate them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from netdsl.errors import CallSite, SourceLoc
+from netdsl.ir.types import TensorType
+
+# node ops that hold no computation: sources of values
+SOURCE_OPS = ("input", "param", "buffer")
+
+
+@dataclass
+class Node:
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    type: TensorType
+    attrs: dict[str, Any] = field(default_factory=dict)
+    loc: SourceLoc | None = None
+    stack: tuple[CallSite, ...] = ()  # block calls that created the node, outermost first
+    scope: tuple[str, ...] = ()  # block instance path, e.g. ("stage3", "bottleneck12")
+    annotations: dict[str, Any] = field(default_factory=dict)
+    device: int | None = None  # assignment to a device, set by placement passes
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form, survives copies
+
+    @property
+    def is_source(self) -> bool:
+        return self.op in SOURCE_OPS
+
+    def copy(self, **changes) -> Node:
+        n = replace(self, **changes)
+        n.attrs = dict(n.attrs)
+        n.annotations = dict(n.annotations)
+        n.meta = dict(n.meta)
+        return n
+
+
+@dataclass
+class Graph:
+    name: str
+    nodes: list[Node] = field(default_factory=list)
+    # named results: "output" (the network's declared outputs), "loss" (a scalar) ...
+    outputs: dict[str, list[str]] = field(default_factory=dict)
+    batch: int | str = "N"
+    parallel: dict[str, int] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    _index: dict[str, Node] | None = field(default=None, repr=False, compare=False)
+
+    # -- lookup -------------------------------------------------------------------------
+    def _idx(self) -> dict[str, Node]:
+        if self._index is None or len(self._index) != len(self.nodes):
+            self._index = {n.name: n for n in self.nodes}
+        return self._index
+
+    def __getitem__(self, name: str) -> Node:
+        return self._idx()[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._idx()
+
+    def __iter__(self):
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def add(self, node: Node) -> Node:
+        if node.name in self:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        self.nodes.append(node)
+        if self._index is not None:
+            self._index[node.name] = node
+        return node
+
+    def invalidate(self) -> None:
+        self._index = None
+
+    def fresh_name(self, base: str) -> str:
+        if base not in self:
+            return base
+        i = 1
+        while f"{base}_{i}" in self:
+            i += 1
+        return f"{base}_{i}"
+
+    def consumers(self) -> dict[str, list[str]]:
+        users: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                users[i].append(n.name)
+        return users
+
+    def by_op(self, *ops: str) -> list[Node]:
+        return [n for n in self.nodes if n.op in ops]
+
+    def params(self) -> list[Node]:
+        return self.by_op("param")
+
+    def output(self, role: str = "output") -> list[Node]:
+        return [self[n] for n in self.outputs.get(role, [])]
+
+    def copy(self) -> Graph:
+        return Graph(self.name, [n.copy() for n in self.nodes],
+                     {k: list(v) for k, v in self.outputs.items()}, self.batch,
+                     dict(self.parallel), dict(self.meta))
+
+    def bind(self, batch: int) -> Graph:
+        """The same graph with the symbolic batch `N` replaced by an integer."""
+        g = self.copy()
+        for n in g.nodes:
+            n.type = n.type.bind(batch)
+            if "shape" in n.attrs:
+                n.attrs["shape"] = [d if isinstance(d, int) else TensorType((d,)).bind(batch).shape[0]
+                                    for d in n.attrs["shape"]]
+        g.batch = batch
+        return g
+
+    # -- checks and printing ------------------------------------------------------------
+    def verify(self) -> Graph:
+        from netdsl.ir.verify import verify
+        verify(self)
+        return self
+
+    def to_text(self, *, locations: bool = False) -> str:
+        from netdsl.ir.printer import to_text
+        return to_text(self, locations=locations)
+
+    def to_json(self) -> dict:
+        from netdsl.ir.serialize import graph_to_json
+        return graph_to_json(self)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @staticmethod
+    def from_json(data: dict) -> Graph:
+        from netdsl.ir.serialize import graph_from_json
+        return graph_from_json(data)

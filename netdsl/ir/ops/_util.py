@@ -1,0 +1,65 @@
+"""Small helpers shared by the operator definitions."""
+from __future__ import annotations
+
+from netdsl.errors import ShapeError
+from netdsl.ir.types import BATCH, Dim, TensorType
+
+
+def pair(v) -> tuple[int, int]:
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ShapeError(f"expected an int or a pair of ints, got {tuple(v)}")
+        return int(v[0]), int(v[1])
+    return int(v), int(v)
+
+
+def numel(t: TensorType, batch: int = 1) -> int:
+    return t.bind(batch).numel() if t.symbolic else t.numel()
+
+
+def need_rank(t: TensorType, op: str, ranks: tuple[int, ...], arg: str = "x") -> None:
+    if t.rank not in ranks:
+        want = " or ".join(f"{r}-d" for r in ranks)
+        raise ShapeError(f"{op} expects a {want} input, but {{{arg}}} is {t}")
+
+
+def need_float(t: TensorType, op: str, arg: str = "x") -> None:
+    if not t.is_float:
+        raise ShapeError(f"{op} expects a floating-point input, but {{{arg}}} is {t}")
+
+
+def norm_axis(axis: int, rank: int, op: str) -> int:
+    if not -rank <= axis < rank:
+        raise ShapeError(f"{op}: axis {axis} is out of range for a {rank}-d tensor")
+    return axis % rank
+
+
+def broadcast(a: TensorType, b: TensorType, op: str) -> tuple[Dim, ...]:
+    """NumPy broadcasting of two shapes, with errors that name both operands."""
+    ra, rb = a.shape[::-1], b.shape[::-1]
+    out = []
+    for i in range(max(len(ra), len(rb))):
+        da = ra[i] if i < len(ra) else 1
+        db = rb[i] if i < len(rb) else 1
+        if da == db or db == 1:
+            out.append(da)
+        elif da == 1:
+            out.append(db)
+        else:
+            raise ShapeError(f"{op}: shapes do not match: {{a}} is {a} and {{b}} is {b}")
+    return tuple(out[::-1])
+
+
+def out_size(size: Dim, k: int, s: int, p: int, d: int, op: str, what: str) -> int:
+    if not isinstance(size, int):
+        raise ShapeError(f"{op}: the {what} dimension must be static, got {size}")
+    eff = d * (k - 1) + 1
+    o = (size + 2 * p - eff) // s + 1
+    if o < 1:
+        raise ShapeError(f"{op}: a {what} of {size} is too small for kernel {k} "
+                         f"(dilation {d}) with padding {p}; {{x}} would become empty")
+    return o
+
+
+def is_batch(d: Dim) -> bool:
+    return d == BATCH

@@ -1,0 +1,127 @@
+"""Operators that only move data: flatten, reshape, transpose, permute, concat, slice."""
+
+
+from netdsl.errors import ShapeError
+from netdsl.ir.ops._util import norm_axis
+from netdsl.ir.registry import Arg, OpDef, register
+from netdsl.ir.types import Dim, TensorType, mul_dims
+
+
+def _flatten_shape(ins, a):
+    (x,) = ins
+    s = norm_axis(a["start"], x.rank, "flatten") if x.rank else 0
+    if x.rank < 2:
+        raise ShapeError(f"flatten expects a tensor of rank 2 or more, but {{x}} is {x}")
+    return TensorType(x.shape[:s] + (mul_dims(x.shape[s:]),), x.dtype)
+
+
+register(OpDef("flatten", (Arg("x", "tensor"), Arg("start", "axis", 1)), _flatten_shape,
+               "shape", doc="merge dims start.. into one: [N, C, H, W] -> [N, C*H*W]"))
+
+
+def _factor(dims) -> tuple[int, tuple[str, ...]]:
+    """Split dims into (product of the static parts, sorted symbolic factors)."""
+    p, syms = 1, []
+    for d in dims:
+        if isinstance(d, int):
+            p *= d
+        else:
+            for f in str(d).split("*"):
+                if f.isdigit():
+                    p *= int(f)
+                else:
+                    syms.append(f)
+    return p, tuple(sorted(syms))
+
+
+def _reshape_shape(ins, a):
+    (x,) = ins
+    target: list[Dim] = list(a["shape"])
+    if sum(1 for d in target if d == -1) > 1:
+        raise ShapeError("reshape: at most one dimension may be -1")
+    if any(isinstance(d, int) and d < -1 or d == 0 for d in target):
+        raise ShapeError(f"reshape: invalid target shape {tuple(target)}")
+    src_p, src_s = _factor(x.shape)
+    known = [d for d in target if d != -1]
+    dst_p, dst_s = _factor(known)
+    if -1 in target:
+        rest = list(src_s)
+        for s in dst_s:
+            if s not in rest:
+                raise ShapeError(f"reshape cannot make {tuple(target)} from {{x}}, which is {x}")
+            rest.remove(s)
+        if src_p % dst_p:
+            raise ShapeError(f"reshape cannot make {tuple(target)} from {{x}}, which is {x}: "
+                             f"{src_p} elements do not divide by {dst_p}")
+        fill = mul_dims(list(rest) + [src_p // dst_p])
+        target = [fill if d == -1 else d for d in target]
+    elif (src_p, src_s) != (dst_p, dst_s):
+        raise ShapeError(f"reshape cannot make {tuple(target)} from {{x}}, which is {x}: "
+                         f"the number of elements differs")
+    return TensorType(tuple(target), x.dtype)
+
+
+register(OpDef("reshape", (Arg("x", "tensor"), Arg("shape", "shape")), _reshape_shape,
+               "shape", doc="same elements, new shape; one dim may be -1, N is the batch"))
+
+
+def _permute_shape(ins, a):
+    (x,) = ins
+    perm = [norm_axis(p, x.rank, "permute") for p in a["dims"]]
+    if sorted(perm) != list(range(x.rank)):
+        raise ShapeError(f"permute: {tuple(a['dims'])} is not a permutation of the "
+                         f"{x.rank} dims of {{x}}, which is {x}")
+    return TensorType(tuple(x.shape[p] for p in perm), x.dtype)
+
+
+register(OpDef("permute", (Arg("x", "tensor"), Arg("dims", "ints")), _permute_shape, "shape",
+               doc="reorder all dimensions"))
+
+
+def _transpose_shape(ins, a):
+    (x,) = ins
+    i, j = norm_axis(a["dim0"], x.rank, "transpose"), norm_axis(a["dim1"], x.rank, "transpose")
+    s = list(x.shape)
+    s[i], s[j] = s[j], s[i]
+    return TensorType(tuple(s), x.dtype)
+
+
+register(OpDef("transpose", (Arg("x", "tensor"), Arg("dim0", "axis", -2),
+                             Arg("dim1", "axis", -1)), _transpose_shape, "shape",
+               doc="swap two dimensions (the last two by default)"))
+
+
+def _concat_shape(ins, a):
+    first = ins[0]
+    ax = norm_axis(a["axis"], first.rank, "concat")
+    total: list[Dim] = []
+    for k, t in enumerate(ins):
+        if t.rank != first.rank or t.dtype != first.dtype or any(
+                t.shape[i] != first.shape[i] for i in range(first.rank) if i != ax):
+            raise ShapeError(f"concat along axis {a['axis']}: input {k + 1} is {t} but "
+                             f"input 1 is {first}; all but axis {a['axis']} must agree")
+        total.append(t.shape[ax])
+    if not all(isinstance(d, int) for d in total):
+        raise ShapeError("concat: the concatenated axis must be static")
+    return TensorType(first.shape[:ax] + (sum(total),) + first.shape[ax + 1:], first.dtype)
+
+
+register(OpDef("concat", (Arg("xs", "tensors"), Arg("axis", "axis", 1)), _concat_shape,
+               "shape", doc="join tensors along an axis (channels by default)"))
+
+
+def _slice_shape(ins, a):
+    (x,) = ins
+    ax = norm_axis(a["axis"], x.rank, "slice")
+    size = x.shape[ax]
+    start, stop = a["start"], a["stop"]
+    if not isinstance(size, int) or not 0 <= start < stop <= size:
+        raise ShapeError(f"slice [{start}:{stop}] along axis {a['axis']} is out of range "
+                         f"for {{x}}, which is {x}")
+    return TensorType(x.shape[:ax] + (stop - start,) + x.shape[ax + 1:], x.dtype)
+
+
+register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("start", "int"),
+                         Arg("stop", "int")), _slice_shape, "shape",
+               doc="x[start:stop] along one axis (`split` lowers to slices)"))
+

@@ -1,0 +1,133 @@
+"""The operator registry: one `OpDef` per operator, used by every layer above the IR.
+
+An OpDef says how an operator is called from the language (its signature), what it
+produces (shape rule), which parameters and buffers it owns, what it costs (forward FLOPs,
+counted as 2 x multiply-accumulates; output and workspace bytes), its layer type (which the
+memory planner uses to choose between recompute and offload), what its backward pass
+retains, and - attached by the autodiff and kernel modules - its gradient rule and kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from netdsl.ir.types import TensorType
+
+REQUIRED = object()
+
+# layer types; the memory planner picks offload for compute-heavy ones, recompute for cheap
+LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",
+               "elementwise", "shape", "loss", "embedding", "reduce", "dropout",
+               "backward", "optimizer", "other")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of an operator as the language sees it.
+
+    kind: tensor | tensors (variadic) | int | float | bool | str | ints (int or tuple of
+    ints) | pair (int or 2-tuple, expanded to a 2-tuple) | shape (tuple of dims, may hold N
+    and -1) | axis (int, may be negative).
+    """
+
+    name: str
+    kind: str
+    default: Any = REQUIRED
+    choices: tuple | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    init: str  # kaiming_normal | kaiming_uniform | zeros | ones | normal | uniform_fan_in
+    fan_in: int = 1
+    buffer: bool = False  # buffers (BN running stats) are state, not trained
+    dtype: str = "f32"
+
+
+def _zero(*_a, **_k) -> int:
+    return 0
+
+
+@dataclass
+class OpDef:
+    name: str
+    signature: tuple[Arg, ...]
+    shape: Callable[..., TensorType]  # (input types, attrs) -> output type; raises ShapeError
+    layer_type: str
+    params: Callable[..., dict[str, ParamSpec]] = lambda ins, attrs: {}
+    flops: Callable[..., int] = _zero  # (input types, out type, attrs) -> FLOPs (2 x MACs)
+    workspace: Callable[..., int] = _zero  # (input types, out type, attrs) -> bytes
+    # what the backward pass reads of the forward: "inputs", "input0", "output", "mask",
+    # "params"... (Chainer's retain_inputs/retain_outputs)
+    retains: tuple[str, ...] = ()
+    doc: str = ""
+    differentiable: bool = True
+    # attached later by netdsl.passes.autodiff / the kernel modules
+    grad: Callable | None = None
+    kernel: Callable | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tensor_args(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.signature if a.kind in ("tensor", "tensors"))
+
+    def n_tensor_inputs(self, n_inputs: int) -> int:
+        """How many of a node's inputs are tensor arguments; the rest are its parameters
+        and buffers, in the order `params()` lists them."""
+        if any(a.kind == "tensors" for a in self.signature):
+            return n_inputs
+        return len(self.tensor_args)
+
+    @property
+    def attr_args(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.signature if a.kind not in ("tensor", "tensors"))
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in OPS:
+        raise ValueError(f"operator {op.name!r} registered twice")
+    if op.layer_type not in LAYER_TYPES:
+        raise ValueError(f"unknown layer type {op.layer_type!r}")
+    OPS[op.name] = op
+    return op
+
+
+def get(name: str) -> OpDef:
+    load_all()
+    return OPS[name]
+
+
+def kernel(name: str):
+    """Decorator attaching a forward kernel `(xp, inputs, attrs, ctx) -> array` to an op."""
+    def deco(fn):
+        OPS[name].kernel = fn
+        return fn
+    return deco
+
+
+def grad_rule(name: str):
+    """Decorator attaching a gradient rule to an op (see netdsl.passes.autodiff)."""
+    def deco(fn):
+        OPS[name].grad = fn
+        return fn
+    return deco
+
+
+_loaded = False
+
+
+def load_all() -> dict[str, OpDef]:
+    """Import every operator module once so the registry is complete."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import netdsl.ir.ops  # noqa: F401  (registers on import)
+    return OPS

@@ -1,0 +1,84 @@
+"""Tensor types. The leading dimension of a network input may be the symbolic batch `N`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BATCH = "N"  # the one symbolic dimension; `Graph.bind(batch)` replaces it by an integer
+Dim = int | str
+
+DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
+FLOAT_DTYPES = ("f16", "f32", "f64")
+NUMPY_DTYPE = {"f16": "float16", "f32": "float32", "f64": "float64",
+               "i32": "int32", "i64": "int64", "bool": "bool"}
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[Dim, ...]
+    dtype: str = "f32"
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    @property
+    def symbolic(self) -> bool:
+        return any(not isinstance(d, int) for d in self.shape)
+
+    def bind(self, batch: int) -> TensorType:
+        if not self.symbolic:
+            return self
+        return TensorType(tuple(bind_dim(d, batch) for d in self.shape), self.dtype)
+
+    def numel(self, batch: int | None = None) -> int:
+        t = self.bind(batch) if batch is not None else self
+        if t.symbolic:
+            raise ValueError(f"type {self} has a symbolic dimension; bind a batch first")
+        return math.prod(t.shape)
+
+    def nbytes(self, batch: int | None = None) -> int:
+        return self.numel(batch) * DTYPES[self.dtype]
+
+    def with_dtype(self, dtype: str) -> TensorType:
+        return TensorType(self.shape, dtype)
+
+    @staticmethod
+    def parse(text: str) -> TensorType:
+        """Inverse of `str()`: 'f32[N, 3]' -> TensorType(('N', 3), 'f32')."""
+        dtype, rest = text.split("[", 1)
+        body = rest.rstrip("]").strip()
+        dims: list[Dim] = []
+        for part in body.split(",") if body else []:
+            part = part.strip()
+            dims.append(int(part) if part.lstrip("-").isdigit() else part)
+        return TensorType(tuple(dims), dtype)
+
+
+def dim_str(d: Dim) -> str:
+    return str(d)
+
+
+def mul_dims(dims) -> Dim:
+    """Product of dims; symbolic if any is symbolic (e.g. 'N*64')."""
+    ints = [d for d in dims if isinstance(d, int)]
+    syms = [d for d in dims if not isinstance(d, int)]
+    p = math.prod(ints)
+    if not syms:
+        return p
+    if p == 1:
+        return "*".join(syms)
+    return "*".join(syms + [str(p)])
+
+
+def bind_dim(d: Dim, batch: int) -> int:
+    if isinstance(d, int):
+        return d
+    return math.prod(batch if f == BATCH else int(f) for f in d.split("*"))

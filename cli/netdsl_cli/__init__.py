@@ -1,0 +1,1 @@
+"""The `netdsl` command-line interface (typer)."""

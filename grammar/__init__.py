@@ -1,0 +1,1 @@
+"""The netdsl grammar (package data)."""

@@ -1,0 +1,57 @@
+"""Adding operator nodes to a graph: attribute normalisation, shape rule, parameters.
+
+Used by the front end (one call per op in the source) and by passes that emit new nodes
+(autodiff, optimizer updates), so every node is made the same way.
+"""
+from __future__ import annotations
+
+from netdsl.errors import ShapeError
+from netdsl.ir import registry
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.ops._util import pair
+from netdsl.ir.types import TensorType
+
+
+def normalise_attrs(op: registry.OpDef, attrs: dict) -> dict:
+    """Fill defaults and canonicalise (pairs become 2-tuples) in signature order."""
+    out = {}
+    for a in op.attr_args:
+        if a.name in attrs:
+            v = attrs[a.name]
+        elif a.required:
+            raise ShapeError(f"{op.name}: missing argument `{a.name}`")
+        else:
+            v = a.default
+        if a.kind == "pair" and v is not None:
+            v = pair(v)
+        elif a.kind in ("ints", "shape") and isinstance(v, list):
+            v = tuple(v)
+        elif a.kind == "float" and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        out[a.name] = v
+    return out
+
+
+def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
+           **node_fields) -> Node:
+    """Append `op_name(inputs)` as node `name`, with its parameters as `name.<param>` nodes.
+
+    Raises ShapeError (with `{arg}` placeholders naming tensor arguments) if the shape rule
+    rejects the inputs; nothing is added to the graph in that case.
+    """
+    op = registry.get(op_name)
+    attrs = normalise_attrs(op, attrs)
+    in_types = [g[i].type for i in inputs]
+    out_type = op.shape(in_types, attrs)
+    specs = op.params(in_types, attrs)
+    param_names = []
+    for pname, spec in specs.items():
+        pnode = Node(f"{name}.{pname}", "buffer" if spec.buffer else "param", (),
+                     TensorType(spec.shape, spec.dtype),
+                     {"shape": spec.shape, "init": spec.init, "fan_in": spec.fan_in},
+                     loc=node_fields.get("loc"), stack=node_fields.get("stack", ()),
+                     scope=node_fields.get("scope", ()))
+        g.add(pnode)
+        param_names.append(pnode.name)
+    return g.add(Node(name, op_name, tuple(inputs) + tuple(param_names), out_type, attrs,
+                      **node_fields))

@@ -1,0 +1,1 @@
+"""The netdsl standard library of .net blocks (package data)."""

@@ -1,1 +1,42 @@
-"""netdsl.frontend"""
+"""The front end: `.net` text -> AST (parser) -> graph IR (elaborate), with located errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from netdsl.errors import NetdslError
+from netdsl.frontend.elaborate import Elaborator
+from netdsl.frontend.modules import Loader, ModuleEnv
+from netdsl.frontend.parser import parse
+from netdsl.frontend.train import train_config
+from netdsl.ir.graph import Graph
+
+__all__ = ["Loader", "ModuleEnv", "elaborate", "load_module", "parse", "train_config"]
+
+
+def load_module(path: str | Path | None = None, *, text: str | None = None,
+                file: str = "<string>") -> ModuleEnv:
+    """Parse a file (or text) and its imports; raises NetdslError listing every problem."""
+    loader = Loader()
+    env = loader.load_file(path) if text is None else loader.load_text(text, file, Path(file).stem)
+    if loader.diagnostics:
+        raise NetdslError(diagnostics=loader.diagnostics)
+    return env
+
+
+def elaborate(env: ModuleEnv, network: str | None = None) -> Graph:
+    """Evaluate one network of a module into a verified forward graph (symbolic batch N)."""
+    nets = env.tree.networks
+    if not nets:
+        raise NetdslError(f"{env.file} defines no `network` (only blocks: it can be imported)")
+    if network is None:
+        if len(nets) > 1:
+            raise NetdslError(f"{env.file} defines {len(nets)} networks "
+                              f"({', '.join(n.name for n in nets)}); choose one", nets[1].loc)
+        net = nets[0]
+    else:
+        matches = [n for n in nets if n.name == network]
+        if not matches:
+            raise NetdslError(f"{env.file} has no network `{network}`")
+        net = matches[0]
+    g = Elaborator(env, net).run()
+    return g.verify()

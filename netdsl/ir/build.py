@@ -48,10 +48,18 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
     for pname, spec in specs.items():
         pnode = Node(f"{name}.{pname}", "buffer" if spec.buffer else "param", (),
                      TensorType(spec.shape, spec.dtype),
-                     {"shape": spec.shape, "init": spec.init, "fan_in": spec.fan_in},
+                     _param_attrs(spec),
                      loc=node_fields.get("loc"), stack=node_fields.get("stack", ()),
-                     scope=node_fields.get("scope", ()))
+                     scope=node_fields.get("scope", ()),
+                     annotations=dict(node_fields.get("annotations", {})))
         g.add(pnode)
         param_names.append(pnode.name)
     return g.add(Node(name, op_name, tuple(inputs) + tuple(param_names), out_type, attrs,
                       **node_fields))
+
+
+def _param_attrs(spec: registry.ParamSpec) -> dict:
+    attrs = {"shape": spec.shape, "init": spec.init}
+    if spec.init in ("kaiming_normal", "kaiming_uniform", "uniform_fan_in"):
+        attrs["fan_in"] = spec.fan_in  # the only inits that depend on it
+    return attrs

@@ -73,6 +73,15 @@ class OpDef:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def op_is_source(self) -> bool:
+        return self.name in ("input", "param", "buffer")
+
+    @property
+    def callable_from_language(self) -> bool:
+        """Forward operators only: not sources, backward or optimizer nodes."""
+        return not self.op_is_source and self.layer_type not in ("backward", "optimizer")
+
+    @property
     def tensor_args(self) -> tuple[Arg, ...]:
         return tuple(a for a in self.signature if a.kind in ("tensor", "tensors"))
 

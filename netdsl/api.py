@@ -1,0 +1,73 @@
+"""The Python API behind the CLI.
+
+    import netdsl
+    net = netdsl.load("examples/resnet50.net")   # parse, import, check; NetdslError if bad
+    g = net.lower(batch=16)                      # verified forward graph, batch bound
+    g.to_text()                                  # the readable IR
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from netdsl.config import TrainConfig
+from netdsl.frontend import ModuleEnv, elaborate, load_module, train_config
+from netdsl.ir.graph import Graph
+
+
+@dataclass
+class Network:
+    """A checked network: its module, its train section, and its symbolic-batch graph."""
+
+    module: ModuleEnv
+    graph: Graph  # batch is the symbol N
+    train: TrainConfig | None
+    _bound: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.graph.name
+
+    @property
+    def file(self) -> str:
+        return self.module.file
+
+    @property
+    def default_batch(self) -> int:
+        return self.train.batch if self.train is not None else 1
+
+    def lower(self, batch: int | None = None) -> Graph:
+        """The forward graph; with `batch`, the symbolic N is replaced by that integer."""
+        if batch is None:
+            return self.graph
+        if batch not in self._bound:
+            self._bound[batch] = self.graph.bind(batch)
+        return self._bound[batch]
+
+
+def load(path: str | Path, network: str | None = None) -> Network:
+    """Load and check a `.net` file; raises NetdslError with every problem found."""
+    env = load_module(path)
+    return _network(env, network)
+
+
+def loads(text: str, file: str = "<string>", network: str | None = None) -> Network:
+    """Like `load`, from source text (imports resolve relative to `file`)."""
+    return _network(load_module(text=text, file=file), network)
+
+
+def _network(env: ModuleEnv, network: str | None) -> Network:
+    from netdsl.errors import NetdslError
+    errors = []
+    graph = train = None
+    try:
+        graph = elaborate(env, network)
+    except NetdslError as e:
+        errors += e.diagnostics
+    try:
+        train = train_config(env.tree.train)
+    except NetdslError as e:
+        errors += e.diagnostics
+    if errors:
+        raise NetdslError(diagnostics=errors)
+    return Network(env, graph, train)

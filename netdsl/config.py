@@ -1,0 +1,131 @@
+"""Validated configuration: the `train { }` section and the `parallel { }` declaration.
+
+The front end turns `train { optimizer = sgd(lr=0.1) }` into plain dicts
+(`{"kind": "sgd", "lr": 0.1}`); these Pydantic models check them and give defaults.
+Command-line options override fields with `TrainConfig.model_copy(update=...)`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SGD(_Strict):
+    kind: Literal["sgd"] = "sgd"
+    lr: float = Field(0.1, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    dampening: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self):
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")
+        return self
+
+
+class Adam(_Strict):
+    kind: Literal["adam"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class AdamW(Adam):
+    kind: Literal["adamw"] = "adamw"  # type: ignore[assignment]
+    weight_decay: float = Field(0.01, ge=0)
+
+
+Optimizer = Annotated[Union[SGD, Adam, AdamW], Field(discriminator="kind")]
+
+
+class Constant(_Strict):
+    kind: Literal["constant"] = "constant"
+    warmup: int = Field(0, ge=0)
+
+
+class Step(_Strict):
+    kind: Literal["step"] = "step"
+    step_size: int = Field(gt=0)
+    gamma: float = Field(0.1, gt=0, le=1)
+    warmup: int = Field(0, ge=0)
+
+
+class Cosine(_Strict):
+    kind: Literal["cosine"] = "cosine"
+    warmup: int = Field(0, ge=0)
+    min_lr: float = Field(0.0, ge=0)
+
+
+Schedule = Annotated[Union[Constant, Step, Cosine], Field(discriminator="kind")]
+
+
+class Synthetic(_Strict):
+    kind: Literal["synthetic"] = "synthetic"
+    classes: int | None = Field(None, gt=0)
+    samples: int = Field(1024, gt=0)
+    test_samples: int = Field(256, ge=0)
+
+
+class Digits(_Strict):
+    """The 8x8 handwritten digits that scikit-learn ships (no download)."""
+
+    kind: Literal["digits"] = "digits"
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    image: bool = True  # [N, 1, 8, 8] for a CNN; False gives [N, 64] for an MLP
+
+
+class Npz(_Strict):
+    """A user's `.npz` with arrays `x` and `y` (and optionally `x_test`, `y_test`)."""
+
+    kind: Literal["npz"] = "npz"
+    path: str
+    test_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+Dataset = Annotated[Union[Synthetic, Digits, Npz], Field(discriminator="kind")]
+
+
+class TrainConfig(_Strict):
+    data: Dataset = Field(default_factory=Synthetic)
+    optimizer: Optimizer = Field(default_factory=SGD)
+    schedule: Schedule = Field(default_factory=Constant)
+    batch: int = Field(32, gt=0)
+    steps: int | None = Field(None, gt=0)
+    epochs: int | None = Field(None, gt=0)
+    seed: int = Field(0, ge=0)
+    eval_every: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give either steps or epochs, not both")
+        return self
+
+
+class ParallelConfig(_Strict):
+    """The network-level `parallel { }` declaration; devices = data x pipeline x tensor."""
+
+    data: int = Field(1, ge=1)
+    pipeline: int = Field(1, ge=1)
+    microbatches: int = Field(1, ge=1)
+    tensor: int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.pipeline * self.tensor
+
+    @model_validator(mode="after")
+    def _microbatches(self):
+        if self.pipeline == 1 and self.microbatches != 1:
+            raise ValueError("microbatches only apply with pipeline > 1")
+        return self

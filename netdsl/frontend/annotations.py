@@ -1,0 +1,61 @@
+"""Annotations: which exist, what arguments they take, and where they may appear.
+
+Memory hints (@recompute, @offload, @keep) and placement (@stage(k), @device(k),
+@shard(dim, ways), @replicate) are carried into node annotations; later passes give them
+meaning. Here they are only validated.
+"""
+from __future__ import annotations
+
+SHARD_DIMS = ("batch", "channels", "height", "width", "features", "heads")
+MEMORY_HINTS = ("recompute", "offload", "keep")
+
+
+def check_annotations(anns, el, where: str) -> dict:
+    out: dict = {}
+    for a in anns:
+        vals = []
+        for x in a.args:
+            from netdsl.frontend.ast import Name
+            # `@shard(channels, 2)`: a bare dimension name is a word, not a variable
+            if isinstance(x, Name) and x.id in SHARD_DIMS and a.name == "shard":
+                vals.append(x.id)
+            else:
+                vals.append(el.expr(x, _frame(el)))
+        if a.kwargs:
+            raise el.error(f"@{a.name} takes no keyword arguments", a.kwargs[0][2])
+        if a.name in out:
+            raise el.error(f"@{a.name} is given twice", a.loc)
+        if a.name in MEMORY_HINTS or a.name == "replicate":
+            if vals:
+                raise el.error(f"@{a.name} takes no arguments", a.loc)
+            out[a.name] = True
+        elif a.name in ("stage", "device"):
+            if len(vals) != 1 or not isinstance(vals[0], int) or isinstance(vals[0], bool) \
+                    or vals[0] < 0:
+                raise el.error(f"@{a.name} takes one non-negative integer, e.g. "
+                               f"@{a.name}(1)", a.loc)
+            out[a.name] = vals[0]
+        elif a.name == "shard":
+            if len(vals) != 2 or vals[0] not in SHARD_DIMS or not isinstance(vals[1], int) \
+                    or isinstance(vals[1], bool) or vals[1] < 1:
+                raise el.error(f"@shard takes a dimension ({', '.join(SHARD_DIMS)}) and a "
+                               "positive number of ways, e.g. @shard(channels, 2)", a.loc)
+            out[a.name] = (vals[0], vals[1])
+        else:
+            known = ", ".join("@" + k for k in MEMORY_HINTS + ("stage", "device", "shard",
+                                                                  "replicate"))
+            raise el.error(f"unknown annotation @{a.name} (known: {known})", a.loc)
+    hints = [h for h in MEMORY_HINTS if h in out]
+    if len(hints) > 1:
+        raise el.error(f"@{hints[0]} and @{hints[1]} contradict each other", anns[0].loc)
+    if "shard" in out and "replicate" in out:
+        raise el.error("@shard and @replicate contradict each other", anns[0].loc)
+    if where == "network" and out:
+        raise el.error("annotations on a network are not supported; use `parallel { }`",
+                       anns[0].loc)
+    return out
+
+
+def _frame(el):
+    from netdsl.frontend.elaborate import Frame
+    return Frame({}, el.module, None)

@@ -123,12 +123,13 @@ def test_different_copies_do_not_fold():
     g3 = Graph("named")
     g3.add(Node("x", "input", (), TensorType((1, 4)), {"shape": (1, 4)}))
     h = "x"
-    for name in ("a[0]", "a[2]", "b[3]", "b[4]"):  # a gap, then a different base name
-        add_op(g3, f"{name}.r", "relu", [h], {}, scope=(name,))
-        h = f"{name}.r"
+    for name in ("a[0]", "a[2]", "b[3]", "b[4]", "c", "c[1]", "c[2]", "d", "d"):
+        # a gap, a different base name; a bare first name is index 0; `d` then `d` again
+        h = add_op(g3, g3.fresh_name(f"{name}.r"), "relu", [h], {}, scope=(name,)).name
     items = group_tree(g3.nodes)
     assert [(it.label if isinstance(it, GroupItem) else it) for it in items] == \
-        ["a[0]", "a[2]", "b[3..4] x2"]
+        ["a[0]", "a[2]", "b[3..4] x2", "c[0..2] x3", "d"]
+    assert items[-1].count == 1 and len(items[-1].nodes) == 2  # one instance, two ops
 
 
 def test_different_param_shapes_do_not_fold():

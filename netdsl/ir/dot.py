@@ -56,6 +56,10 @@ def to_dot(g: Graph, *, fold: bool = True, depth: int | None = None) -> str:
             shown[n.name] = bid
         last = members[-1]
         text = f"{label}\n{len(members)} ops : {last.type}"
+        pe = sum(types[i].numel() for n in members for i in n.inputs
+                 if kinds.get(i) == "param" and not types[i].symbolic)
+        if pe:
+            text += f"\n{fmt_count(pe)} params"
         style = ', shape=box3d' if it.count > 1 else ''
         lines.append(f'{indent}{bid} [label={_q(text)}, fillcolor="#eeeeff"{style}];')
 

@@ -17,7 +17,8 @@ Totals: `params` (every param node's elements, used or not), `flops_forward`,
 are reused from op to op).
 
 Grouping. `node.scope` is the path of block instances that created the node, outermost
-first. Copies made by `repeat` are named `name[i]` (i counts from 0 within one repeat);
+first. The front end names the calls of block `name` within one scope `name`, `name[1]`,
+`name[2]`, ... (so the copies made by `repeat` are numbered; `name[0]` is accepted too);
 `group_tree` folds consecutive sibling groups with the same base name and the same
 structure into one group, so the 790 bottlenecks of a stage become one row,
 "bottleneck[1..789] x789" (a first copy that differs, e.g. with a projection shortcut,
@@ -72,7 +73,7 @@ class GroupItem:
             return self.name
         base, first = split_repeat(self.name)
         _, last = split_repeat(self.last_name or self.name)
-        return f"{base}[{first}..{last}] x{self.count}"
+        return f"{base}[{first or 0}..{last}] x{self.count}"
 
     @property
     def nodes(self) -> list[Node]:
@@ -137,10 +138,11 @@ def _fold(items: list[OpItem | GroupItem], level: int,
 
 
 def _can_follow(prev: GroupItem, it: GroupItem) -> bool:
-    base_p, _ = split_repeat(prev.last_name or prev.name)
+    # `name` (the first call in a scope), then `name[1]`, `name[2]`, ...: a bare name
+    # counts as index 0
+    base_p, idx_p = split_repeat(prev.last_name or prev.name)
     base_i, idx_i = split_repeat(it.name)
-    _, idx_p = split_repeat(prev.last_name or prev.name)
-    return idx_i is not None and idx_p is not None and base_p == base_i and idx_i == idx_p + 1
+    return base_p == base_i and idx_i is not None and idx_i == (idx_p or 0) + 1
 
 
 # -- numbers -----------------------------------------------------------------------------

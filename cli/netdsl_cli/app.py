@@ -183,7 +183,8 @@ def _show_table(s, depth: int) -> Table:
                   Text(str(r.type) if r.type is not None else ""),
                   Text(fmt_count(r.params)), Text(fmt_si(r.flops)), Text(fmt_bytes(r.out_bytes)))
     t.add_section()
-    t.add_row(Text(f"total ({fmt_count(s.nodes)} ops, {s.convs} convs)", style="bold"),
+    total = f"total ({fmt_count(s.nodes)} ops, {fmt_count(s.convs)} convs)"
+    t.add_row(Text(total, style="bold"),
               Text(""), Text(""), Text(fmt_count(s.params), style="bold"),
               Text(fmt_si(s.flops_forward), style="bold"),
               Text(fmt_bytes(s.activation_bytes), style="bold"))

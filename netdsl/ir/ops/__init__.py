@@ -1,3 +1,14 @@
-"""Operator definitions; importing this package registers them all."""
+"""Operator definitions; importing this package registers them all (with their kernels,
+gradient rules and backward operators)."""
 from netdsl.ir.ops import (  # noqa: F401
-    activation, conv, dense, elementwise, loss, norm, pool, shape_ops, sources)
+    activation,
+    conv,
+    dense,
+    elementwise,
+    loss,
+    norm,
+    optim,
+    pool,
+    shape_ops,
+    sources,
+)

@@ -1,6 +1,19 @@
-"""Element-wise activations and dropout."""
+"""Element-wise activations and dropout: shape rules, kernels, gradient rules.
+
+Kernels follow the xp pattern (`xp` is numpy or cupy); gradient rules emit ordinary IR
+nodes through the autodiff builder (see netdsl.passes.autodiff).
+
+Dropout's mask is an explicit graph value. `autodiff` lowers every `dropout(x)` into
+`dropout_mask(x)` (0 or 1/(1-p) per element, drawn from the run's seeded RNG in training,
+all ones in evaluation) followed by `mul(x, mask)`; the backward pass is then mul's, which
+reads only the mask. A forward-only graph keeps the fused `dropout` kernel.
+"""
+import math
+
+from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float
-from netdsl.ir.registry import Arg, OpDef, register
+from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.types import TensorType
 
 
 def _same(op):
@@ -30,3 +43,139 @@ register(OpDef(
     "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _same("dropout"), "dropout",
     flops=_per_elem(2), retains=("mask",),
     doc="inverted dropout: zero with probability p in training, identity in evaluation"))
+
+register(OpDef(
+    "dropout_mask", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _same("dropout_mask"),
+    "dropout", flops=_per_elem(1), differentiable=False,
+    doc="dropout's explicit mask: 0 or 1/(1-p) in training, 1 in evaluation"))
+
+
+# -- backward operators: (dy, y) or (dy, x) -> dx -------------------------------------------
+def _grad_shape(op):
+    def shape(ins, a):
+        dy, v = ins
+        if dy.shape != v.shape:
+            raise ShapeError(f"{op}: gradient {dy} and value {v} differ in shape")
+        return TensorType(dy.shape, dy.dtype)
+    return shape
+
+
+for _name, _k, _extra in (("relu_grad", 1, ()), ("leaky_relu_grad", 2, (Arg("slope", "float"),)),
+                          ("gelu_grad", 12, ()), ("sigmoid_grad", 3, ()), ("tanh_grad", 3, ())):
+    register(OpDef(_name, (Arg("dy", "tensor"), Arg("v", "tensor")) + _extra,
+                   _grad_shape(_name), "backward", flops=_per_elem(_k), differentiable=False,
+                   doc=f"backward of {_name[:-5]}"))
+
+
+# -- kernels --------------------------------------------------------------------------------
+@kernel("relu")
+def _relu(xp, ins, a, ctx):
+    return xp.maximum(ins[0], 0)
+
+
+@kernel("relu_grad")
+def _relu_grad(xp, ins, a, ctx):
+    dy, y = ins
+    return dy * (y > 0)
+
+
+@kernel("leaky_relu")
+def _leaky(xp, ins, a, ctx):
+    x = ins[0]
+    return xp.where(x > 0, x, x * a["slope"])
+
+
+@kernel("leaky_relu_grad")
+def _leaky_grad(xp, ins, a, ctx):
+    dy, x = ins
+    return xp.where(x > 0, dy, dy * a["slope"])
+
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@kernel("gelu")
+def _gelu(xp, ins, a, ctx):
+    x = ins[0]  # x * Phi(x), exact erf form (torch's default approximate="none")
+    return 0.5 * x * (1.0 + ctx.erf(x * _SQRT1_2))
+
+
+@kernel("gelu_grad")
+def _gelu_grad(xp, ins, a, ctx):
+    dy, x = ins  # d/dx x*Phi(x) = Phi(x) + x*phi(x)
+    cdf = 0.5 * (1.0 + ctx.erf(x * _SQRT1_2))
+    pdf = xp.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    return dy * (cdf + x * pdf)
+
+
+@kernel("sigmoid")
+def _sigmoid(xp, ins, a, ctx):
+    x = ins[0]  # stable for large |x|: exp only ever sees -|x|
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@kernel("sigmoid_grad")
+def _sigmoid_grad(xp, ins, a, ctx):
+    dy, y = ins
+    return dy * y * (1.0 - y)
+
+
+@kernel("tanh")
+def _tanh(xp, ins, a, ctx):
+    return xp.tanh(ins[0])
+
+
+@kernel("tanh_grad")
+def _tanh_grad(xp, ins, a, ctx):
+    dy, y = ins
+    return dy * (1.0 - y * y)
+
+
+def _mask(xp, x, p, ctx):
+    if not ctx.training or p == 0.0:
+        return xp.ones_like(x)
+    if p >= 1.0:
+        return xp.zeros_like(x)
+    keep = ctx.rng.random(x.shape, x.dtype) >= p
+    return keep.astype(x.dtype) * (1.0 / (1.0 - p))
+
+
+@kernel("dropout_mask")
+def _dropout_mask(xp, ins, a, ctx):
+    return _mask(xp, ins[0], a["p"], ctx)
+
+
+@kernel("dropout")
+def _dropout(xp, ins, a, ctx):
+    x = ins[0]
+    if not ctx.training or a["p"] == 0.0:
+        return x
+    return x * _mask(xp, x, a["p"], ctx)
+
+
+# -- gradient rules -------------------------------------------------------------------------
+@grad_rule("relu")
+def _relu_rule(n, b, gy):
+    return [b.emit("relu_grad", [gy, n.name])]
+
+
+@grad_rule("leaky_relu")
+def _leaky_rule(n, b, gy):
+    return [b.emit("leaky_relu_grad", [gy, n.inputs[0]], {"slope": n.attrs["slope"]})]
+
+
+@grad_rule("gelu")
+def _gelu_rule(n, b, gy):
+    return [b.emit("gelu_grad", [gy, n.inputs[0]])]
+
+
+@grad_rule("sigmoid")
+def _sigmoid_rule(n, b, gy):
+    return [b.emit("sigmoid_grad", [gy, n.name])]
+
+
+@grad_rule("tanh")
+def _tanh_rule(n, b, gy):
+    return [b.emit("tanh_grad", [gy, n.name])]

@@ -1,7 +1,8 @@
 """Dense algebra: linear layers, batched matrix products, embeddings."""
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, need_float
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, register
+from netdsl.ir.ops.elementwise import unbroadcast
+from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -28,7 +29,7 @@ def _linear_params(ins, a):
 register(OpDef(
     "linear", (Arg("x", "tensor"), Arg("out_features", "int"), Arg("bias", "bool", True)),
     _linear_shape, "linear", _linear_params,
-    lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs", "params"),
+    lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs", "weight"),
     doc="y = x W^T + b over the last dimension; weight [out, in]"))
 
 
@@ -66,3 +67,103 @@ register(OpDef(
     _emb_shape, "embedding",
     lambda ins, a: {"weight": ParamSpec((a["num"], a["dim"]), "normal")},
     retains=("inputs",), doc="look up rows of a [num, dim] table by integer id"))
+
+
+# -- backward operators -----------------------------------------------------------------------
+def _lin_gi_shape(ins, a):
+    dy, w = ins
+    return TensorType(dy.shape[:-1] + (w.shape[1],), dy.dtype)
+
+
+def _lin_gw_shape(ins, a):
+    dy, x = ins
+    return TensorType((dy.shape[-1], x.shape[-1]), dy.dtype)
+
+
+register(OpDef("linear_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor")),
+               _lin_gi_shape, "backward", differentiable=False,
+               flops=lambda ins, out, a: 2 * out.numel() * ins[1].shape[0],
+               doc="dx = dy W"))
+register(OpDef("linear_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor")),
+               _lin_gw_shape, "backward", differentiable=False,
+               flops=lambda ins, out, a: 2 * ins[0].numel() * ins[1].shape[-1],
+               doc="dW = dy^T x, summed over all leading dimensions"))
+
+
+def _emb_grad_shape(ins, a):
+    dy, ids = ins
+    return TensorType((a["num"], dy.shape[-1]), dy.dtype)
+
+
+register(OpDef("embedding_grad", (Arg("dy", "tensor"), Arg("ids", "tensor"), Arg("num", "int")),
+               _emb_grad_shape, "backward", differentiable=False,
+               flops=lambda ins, out, a: ins[0].numel(),
+               doc="scatter-add dy rows into a [num, dim] table at the ids"))
+
+
+# -- kernels ----------------------------------------------------------------------------------
+@kernel("linear")
+def _linear(xp, ins, a, ctx):
+    x, w = ins[0], ins[1]
+    y = xp.matmul(x, w.T)
+    if len(ins) > 2:
+        y += ins[2]
+    return y
+
+
+@kernel("linear_grad_input")
+def _linear_gi(xp, ins, a, ctx):
+    dy, w = ins
+    return xp.matmul(dy, w)
+
+
+@kernel("linear_grad_weight")
+def _linear_gw(xp, ins, a, ctx):
+    dy, x = ins
+    return xp.matmul(dy.reshape(-1, dy.shape[-1]).T, x.reshape(-1, x.shape[-1]))
+
+
+@kernel("matmul")
+def _matmul(xp, ins, a, ctx):
+    return xp.matmul(ins[0], ins[1])
+
+
+@kernel("embedding")
+def _embedding(xp, ins, a, ctx):
+    ids, w = ins
+    return xp.take(w, ids, axis=0)
+
+
+@kernel("embedding_grad")
+def _embedding_grad(xp, ins, a, ctx):
+    dy, ids = ins
+    dw = xp.zeros((a["num"], dy.shape[-1]), dtype=dy.dtype)
+    xp.add.at(dw, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))  # repeated ids accumulate
+    return dw
+
+
+# -- gradient rules ---------------------------------------------------------------------------
+@grad_rule("linear")
+def _linear_rule(n, b, gy):
+    x, w = n.inputs[0], n.inputs[1]
+    out = [b.emit("linear_grad_input", [gy, w], tag="x"),
+           b.emit("linear_grad_weight", [gy, x], tag="weight")]
+    if len(n.inputs) > 2:
+        out.append(b.emit("sum_except", [gy], {"axis": -1}, tag="bias"))
+    return out
+
+
+@grad_rule("matmul")
+def _matmul_rule(n, b, gy):
+    x, y = n.inputs
+    yt = b.emit("transpose", [y], {"dim0": -2, "dim1": -1}, tag="bT")
+    xt = b.emit("transpose", [x], {"dim0": -2, "dim1": -1}, tag="aT")
+    da = b.emit("matmul", [gy, yt], tag="a")
+    db = b.emit("matmul", [xt, gy], tag="b")
+    return [unbroadcast(b, da, x), unbroadcast(b, db, y)]
+
+
+@grad_rule("embedding")
+def _embedding_rule(n, b, gy):
+    return [None, b.emit("embedding_grad", [gy, n.inputs[0]], {"num": n.attrs["num"]},
+                         tag="weight")]

@@ -1,7 +1,12 @@
-"""Binary element-wise arithmetic with broadcasting, scaling, and reductions."""
+"""Binary element-wise arithmetic with broadcasting, scaling, and reductions.
+
+Also the generic helpers that gradient rules emit: `sum_to` (undo broadcasting),
+`sum_except` (per-channel sums, e.g. bias gradients), `fill` (constants such as the loss
+seed d(loss)/d(loss) = 1) and `mean_grad`.
+"""
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, norm_axis
-from netdsl.ir.registry import Arg, OpDef, register
+from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -37,3 +42,158 @@ def _mean_shape(ins, a):
 register(OpDef("mean", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("keepdims", "bool", False)),
                _mean_shape, "reduce", flops=lambda ins, out, a: ins[0].numel(),
                doc="mean along one axis"))
+
+
+# -- helpers emitted by gradient rules --------------------------------------------------------
+def _to_shape(ins, a):
+    return TensorType(tuple(a["shape"]), ins[0].dtype)
+
+
+def _sum_to_shape(ins, a):
+    (x,) = ins
+    target = TensorType(tuple(a["shape"]), x.dtype)
+    if broadcast(target, x, "sum_to") != x.shape:
+        raise ShapeError(f"sum_to: {tuple(a['shape'])} does not broadcast to {{x}}, "
+                         f"which is {x}")
+    return target
+
+
+register(OpDef("sum_to", (Arg("x", "tensor"), Arg("shape", "shape")), _sum_to_shape,
+               "backward", flops=lambda ins, out, a: ins[0].numel(), differentiable=False,
+               doc="sum over broadcast dimensions so x takes `shape` (undoes broadcasting)"))
+
+
+def _sum_except_shape(ins, a):
+    (x,) = ins
+    ax = norm_axis(a["axis"], x.rank, "sum_except")
+    return TensorType((x.shape[ax],), x.dtype)
+
+
+register(OpDef("sum_except", (Arg("x", "tensor"), Arg("axis", "axis")), _sum_except_shape,
+               "backward", flops=lambda ins, out, a: ins[0].numel(), differentiable=False,
+               doc="sum over every axis but one: [N, C, H, W] -> [C] for axis 1"))
+
+register(OpDef("fill", (Arg("shape", "shape"), Arg("value", "float", 0.0),
+                        Arg("dtype", "str", "f32")),
+               lambda ins, a: TensorType(tuple(a["shape"]), a["dtype"]), "other",
+               differentiable=False, doc="a constant tensor (the loss seed, zero gradients)"))
+
+
+def _mean_grad_shape(ins, a):
+    (dy,) = ins
+    x = TensorType(tuple(a["shape"]), dy.dtype)
+    ax = norm_axis(a["axis"], x.rank, "mean_grad")
+    want = x.shape[:ax] + ((1,) if a["keepdims"] else ()) + x.shape[ax + 1:]
+    if dy.shape != want:
+        raise ShapeError(f"mean_grad: {{dy}} is {dy}, expected shape {want}")
+    return x
+
+
+register(OpDef("mean_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
+                             Arg("keepdims", "bool", False)),
+               _mean_grad_shape, "backward", flops=lambda ins, out, a: out.numel(),
+               differentiable=False, doc="backward of mean: spread dy evenly along the axis"))
+
+
+# -- kernels ----------------------------------------------------------------------------------
+@kernel("add")
+def _add(xp, ins, a, ctx):
+    return ins[0] + ins[1]
+
+
+@kernel("sub")
+def _sub(xp, ins, a, ctx):
+    return ins[0] - ins[1]
+
+
+@kernel("mul")
+def _mul(xp, ins, a, ctx):
+    return ins[0] * ins[1]
+
+
+@kernel("scale")
+def _scale(xp, ins, a, ctx):
+    return ins[0] * float(a["factor"])  # a Python float keeps the array's dtype
+
+
+@kernel("mean")
+def _mean(xp, ins, a, ctx):
+    return xp.mean(ins[0], axis=a["axis"], keepdims=a["keepdims"])
+
+
+def sum_to(xp, x, shape):
+    """Sum `x` over the dimensions that broadcasting added or stretched to reach `shape`."""
+    shape = tuple(shape)
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1)
+    if axes:
+        x = x.sum(axis=axes, keepdims=True)
+    return x.reshape(shape)
+
+
+@kernel("sum_to")
+def _sum_to(xp, ins, a, ctx):
+    return sum_to(xp, ins[0], a["shape"])
+
+
+@kernel("sum_except")
+def _sum_except(xp, ins, a, ctx):
+    x = ins[0]
+    ax = a["axis"] % x.ndim
+    return x.sum(axis=tuple(i for i in range(x.ndim) if i != ax))
+
+
+@kernel("fill")
+def _fill(xp, ins, a, ctx):
+    return xp.full(tuple(a["shape"]), a["value"], dtype=ctx.dtype_of(a["dtype"]))
+
+
+@kernel("mean_grad")
+def _mean_grad(xp, ins, a, ctx):
+    dy = ins[0]
+    shape = tuple(a["shape"])
+    ax = a["axis"] % len(shape)
+    if not a["keepdims"]:
+        dy = xp.expand_dims(dy, ax)
+    return xp.ascontiguousarray(xp.broadcast_to(dy * (1.0 / shape[ax]), shape))
+
+
+# -- gradient rules ---------------------------------------------------------------------------
+def unbroadcast(b, g: str, like: str) -> str:
+    """The gradient `g` of a broadcast result, summed back to the shape of value `like`."""
+    shape = b.type(like).shape
+    if b.type(g).shape == shape:
+        return g
+    return b.emit("sum_to", [g], {"shape": shape}, tag="sum")
+
+
+@grad_rule("add")
+def _add_rule(n, b, gy):
+    return [unbroadcast(b, gy, n.inputs[0]), unbroadcast(b, gy, n.inputs[1])]
+
+
+@grad_rule("sub")
+def _sub_rule(n, b, gy):
+    neg = b.emit("scale", [unbroadcast(b, gy, n.inputs[1])], {"factor": -1.0}, tag="neg")
+    return [unbroadcast(b, gy, n.inputs[0]), neg]
+
+
+@grad_rule("mul")
+def _mul_rule(n, b, gy):
+    x, y = n.inputs
+    da = unbroadcast(b, b.emit("mul", [gy, y], tag="a"), x)
+    db = unbroadcast(b, b.emit("mul", [gy, x], tag="b"), y)
+    return [da, db]
+
+
+@grad_rule("scale")
+def _scale_rule(n, b, gy):
+    return [b.emit("scale", [gy], {"factor": n.attrs["factor"]})]
+
+
+@grad_rule("mean")
+def _mean_rule(n, b, gy):
+    x = n.inputs[0]
+    return [b.emit("mean_grad", [gy], {"shape": b.type(x).shape, "axis": n.attrs["axis"],
+                                       "keepdims": n.attrs["keepdims"]})]

@@ -1,7 +1,7 @@
 """Softmax and the losses (scalar outputs, averaged over the batch)."""
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, norm_axis
-from netdsl.ir.registry import Arg, OpDef, register
+from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -47,3 +47,85 @@ def _mse_shape(ins, a):
 register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor")), _mse_shape, "loss",
                flops=lambda ins, out, a: 3 * ins[0].numel(), retains=("inputs",),
                doc="mean squared error over all elements"))
+
+
+# -- backward operators -----------------------------------------------------------------------
+register(OpDef("softmax_grad", (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
+               lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
+               differentiable=False, doc="dx = y * (dy - sum(dy * y)) along the axis"))
+register(OpDef("softmax_cross_entropy_grad",
+               (Arg("dy", "tensor"), Arg("logits", "tensor"), Arg("labels", "tensor")),
+               lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 6 * out.numel(),
+               differentiable=False, doc="d(logits) = dy * (softmax(logits) - onehot) / M"))
+register(OpDef("mse_grad", (Arg("dy", "tensor"), Arg("pred", "tensor"), Arg("target", "tensor")),
+               lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 3 * out.numel(),
+               differentiable=False, doc="d(pred) = dy * 2 (pred - target) / numel"))
+
+
+# -- kernels ----------------------------------------------------------------------------------
+def _softmax_fn(xp, x, axis):
+    e = xp.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+@kernel("softmax")
+def _softmax(xp, ins, a, ctx):
+    return _softmax_fn(xp, ins[0], a["axis"])
+
+
+@kernel("softmax_grad")
+def _softmax_grad(xp, ins, a, ctx):
+    dy, y = ins
+    return y * (dy - (dy * y).sum(axis=a["axis"], keepdims=True))
+
+
+def _flat(logits, labels):
+    k = logits.shape[-1]
+    return logits.reshape(-1, k), labels.reshape(-1)
+
+
+@kernel("softmax_cross_entropy")
+def _sce(xp, ins, a, ctx):
+    z, t = _flat(*ins)
+    m = z.max(axis=1, keepdims=True)
+    lse = xp.log(xp.exp(z - m).sum(axis=1)) + m[:, 0]
+    picked = xp.take_along_axis(z, t[:, None].astype(xp.int64), axis=1)[:, 0]
+    return (lse - picked).mean()
+
+
+@kernel("softmax_cross_entropy_grad")
+def _sce_grad(xp, ins, a, ctx):
+    dy, logits, labels = ins
+    z, t = _flat(logits, labels)
+    p = _softmax_fn(xp, z, 1)
+    p[xp.arange(z.shape[0]), t] -= 1.0
+    return (p * (dy / z.shape[0])).reshape(logits.shape)
+
+
+@kernel("mse")
+def _mse(xp, ins, a, ctx):
+    d = ins[0] - ins[1]
+    return (d * d).mean()
+
+
+@kernel("mse_grad")
+def _mse_grad(xp, ins, a, ctx):
+    dy, p, t = ins
+    return (p - t) * (dy * (2.0 / p.size))
+
+
+# -- gradient rules ---------------------------------------------------------------------------
+@grad_rule("softmax")
+def _softmax_rule(n, b, gy):
+    return [b.emit("softmax_grad", [gy, n.name], {"axis": n.attrs["axis"]})]
+
+
+@grad_rule("softmax_cross_entropy")
+def _sce_rule(n, b, gy):
+    return [b.emit("softmax_cross_entropy_grad", [gy, n.inputs[0], n.inputs[1]]), None]
+
+
+@grad_rule("mse")
+def _mse_rule(n, b, gy):
+    dp = b.emit("mse_grad", [gy, n.inputs[0], n.inputs[1]], tag="pred")
+    return [dp, b.emit("scale", [dp], {"factor": -1.0}, tag="target")]

@@ -3,7 +3,7 @@
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import norm_axis
-from netdsl.ir.registry import Arg, OpDef, register
+from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import Dim, TensorType, mul_dims
 
 
@@ -125,3 +125,101 @@ register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("start", "
                          Arg("stop", "int")), _slice_shape, "shape",
                doc="x[start:stop] along one axis (`split` lowers to slices)"))
 
+
+
+# -- backward operator ------------------------------------------------------------------------
+register(OpDef("slice_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
+                              Arg("start", "int")),
+               lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
+               differentiable=False, doc="zeros of x's shape with dy placed at [start:...]"))
+
+
+# -- kernels ----------------------------------------------------------------------------------
+# Views (reshape, transpose, permute) are returned as views; slice copies so that a small
+# slice does not keep its whole source alive behind the executor's byte accounting.
+@kernel("flatten")
+def _flatten(xp, ins, a, ctx):
+    x = ins[0]
+    s = a["start"] % x.ndim
+    return x.reshape(x.shape[:s] + (-1,))
+
+
+@kernel("reshape")
+def _reshape(xp, ins, a, ctx):
+    return ins[0].reshape(tuple(int(d) for d in a["shape"]))
+
+
+@kernel("permute")
+def _permute(xp, ins, a, ctx):
+    return xp.transpose(ins[0], tuple(a["dims"]))
+
+
+@kernel("transpose")
+def _transpose(xp, ins, a, ctx):
+    return xp.swapaxes(ins[0], a["dim0"], a["dim1"])
+
+
+@kernel("concat")
+def _concat(xp, ins, a, ctx):
+    return xp.concatenate(ins, axis=a["axis"])
+
+
+def _index(ndim, axis, start, stop):
+    ax = axis % ndim
+    return (slice(None),) * ax + (slice(start, stop),)
+
+
+@kernel("slice")
+def _slice(xp, ins, a, ctx):
+    x = ins[0]
+    return xp.ascontiguousarray(x[_index(x.ndim, a["axis"], a["start"], a["stop"])])
+
+
+@kernel("slice_grad")
+def _slice_grad(xp, ins, a, ctx):
+    dy = ins[0]
+    dx = xp.zeros(tuple(int(d) for d in a["shape"]), dtype=dy.dtype)
+    ax = a["axis"] % dy.ndim
+    dx[_index(dy.ndim, ax, a["start"], a["start"] + dy.shape[ax])] = dy
+    return dx
+
+
+# -- gradient rules ---------------------------------------------------------------------------
+def _back_to_input(n, b, gy):
+    return [b.emit("reshape", [gy], {"shape": b.type(n.inputs[0]).shape})]
+
+
+grad_rule("flatten")(_back_to_input)
+grad_rule("reshape")(_back_to_input)
+
+
+@grad_rule("permute")
+def _permute_rule(n, b, gy):
+    rank = b.type(n.inputs[0]).rank
+    perm = [p % rank for p in n.attrs["dims"]]
+    inverse = [perm.index(i) for i in range(rank)]
+    return [b.emit("permute", [gy], {"dims": tuple(inverse)})]
+
+
+@grad_rule("transpose")
+def _transpose_rule(n, b, gy):
+    return [b.emit("transpose", [gy], {"dim0": n.attrs["dim0"], "dim1": n.attrs["dim1"]})]
+
+
+@grad_rule("concat")
+def _concat_rule(n, b, gy):
+    ax = n.attrs["axis"]
+    out, start = [], 0
+    for k, x in enumerate(n.inputs):
+        t = b.type(x)
+        size = t.shape[ax % t.rank]
+        out.append(b.emit("slice", [gy], {"axis": ax, "start": start, "stop": start + size},
+                          tag=f"in{k}"))
+        start += size
+    return out
+
+
+@grad_rule("slice")
+def _slice_rule(n, b, gy):
+    return [b.emit("slice_grad", [gy], {"shape": b.type(n.inputs[0]).shape,
+                                        "axis": n.attrs["axis"], "start": n.attrs["start"]})]

@@ -1,0 +1,34 @@
+"""The backend interface: an array module plus a handful of device operations.
+
+A backend is small on purpose (tinygrad's `ops_npy.py` is a dozen lines): kernels get
+`backend.xp` and do everything else with the NumPy-compatible API it offers.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class RNG(Protocol):
+    def random(self, shape: tuple[int, ...], dtype) -> Any:
+        """Uniform samples in [0, 1) of `shape` and float `dtype`, on the device."""
+
+
+class Backend(Protocol):
+    name: str  # "numpy" | "cupy"
+    xp: Any  # the array module kernels use
+    device: int  # the device index (0 for the host)
+
+    def asarray(self, host_array, dtype=None) -> Any:
+        """Copy a host (NumPy) array onto the device."""
+
+    def to_host(self, arr) -> Any:
+        """A NumPy copy of a device array."""
+
+    def rng(self, seed: int) -> RNG:
+        """A seeded random generator producing device arrays."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing and memory measurements)."""
+
+    def erf(self, x) -> Any:
+        """The error function, element-wise (NumPy has none; gelu needs it)."""

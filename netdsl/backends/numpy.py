@@ -1,0 +1,48 @@
+"""The CPU backend: plain NumPy."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class NumpyRNG:
+    def __init__(self, seed: int):
+        self._gen = np.random.default_rng(seed)
+
+    def random(self, shape, dtype):
+        return self._gen.random(tuple(shape), dtype=np.dtype(dtype))
+
+
+class NumpyBackend:
+    name = "numpy"
+    xp = np
+    device = 0
+
+    def __init__(self, device: int = 0):
+        self.device = device  # there is one host; the index only labels memory accounting
+        try:
+            from scipy.special import erf
+        except ImportError:  # SciPy is optional: fall back to math.erf element by element
+            erf = None
+        self._erf = erf
+
+    def asarray(self, host_array, dtype=None):
+        return np.array(host_array, dtype=dtype, copy=True)
+
+    def to_host(self, arr):
+        return np.array(arr, copy=True)
+
+    def rng(self, seed: int) -> NumpyRNG:
+        return NumpyRNG(seed)
+
+    def synchronize(self) -> None:
+        pass
+
+    def erf(self, x):
+        if self._erf is not None:
+            return self._erf(x)
+        return np.vectorize(math.erf, otypes=[x.dtype])(x)
+
+    def __repr__(self) -> str:
+        return "NumpyBackend()"

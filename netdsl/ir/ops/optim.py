@@ -1,0 +1,96 @@
+"""Optimizer update operators (emitted by netdsl.passes.optimizer).
+
+Every update node is in place: its kernel writes into the storage of the inputs listed in
+`OpDef.extra["inplace"]` (the parameter and its optimizer state, all persistent) and its
+value is the updated parameter itself, so it costs no memory of its own. Semantics follow
+PyTorch's torch.optim.SGD / Adam / AdamW (dampening 0, amsgrad off, maximize off).
+"""
+
+from netdsl.errors import ShapeError
+from netdsl.ir.registry import Arg, OpDef, kernel, register
+
+
+def _like_param(op):
+    def shape(ins, a):
+        p, g = ins[0], ins[1]
+        if p.shape != g.shape:
+            raise ShapeError(f"{op}: gradient {g} does not match parameter {p}")
+        return p
+    return shape
+
+
+register(OpDef(
+    "sgd_update",
+    (Arg("param", "tensor"), Arg("grad", "tensor"), Arg("lr", "tensor"),
+     Arg("momentum_buffer", "tensor", None), Arg("momentum", "float", 0.0),
+     Arg("nesterov", "bool", False), Arg("weight_decay", "float", 0.0)),
+    _like_param("sgd_update"), "optimizer", flops=lambda ins, out, a: 4 * out.numel(),
+    differentiable=False, extra={"inplace": (0, 3)},
+    doc="p -= lr * g (with L2 weight decay, momentum and Nesterov as in torch.optim.SGD)"))
+
+register(OpDef(
+    "adam_update",
+    (Arg("param", "tensor"), Arg("grad", "tensor"), Arg("lr", "tensor"), Arg("exp_avg", "tensor"),
+     Arg("exp_avg_sq", "tensor"), Arg("step", "tensor"), Arg("beta1", "float", 0.9),
+     Arg("beta2", "float", 0.999), Arg("eps", "float", 1e-8), Arg("weight_decay", "float", 0.0),
+     Arg("decoupled", "bool", False)),
+    _like_param("adam_update"), "optimizer", flops=lambda ins, out, a: 12 * out.numel(),
+    differentiable=False, extra={"inplace": (0, 3, 4)},
+    doc="Adam (decoupled=false: L2 decay in the gradient) or AdamW (decoupled=true)"))
+
+
+def _step_shape(ins, a):
+    (s,) = ins
+    if s.shape != ():
+        raise ShapeError(f"step_increment expects a scalar step counter, got {s}")
+    return s
+
+
+register(OpDef("step_increment", (Arg("step", "tensor"),), _step_shape, "optimizer",
+               differentiable=False, extra={"inplace": (0,)},
+               doc="add one to the optimizer's step counter (in place)"))
+
+
+@kernel("sgd_update")
+def _sgd(xp, ins, a, ctx):
+    p, g, lr = ins[0], ins[1], ins[2]
+    lr = lr.astype(p.dtype)
+    if a["weight_decay"]:
+        g = g + a["weight_decay"] * p
+    if a["momentum"]:
+        buf = ins[3]
+        buf *= a["momentum"]  # the zero-initialised buffer makes step 1 give buf = g
+        buf += g
+        g = g + a["momentum"] * buf if a["nesterov"] else buf
+    p -= lr * g
+    return p
+
+
+@kernel("adam_update")
+def _adam(xp, ins, a, ctx):
+    p, g, lr, m, v, step = ins
+    b1, b2 = a["beta1"], a["beta2"]
+    lr = lr.astype(p.dtype)
+    if a["weight_decay"]:
+        if a["decoupled"]:
+            p *= 1.0 - lr * a["weight_decay"]
+        else:
+            g = g + a["weight_decay"] * p
+    m *= b1
+    m += (1.0 - b1) * g
+    v *= b2
+    v += (1.0 - b2) * (g * g)
+    t = step.astype(p.dtype)
+    bc1 = 1.0 - b1 ** t
+    bc2_sqrt = xp.sqrt(1.0 - b2 ** t)
+    p -= (lr / bc1) * (m / (xp.sqrt(v) / bc2_sqrt + a["eps"]))
+    return p
+
+
+@kernel("step_increment")
+def _step(xp, ins, a, ctx):
+    s = ins[0]
+    s += 1
+    return s
+
+

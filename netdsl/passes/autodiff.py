@@ -1,0 +1,170 @@
+"""Reverse-mode autodiff as a graph transformation: forward graph -> training graph.
+
+`autodiff(g)` appends the backward pass to a graph whose `outputs["loss"]` names a scalar:
+
+1. every `dropout` is lowered to an explicit `dropout_mask` node and a `mul`, so the mask
+   is a graph value that forward and backward share (and the backward is deterministic);
+2. the seed d(loss)/d(loss) = 1 is a `fill` node;
+3. nodes are visited in reverse topological order; each op's gradient rule
+   (`OpDef.grad`, attached with `registry.grad_rule`) emits ordinary IR nodes through a
+   `GradBuilder` and returns one gradient value name (or None) per input, parameters and
+   buffers included;
+4. a value read by several nodes gets the sum of its gradient contributions (`add` nodes);
+5. only values that both depend on a parameter and reach the loss get gradients; backward
+   nodes whose results no parameter gradient needs are removed (so e.g. the first conv
+   never computes a gradient for the network input).
+
+Results: `outputs["grads"]` lists one gradient node per `param` node, in param order
+(a `fill` of zeros for a parameter that does not reach the loss), and
+`g.meta["grad_of"] = {grad_node: param_node}`. Backward nodes carry
+`meta["phase"] = "backward"` plus the forward node's loc, stack, scope and device, so
+errors and plans point at the source line that caused them.
+
+A gradient rule `rule(node, b, gy) -> list[str | None]` uses:
+- `b.emit(op, inputs, attrs=None, tag="") -> str`: add a backward node, return its name;
+- `b.type(value) -> TensorType`: the type of any value in the graph.
+"""
+from __future__ import annotations
+
+from netdsl.errors import NetdslError
+from netdsl.ir import registry
+from netdsl.ir.build import normalise_attrs
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.types import TensorType
+
+
+class GradBuilder:
+    """Emits backward nodes into a graph on behalf of one forward node at a time."""
+
+    def __init__(self, g: Graph):
+        self.g = g
+        self.fwd: Node | None = None  # the forward node whose gradient is being built
+
+    def type(self, value: str) -> TensorType:
+        return self.g[value].type
+
+    def emit(self, op_name: str, inputs: list[str], attrs: dict | None = None,
+             tag: str = "") -> str:
+        op = registry.get(op_name)
+        attrs = normalise_attrs(op, dict(attrs or {}))
+        ins = [self.g[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
+        fwd = self.fwd
+        base = fwd.name if fwd is not None else "grad"
+        name = self.g.fresh_name(f"{base}.grad" + (f".{tag}" if tag else ""))
+        node = Node(name, op_name, tuple(inputs), op.shape(ins, attrs), attrs,
+                    loc=fwd.loc if fwd else None, stack=fwd.stack if fwd else (),
+                    scope=fwd.scope if fwd else (), device=fwd.device if fwd else None,
+                    meta={"phase": "backward", "forward": base})
+        self.g.add(node)
+        return name
+
+
+def lower_dropout(g: Graph) -> Graph:
+    """Replace each `dropout(x)` by `mul(x, dropout_mask(x))` (in place; names kept)."""
+    nodes: list[Node] = []
+    for n in g.nodes:
+        if n.op == "dropout":
+            mask = Node(f"{n.name}.mask", "dropout_mask", (n.inputs[0],), n.type,
+                        {"p": n.attrs["p"]}, loc=n.loc, stack=n.stack, scope=n.scope,
+                        device=n.device, meta=dict(n.meta))
+            nodes.append(mask)
+            n = n.copy(op="mul", inputs=(n.inputs[0], mask.name), attrs={})
+            n.meta["lowered_from"] = "dropout"
+        nodes.append(n)
+    g.nodes = nodes
+    g.invalidate()
+    return g
+
+
+def autodiff(g: Graph) -> Graph:
+    """The training graph of forward graph `g` (which is not modified); see module doc."""
+    ops = registry.load_all()
+    if not g.outputs.get("loss"):
+        raise NetdslError(f"graph `{g.name}` has no loss to differentiate; declare one")
+    if "grads" in g.outputs:
+        raise NetdslError(f"graph `{g.name}` already has gradients")
+    g = lower_dropout(g.copy())
+    loss = g.outputs["loss"][0]
+    forward = list(g.nodes)
+    params = [n.name for n in forward if n.op == "param"]
+
+    # values that depend on a parameter through differentiable ops ...
+    depends = set(params)
+    for n in forward:
+        if not n.is_source and ops[n.op].differentiable and any(i in depends for i in n.inputs):
+            depends.add(n.name)
+    # ... and that the loss depends on
+    reaches = {loss}
+    for n in reversed(forward):
+        if n.name in reaches:
+            reaches.update(n.inputs)
+    active = depends & reaches
+
+    b = GradBuilder(g)
+    b.fwd = g[loss]
+    contribs: dict[str, list[str]] = {}
+    seed = b.emit("fill", [], {"shape": (), "value": 1.0, "dtype": g[loss].type.dtype},
+                  tag="seed")
+    contribs[loss] = [seed]
+
+    def total(value: str) -> str | None:
+        """The gradient of `value`: its contributions, summed with `add` nodes."""
+        parts = contribs.pop(value, [])
+        if not parts:
+            return None
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = b.emit("add", [acc, p], tag="acc")
+        return acc
+
+    for n in reversed(forward):
+        if n.is_source or n.name not in active:
+            continue
+        op = ops[n.op]
+        b.fwd = n
+        gy = total(n.name)
+        if gy is None:
+            continue
+        if op.grad is None:
+            raise NetdslError(f"cannot differentiate `{n.op}` (node %{n.name}): it has no "
+                              f"gradient rule", loc=n.loc, stack=n.stack)
+        grads = op.grad(n, b, gy)
+        if len(grads) != len(n.inputs):
+            raise AssertionError(f"gradient rule of {n.op} returned {len(grads)} gradients "
+                                 f"for {len(n.inputs)} inputs")
+        for inp, gi in zip(n.inputs, grads, strict=True):
+            if gi is not None and inp in active:
+                if g[gi].type.shape != g[inp].type.shape:
+                    raise AssertionError(f"gradient {gi} of %{inp} has type {g[gi].type}, "
+                                         f"value has {g[inp].type}")
+                contribs.setdefault(inp, []).append(gi)
+
+    grad_names, grad_of = [], {}
+    for p in params:
+        pn = g[p]
+        b.fwd = pn
+        gp = total(p)
+        if gp is None:  # the parameter does not reach the loss: its gradient is zero
+            gp = b.emit("fill", [], {"shape": pn.type.shape, "value": 0.0,
+                                     "dtype": pn.type.dtype}, tag="zero")
+        elif gp in grad_of or gp == seed or g[gp].meta.get("phase") != "backward":
+            # the same value is already another parameter's gradient (add(p, q) passes gy
+            # to both): copy it so that each parameter owns its gradient node
+            gp = b.emit("scale", [gp], {"factor": 1.0}, tag="own")
+        grad_names.append(gp)
+        grad_of[gp] = p
+    g.outputs["grads"] = grad_names
+    g.meta["grad_of"] = grad_of
+    _prune_backward(g, set(grad_names))
+    g.verify()
+    return g
+
+
+def _prune_backward(g: Graph, keep: set[str]) -> None:
+    """Drop backward nodes that no gradient in `keep` depends on."""
+    needed = set(keep)
+    for n in reversed(g.nodes):
+        if n.name in needed:
+            needed.update(n.inputs)
+    g.nodes = [n for n in g.nodes if n.meta.get("phase") != "backward" or n.name in needed]
+    g.invalidate()

@@ -1,0 +1,101 @@
+"""The optimizer as graph nodes: one in-place update node per parameter.
+
+`add_optimizer(g, kind, **hyper)` takes a training graph (from `autodiff`) and appends
+  - an `input` node `lr` (a scalar) so a schedule can change the learning rate every step
+    without rebuilding the graph (its `default` attribute is used when it is not fed);
+  - optimizer state as `buffer` nodes with `attrs["role"] = "optimizer_state"`
+    (`<param>.momentum_buffer`, `<param>.exp_avg`, `<param>.exp_avg_sq`, and one shared
+    `optimizer.step` counter for adam/adamw), initialised to zeros;
+  - the update nodes (`sgd_update`, `adam_update`, `step_increment`), listed in
+    `outputs["updates"]`. They are in place: `OpDef.extra["inplace"]` names the inputs
+    whose storage the kernel overwrites (parameter and state), and `attrs` carry the
+    hyper-parameters. Their value is the updated parameter.
+
+Semantics are PyTorch's: SGD(lr, momentum, nesterov, weight_decay) with dampening 0;
+Adam(lr, betas, eps, weight_decay) with L2 decay added to the gradient; AdamW with
+decoupled decay p *= 1 - lr * weight_decay; both with bias correction.
+"""
+from __future__ import annotations
+
+from netdsl.errors import NetdslError
+from netdsl.ir import registry
+from netdsl.ir.build import normalise_attrs
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.types import TensorType
+
+KINDS = {
+    "sgd": {"lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
+    "adam": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2},
+}
+
+
+def _state(g: Graph, name: str, like: Node, shape=None, dtype=None) -> str:
+    shape = like.type.shape if shape is None else shape
+    t = TensorType(tuple(shape), dtype or like.type.dtype)
+    g.add(Node(name, "buffer", (), t,
+               {"shape": tuple(shape), "init": "zeros", "fan_in": 1, "dtype": t.dtype,
+                "role": "optimizer_state"},
+               loc=like.loc, stack=like.stack, scope=like.scope, device=like.device,
+               meta={"phase": "optimizer"}))
+    return name
+
+
+def _update(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
+            like: Node) -> str:
+    op = registry.get(op_name)
+    attrs = normalise_attrs(op, attrs)
+    t = op.shape([g[i].type for i in inputs], attrs)
+    g.add(Node(name, op_name, tuple(inputs), t, attrs, loc=like.loc, stack=like.stack,
+               scope=like.scope, device=like.device, meta={"phase": "optimizer"}))
+    return name
+
+
+def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
+    """A copy of training graph `g` with `kind` ("sgd" | "adam" | "adamw") update nodes."""
+    if kind not in KINDS:
+        raise NetdslError(f"unknown optimizer `{kind}`; choose one of {', '.join(KINDS)}")
+    unknown = set(hyper) - set(KINDS[kind])
+    if unknown:
+        raise NetdslError(f"optimizer {kind} has no setting {', '.join(sorted(unknown))}; "
+                          f"it takes {', '.join(KINDS[kind])}")
+    if "grads" not in g.outputs:
+        raise NetdslError(f"graph `{g.name}` has no gradients; run autodiff first")
+    if "updates" in g.outputs:
+        raise NetdslError(f"graph `{g.name}` already has an optimizer")
+    h = {**KINDS[kind], **hyper}
+    g = g.copy()
+    lr = g.fresh_name("lr")
+    g.add(Node(lr, "input", (), TensorType((), "f32"),
+               {"shape": (), "dtype": "f32", "default": float(h["lr"]), "role": "lr"},
+               meta={"phase": "optimizer"}))
+    params = [n for n in g.nodes if n.op == "param"]
+    updates: list[str] = []
+    step = None
+    if kind in ("adam", "adamw"):
+        step = _state(g, g.fresh_name("optimizer.step"), g[lr], shape=(), dtype="i64")
+        updates.append(_update(g, g.fresh_name("optimizer.step_increment"), "step_increment",
+                               [step], {}, g[lr]))
+        step = updates[-1]  # updates read the incremented counter (t = 1 on the first step)
+    for p, gp in zip(params, g.outputs["grads"], strict=True):
+        name = g.fresh_name(f"{p.name}.update")
+        if kind == "sgd":
+            ins = [p.name, gp, lr]
+            if h["momentum"]:
+                ins.append(_state(g, g.fresh_name(f"{p.name}.momentum_buffer"), p))
+            attrs = {"momentum": h["momentum"], "nesterov": h["nesterov"],
+                     "weight_decay": h["weight_decay"]}
+            if h["nesterov"] and not h["momentum"]:
+                raise NetdslError("sgd: nesterov momentum needs momentum > 0")
+            updates.append(_update(g, name, "sgd_update", ins, attrs, p))
+        else:
+            m = _state(g, g.fresh_name(f"{p.name}.exp_avg"), p)
+            v = _state(g, g.fresh_name(f"{p.name}.exp_avg_sq"), p)
+            attrs = {"beta1": h["beta1"], "beta2": h["beta2"], "eps": h["eps"],
+                     "weight_decay": h["weight_decay"], "decoupled": kind == "adamw"}
+            updates.append(_update(g, name, "adam_update", [p.name, gp, lr, m, v, step],
+                                   attrs, p))
+    g.outputs["updates"] = updates
+    g.meta["optimizer"] = {"kind": kind, **h}
+    g.verify()
+    return g

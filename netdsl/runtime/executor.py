@@ -1,0 +1,301 @@
+"""Run a graph with a backend: persistent state, per-node dispatch, byte accounting.
+
+`Executor(graph, backend)` owns the graph's persistent state - parameters, buffers (BN
+running statistics) and optimizer state - initialised from each node's `init` attribute
+(deterministically from `seed` and the node's name, so the same parameter gets the same
+values in any graph that contains it). `run(feeds, training)` executes the nodes the
+requested outputs need, in graph order, like torch.fx's Interpreter:
+
+- each value is dropped right after its last reader runs;
+- the executor counts the bytes it holds, per device: persistent state plus live values,
+  with current and high-water marks (`bytes_current`, `peak_bytes`, `bytes_by_device`,
+  `peak_by_device`). A value counts its array's `nbytes` from the moment its kernel
+  returns until its last reader has run; in-place update nodes (OpDef.extra["inplace"])
+  and source nodes add nothing, since their storage is counted as state. Views (reshape,
+  transpose) are counted as if they were copies: the count never under-states. Kernel
+  temporaries (im2col columns) are not counted;
+- any kernel exception is re-raised as a NetdslError naming the node and its source line;
+- with `check_numerics=True` it stops at the first node that produces NaN or Inf.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from netdsl.backends import Backend, get_backend
+from netdsl.errors import CheckpointError, NetdslError
+from netdsl.ir import registry
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.printer import node_line
+from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE
+
+STATE_OPS = ("param", "buffer")
+
+
+@dataclass
+class KernelContext:
+    """What a kernel may use besides its inputs and attributes."""
+
+    training: bool
+    rng: Any  # backend RNG: rng.random(shape, dtype) -> uniform [0, 1) device array
+    backend: Backend
+    float_dtype: str  # numpy name of the executor's float dtype
+    node: Node | None = None
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-node storage, by node name
+
+    def erf(self, x):
+        return self.backend.erf(x)
+
+    def dtype_of(self, ir_dtype: str) -> str:
+        """The array dtype for an IR dtype: floats run at the executor's dtype."""
+        return self.float_dtype if ir_dtype in FLOAT_DTYPES else NUMPY_DTYPE[ir_dtype]
+
+
+def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
+    """A host array for a param/buffer node, from its `init` attribute.
+
+    kaiming_normal: N(0, 2/fan_in) (torchvision ResNet conv init, fan_in mode, ReLU gain);
+    kaiming_uniform: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's weight:
+    kaiming_uniform_ with a=sqrt(5)); uniform_fan_in: the same bound (torch's bias init);
+    normal: N(0, 1) (nn.Embedding); zeros; ones.
+    """
+    shape = tuple(node.type.shape)
+    init = node.attrs.get("init", "zeros")
+    fan_in = max(int(node.attrs.get("fan_in", 1) or 1), 1)
+    rng = np.random.default_rng([seed, zlib.crc32(node.name.encode())])
+    if init == "zeros":
+        v = np.zeros(shape)
+    elif init == "ones":
+        v = np.ones(shape)
+    elif init == "kaiming_normal":
+        v = rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
+    elif init in ("kaiming_uniform", "uniform_fan_in"):
+        bound = 1.0 / math.sqrt(fan_in)
+        v = rng.uniform(-bound, bound, shape)
+    elif init == "normal":
+        v = rng.standard_normal(shape)
+    else:
+        raise NetdslError(f"unknown init `{init}` for %{node.name}", loc=node.loc)
+    return v.astype(dtype)
+
+
+def _where(n: Node) -> str:
+    return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
+
+
+class Executor:
+    """Executes a graph bound to a batch size; see the module docstring.
+
+    `graph`: bound (`Graph.bind`); a forward, training (`autodiff`) or full training-step
+    (`add_optimizer`) graph. `backend`: a Backend or its name. `dtype`: "f32" or "f64" for
+    every float value and parameter. `state`: share another executor's state dict (see
+    `with_graph`).
+    """
+
+    def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
+                 seed: int = 0, check_numerics: bool = False,
+                 state: dict[str, Any] | None = None):
+        registry.load_all()
+        if dtype not in ("f32", "f64"):
+            raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
+        for n in graph.nodes:
+            if n.type.symbolic:
+                raise NetdslError(f"graph `{graph.name}` still has the symbolic batch "
+                                  f"({n.name}: {n.type}); bind it first: graph.bind(batch)")
+        self.graph = graph
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.xp = self.backend.xp
+        self.dtype = dtype
+        self.np_dtype = NUMPY_DTYPE[dtype]
+        self.seed = seed
+        self.check_numerics = check_numerics
+        self.rng = self.backend.rng(seed)
+        self._scratch: dict[str, Any] = {}
+        self.bytes_by_device: dict[int, int] = {}
+        self.peak_by_device: dict[int, int] = {}
+        self.state: dict[str, Any] = {} if state is None else state
+        for n in graph.nodes:
+            if n.op in STATE_OPS and n.name not in self.state:
+                self.state[n.name] = self.backend.asarray(
+                    init_value(n, self._dtype_for(n.type.dtype), seed))
+        self._state_dev = {n.name: self._dev(n) for n in graph.nodes if n.op in STATE_OPS}
+        for name, dev in self._state_dev.items():
+            self._alloc(dev, self.state[name].nbytes)
+        self._plans: dict[tuple[str, ...], tuple] = {}
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def bytes_current(self) -> int:
+        return sum(self.bytes_by_device.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        """High-water mark of the bytes held, summed over the devices' own peaks."""
+        return sum(self.peak_by_device.values())
+
+    def reset_peak(self) -> None:
+        self.peak_by_device = dict(self.bytes_by_device)
+
+    def _dev(self, n: Node) -> int:
+        return self.backend.device if n.device is None else n.device
+
+    def _alloc(self, dev: int, nbytes: int) -> None:
+        cur = self.bytes_by_device.get(dev, 0) + nbytes
+        self.bytes_by_device[dev] = cur
+        if cur > self.peak_by_device.get(dev, 0):
+            self.peak_by_device[dev] = cur
+
+    def _free(self, dev: int, nbytes: int) -> None:
+        self.bytes_by_device[dev] -= nbytes
+
+    def _dtype_for(self, ir_dtype: str) -> str:
+        return self.np_dtype if ir_dtype in FLOAT_DTYPES else NUMPY_DTYPE[ir_dtype]
+
+    # -- planning ----------------------------------------------------------------------------
+    def _plan(self, roles: tuple[str, ...]):
+        """The nodes the roles need, in graph order, and each value's last reader."""
+        if roles in self._plans:
+            return self._plans[roles]
+        g = self.graph
+        for r in roles:
+            if r not in g.outputs:
+                raise NetdslError(f"graph `{g.name}` has no `{r}` outputs "
+                                  f"(it has {', '.join(g.outputs) or 'none'})")
+        wanted = {name for r in roles for name in g.outputs[r]}
+        needed = set(wanted)
+        for n in reversed(g.nodes):
+            if n.name in needed:
+                needed.update(n.inputs)
+        order = [n for n in g.nodes if n.name in needed]
+        last: dict[str, int] = {}
+        for k, n in enumerate(order):
+            for i in n.inputs:
+                last[i] = k
+        frees: list[list[str]] = [[] for _ in order]
+        for name, k in last.items():
+            if name not in wanted:
+                frees[k].append(name)
+        for k, n in enumerate(order):  # values nobody reads: dropped as soon as made
+            if n.name not in last and n.name not in wanted:
+                frees[k].append(n.name)
+        plan = (order, frees, wanted)
+        self._plans[roles] = plan
+        return plan
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self, feeds: dict[str, Any], training: bool = True,
+            roles: tuple[str, ...] | list[str] | None = None) -> dict[str, list]:
+        """Execute the graph; returns {role: [device arrays]} for the requested roles.
+
+        Default roles: every output role in training; in evaluation, all but "grads" and
+        "updates" (so a training graph runs forward-only in eval mode on the same state).
+        Inputs not fed use their `default` attribute (e.g. the optimizer's `lr`).
+        """
+        g = self.graph
+        if roles is None:
+            roles = tuple(r for r in g.outputs
+                          if training or r not in ("grads", "updates"))
+        order, frees, wanted = self._plan(tuple(roles))
+        ctx = KernelContext(training, self.rng, self.backend, self.np_dtype,
+                            scratch=self._scratch)
+        values: dict[str, Any] = {}
+        counted: dict[str, int] = {}  # bytes each live value adds to the count
+        try:
+            for k, n in enumerate(order):
+                if n.op in STATE_OPS:
+                    values[n.name] = self.state[n.name]
+                elif n.op == "input":
+                    v = self._feed(n, feeds)
+                    values[n.name] = v
+                    counted[n.name] = v.nbytes
+                    self._alloc(self._dev(n), v.nbytes)
+                else:
+                    out = self._call(n, [values[i] for i in n.inputs], ctx)
+                    values[n.name] = out
+                    if not registry.OPS[n.op].extra.get("inplace"):
+                        counted[n.name] = out.nbytes
+                        self._alloc(self._dev(n), out.nbytes)
+                for name in frees[k]:
+                    values.pop(name, None)
+                    nb = counted.pop(name, 0)
+                    if nb:
+                        self._free(self._dev(g[name]), nb)
+            return {r: [values[name] for name in g.outputs[r]] for r in roles}
+        finally:
+            # whatever is still held (outputs handed to the caller, or the values of a run
+            # that failed) is no longer the executor's
+            for name, nb in counted.items():
+                self._free(self._dev(g[name]), nb)
+
+    def _feed(self, n: Node, feeds: dict[str, Any]):
+        if n.name in feeds:
+            host = feeds[n.name]
+        elif "default" in n.attrs:
+            host = n.attrs["default"]
+        else:
+            raise NetdslError(f"input `{n.name}` ({n.type}) was not fed", loc=n.loc)
+        dtype = self._dtype_for(n.type.dtype)
+        if self.xp is not np and isinstance(host, self.xp.ndarray):  # already on the device
+            arr = host.astype(dtype, copy=True)
+        else:
+            arr = self.backend.asarray(np.asarray(host), dtype=dtype)
+        if tuple(arr.shape) != tuple(n.type.shape):
+            raise NetdslError(f"input `{n.name}` expects shape {tuple(n.type.shape)} "
+                              f"({n.type}), but the fed array has shape {tuple(arr.shape)}",
+                              loc=n.loc)
+        return arr
+
+    def _call(self, n: Node, inputs: list, ctx: KernelContext):
+        op = registry.OPS[n.op]
+        if op.kernel is None:
+            raise NetdslError(f"no kernel for `{n.op}` (node %{n.name})", loc=n.loc,
+                              stack=n.stack)
+        ctx.node = n
+        try:
+            out = self.xp.asarray(op.kernel(self.xp, inputs, n.attrs, ctx))
+        except NetdslError:
+            raise
+        except Exception as e:
+            raise NetdslError(f"while running {node_line(n)}: {type(e).__name__}: {e}",
+                              loc=n.loc, stack=n.stack) from e
+        if self.check_numerics and out.dtype.kind == "f" and not bool(self.xp.isfinite(out).all()):
+            bad = "NaN" if bool(self.xp.isnan(out).any()) else "Inf"
+            raise NetdslError(f"check-numerics: {_where(n)} produced {bad} "
+                              f"({n.type}, phase {n.meta.get('phase', 'forward')})",
+                              loc=n.loc, stack=n.stack)
+        return out
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host copies of the persistent state, keyed by node name."""
+        return {name: self.backend.to_host(v) for name, v in self.state.items()}
+
+    def load_state_dict(self, sd: dict[str, Any], strict: bool = True) -> None:
+        """Copy host arrays into the state (in place, so sharing executors see them)."""
+        missing = [k for k in self.state if k not in sd]
+        unexpected = [k for k in sd if k not in self.state]
+        if strict and (missing or unexpected):
+            parts = [f"{what} " + ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+                     for what, names in (("missing", missing), ("unexpected", unexpected))
+                     if names]
+            raise CheckpointError("checkpoint does not match the graph: " + "; ".join(parts))
+        for k, v in sd.items():
+            if k not in self.state:
+                continue
+            cur = self.state[k]
+            if tuple(np.shape(v)) != tuple(cur.shape):
+                raise CheckpointError(f"checkpoint entry `{k}` has shape {tuple(np.shape(v))}, "
+                                      f"the graph expects {tuple(cur.shape)}")
+            cur[...] = self.backend.asarray(np.asarray(v), dtype=cur.dtype)
+
+    def with_graph(self, graph: Graph, check_numerics: bool | None = None) -> Executor:
+        """An executor for another graph (e.g. the forward graph at an evaluation batch
+        size) that shares this one's state: updates made by either are seen by both. Its
+        byte counts start from the shared state and are its own."""
+        return Executor(graph, self.backend, self.dtype, self.seed,
+                        self.check_numerics if check_numerics is None else check_numerics,
+                        state=self.state)

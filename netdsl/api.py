@@ -71,3 +71,10 @@ def _network(env: ModuleEnv, network: str | None) -> Network:
     if errors:
         raise NetdslError(diagnostics=errors)
     return Network(env, graph, train)
+
+
+def train(net: Network, options=None, callback=None):
+    """Train `net` as its `train` section says, with `options` (a RunOptions) overriding it.
+    Returns a RunResult; raises NetdslError for bad data, checkpoints or settings."""
+    from netdsl.runtime.trainer import RunOptions, Trainer
+    return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()

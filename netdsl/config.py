@@ -63,6 +63,9 @@ class Cosine(_Strict):
     kind: Literal["cosine"] = "cosine"
     warmup: int = Field(0, ge=0)
     min_lr: float = Field(0.0, ge=0)
+    # the decay horizon; None: the run's total steps. Fix it to make a run that is cut
+    # short and resumed follow the same curve as one that is not.
+    steps: int | None = Field(None, gt=0)
 
 
 Schedule = Annotated[Union[Constant, Step, Cosine], Field(discriminator="kind")]

@@ -77,6 +77,9 @@ def guard(json_output: bool = False) -> Iterator[None]:
     except KeyboardInterrupt:
         sys.stderr.write("netdsl: interrupted\n")
         raise typer.Exit(EXIT_INTERRUPT) from None
+    except BrokenPipeError:  # `netdsl graph big.net | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(EXIT_USER) from None
     except Exception as e:
         _internal_error(e)
         raise typer.Exit(EXIT_INTERNAL) from None
@@ -221,8 +224,8 @@ def graph(
 
 
 # -- netdsl run -------------------------------------------------------------------------------
-# The training command is added here by the runtime's owner: `@app.command() def run(...)`
-# following the pattern above (load_network, `with guard(json_output):`, console()).
+# in its own module (it registers itself on `app`); imported here, after the plumbing above
+from netdsl_cli import run_cmd  # noqa: E402,F401
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,130 @@
+"""`netdsl run`: train a network, with a progress bar, logs and checkpoints."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+
+from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+class _Bar:
+    """Runtime callback drawing a rich progress bar (to stderr, so --json stays clean)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.err = console(stderr=True)
+        self.progress = None
+        self.task = None
+        self.first = True
+
+    def on_start(self, info: dict) -> None:
+        if self.quiet:
+            return
+        self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
+                       f"{info['backend']} ({info['device']}), batch {info['batch']}, "
+                       f"data {info['dataset']} ({info['train_samples']:,} samples)")
+        self.err.print(f"expected memory: about {_fmt_bytes(info['expected_bytes'])} "
+                       "(state + activations kept for backward)")
+        if info["start_step"]:
+            self.err.print(f"resuming at step {info['start_step']} of {info['total_steps']}")
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(), console=self.err, transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=info["total_steps"],
+                                           completed=info["start_step"], metrics="")
+
+    def on_step(self, r: dict) -> None:
+        if self.quiet:
+            return
+        m = f"loss {r['loss']:.4f}"
+        if "accuracy" in r:
+            m += f"  acc {r['accuracy']:.3f}"
+        m += f"  {r['images_per_s']:.0f} img/s"
+        if "test_accuracy" in r:
+            m += f"  test {r['test_accuracy']:.3f}"
+        self.progress.update(self.task, completed=r["step"], metrics=m)
+        if self.first:
+            self.first = False
+            left = (r["total_steps"] - r["step"]) * r["step_time_s"]
+            self.progress.console.print(f"first step: {r['step_time_s']:.3f} s; "
+                                        f"ETA about {left:.0f} s")
+
+    def on_eval(self, r: dict) -> None:
+        pass
+
+    def on_end(self, result) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.stop()
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(help="a .net file", show_default=False)],
+    steps: Annotated[int | None, typer.Option(min=1, help="total steps (also when resuming)")] = None,
+    epochs: Annotated[int | None, typer.Option(min=1, help="epochs instead of steps")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", "-b", min=1)] = None,
+    lr: Annotated[float | None, typer.Option(min=0.0, help="base learning rate")] = None,
+    seed: Annotated[int | None, typer.Option(min=0)] = None,
+    backend: Annotated[str, typer.Option(help="numpy or cupy")] = "numpy",
+    device: Annotated[int, typer.Option(min=0, help="GPU index for cupy")] = 0,
+    dtype: Annotated[str, typer.Option(help="f32 or f64")] = "f32",
+    log: Annotated[Path | None, typer.Option(help="write one JSON line per step here")] = None,
+    checkpoint: Annotated[Path | None, typer.Option(help="checkpoint directory")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
+    resume: Annotated[bool, typer.Option(help="continue from --checkpoint")] = False,
+    eval_every: Annotated[int | None, typer.Option(min=1, help="evaluate every K steps")] = None,
+    check_numerics: Annotated[bool, typer.Option(
+        help="stop at the first NaN/Inf, naming the node")] = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
+    bar = _Bar(quiet=json_output)
+    with guard(json_output):
+        from netdsl.api import train
+        from netdsl.runtime.trainer import RunOptions
+        if steps is not None and epochs is not None:
+            from netdsl.errors import NetdslError
+            raise NetdslError("give --steps or --epochs, not both")
+        net = load_network(file)
+        opts = RunOptions(steps=steps, epochs=epochs, batch=batch, lr=lr, seed=seed,
+                          backend=backend, device=device, dtype=dtype,
+                          log=str(log) if log else None,
+                          checkpoint=str(checkpoint) if checkpoint else None,
+                          checkpoint_every=checkpoint_every, resume=resume,
+                          eval_every=eval_every, check_numerics=check_numerics)
+        try:
+            result = train(net, opts, bar)
+        finally:
+            bar.close()
+        if json_output:
+            print_json(result.to_json())
+            return
+        out = console()
+        line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
+                f"{result.images_per_s:.1f} images/s (median step {result.step_time_s:.3f} s), "
+                f"peak memory {_fmt_bytes(result.peak_bytes)}")
+        if result.test_accuracy is not None:
+            line += f", test accuracy {result.test_accuracy:.4f}"
+        out.print(line)
+        if checkpoint:
+            out.print(f"checkpoint: {checkpoint / 'checkpoint.npz'}")
+        sys.stdout.flush()

@@ -1,0 +1,162 @@
+"""The trainer: exact resume, checkpoint safety, logs, evaluation, CLI overrides."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import netdsl
+from netdsl.errors import CheckpointError, NetdslError
+from netdsl.runtime import checkpoint
+from netdsl.runtime.data import Loader, Split
+from netdsl.runtime.schedule import lr_at
+from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.config import Cosine, Step
+
+SMALL = """
+network small {
+    input x: f32[N, 3, 6, 6]
+    input y: i64[N]
+    h = relu(batchnorm(conv2d(x, 4, kernel=3, padding=1, bias=false)))
+    h = dropout(flatten(global_avgpool(h)), p=0.25)
+    logits = linear(h, 5)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+train {
+    data = synthetic(samples=40, test_samples=12)
+    optimizer = sgd(lr=0.05, momentum=0.9, weight_decay=1e-4)
+    schedule = cosine(warmup=2, steps=12)
+    batch = 8
+    seed = 3
+}
+"""
+
+
+@pytest.fixture
+def net(tmp_path):
+    p = tmp_path / "small.net"
+    p.write_text(SMALL)
+    return netdsl.load(p)
+
+
+def _fit(net, **kw):
+    return Trainer(net.graph, net.train, RunOptions(**kw)).fit()
+
+
+def test_resume_is_exact(net, tmp_path):
+    """2N steps == N steps + resume + N steps: losses and final weights identical."""
+    full = _fit(net, steps=12)
+    ck = tmp_path / "ck"
+    first = _fit(net, steps=6, checkpoint=str(ck))
+    second = Trainer(net.graph, net.train, RunOptions(steps=12, checkpoint=str(ck),
+                                                       resume=True))
+    rest = second.fit()
+    assert rest.resumed_from == 6 and rest.steps == 12
+    assert first.losses + rest.losses == full.losses
+    arrays, header = checkpoint.load(ck)
+    assert header["step"] == 12
+    again = Trainer(net.graph, net.train, RunOptions(steps=12))
+    again.fit()
+    for k, v in again.executor.state_dict().items():
+        np.testing.assert_array_equal(v, arrays[k], err_msg=k)
+
+
+def test_loss_decreases_and_eval_runs(net):
+    r = _fit(net, steps=30, eval_every=10)
+    assert np.mean(r.losses[-5:]) < np.mean(r.losses[:5])
+    assert 0.0 <= r.test_accuracy <= 1.0 and r.test_loss > 0
+    assert r.peak_bytes > 0 and r.params == 4 * 3 * 9 + 8 + 4 * 5 + 5
+
+
+def test_log_has_one_json_line_per_step(net, tmp_path):
+    log = tmp_path / "m.jsonl"
+    _fit(net, steps=5, log=str(log))
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert {"step", "loss", "lr", "images_per_s"} <= set(rows[0])
+    assert rows[0]["lr"] == pytest.approx(0.025)  # warm-up: step 1 of 2
+
+
+def test_corrupt_checkpoint_is_refused_and_left_alone(net, tmp_path):
+    ck = tmp_path / "ck"
+    _fit(net, steps=2, checkpoint=str(ck))
+    f = checkpoint.path_in(ck)
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        _fit(net, steps=4, checkpoint=str(ck), resume=True)
+    assert f.read_bytes() == data[: len(data) // 2]  # nothing overwritten
+
+
+def test_checkpoint_of_another_network_is_refused(net, tmp_path):
+    ck = tmp_path / "ck"
+    _fit(net, steps=1, checkpoint=str(ck))
+    other = netdsl.loads(SMALL.replace("conv2d(x, 4", "conv2d(x, 6"), "other.net")
+    with pytest.raises(CheckpointError, match="is \\[4, 3, 3, 3\\].*but \\[6, 3, 3, 3\\]"):
+        _fit(other, steps=2, checkpoint=str(ck), resume=True)
+    renamed = netdsl.loads(SMALL.replace("network small", "network big"), "big.net")
+    with pytest.raises(CheckpointError, match="belongs to network `small`"):
+        _fit(renamed, steps=2, checkpoint=str(ck), resume=True)
+
+
+def test_missing_checkpoint_and_resume_without_dir(net, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        _fit(net, steps=2, checkpoint=str(tmp_path / "none"), resume=True)
+    with pytest.raises(NetdslError, match="--resume needs --checkpoint"):
+        _fit(net, steps=2, resume=True)
+
+
+def test_atomic_save_keeps_previous_on_failure(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, {"w": np.ones(3, np.float32)}, {"network": "n", "step": 1})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, {"w": np.zeros(3, np.float32)}, {"network": "n", "step": 2})
+    arrays, header = checkpoint.load(tmp_path)
+    assert header["step"] == 1 and arrays["w"].tolist() == [1, 1, 1]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.npz"]  # no temp left
+
+
+def test_loader_is_seeded_and_restorable():
+    split = Split([np.arange(10), np.arange(10) * 2])
+    a = Loader(split, 3, seed=1)
+    seq = [a.next()[0].tolist() for _ in range(7)]
+    assert sorted(sum(seq[:3], [])) == sorted(set(sum(seq[:3], [])))  # no repeats in epoch
+    b = Loader(split, 3, seed=1)
+    for _ in range(4):
+        b.next()
+    c = Loader(split, 3, seed=1)
+    c.restore(b.state())
+    assert [c.next()[0].tolist() for _ in range(3)] == seq[4:]
+
+
+def test_schedules():
+    assert lr_at(Cosine(warmup=0), 1.0, 0, 10) == 1.0
+    assert lr_at(Cosine(warmup=0), 1.0, 10, 10) == pytest.approx(0.0)
+    assert lr_at(Cosine(warmup=4), 1.0, 1, 10) == 0.5
+    assert lr_at(Step(step_size=3, gamma=0.5), 1.0, 7, 10) == 0.25
+
+
+def test_command_line_overrides(net):
+    t = Trainer(net.graph, net.train, RunOptions(steps=3, batch=4, lr=0.5, seed=9))
+    assert (t.cfg.batch, t.cfg.optimizer.lr, t.cfg.seed, t.total) == (4, 0.5, 9, 3)
+    assert t.cfg.optimizer.momentum == 0.9  # the rest of the file's section is kept
+
+
+def test_untrainable_network_is_a_clear_error(tmp_path):
+    n = netdsl.loads("network f { input x: f32[N, 4]\n output relu(x) }", "f.net")
+    with pytest.raises(NetdslError, match="declares no `loss`"):
+        _fit(n, steps=1)
+
+
+def test_data_shape_mismatch_is_a_clear_error():
+    n = netdsl.loads("network f { input x: f32[N, 4]\n input y: i64[N]\n"
+                     " loss softmax_cross_entropy(linear(x, 10), y) }\n"
+                     "train { data = digits() }", "f.net")
+    pytest.importorskip("sklearn")
+    with pytest.raises(NetdslError, match="samples shaped \\[1, 8, 8\\]"):
+        _fit(n, steps=1)

@@ -279,3 +279,19 @@ def test_real_examples(path):
     assert sum(row["params"] for row in d["rows"] if row["level"] == 0) == d["params"]
     for fmt in ("text", "json", "dot"):
         assert invoke("graph", str(path), "-f", fmt).exit_code == 0
+
+
+def test_real_flagship_stays_short():
+    _real_api()
+    path = ROOT / "examples" / "resnet2504.net"
+    if not path.exists():
+        pytest.skip("examples/resnet2504.net does not exist")
+    r = invoke("show", str(path), "--json", "--depth", "2")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["params"] == 922_870_056 and d["convs"] == 2507 and d["batch"] == 16
+    assert len(d["rows"]) <= 30  # 8,356 ops, folded
+    big = [row for row in d["rows"] if row["count"] == 789]
+    assert [row["name"] for row in big] == ["bottleneck[1..789] x789"]
+    r = invoke("graph", str(path), "-f", "dot")
+    assert r.exit_code == 0 and r.stdout.count("\n") < 200

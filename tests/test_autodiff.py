@@ -25,10 +25,10 @@ def inp(g, name, shape, dtype="f32"):
     g.add(Node(name, "input", (), TensorType(shape, dtype), {"shape": shape, "dtype": dtype}))
 
 
-def small_cnn() -> Graph:
-    g = Graph("cnn", batch=4)
-    inp(g, "x", (4, 3, 6, 6))
-    inp(g, "y", (4,), "i64")
+def small_cnn(batch: int | str = 4) -> Graph:
+    g = Graph("cnn", batch=batch)
+    inp(g, "x", (batch, 3, 6, 6))
+    inp(g, "y", (batch,), "i64")
     add_op(g, "conv", "conv2d", ["x"], {"out_channels": 4, "kernel": 3, "padding": 1},
            loc=LOC, scope=("stem",))
     add_op(g, "bn", "batchnorm", ["conv"], {})
@@ -221,3 +221,56 @@ def test_builder_names_and_meta():
     assert (name, name2) == ("fc.grad.bias", "fc.grad.bias_1")
     assert g[name].meta == {"phase": "backward", "forward": "fc"}
     assert g[name].type == TensorType((3,))
+
+
+GOLDEN = """\
+graph reg(batch=2) {
+  %x = input() {shape=(2, 3), dtype=f32} : f32[2, 3]
+  %t = input() {shape=(2, 1), dtype=f32} : f32[2, 1]
+  %fc.weight = param() {shape=(1, 3), init=kaiming_uniform, fan_in=3} : f32[1, 3]
+  %fc.bias = param() {shape=(1,), init=uniform_fan_in, fan_in=3} : f32[1]
+  %fc = linear(%x, %fc.weight, %fc.bias) {out_features=1, bias=true} : f32[2, 1]
+  %loss = mse(%fc, %t) : f32[]
+  %loss.grad.seed = fill() {shape=(), value=1.0, dtype=f32} : f32[]
+  %loss.grad.pred = mse_grad(%loss.grad.seed, %fc, %t) : f32[2, 1]
+  %fc.grad.weight = linear_grad_weight(%loss.grad.pred, %x) : f32[1, 3]
+  %fc.grad.bias = sum_except(%loss.grad.pred) {axis=-1} : f32[1]
+  %lr = input() {shape=(), dtype=f32, default=0.1, role=lr} : f32[]
+  %fc.weight.momentum_buffer = buffer() {shape=(1, 3), init=zeros, fan_in=1, dtype=f32, \
+role=optimizer_state} : f32[1, 3]
+  %fc.weight.update = sgd_update(%fc.weight, %fc.grad.weight, %lr, \
+%fc.weight.momentum_buffer) {momentum=0.9, nesterov=false, weight_decay=0.0} : f32[1, 3]
+  %fc.bias.momentum_buffer = buffer() {shape=(1,), init=zeros, fan_in=1, dtype=f32, \
+role=optimizer_state} : f32[1]
+  %fc.bias.update = sgd_update(%fc.bias, %fc.grad.bias, %lr, %fc.bias.momentum_buffer) \
+{momentum=0.9, nesterov=false, weight_decay=0.0} : f32[1]
+  output %fc
+  loss %loss
+  grads %fc.grad.weight, %fc.grad.bias
+  updates %fc.weight.update, %fc.bias.update
+}
+"""
+
+
+def test_golden_training_step_graph():
+    """The whole training step of a linear regression, as text: no gradient for the input
+    x or the target t, the bias gradient is a sum, one momentum buffer per parameter."""
+    from test_executor import regression
+
+    from netdsl.passes.optimizer import add_optimizer
+    t = add_optimizer(autodiff(regression(2)), "sgd", lr=0.1, momentum=0.9)
+    assert t.to_text() == GOLDEN
+
+
+def test_training_graph_survives_json_and_bind():
+    t = autodiff(small_cnn())
+    back = Graph.from_json(t.to_json()).verify()
+    assert back.to_text() == t.to_text() and back.meta["grad_of"] == t.meta["grad_of"]
+    # the symbolic batch: backward shapes (attrs["shape"]) follow Graph.bind
+    g = small_cnn()
+    t2 = autodiff(small_cnn("N"))
+    assert any("N" in map(str, n.attrs.get("shape", ())) for n in t2.nodes
+               if n.meta.get("phase") == "backward")
+    bound = t2.bind(4).verify()
+    assert float(Executor(bound, "numpy", dtype="f64", seed=2).run(feeds_for(g))["loss"][0]) \
+        == float(Executor(t, "numpy", dtype="f64", seed=2).run(feeds_for(g))["loss"][0])

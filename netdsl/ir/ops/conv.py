@@ -167,12 +167,17 @@ def _conv2d_gi(xp, ins, a, ctx):
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
         return xp.matmul(w.reshape(o, -1).T, dy.reshape(n, o, -1)).reshape(n, c, h, wd)
-    dym = dy.reshape(n, g, o // g, ho * wo).transpose(1, 0, 3, 2).reshape(g, n * ho * wo, o // g)
-    dcols = xp.matmul(dym, w.reshape(g, o // g, -1))  # [G, N*Ho*Wo, C/G*kh*kw]
-    dcols = dcols.reshape(g, n, ho, wo, c // g, kh, kw).transpose(1, 0, 4, 2, 3, 5, 6)
-    dcols = dcols.reshape(n, c, ho, wo, kh, kw)
-    dxpad = xp.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
-    col2im_add(xp, dxpad, dcols, kh, kw, sh, sw, dh, dw)
+    # columns laid out [G, C/G, kh, kw, N, Ho, Wo] so each kernel offset's slab is contiguous
+    dym = dy.reshape(n, g, o // g, ho * wo).transpose(1, 2, 0, 3).reshape(g, o // g, -1)
+    wt = w.reshape(g, o // g, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]
+    dcols = xp.matmul(wt, dym).reshape(g, c // g, kh, kw, n, ho, wo)
+    dxpad = xp.zeros((n, g, c // g, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            r, q = i * dh, j * dw
+            dxpad[:, :, :, r:r + sh * (ho - 1) + 1:sh, q:q + sw * (wo - 1) + 1:sw] += \
+                dcols[:, :, i, j].transpose(2, 0, 1, 3, 4)
+    dxpad = dxpad.reshape(n, c, h + 2 * ph, wd + 2 * pw)
     return xp.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + wd])
 
 

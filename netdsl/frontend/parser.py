@@ -1,6 +1,7 @@
 """Text -> AST. Lark LALR parser; syntax errors become located `NetdslError`s in words."""
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 from lark import Lark, Token, Transformer, v_args
@@ -11,10 +12,25 @@ from netdsl.frontend import ast
 from netdsl.frontend.resources import grammar_text
 
 
+# Keywords are reserved words. The contextual lexer only tries the terminals the parser can
+# accept next, so without this `h = output` would lex `output` as a NAME and the error
+# would surface later, somewhere confusing. Re-typing a NAME that spells a keyword makes the
+# parser reject it right there ("unexpected keyword `output`; expected an expression").
+KEYWORDS = ("import", "as", "block", "network", "input", "output", "loss", "parallel",
+            "train", "repeat", "if", "then", "else", "return", "and", "or", "not", "true",
+            "false", "none")
+
+
+def _reserve_keywords(tok: Token) -> Token:
+    if tok.value in KEYWORDS:
+        return Token.new_borrow_pos(tok.value.upper(), tok.value, tok)
+    return tok
+
+
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     return Lark(grammar_text(), parser="lalr", lexer="contextual", propagate_positions=True,
-                maybe_placeholders=True)
+                maybe_placeholders=True, lexer_callbacks={"NAME": _reserve_keywords})
 
 
 # what each terminal means, for "expected ..." in syntax errors
@@ -52,11 +68,22 @@ def _describe_token(tok: Token) -> str:
 _EXPR_START = {"NAME", "INT", "FLOAT", "STRING", "LPAR", "LSQB", "MINUS", "TRUE", "FALSE",
                "NONE", "NOT", "IF"}
 _OPERATORS = {"POW", "MUL_OP", "ADD_OP", "COMP_OP", "AND", "OR", "DOT", "LSQB", "LPAR"}
+_STMT_START = {"NAME", "IF", "REPEAT", "RETURN", "AT", "SEMICOLON", "INPUT", "OUTPUT", "LOSS",
+               "PARALLEL"}
+_TOP_START = {"IMPORT", "BLOCK", "NETWORK", "TRAIN", "AT", "SEMICOLON"}
 
 
 def _expected(terms) -> str:
     terms = set(terms) - {"$END"}
     words: list[str] = []
+    # a whole class of tokens reads better as what it starts ("a statement"), and a long
+    # list cut off with "..." does not help anyone
+    if len(terms & _STMT_START) >= 4:
+        terms -= _STMT_START
+        words.append("a statement")
+    if len(terms & _TOP_START) >= 4:
+        terms -= _TOP_START
+        words.append("`import`, `block`, `network` or `train`")
     if len(terms & _EXPR_START) >= 4:  # "a name, a number, `(`..." is just an expression
         terms -= _EXPR_START
         words.append("an expression")
@@ -72,6 +99,62 @@ def _expected(terms) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
+_CLOSE = {"(": ")", "[": "]", "{": "}"}
+_TOKEN_RE = re.compile(r'#[^\n]*|"(?:[^"\\\n]|\\.)*"?|[()\[\]{}]')
+
+
+def _open_brackets(text: str, end: int) -> list[tuple[str, int]]:
+    """The brackets still open at offset `end` (innermost last), skipping strings and
+    comments; a closing bracket pops its opener if it matches."""
+    stack: list[tuple[str, int]] = []
+    for m in _TOKEN_RE.finditer(text, 0, end):
+        ch = m.group()
+        if ch in _CLOSE:
+            stack.append((ch, m.start()))
+        elif ch in ")]}" and stack and _CLOSE[stack[-1][0]] == ch:
+            stack.pop()
+    return stack
+
+
+def _where_offset(text: str, pos: int) -> str:
+    line = text.count("\n", 0, pos) + 1
+    col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return f"line {line}, column {col}"
+
+
+_TERM = {")": "RPAR", "]": "RSQB", "}": "RBRACE"}
+
+
+def _bracket_hint(text: str, pos: int, tok: str | None, expected=None) -> str:
+    """Say which bracket is unbalanced, where that explains a syntax error at `pos`: an
+    unmatched closer (`tok`), or an opener whose closer the parser was ready to accept
+    (`expected`; None at the end of the file, where any open bracket is the culprit)."""
+    stack = _open_brackets(text, pos)
+    if tok in _TERM:
+        if stack and _CLOSE[stack[-1][0]] == tok:
+            return ""
+        opener = {v: k for k, v in _CLOSE.items()}[tok]
+        if not any(ch == opener for ch, _ in stack):
+            if stack and stack[-1][0] != "{" and expected and \
+                    _TERM[_CLOSE[stack[-1][0]]] in expected:
+                ch, at = stack[-1]  # `relu(x]`: the `(` is the real problem
+                return f" (the `{ch}` at {_where_offset(text, at)} is never closed)"
+            return f" (there is no `{opener}` for this `{tok}` to close)"
+        ch, at = stack[-1]
+        return f" (`{tok}` does not match the `{ch}` at {_where_offset(text, at)})"
+    if not stack:
+        return ""
+    ch, at = stack[-1]
+    if expected is not None and _TERM[_CLOSE[ch]] not in expected:
+        return ""
+    # a `{` is "never closed" only when a new top-level item begins inside it; otherwise
+    # `}` is merely one of the tokens the parser would accept, and the hint misleads
+    if ch == "{" and expected is not None and tok not in ("block", "network", "train",
+                                                          "import"):
+        return ""
+    return f" (the `{ch}` at {_where_offset(text, at)} is never closed)"
+
+
 def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
     line, col = max(getattr(e, "line", 1) or 1, 1), max(getattr(e, "column", 1) or 1, 1)
     if isinstance(e, UnexpectedCharacters):
@@ -81,22 +164,49 @@ def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
             msg = "unterminated string (a string must end with `\"` on the same line)"
     elif isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken)
                                            and e.token.type == "$END"):
-        exp = _expected(e.expected)
-        msg = "unexpected end of file" + (f"; expected {exp}" if exp else "")
-        for term, ch in (("RPAR", ")"), ("RSQB", "]"), ("RBRACE", "}")):
-            if term in e.expected:
-                msg += f" (a `{ch}` is probably missing)"
-                break
+        # at the end of the file the parser's list of expected tokens is long and
+        # misleading; an unclosed bracket is the usual cause, so name it instead
+        hint = _bracket_hint(text, len(text), None)
+        exp = "" if hint else _expected(e.expected)
+        msg = "unexpected end of file" + (f"; expected {exp}" if exp else "") + hint
         lines = text.splitlines() or [""]
         line, col = len(lines), len(lines[-1]) + 1
     elif isinstance(e, UnexpectedToken):
         exp = _expected(e.accepts or e.expected)
         msg = f"unexpected {_describe_token(e.token)}" + (f"; expected {exp}" if exp else "")
-        if e.token.type == "EQUAL" and "RPAR" in e.expected:
+        pos = e.token.start_pos if e.token.start_pos is not None else len(text)
+        if e.token.type in ("EQUAL", "COLON") and "RPAR" in e.expected:
             msg += " (keyword arguments are written `name=value` after a name)"
+        elif e.token.type in ("INPUT", "OUTPUT", "LOSS", "PARALLEL") and "REPEAT" in e.expected:
+            msg += (f" (`{e.token}` may only appear at the top level of a network, "
+                    "not in a block, `if` or `repeat`)")
+        else:
+            msg += _bracket_hint(text, pos, str(e.token), set(e.expected))
     else:  # pragma: no cover - lark raises only the kinds above
         msg = str(e).splitlines()[0]
     return NetdslError(f"syntax error: {msg}", SourceLoc(file, line, col))
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
+
+
+def _unescape(tok: Token, file: str) -> str:
+    """The value of a string literal. Only \\\\ \\" \\n \\t are escapes; anything else is an
+    error. (`unicode_escape` crashed on `"\\N"` and mangled non-ASCII text.)"""
+    body, out, i = str(tok)[1:-1], [], 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            nxt = body[i + 1]  # the STRING terminal never ends in a lone backslash
+            if nxt not in _ESCAPES:
+                raise NetdslError(f"unknown escape `\\{nxt}` in a string (use \\\\, \\\", \\n "
+                                  "or \\t)", SourceLoc(file, tok.line, tok.column + 1 + i))
+            out.append(_ESCAPES[nxt])
+            i += 2
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
 
 
 def _loc(file, meta) -> SourceLoc:
@@ -127,8 +237,7 @@ class _ToAst(Transformer):
         return ast.Const(self.L(meta), float(c[0]))
 
     def string(self, meta, c):
-        s = str(c[0])[1:-1]
-        return ast.Const(self.L(meta), s.encode().decode("unicode_escape"))
+        return ast.Const(self.L(meta), _unescape(c[0], self.file))
 
     def true(self, meta, c):
         return ast.Const(self.L(meta), True)
@@ -283,6 +392,10 @@ class _ToAst(Transformer):
         return items
 
 
+_TOO_DEEP = ("this file nests expressions too deeply to compile (hundreds of levels of "
+             "operators or parentheses); split them with intermediate names")
+
+
 def parse(text: str, file: str = "<string>") -> ast.Module:
     """Parse `.net` source into an AST; raises NetdslError on a syntax error."""
     register_source(file, text)
@@ -292,10 +405,14 @@ def parse(text: str, file: str = "<string>") -> ast.Module:
         raise _syntax_error(e, file, text) from None
     try:
         items = _ToAst(file).transform(tree)
+    except RecursionError:  # the transformer recurses once per nesting level
+        raise NetdslError(_TOO_DEEP, SourceLoc(file, 1, 1)) from None
     except Exception as e:  # lark wraps errors raised in callbacks
         inner = getattr(e, "orig_exc", e)
         if isinstance(inner, NetdslError):
             raise inner from None
+        if isinstance(inner, RecursionError):
+            raise NetdslError(_TOO_DEEP, SourceLoc(file, 1, 1)) from None
         raise
     imports = tuple(i for i in items if isinstance(i, ast.Import))
     blocks = tuple(i for i in items if isinstance(i, ast.BlockDef))

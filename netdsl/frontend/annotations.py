@@ -17,7 +17,9 @@ def check_annotations(anns, el, where: str) -> dict:
         for x in a.args:
             from netdsl.frontend.ast import Name
             # `@shard(channels, 2)`: a bare dimension name is a word, not a variable
-            if isinstance(x, Name) and x.id in SHARD_DIMS and a.name == "shard":
+            # (any bare name, so `@shard(rows, 2)` says which words are allowed instead of
+            # "`rows` is not defined")
+            if isinstance(x, Name) and a.name == "shard" and x is a.args[0]:
                 vals.append(x.id)
             else:
                 vals.append(el.expr(x, _frame(el)))

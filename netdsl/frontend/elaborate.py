@@ -15,6 +15,7 @@ from netdsl.errors import CallSite, Diagnostic, NetdslError, ShapeError, SourceL
 from netdsl.frontend import ast
 from netdsl.frontend.annotations import check_annotations
 from netdsl.frontend.modules import ModuleEnv
+from netdsl.frontend.train import pydantic_message
 from netdsl.frontend.values import (POISON, Builtin, BlockRef, ModuleRef, OpRef, Tensor,
                                     kind_of, where)
 from netdsl.ir import registry
@@ -23,6 +24,13 @@ from netdsl.ir.graph import Graph, Node
 from netdsl.ir.types import BATCH, DTYPES, TensorType
 
 MAX_REPEAT = 1_000_000
+# Block calls nested deeper than this are reported as runaway recursion. It is well below
+# what Python's own stack allows (each level costs several interpreter frames), so the
+# check fires first; deeper expression nesting is caught as RecursionError per statement.
+MAX_BLOCK_DEPTH = 64
+# Static integers are capped: a result wider than this is surely a mistake, and computing
+# `10 ** 10 ** 10` exactly would hang.
+MAX_INT_BITS = 64
 
 
 class _Fail(Exception):
@@ -74,12 +82,22 @@ class Elaborator:
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:
         frame = Frame({}, self.module, None)
-        self.anns = [check_annotations(self.net.annotations, self, "network")]
+        try:
+            self.anns = [check_annotations(self.net.annotations, self, "network")]
+        except _Fail:  # reported; go on without them (this used to escape as a crash)
+            self.anns = [{}]
         outputs, losses = [], []
+        parallel_seen = False
         for st in self.net.body:
             try:
                 if isinstance(st, ast.InputDecl):
-                    self.input_decl(st, frame)
+                    try:
+                        self.input_decl(st, frame)
+                    except _Fail:
+                        # a bad declaration still declares the name: later uses of it
+                        # should not each report "`x` is not defined"
+                        frame.locals.setdefault(st.name, POISON)
+                        raise
                 elif isinstance(st, ast.OutputDecl):
                     for e in st.values:
                         outputs.append(self.tensor_value(e, frame, "output"))
@@ -92,6 +110,9 @@ class Elaborator:
                                          st.value.loc)
                     losses.append(t)
                 elif isinstance(st, ast.ParallelDecl):
+                    if parallel_seen:
+                        raise self.error("a network has one `parallel` declaration", st.loc)
+                    parallel_seen = True
                     self.parallel_decl(st, frame)
                 else:
                     self.stmt(st, frame)
@@ -99,6 +120,11 @@ class Elaborator:
                 pass
             except _Return:
                 self.error("`return` is only allowed inside a block", st.loc)
+            except RecursionError:
+                # expressions nested hundreds deep; the finally clauses of call_block have
+                # already unwound scope and stack
+                self.error("this statement nests expressions or block calls too deeply to "
+                           "compile", st.loc)
         if not outputs and not losses and not self.diags:
             self.error(f"network `{self.net.name}` declares no `output` and no `loss`",
                        self.net.loc)
@@ -136,9 +162,11 @@ class Elaborator:
                 if i != 0:
                     raise self.error("the batch dimension N may only be the first dimension",
                                      e.loc)
+            elif d is POISON:
+                raise _Fail()
             elif not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise self.error(f"a dimension must be a positive integer or N, not "
-                                 f"{kind_of(d)} {d!r}", e.loc)
+                                 f"{_describe_value(d)}", e.loc)
             dims.append(d)
         if not dims or dims[0] != BATCH:
             raise self.error(f"input `{st.name}` must have the batch dimension N first, e.g. "
@@ -158,15 +186,19 @@ class Elaborator:
         for s in st.settings:
             vals[s.name] = self.expr(s.value, frame)
         try:
-            cfg = ParallelConfig.model_validate(vals)
+            # strict: `data = true` or `data = "2"` are mistakes, not 1 and 2
+            cfg = ParallelConfig.model_validate(vals, strict=True)
         except ValidationError as e:
             err = e.errors()[0]
             field = err["loc"][0] if err["loc"] else None
+            if field is None and "microbatches" in vals:  # the model-level check
+                field = "microbatches"
             loc = next((s.loc for s in st.settings if s.name == field), st.loc)
-            msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = (f"`parallel` has no setting `{field}`; it has "
                        f"{', '.join(ParallelConfig.model_fields)}")
+            else:
+                msg = pydantic_message(err, str(field) if field else "", _describe_value)
             raise self.error(f"invalid parallel declaration: {msg}", loc) from None
         self.parallel = cfg.model_dump()
 
@@ -174,7 +206,12 @@ class Elaborator:
     def stmt(self, st: ast.Stmt, frame: Frame):
         pushed = False
         if st.annotations:
-            anns = check_annotations(st.annotations, self, "statement")
+            try:
+                anns = check_annotations(st.annotations, self, "statement")
+            except _Fail:
+                # the bad annotation is reported; still run the statement (without its
+                # annotations) so the names it binds exist and its own errors show
+                anns = {}
             self.anns.append({**self.anns[-1], **anns})
             pushed = True
         try:
@@ -193,14 +230,19 @@ class Elaborator:
                 raise
             self.bind(st, v, frame)
         elif isinstance(st, ast.Repeat):
-            n = self.expr(st.count, frame)
-            if n is POISON:
-                return
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise self.error(f"repeat needs a non-negative integer count, not "
-                                 f"{kind_of(n)} {n!r}", st.count.loc)
-            if n > MAX_REPEAT:
-                raise self.error(f"repeat count {n} is larger than {MAX_REPEAT}", st.count.loc)
+            try:
+                n = self.expr(st.count, frame)
+                if n is POISON:
+                    raise _Fail()
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                    raise self.error(f"repeat needs a non-negative integer count, not "
+                                     f"{kind_of(n)} {_show(n)}".rstrip(), st.count.loc)
+                if n > MAX_REPEAT:
+                    raise self.error(f"repeat count {n} is larger than {MAX_REPEAT}",
+                                     st.count.loc)
+            except _Fail:
+                _poison_assigned(st.body, frame)  # no cascade of "`h` is not defined"
+                raise
             before = len(self.diags)
             for i in range(n):
                 if st.var:
@@ -209,12 +251,16 @@ class Elaborator:
                 if len(self.diags) > before:  # the body failed: one report is enough
                     break
         elif isinstance(st, ast.If):
-            c = self.expr(st.test, frame)
-            if c is POISON:
-                return
-            if not isinstance(c, bool):
-                raise self.error(f"an `if` condition must be true or false, not {kind_of(c)}",
-                                 st.test.loc)
+            try:
+                c = self.expr(st.test, frame)
+                if c is POISON:
+                    raise _Fail()
+                if not isinstance(c, bool):
+                    raise self.error(f"an `if` condition must be true or false, not "
+                                     f"{kind_of(c)}", st.test.loc)
+            except _Fail:
+                _poison_assigned(st.body + st.orelse, frame)
+                raise
             self.body(st.body if c else st.orelse, frame)
         elif isinstance(st, ast.Return):
             if frame.block is None:
@@ -377,10 +423,23 @@ class Elaborator:
             raise self.error(f"cannot apply `{e.op}` to {kind_of(a)} and {kind_of(b)}", e.loc)
         if e.op in ("/", "//", "%") and b == 0:
             raise self.error("division by zero", e.loc)
+        if e.op == "**" and a == 0 and b < 0:
+            raise self.error("division by zero (0 raised to a negative power)", e.loc)
+        if e.op == "**" and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 \
+                and b * (abs(a).bit_length() - 1) > MAX_INT_BITS:
+            # checked before computing: `10 ** 10 ** 10` would run (almost) forever
+            raise self.error(f"{a} ** {b} is too large (static integers have at most "
+                             f"{MAX_INT_BITS} bits)", e.loc)
         try:
-            return _ARITH[e.op](a, b)
-        except (OverflowError, ValueError) as ex:
+            r = _ARITH[e.op](a, b)
+        except (OverflowError, ValueError, ZeroDivisionError) as ex:
             raise self.error(f"arithmetic error: {ex}", e.loc) from None
+        if isinstance(r, complex):  # (-8) ** 0.5
+            raise self.error(f"{a} ** {b} has no real value", e.loc)
+        if isinstance(r, int) and r.bit_length() > MAX_INT_BITS:
+            raise self.error(f"the result of `{e.op}` is too large (static integers have at "
+                             f"most {MAX_INT_BITS} bits)", e.loc)
+        return r
 
     def tensor_binop(self, e: ast.BinOp, a, b):
         if isinstance(a, Tensor) and isinstance(b, Tensor) and e.op in _TENSOR_OPS:
@@ -414,9 +473,12 @@ class Elaborator:
         raise self.error(f"{kind_of(f)} cannot be called", e.loc)
 
     def _bind_args(self, what: str, names: list[str], args, kwargs, e: ast.Call,
-                   variadic: str | None = None) -> dict:
-        """Match positional and keyword arguments to parameter names."""
+                   variadic: str | None = None, locs: dict | None = None) -> dict:
+        """Match positional and keyword arguments to parameter names; `locs` (if given)
+        receives where each bound argument is written, for errors about its value."""
         bound: dict = {}
+        locs = {} if locs is None else locs
+        arg_locs = [a.loc for a in e.args]
         if variadic is not None:
             k = 0
             while k < len(args) and isinstance(args[k], Tensor):
@@ -425,13 +487,16 @@ class Elaborator:
                 bound[variadic] = tuple(args[:k])
             elif args and isinstance(args[0], tuple):
                 bound[variadic], k = args[0], 1
-            args = args[k:]
+            if variadic in bound:
+                locs[variadic] = arg_locs[0]
+            args, arg_locs = args[k:], arg_locs[k:]
             names = [n for n in names if n != variadic]
         if len(args) > len(names):
             raise self.error(f"{what} takes at most {len(names)} positional arguments "
                              f"({', '.join(names)}) but {len(args)} were given", e.loc)
-        for n, v in zip(names, args):
+        for n, v, loc in zip(names, args, arg_locs):
             bound[n] = v
+            locs[n] = loc
         for k, (v, kloc) in kwargs.items():
             if k not in names and k != variadic:
                 hint = difflib.get_close_matches(k, names, n=1)
@@ -442,13 +507,15 @@ class Elaborator:
                 raise self.error(f"{what} got argument `{k}` both by position and by name",
                                  kloc)
             bound[k] = v
+            locs[k] = kloc
         return bound
 
     def call_op(self, name: str, args, kwargs, e: ast.Call):
         op = registry.get(name)
         names = [a.name for a in op.signature]
         variadic = next((a.name for a in op.signature if a.kind == "tensors"), None)
-        bound = self._bind_args(f"{name}()", names, args, kwargs, e, variadic)
+        locs: dict = {}
+        bound = self._bind_args(f"{name}()", names, args, kwargs, e, variadic, locs)
         tensors, attrs = [], {}
         for a in op.signature:
             if a.name not in bound:
@@ -456,23 +523,26 @@ class Elaborator:
                     raise self.error(f"{name}() is missing its argument `{a.name}`", e.loc)
                 continue
             v = bound[a.name]
+            # errors about one argument point at that argument, not at the callee
+            aloc = locs.get(a.name, e.loc)
             if a.kind == "tensor":
                 if not isinstance(v, Tensor):
                     raise self.error(f"{name}() expects a tensor for `{a.name}`, but got "
-                                     f"{kind_of(v)}", e.loc)
+                                     f"{_describe_value(v)}", aloc)
                 tensors.append(v)
             elif a.kind == "tensors":
                 if not v or not all(isinstance(t, Tensor) for t in v):
-                    raise self.error(f"{name}() expects one or more tensors", e.loc)
+                    raise self.error(f"{name}() expects one or more tensors", aloc)
                 tensors.extend(v)
             else:
-                attrs[a.name] = self._check_attr(name, a, v, e)
+                attrs[a.name] = self._check_attr(name, a, v, aloc)
         return self.emit(name, tensors, attrs, e.loc)
 
-    def _check_attr(self, op: str, a: registry.Arg, v, e: ast.Call):
+    def _check_attr(self, op: str, a: registry.Arg, v, loc: SourceLoc):
         def bad(expect):
+            # a tensor used to print as "but got a tensor f32[N, 4] " with no name
             return self.error(f"{op}() expects {expect} for `{a.name}`, but got "
-                              f"{kind_of(v)} {_show(v)}", e.loc)
+                              f"{_describe_value(v)}", loc)
         is_int = isinstance(v, int) and not isinstance(v, bool)
         if a.kind in ("int", "axis"):
             if not is_int:
@@ -505,7 +575,7 @@ class Elaborator:
                 raise bad("a shape: a tuple of integers, -1 or N")
         if a.choices and v not in a.choices:
             raise self.error(f"{op}() `{a.name}` must be one of "
-                             f"{', '.join(map(str, a.choices))}, not {_show(v)}", e.loc)
+                             f"{', '.join(map(str, a.choices))}, not {_show(v)}", loc)
         return v
 
     def node_name(self, base: str) -> str:
@@ -535,8 +605,10 @@ class Elaborator:
 
     def call_block(self, ref: BlockRef, args, kwargs, e: ast.Call):
         b: ast.BlockDef = ref.block
-        if len(self.stack) > 200:
-            raise self.error(f"block `{b.name}` calls itself too deeply (recursion)", e.loc)
+        if len(self.stack) >= MAX_BLOCK_DEPTH:
+            # was 200, which overflowed Python's stack (RecursionError) before firing
+            raise self.error(f"block calls are nested more than {MAX_BLOCK_DEPTH} deep; "
+                             f"does block `{b.name}` call itself?", e.loc)
         names = [p.name for p in b.params]
         bound = self._bind_args(f"block `{b.name}`", names, args, kwargs, e)
         frame = Frame({}, ref.module, b.name)
@@ -579,6 +651,25 @@ class Elaborator:
         if len(self.diags) > before:
             raise _Fail()
         return result
+
+
+def _poison_assigned(stmts, frame: Frame) -> None:
+    """Bind every name a skipped body would have assigned to POISON."""
+    for st in stmts:
+        if isinstance(st, ast.Assign):
+            for t in st.targets:
+                frame.locals[t] = POISON
+        elif isinstance(st, ast.Repeat):
+            _poison_assigned(st.body, frame)
+        elif isinstance(st, ast.If):
+            _poison_assigned(st.body + st.orelse, frame)
+
+
+def _describe_value(v) -> str:
+    if isinstance(v, Tensor):
+        return f"{v.describe()}, a tensor {v.type}"
+    shown = _show(v)
+    return f"{kind_of(v)} {shown}" if shown else kind_of(v)
 
 
 def _named(v, name):
@@ -635,7 +726,10 @@ def _builtins(el: Elaborator) -> dict:
     def to_int(args, kw, e):
         if len(args) != 1 or not _is_num(args[0]):
             raise el.error("int() takes one number", e.loc)
-        return int(args[0])
+        try:
+            return int(args[0])
+        except (OverflowError, ValueError):  # int(1e400), int(nan)
+            raise el.error(f"int(): {args[0]} has no integer value", e.loc) from None
 
     def split(args, kw, e):
         if not args or not isinstance(args[0], Tensor):
@@ -648,7 +742,8 @@ def _builtins(el: Elaborator) -> dict:
                            "(it takes x, sections, axis)", e.loc)
         sections = args[1] if len(args) > 1 else kw.get("sections")
         axis = args[2] if len(args) > 2 else kw.get("axis", 1)
-        if not isinstance(axis, int) or not -t.type.rank <= axis < t.type.rank:
+        if not isinstance(axis, int) or isinstance(axis, bool) or \
+                not -t.type.rank <= axis < t.type.rank:
             raise el.error(f"split(): axis {axis!r} is out of range for {t.type}", e.loc)
         size = t.type.shape[axis]
         if not isinstance(size, int):

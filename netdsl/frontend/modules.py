@@ -59,10 +59,12 @@ class Loader:
             self.loading.pop()
         for b in tree.blocks:
             if b.name in env.globals:
+                prev = env.globals[b.name]
+                # said "(as a block and a block)"; name the first definition instead
+                first = ("the name of an import" if isinstance(prev, ModuleRef) else
+                         f"first at line {prev.block.loc.line}, column {prev.block.loc.column}")
                 self.diagnostics.append(Diagnostic(
-                    f"`{b.name}` is defined twice in this file (as a block and "
-                    f"{'an import' if isinstance(env.globals[b.name], ModuleRef) else 'a block'})",
-                    b.loc))
+                    f"block `{b.name}` is defined twice in this file ({first})", b.loc))
                 continue
             env.globals[b.name] = BlockRef(b, env)
         self.cache[key] = env

@@ -11,6 +11,45 @@ from netdsl.errors import Diagnostic, NetdslError
 from netdsl.frontend import ast
 
 
+_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false",
+               "string": "a string"}
+
+
+def _show_input(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, dict) and "kind" in v:  # from `seed = N` or `lr = adam(...)`
+        return f"`{v['kind']}`" if len(v) == 1 else f"{v['kind']}(...)"
+    if isinstance(v, (list, tuple)):
+        return "a tuple"
+    return repr(v)
+
+
+def pydantic_message(err: dict, field: str, describe=_show_input) -> str:
+    """One Pydantic error in the words of the language: "`batch` must be an integer, not
+    "big"" rather than "Input should be a valid integer, unable to parse string"."""
+    t, ctx, v = err["type"], err.get("ctx", {}), err.get("input")
+    what = f"`{field}`" if field else "the value"
+    got = describe(v)
+    for prefix, words in _KIND_WORDS.items():
+        if t.startswith(prefix + "_"):
+            return f"{what} must be {words}, not {got}"
+    bounds = {"greater_than_equal": ("at least", "ge"), "greater_than": ("greater than", "gt"),
+              "less_than_equal": ("at most", "le"), "less_than": ("less than", "lt")}
+    if t in bounds:
+        words, key = bounds[t]
+        return f"{what} must be {words} {ctx.get(key)}, not {got}"
+    if t == "literal_error":
+        return f"{what} must be {ctx.get('expected', '').replace(chr(39), chr(34))}, not {got}"
+    if t == "missing":
+        return f"{what} is required"
+    if t == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return f"{what}: {err['msg']}" if field else err["msg"]
+
+
 class _Bad(Exception):
     def __init__(self, msg, loc):
         self.msg, self.loc = msg, loc
@@ -30,8 +69,8 @@ def _value(e: ast.Expr):
             raise _Bad(f"{e.func.id}() takes keyword arguments only, e.g. "
                        f"{e.func.id}(lr=0.1)", e.args[0].loc)
         return {"kind": e.func.id, **{k: _value(v) for k, v, _ in e.kwargs}}
-    if isinstance(e, ast.Name):
-        return {"kind": e.func.id} if isinstance(e, ast.Call) else {"kind": e.id}
+    if isinstance(e, ast.Name):  # `schedule = cosine`: a call with no arguments
+        return {"kind": e.id}
     raise _Bad("a train setting must be a constant or a call like sgd(lr=0.1)", e.loc)
 
 
@@ -48,32 +87,42 @@ def train_config(tdef: ast.TrainDef | None) -> TrainConfig | None:
             locs[s.name] = s
         except _Bad as b:
             diags.append(Diagnostic(b.msg, b.loc))
+    if "steps" in data and "epochs" in data:  # say where, not just "train section"
+        later = max(locs["steps"], locs["epochs"], key=lambda s: (s.loc.line, s.loc.column))
+        diags.append(Diagnostic("give either `steps` or `epochs` in the train section, not "
+                                "both", later.loc))
     if diags:
         raise NetdslError(diagnostics=diags)
     try:
-        return TrainConfig.model_validate(data)
+        # strict: `batch = "16"` or `batch = true` are mistakes, not 16 and 1
+        return TrainConfig.model_validate(data, strict=True)
     except ValidationError as e:
+        errs = []
         for err in e.errors():
             path = [p for p in err["loc"] if isinstance(p, str)]
             setting = locs.get(path[0]) if path else None
             loc = setting.loc if setting else tdef.loc
+            errs.append((loc, err, path))
+        # report in source order, as everywhere else
+        errs.sort(key=lambda x: (x[0].line, x[0].column))
+        for loc, err, path in errs:
             field = ".".join(p for p in path if p not in ("sgd", "adam", "adamw", "step",
                                                             "cosine", "constant", "synthetic",
                                                             "digits", "npz"))
-            msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 top = path[0] if path else "?"
                 if len(path) == 1:
                     msg = (f"unknown train setting `{top}` (known: "
                            f"{', '.join(TrainConfig.model_fields)})")
                 else:
-                    msg = f"`{path[-1]}` is not an argument of this {top}"
+                    kind = data.get(top, {}).get("kind", top)
+                    msg = f"{kind}() has no argument `{path[-1]}`"
             elif err["type"] == "union_tag_invalid":
-                kinds = err["ctx"]["expected_tags"]
+                kinds = err["ctx"]["expected_tags"].replace("'", "")
                 msg = f"unknown {path[0]} `{err['ctx']['tag']}`; use one of {kinds}"
             elif err["type"] == "model_attributes_type" or err["type"] == "model_type":
                 msg = f"`{field}` must be a call like sgd(lr=0.1)"
             else:
-                msg = f"`{field}`: {msg}" if field else msg
+                msg = pydantic_message(err, field)
             diags.append(Diagnostic(f"invalid train section: {msg}", loc))
         raise NetdslError(diagnostics=diags) from None

@@ -6,7 +6,7 @@ Command-line options override fields with `TrainConfig.model_copy(update=...)`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -44,7 +44,7 @@ class AdamW(Adam):
     weight_decay: float = Field(0.01, ge=0)
 
 
-Optimizer = Annotated[Union[SGD, Adam, AdamW], Field(discriminator="kind")]
+Optimizer = Annotated[SGD | Adam | AdamW, Field(discriminator="kind")]
 
 
 class Constant(_Strict):
@@ -68,7 +68,7 @@ class Cosine(_Strict):
     steps: int | None = Field(None, gt=0)
 
 
-Schedule = Annotated[Union[Constant, Step, Cosine], Field(discriminator="kind")]
+Schedule = Annotated[Constant | Step | Cosine, Field(discriminator="kind")]
 
 
 class Synthetic(_Strict):
@@ -94,7 +94,7 @@ class Npz(_Strict):
     test_fraction: float = Field(0.0, ge=0, lt=1)
 
 
-Dataset = Annotated[Union[Synthetic, Digits, Npz], Field(discriminator="kind")]
+Dataset = Annotated[Synthetic | Digits | Npz, Field(discriminator="kind")]
 
 
 class TrainConfig(_Strict):

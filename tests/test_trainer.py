@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import netdsl
+from netdsl.config import Cosine, Step
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, Split
 from netdsl.runtime.schedule import lr_at
 from netdsl.runtime.trainer import RunOptions, Trainer
-from netdsl.config import Cosine, Step
 
 SMALL = """
 network small {
@@ -160,3 +160,11 @@ def test_data_shape_mismatch_is_a_clear_error():
     pytest.importorskip("sklearn")
     with pytest.raises(NetdslError, match="samples shaped \\[1, 8, 8\\]"):
         _fit(n, steps=1)
+
+
+def test_expected_memory_equals_measured_peak(net):
+    """The static liveness prediction printed before the first step is the measured peak."""
+    t = Trainer(net.graph, net.train, RunOptions(steps=2))
+    predicted = t.expected_bytes()
+    r = t.fit()
+    assert r.peak_bytes == predicted == r.expected_bytes

@@ -6,8 +6,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
 
@@ -79,7 +85,8 @@ class _Bar:
 @app.command()
 def run(
     file: Annotated[Path, typer.Argument(help="a .net file", show_default=False)],
-    steps: Annotated[int | None, typer.Option(min=1, help="total steps (also when resuming)")] = None,
+    steps: Annotated[int | None, typer.Option(
+        min=1, help="total steps (also when resuming)")] = None,
     epochs: Annotated[int | None, typer.Option(min=1, help="epochs instead of steps")] = None,
     batch: Annotated[int | None, typer.Option("--batch", "-b", min=1)] = None,
     lr: Annotated[float | None, typer.Option(min=0.0, help="base learning rate")] = None,

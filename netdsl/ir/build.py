@@ -29,6 +29,11 @@ def normalise_attrs(op: registry.OpDef, attrs: dict) -> dict:
         elif a.kind == "float" and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
         out[a.name] = v
+    # an argument that defaults to another (pooling's stride = its kernel) is resolved
+    # here, so the IR never holds a `none` a pass or kernel must reinterpret
+    for name, source in op.extra.get("default_from", {}).items():
+        if out.get(name) is None:
+            out[name] = out[source]
     return out
 
 

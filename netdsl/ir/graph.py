@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from netdsl.errors import CallSite, SourceLoc
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import TensorType, bind_dim
 
 # node ops that hold no computation: sources of values
 SOURCE_OPS = ("input", "param", "buffer")
@@ -119,8 +119,7 @@ class Graph:
         for n in g.nodes:
             n.type = n.type.bind(batch)
             if "shape" in n.attrs:
-                n.attrs["shape"] = [d if isinstance(d, int) else TensorType((d,)).bind(batch).shape[0]
-                                    for d in n.attrs["shape"]]
+                n.attrs["shape"] = tuple(bind_dim(d, batch) for d in n.attrs["shape"])
         g.batch = batch
         return g
 

@@ -23,6 +23,13 @@ def fmt_attrs(attrs: dict) -> str:
     return ", ".join(f"{k}={fmt_value(v)}" for k, v in attrs.items())
 
 
+def _annotation(k, v) -> str:
+    if v is True:
+        return f"@{k}"
+    args = ", ".join(fmt_value(x) for x in v) if isinstance(v, (list, tuple)) else fmt_value(v)
+    return f"@{k}({args})"
+
+
 def node_line(n, *, locations: bool = False) -> str:
     args = ", ".join(f"%{i}" for i in n.inputs)
     line = f"%{n.name} = {n.op}({args})"
@@ -30,9 +37,7 @@ def node_line(n, *, locations: bool = False) -> str:
         line += " {" + fmt_attrs(n.attrs) + "}"
     line += f" : {n.type}"
     if n.annotations:
-        line += " " + " ".join(
-            f"@{k}" if v is True else f"@{k}({fmt_value(v)[1:-1] if isinstance(v, (list, tuple)) else fmt_value(v)})"
-            for k, v in n.annotations.items())
+        line += " " + " ".join(_annotation(k, v) for k, v in n.annotations.items())
     if n.device is not None:
         line += f" on {n.device}"
     if locations and n.loc is not None:

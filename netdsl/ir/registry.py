@@ -8,8 +8,9 @@ retains, and - attached by the autodiff and kernel modules - its gradient rule a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from netdsl.ir.types import TensorType
 

@@ -74,6 +74,17 @@ def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
             if len(arrays[0]):
                 scores = arrays[0].reshape(len(arrays[0]), -1).astype(np.float64) @ proj
                 arrays[1] = scores.argmax(1).astype(arrays[1].dtype).reshape(arrays[1].shape)
+    # integer tokens ([N, T] into an embedding): the label is a fixed linear function of
+    # the bag of tokens, which an embedding + pooling network can learn
+    elif len(ins) >= 2 and _is_label(g, ins[1].name) and not ins[0].type.is_float:
+        classes = _int_range(g, ins[1].name) or cfg.classes or 2
+        vocab = _int_range(g, ins[0].name) or 2
+        proj = np.random.default_rng(seed + 1).standard_normal((vocab, classes))
+        for arrays in splits:
+            if len(arrays[0]):
+                tok = arrays[0].reshape(len(arrays[0]), -1)
+                scores = proj[tok].sum(1)
+                arrays[1] = scores.argmax(1).astype(arrays[1].dtype).reshape(arrays[1].shape)
     test = Split(splits[1]) if cfg.test_samples else None
     return Dataset("synthetic", Split(splits[0]), test, [n.name for n in ins])
 

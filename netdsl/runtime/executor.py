@@ -32,6 +32,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE
+from netdsl.memory.liveness import schedule
 
 STATE_OPS = ("param", "buffer")
 
@@ -76,8 +77,8 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     elif init in ("kaiming_uniform", "uniform_fan_in"):
         bound = 1.0 / math.sqrt(fan_in)
         v = rng.uniform(-bound, bound, shape)
-    elif init == "normal":
-        v = rng.standard_normal(shape)
+    elif init == "normal":  # `parameter(...)` nodes may carry their own std
+        v = rng.standard_normal(shape) * float(node.attrs.get("std", 1.0))
     else:
         raise NetdslError(f"unknown init `{init}` for %{node.name}", loc=node.loc)
     return v.astype(dtype)
@@ -165,23 +166,8 @@ class Executor:
             if r not in g.outputs:
                 raise NetdslError(f"graph `{g.name}` has no `{r}` outputs "
                                   f"(it has {', '.join(g.outputs) or 'none'})")
-        wanted = {name for r in roles for name in g.outputs[r]}
-        needed = set(wanted)
-        for n in reversed(g.nodes):
-            if n.name in needed:
-                needed.update(n.inputs)
-        order = [n for n in g.nodes if n.name in needed]
-        last: dict[str, int] = {}
-        for k, n in enumerate(order):
-            for i in n.inputs:
-                last[i] = k
-        frees: list[list[str]] = [[] for _ in order]
-        for name, k in last.items():
-            if name not in wanted:
-                frees[k].append(name)
-        for k, n in enumerate(order):  # values nobody reads: dropped as soon as made
-            if n.name not in last and n.name not in wanted:
-                frees[k].append(n.name)
+        # the same schedule the static liveness analysis predicts the peak from
+        order, frees, wanted = schedule(g, roles)
         plan = (order, frees, wanted)
         self._plans[roles] = plan
         return plan

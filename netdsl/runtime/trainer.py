@@ -26,6 +26,7 @@ from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
+from netdsl.memory.liveness import analyse
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime import checkpoint
@@ -127,6 +128,7 @@ def _labels_input(g: Graph) -> tuple[str, str] | None:
 
 
 class Trainer:
+    ROLES = ("loss", "output", "updates")  # what a training step computes
     def __init__(self, forward: Graph, cfg: TrainConfig | None, opts: RunOptions,
                  callback: Callback | None = None):
         self.opts = opts
@@ -233,8 +235,7 @@ class Trainer:
                 feeds["lr"] = np.float32(lr)
                 self.executor.rng = be.rng(self.cfg.seed * 1_000_003 + self.step)
                 t0 = time.perf_counter()
-                out = self.executor.run(feeds, training=True,
-                                        roles=("loss", "output", "updates"))
+                out = self.executor.run(feeds, training=True, roles=self.ROLES)
                 loss = float(be.to_host(out["loss"][0]))
                 be.synchronize()
                 dt = time.perf_counter() - t0
@@ -285,12 +286,9 @@ class Trainer:
         return result
 
     def expected_bytes(self) -> int:
-        """A static estimate of the step's peak: state + every activation kept for backward
-        + inputs (the executor frees earlier, so the measured peak is at most about this)."""
-        state = sum(v.nbytes for v in self.executor.state.values())
-        scale = 2 if self.opts.dtype == "f64" else 1
-        return state + self.stats.activation_bytes * scale + sum(
-            n.type.nbytes() * scale for n in self.train_graph.nodes if n.op == "input")
+        """The step's peak predicted by static liveness analysis before running (the
+        executor's measured peak equals it: both follow one schedule and one rule)."""
+        return analyse(self.train_graph, self.ROLES, self.opts.dtype).peak_bytes
 
 
 def _device_name(be) -> str:

@@ -34,9 +34,11 @@ _POOL_SIG = (Arg("x", "tensor"), Arg("kernel", "pair"), Arg("stride", "pair", No
              Arg("padding", "pair", 0))
 # maxpool's backward recomputes the argmax from x, so it keeps x but not its output
 register(OpDef("maxpool", _POOL_SIG, _pool_shape("maxpool"), "pool", flops=_pool_flops,
-               retains=("inputs",), doc="max pooling; stride defaults to kernel"))
+               retains=("inputs",), doc="max pooling; stride defaults to kernel",
+               extra={"default_from": {"stride": "kernel"}}))
 register(OpDef("avgpool", _POOL_SIG, _pool_shape("avgpool"), "pool", flops=_pool_flops,
-               doc="average pooling (padding counts as zeros); stride defaults to kernel"))
+               doc="average pooling (padding counts as zeros); stride defaults to kernel",
+               extra={"default_from": {"stride": "kernel"}}))
 
 
 def _gap_shape(ins, a):

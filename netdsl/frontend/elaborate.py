@@ -16,8 +16,16 @@ from netdsl.frontend import ast
 from netdsl.frontend.annotations import check_annotations
 from netdsl.frontend.modules import ModuleEnv
 from netdsl.frontend.train import pydantic_message
-from netdsl.frontend.values import (POISON, Builtin, BlockRef, ModuleRef, OpRef, Tensor,
-                                    kind_of, where)
+from netdsl.frontend.values import (
+    POISON,
+    BlockRef,
+    Builtin,
+    ModuleRef,
+    OpRef,
+    Tensor,
+    kind_of,
+    where,
+)
 from netdsl.ir import registry
 from netdsl.ir.build import add_op
 from netdsl.ir.graph import Graph, Node
@@ -198,7 +206,8 @@ class Elaborator:
                 msg = (f"`parallel` has no setting `{field}`; it has "
                        f"{', '.join(ParallelConfig.model_fields)}")
             else:
-                msg = pydantic_message(err, str(field) if field else "", _describe_value)
+                msg = pydantic_message(err, str(field) if field else "", lambda v: (
+                    _describe_value(v) if isinstance(v, Tensor) else _show(v) or kind_of(v)))
             raise self.error(f"invalid parallel declaration: {msg}", loc) from None
         self.parallel = cfg.model_dump()
 

@@ -10,7 +10,6 @@ from netdsl.config import TrainConfig
 from netdsl.errors import Diagnostic, NetdslError
 from netdsl.frontend import ast
 
-
 _KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false",
                "string": "a string"}
 
@@ -40,7 +39,10 @@ def pydantic_message(err: dict, field: str, describe=_show_input) -> str:
               "less_than_equal": ("at most", "le"), "less_than": ("less than", "lt")}
     if t in bounds:
         words, key = bounds[t]
-        return f"{what} must be {words} {ctx.get(key)}, not {got}"
+        bound = ctx.get(key)
+        if isinstance(bound, float) and bound.is_integer():
+            bound = int(bound)  # "greater than 0", not "greater than 0.0"
+        return f"{what} must be {words} {bound}, not {got}"
     if t == "literal_error":
         return f"{what} must be {ctx.get('expected', '').replace(chr(39), chr(34))}, not {got}"
     if t == "missing":

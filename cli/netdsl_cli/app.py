@@ -44,7 +44,10 @@ app = typer.Typer(
 def console(stderr: bool = False) -> Console:
     # a fresh console per call follows redirections of sys.stdout (tests, pipes); markup
     # and emoji are off so names like `bottleneck[1..789]` print as they are
-    return Console(stderr=stderr, markup=False, emoji=False, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # piped or captured output gets room for the whole table instead of rich's 80 columns
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(stderr=stderr, markup=False, emoji=False, highlight=False, width=width)
 
 
 def print_json(obj) -> None:

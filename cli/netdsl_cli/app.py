@@ -274,4 +274,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run as `python -m netdsl_cli`: executing this file as __main__ would make a second
+    # `app` that the command modules (which import netdsl_cli.app) do not register on
+    from netdsl_cli.app import main as _main
+    _main()

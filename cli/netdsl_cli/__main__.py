@@ -1,0 +1,4 @@
+"""`python -m netdsl_cli` runs the `netdsl` command."""
+from netdsl_cli.app import main
+
+main()

@@ -1,0 +1,83 @@
+"""`netdsl run` end to end through the real command (subprocess: exit codes, no traceback)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NETDSL = [sys.executable, "-m", "netdsl_cli"]
+
+
+def run(*args, cwd=None):
+    return subprocess.run(NETDSL + [str(a) for a in args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=300)
+
+
+def test_digits_cnn_reaches_97_percent():
+    pytest.importorskip("sklearn")
+    p = run("run", "examples/digits-cnn.net", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["test_accuracy"] >= 0.97
+    assert r["steps"] == 440 and r["params"] == 9978
+    assert r["peak_bytes"] == r["expected_bytes"] > 0
+    for key in ("final_loss", "images_per_s", "step_time_s", "backend", "device"):
+        assert key in r
+
+
+def test_run_human_output_log_checkpoint_and_resume(tmp_path):
+    log, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    p = run("run", "examples/resnet20-cifar.net", "--steps", "2", "--batch", "4",
+            "--log", log, "--checkpoint", ck)
+    assert p.returncode == 0, p.stderr
+    assert "272,474 parameters" in p.stderr and "expected memory" in p.stderr
+    assert "first step:" in p.stderr and "2 steps, final loss" in p.stdout
+    assert len(log.read_text().splitlines()) == 2
+    p = run("run", "examples/resnet20-cifar.net", "--steps", "3", "--batch", "4",
+            "--checkpoint", ck, "--resume", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert (r["resumed_from"], r["steps"]) == (2, 3)
+
+
+def test_corrupt_checkpoint_exits_1_without_traceback(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "checkpoint.npz").write_bytes(b"not a zip file at all")
+    p = run("run", "examples/digits-mlp.net", "--steps", "1", "--checkpoint", ck,
+            "--resume")
+    assert p.returncode == 1
+    assert "corrupt or truncated" in p.stderr and "Traceback" not in p.stderr
+    assert (ck / "checkpoint.npz").read_bytes() == b"not a zip file at all"
+
+
+def test_missing_gpu_is_a_clear_error():
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    p = run("run", "examples/digits-mlp.net", "--steps", "1", "--backend", "cupy")
+    assert p.returncode == 1, p.stderr
+    assert "cupy" in p.stderr.lower() and "Traceback" not in p.stderr
+
+
+def test_bad_options_exit_1():
+    p = run("run", "examples/digits-mlp.net", "--steps", "1", "--epochs", "1")
+    assert p.returncode == 1 and "not both" in p.stderr
+    p = run("run", "examples/missing.net")
+    assert p.returncode == 1 and "no such file" in p.stderr
+
+
+def test_check_numerics_names_the_node(tmp_path):
+    f = tmp_path / "blowup.net"
+    f.write_text("network blowup {\n    input x: f32[N, 4]\n    input y: i64[N]\n"
+                 "    h = linear(x, 4) * 1e30\n    h = h * 1e30\n"
+                 "    loss softmax_cross_entropy(h, y)\n}\n"
+                 "train { data = synthetic(classes=4, samples=8, test_samples=0)\n"
+                 "        batch = 4 }\n")
+    p = run("run", f, "--steps", "1", "--check-numerics")
+    assert p.returncode == 1
+    assert "check-numerics" in p.stderr and "blowup.net:5" in p.stderr

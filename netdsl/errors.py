@@ -37,9 +37,15 @@ class CallSite:
 _source_cache: dict[str, list[str]] = {}
 
 
+def _lines(text: str) -> list[str]:
+    # split on "\n" only, as the lexer counts lines: str.splitlines() also breaks at "\r",
+    # "\f", "\x1c" and others, and then quoted the wrong line for a location
+    return [ln.removesuffix("\r") for ln in text.split("\n")]
+
+
 def register_source(file: str, text: str) -> None:
     """Remember a file's text so errors can quote its lines (also for in-memory sources)."""
-    _source_cache[file] = text.splitlines()
+    _source_cache[file] = _lines(text)
 
 
 def source_line(file: str, line: int) -> str | None:
@@ -47,7 +53,7 @@ def source_line(file: str, line: int) -> str | None:
     if lines is None:
         try:
             with open(file, encoding="utf-8") as fh:
-                lines = fh.read().splitlines()
+                lines = _lines(fh.read())
         except OSError:
             return None
         _source_cache[file] = lines

@@ -11,7 +11,6 @@ from netdsl.errors import NetdslError, SourceLoc, register_source
 from netdsl.frontend import ast
 from netdsl.frontend.resources import grammar_text
 
-
 # Keywords are reserved words. The contextual lexer only tries the terminals the parser can
 # accept next, so without this `h = output` would lex `output` as a NAME and the error
 # would surface later, somewhere confusing. Re-typing a NAME that spells a keyword makes the
@@ -159,7 +158,8 @@ def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
     line, col = max(getattr(e, "line", 1) or 1, 1), max(getattr(e, "column", 1) or 1, 1)
     if isinstance(e, UnexpectedCharacters):
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
-        msg = f"unexpected character `{ch}`"
+        msg = f"unexpected character `{ch}`" if ch.isprintable() else \
+            f"unexpected character U+{ord(ch):04X}"  # a control character, unprintable
         if ch == '"':
             msg = "unterminated string (a string must end with `\"` on the same line)"
     elif isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken)
@@ -169,7 +169,8 @@ def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
         hint = _bracket_hint(text, len(text), None)
         exp = "" if hint else _expected(e.expected)
         msg = "unexpected end of file" + (f"; expected {exp}" if exp else "") + hint
-        lines = text.splitlines() or [""]
+        # just after the last non-blank line; lines as the lexer counts them ("\n" only)
+        lines = text.rstrip().split("\n")
         line, col = len(lines), len(lines[-1]) + 1
     elif isinstance(e, UnexpectedToken):
         exp = _expected(e.accepts or e.expected)

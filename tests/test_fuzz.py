@@ -1,0 +1,156 @@
+"""Property tests: whatever the text, the front end raises NetdslError or succeeds.
+
+Random text, random soups of the language's tokens, and mutations (delete / duplicate /
+swap tokens or characters) of examples/resnet2504.net and a small network that uses most
+features. Never another exception; every diagnostic with a location points inside the
+file it names. Deterministic (derandomize) and bounded (about 200 examples in all).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import netdsl
+from netdsl.errors import NetdslError
+
+ROOT = Path(__file__).resolve().parents[1]
+RESNET = (ROOT / "examples" / "resnet2504.net").read_text()
+FILE = str(ROOT / "examples" / "fuzzed.net")  # so `import resnet` resolves as usual
+
+SMALL = """\
+import resnet
+block mlp(x, hidden, out=10) {
+    h = relu(linear(x, hidden))
+    return linear(h, out)
+}
+@recompute
+block cheap(x) { return relu(batchnorm(x)) }
+network small {
+    input x: f32[N, 1, 8, 8]
+    input y: i64[N]
+    parallel { data = 2; pipeline = 2; microbatches = 4 }
+    h = resnet.cifar_stem(x, 8)
+    @stage(1)
+    h = maxpool(cheap(h), kernel=2)
+    repeat 2 as i { h = h + conv2d(h, 8, kernel=3, padding=1) * 0.5 }
+    a, b = split(h, 2)
+    h = concat(a, b, axis=1)
+    s = shape(h)
+    k = if s[2] == 4 and channels(h) >= 8 then 16 else -8 // 2
+    if k > 0 { k = k * 2 } else { k = 1 }
+    logits = mlp(flatten(h), k)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+train { optimizer = adam(lr=1e-3); schedule = cosine(warmup=2); batch = 8; steps = 10 }
+"""
+
+# 200 examples in all: 30 + 30 + 30 + 60 + 20 + 30
+SETTINGS = settings(derandomize=True, deadline=None, database=None, max_examples=30,
+                    suppress_health_check=list(HealthCheck))
+
+_TOKEN = re.compile(r'\s+|[A-Za-z_]\w*|\d[\d_]*\.?\d*(?:[eE][-+]?\d+)?|"[^"\n]*"|\*\*|//|==|'
+                    r'!=|<=|>=|#[^\n]*|.')
+
+
+def check(text: str) -> None:
+    """Load `text`; only NetdslError may escape, and its locations must be in range."""
+    try:
+        netdsl.loads(text, file=FILE)
+    except NetdslError as e:
+        lines = text.split("\n")  # lines as the lexer counts them
+        for d in e.diagnostics:
+            assert d.message
+            if d.loc is None or d.loc.file != FILE:
+                continue  # in an imported file (the stdlib) or about the file as a whole
+            assert 1 <= d.loc.line <= max(len(lines), 1), (d.loc, d.message)
+            width = len(lines[d.loc.line - 1]) if lines else 0
+            assert 1 <= d.loc.column <= width + 1, (d.loc, d.message)
+            for site in d.stack:
+                assert site.loc.line >= 1 and site.loc.column >= 1
+            d.render()
+
+
+def test_the_seeds_are_valid():
+    netdsl.loads(SMALL, file=FILE)
+    netdsl.loads(RESNET, file=FILE)
+
+
+WORDS = ["network", "block", "input", "output", "loss", "repeat", "as", "if", "then", "else",
+         "return", "import", "train", "parallel", "and", "or", "not", "true", "false", "none",
+         "N", "x", "h", "y", "f32", "i64", "relu", "conv2d", "linear", "shape", "channels",
+         "split", "concat", "reshape", "parameter", "fill", "resnet", "stem", "(", ")", "{",
+         "}", "[", "]", ",", "=", ":", ";", "@", "stage", "recompute", "keep", "shard", ".",
+         "+", "-", "*", "/", "//", "%", "**", "==", "<", "0", "1", "2", "-1", "3.5", "1e400",
+         '"s"', '"a.net"', '"\\q"', "\n", "#", "99999999999999999999", "\\"]
+
+
+@SETTINGS
+@given(st.text(max_size=200))
+def test_random_text(text):
+    check(text)
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(WORDS), max_size=40))
+def test_token_soup(words):
+    check(" ".join(words))
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(WORDS), max_size=25))
+def test_token_soup_inside_a_network(words):
+    check("network n {\n    input x: f32[N, 3, 8, 8]\n    " + " ".join(words) +
+          "\n    output x\n}\n")
+
+
+def _mutations(seed_text: str, n_max: int):
+    tokens = _TOKEN.findall(seed_text)
+    assert "".join(tokens) == seed_text
+    edit = st.tuples(st.sampled_from(["delete", "duplicate", "swap", "char-delete",
+                                      "char-duplicate"]),
+                     st.integers(0, len(tokens) - 1), st.integers(0, len(tokens) - 1))
+    return st.lists(edit, min_size=1, max_size=n_max).map(lambda edits: _apply(tokens, edits))
+
+
+def _apply(tokens, edits) -> str:
+    toks = list(tokens)
+    for kind, i, j in edits:
+        i, j = i % len(toks), j % len(toks)
+        if kind == "delete":
+            del toks[i]
+        elif kind == "duplicate":
+            toks.insert(i, toks[j])
+        elif kind == "swap":
+            toks[i], toks[j] = toks[j], toks[i]
+        else:  # a character inside token i
+            t = toks[i]
+            if not t:
+                continue
+            k = j % len(t)
+            toks[i] = t[:k] + t[k + 1:] if kind == "char-delete" else t[:k] + t[k] + t[k:]
+        if not toks:
+            toks = [""]
+    return "".join(toks)
+
+
+@settings(SETTINGS, max_examples=60)
+@given(_mutations(SMALL, 3))
+def test_mutated_small_network(text):
+    check(text)
+
+
+# the flagship takes ~0.5 s when a mutant still parses, so fewer examples here
+@settings(SETTINGS, max_examples=20)
+@given(_mutations(RESNET, 2))
+def test_mutated_resnet2504(text):
+    check(text)
+
+
+@settings(SETTINGS, max_examples=30)
+@given(st.text(alphabet=st.sampled_from(list("()[]{}\"#\\@=,.:;*+-/ \nxN12eif")), max_size=80))
+def test_punctuation_soup(text):
+    check("network n {\n    input x: f32[N, 4]\n    h = " + text + "\n    output x\n}\n")

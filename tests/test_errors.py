@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the snapshots below are whole rendered lines, longer than 100)
 """Bad programs: each asserts the message (a key phrase) and the exact line and column.
 
 Programs are written flush-left so that columns can be read off the source. A few tests

@@ -248,6 +248,12 @@ CASES = [
     ("duplicate-block", "block a(x) {\n    return x\n}\nblock a(y) {\n    return y\n}\n"
                         + net("output a(x)"),
      "block `a` is defined twice in this file (first at line 1, column 7)", 4, 7),
+    ("dropout-p", net("output dropout(x, p=1.5)"),
+     "dropout probability p must be in [0, 1), not 1.5", 4, 12),
+    ("reshape-batch-not-first", net("output reshape(x, (3, N, 64))"),
+     "the batch dimension N may only come first, not in (3, N, 64)", 4, 12),
+    ("flatten-1d", net("output flatten(y)"),
+     "flatten expects a tensor of rank 2 or more, but `y`", 4, 12),
 ]
 
 

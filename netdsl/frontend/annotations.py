@@ -61,3 +61,13 @@ def check_annotations(anns, el, where: str) -> dict:
 def _frame(el):
     from netdsl.frontend.elaborate import Frame
     return Frame({}, el.module, None)
+
+
+def merge_annotations(outer: dict, inner: dict) -> dict:
+    """Inner annotations win; an inner memory hint replaces an outer one, so
+    `@recompute` on a block and `@keep` on one of its statements mean: keep that one."""
+    if any(h in inner for h in MEMORY_HINTS):
+        outer = {k: v for k, v in outer.items() if k not in MEMORY_HINTS}
+    if "shard" in inner or "replicate" in inner:
+        outer = {k: v for k, v in outer.items() if k not in ("shard", "replicate")}
+    return {**outer, **inner}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from netdsl.errors import CallSite, Diagnostic, NetdslError, ShapeError, SourceLoc
 from netdsl.frontend import ast
-from netdsl.frontend.annotations import check_annotations
+from netdsl.frontend.annotations import check_annotations, merge_annotations
 from netdsl.frontend.modules import ModuleEnv
 from netdsl.frontend.train import pydantic_message
 from netdsl.frontend.values import (
@@ -221,7 +221,7 @@ class Elaborator:
                 # the bad annotation is reported; still run the statement (without its
                 # annotations) so the names it binds exist and its own errors show
                 anns = {}
-            self.anns.append({**self.anns[-1], **anns})
+            self.anns.append(merge_annotations(self.anns[-1], anns))
             pushed = True
         try:
             self._stmt(st, frame)
@@ -640,7 +640,7 @@ class Elaborator:
         pushed = False
         if b.annotations:
             anns = check_annotations(b.annotations, self, "block")
-            self.anns.append({**self.anns[-1], **anns})
+            self.anns.append(merge_annotations(self.anns[-1], anns))
             pushed = True
         try:
             for st in b.body:

@@ -39,8 +39,14 @@ for _name, _k, _ret, _extra in _ACTS:
     register(OpDef(_name, (Arg("x", "tensor"),) + _extra, _same(_name), "activation",
                    flops=_per_elem(_k), retains=_ret, doc=f"element-wise {_name}"))
 
+def _dropout_shape(ins, a):
+    if not 0.0 <= a["p"] < 1.0:
+        raise ShapeError(f"dropout probability p must be in [0, 1), not {a['p']}")
+    return _same("dropout")(ins, a)
+
+
 register(OpDef(
-    "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _same("dropout"), "dropout",
+    "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _dropout_shape, "dropout",
     flops=_per_elem(2), retains=("mask",),
     doc="inverted dropout: zero with probability p in training, identity in evaluation"))
 

@@ -9,9 +9,9 @@ from netdsl.ir.types import Dim, TensorType, mul_dims
 
 def _flatten_shape(ins, a):
     (x,) = ins
-    s = norm_axis(a["start"], x.rank, "flatten") if x.rank else 0
     if x.rank < 2:
         raise ShapeError(f"flatten expects a tensor of rank 2 or more, but {{x}} is {x}")
+    s = norm_axis(a["start"], x.rank, "flatten")
     return TensorType(x.shape[:s] + (mul_dims(x.shape[s:]),), x.dtype)
 
 
@@ -37,10 +37,13 @@ def _factor(dims) -> tuple[int, tuple[str, ...]]:
 def _reshape_shape(ins, a):
     (x,) = ins
     target: list[Dim] = list(a["shape"])
+    shown = "(" + ", ".join(str(d) for d in target) + ")"
+    if any(d == "N" for d in target[1:]):
+        raise ShapeError(f"reshape: the batch dimension N may only come first, not in {shown}")
     if sum(1 for d in target if d == -1) > 1:
         raise ShapeError("reshape: at most one dimension may be -1")
     if any(isinstance(d, int) and d < -1 or d == 0 for d in target):
-        raise ShapeError(f"reshape: invalid target shape {tuple(target)}")
+        raise ShapeError(f"reshape: invalid target shape {shown}")
     src_p, src_s = _factor(x.shape)
     known = [d for d in target if d != -1]
     dst_p, dst_s = _factor(known)
@@ -48,15 +51,15 @@ def _reshape_shape(ins, a):
         rest = list(src_s)
         for s in dst_s:
             if s not in rest:
-                raise ShapeError(f"reshape cannot make {tuple(target)} from {{x}}, which is {x}")
+                raise ShapeError(f"reshape cannot make {shown} from {{x}}, which is {x}")
             rest.remove(s)
         if src_p % dst_p:
-            raise ShapeError(f"reshape cannot make {tuple(target)} from {{x}}, which is {x}: "
+            raise ShapeError(f"reshape cannot make {shown} from {{x}}, which is {x}: "
                              f"{src_p} elements do not divide by {dst_p}")
         fill = mul_dims(list(rest) + [src_p // dst_p])
         target = [fill if d == -1 else d for d in target]
     elif (src_p, src_s) != (dst_p, dst_s):
-        raise ShapeError(f"reshape cannot make {tuple(target)} from {{x}}, which is {x}: "
+        raise ShapeError(f"reshape cannot make {shown} from {{x}}, which is {x}: "
                          f"the number of elements differs")
     return TensorType(tuple(target), x.dtype)
 
@@ -99,7 +102,8 @@ def _concat_shape(ins, a):
         if t.rank != first.rank or t.dtype != first.dtype or any(
                 t.shape[i] != first.shape[i] for i in range(first.rank) if i != ax):
             raise ShapeError(f"concat along axis {a['axis']}: input {k + 1} is {t} but "
-                             f"input 1 is {first}; all but axis {a['axis']} must agree")
+                             f"input 1 is {first}; all dimensions but axis {a['axis']} "
+                             "must agree")
         total.append(t.shape[ax])
     if not all(isinstance(d, int) for d in total):
         raise ShapeError("concat: the concatenated axis must be static")

@@ -40,8 +40,8 @@ for _name, _k, _ret, _extra in _ACTS:
                    flops=_per_elem(_k), retains=_ret, doc=f"element-wise {_name}"))
 
 def _dropout_shape(ins, a):
-    if not 0.0 <= a["p"] < 1.0:
-        raise ShapeError(f"dropout probability p must be in [0, 1), not {a['p']}")
+    if not 0.0 <= a["p"] <= 1.0:
+        raise ShapeError(f"dropout probability p must be in [0, 1], not {a['p']}")
     return _same("dropout")(ins, a)
 
 

@@ -21,12 +21,11 @@ class SGD(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
     nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0)
-    dampening: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self):
-        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
-            raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov momentum requires momentum > 0")
         return self
 
 

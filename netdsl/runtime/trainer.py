@@ -112,9 +112,6 @@ def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
                           "trained; add e.g. `loss softmax_cross_entropy(logits, y)`")
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
-    if kind == "sgd":
-        if opt.pop("dampening", 0):
-            raise NetdslError("sgd dampening is not supported by the executor yet")
     return add_optimizer(autodiff(forward), kind, **opt)
 
 

@@ -1,0 +1,147 @@
+"""netdsl's own training step on examples/resnet164-cifar.net, for bench_step.py.
+
+    /work/venv/bin/python bench/refs/netdsl_resnet164.py --batch 16 --steps 5 [--profile]
+
+Builds the run exactly as `netdsl run` does (Trainer: forward graph bound to the batch,
+autodiff, SGD with momentum; synthetic data; the file's schedule) and times the same call
+that Trainer.fit times - `executor.run(feeds, training=True, roles=Trainer.ROLES)` plus
+reading the loss - without fit's logging and final evaluation. With --profile, one more
+step runs under cProfile and the report gives the kernels (registry ops' kernel
+functions) by cumulative time and the functions by own time.
+Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+import netdsl
+from netdsl.ir import registry
+from netdsl.runtime.schedule import lr_at
+from netdsl.runtime.trainer import RunOptions, Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def threads_info() -> list:
+    from threadpoolctl import threadpool_info
+    return [{k: i.get(k) for k in ("internal_api", "architecture", "num_threads", "version")}
+            for i in threadpool_info()]
+
+
+def one_step(tr: Trainer) -> tuple[float, float, float]:
+    be = tr.executor.backend
+    arrays = tr.loader.next()
+    lr = lr_at(tr.cfg.schedule, tr.cfg.optimizer.lr, tr.step, tr.total)
+    feeds = tr.feeds(arrays)
+    feeds["lr"] = np.float32(lr)
+    tr.executor.rng = be.rng(tr.cfg.seed * 1_000_003 + tr.step)
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = tr.executor.run(feeds, training=True, roles=Trainer.ROLES)
+    loss = float(be.to_host(out["loss"][0]))
+    be.synchronize()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tr.step += 1
+    return dt, cpu, loss
+
+
+def kernel_table(prof: cProfile.Profile, step_s: float, top: int) -> dict:
+    st = pstats.Stats(prof)
+    st.calc_callees()
+    raw = st.stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    total = sum(v[2] for v in raw.values())
+    by_code: dict[tuple, list[str]] = {}
+    for name, op in registry.OPS.items():
+        fn = op.kernel
+        if fn is not None:
+            c = fn.__code__
+            by_code.setdefault((c.co_filename, c.co_firstlineno, c.co_name), []).append(name)
+    kernels = []
+    for key, ops in by_code.items():
+        if key in raw:
+            _cc, nc, tt, ct, _ = raw[key]
+            kernels.append({"ops": ops, "function": f"{Path(key[0]).name}:{key[1]}({key[2]})",
+                            "calls": nc, "cum_s": ct, "self_s": tt})
+    kernels.sort(key=lambda r: -r["cum_s"])
+    funcs = sorted(raw.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "profiled_total_s": total, "unprofiled_step_s": step_s,
+        "kernels": kernels[:top],
+        "kernels_all_s": sum(k["cum_s"] for k in kernels),
+        "functions_by_self_time": [
+            {"function": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls": v[1], "self_s": v[2]}
+            for k, v in funcs],
+    }
+
+
+def op_times(tr: Trainer) -> list:
+    """Wall time per op (no profiler): Executor._call timed with perf_counter, one step."""
+    ex = tr.executor
+    orig = ex._call
+    acc: dict[str, list] = {}
+
+    def timed(n, inputs, ctx):
+        t0 = time.perf_counter()
+        out = orig(n, inputs, ctx)
+        e = acc.setdefault(n.op, [0, 0.0])
+        e[0] += 1
+        e[1] += time.perf_counter() - t0
+        return out
+
+    ex._call = timed
+    try:
+        one_step(tr)
+    finally:
+        del ex._call
+    return sorted(([op, c, s] for op, (c, s) in acc.items()), key=lambda r: -r[2])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--file", default=str(ROOT / "examples" / "resnet164-cifar.net"))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=5)
+    a = ap.parse_args()
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(a.threads)
+    t0 = time.perf_counter()
+    net = netdsl.load(a.file)
+    extra = 2 if a.profile else 0
+    tr = Trainer(net.graph, net.train, RunOptions(steps=a.warmup + a.steps + extra,
+                                                 batch=a.batch))
+    build_s = time.perf_counter() - t0
+    times, cpus, losses = [], [], []
+    for k in range(a.warmup + a.steps):
+        dt, cpu, loss = one_step(tr)
+        if k >= a.warmup:
+            times.append(dt)
+            cpus.append(cpu)
+            losses.append(loss)
+    res = {"framework": f"netdsl {getattr(netdsl, '__version__', '')} (NumPy {np.__version__})",
+           "params": tr.stats.params, "times": times, "cpu_times": cpus,
+           "median_s": statistics.median(times),
+           "losses": losses, "build_s": build_s, "peak_bytes": tr.executor.peak_bytes,
+           "expected_bytes": tr.expected_bytes(), "threadpools": threads_info()}
+    if a.profile:
+        res["op_times"] = op_times(tr)
+        prof = cProfile.Profile()
+        prof.enable()
+        one_step(tr)
+        prof.disable()
+        res["profile"] = kernel_table(prof, res["median_s"], a.top)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

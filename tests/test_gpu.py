@@ -1,0 +1,68 @@
+"""The CuPy backend against the NumPy one: same graphs, same numbers, same byte counts.
+
+Skips cleanly unless CuPy is installed and a CUDA device answers. On a GPU machine run
+`bash bench/gpu_check.sh` (it runs these and a ResNet step with --backend cupy).
+"""
+import numpy as np
+import pytest
+from _examples import load
+
+from netdsl.passes.autodiff import autodiff
+from netdsl.passes.optimizer import add_optimizer
+from netdsl.runtime.executor import Executor
+
+
+def _gpu_backend():
+    try:
+        from netdsl.backends import get_backend
+        return get_backend("cupy", 0)
+    except Exception as e:  # DeviceError: no CuPy, no driver, no device
+        pytest.skip(f"no usable CuPy GPU: {e}")
+
+
+pytestmark = pytest.mark.gpu
+
+
+def _feeds(g, seed=0):
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for n in g.by_op("input"):
+        if n.name == "lr":
+            continue
+        if n.type.is_float:
+            feeds[n.name] = rng.standard_normal(n.type.shape)
+        else:
+            feeds[n.name] = rng.integers(0, 2, n.type.shape)
+    return feeds
+
+
+@pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2),
+                                           ("transformer-tiny", 2), ("densenet121", 1)])
+def test_training_step_matches_numpy(example, batch):
+    gpu = _gpu_backend()
+    g = add_optimizer(autodiff(load(f"{example}.net").lower(batch)), "sgd", lr=0.1,
+                      momentum=0.9, weight_decay=1e-4)
+    roles = ("loss", "grads", "updates")
+    feeds = _feeds(g)
+    cpu_ex = Executor(g, "numpy", dtype="f64", seed=1)
+    gpu_ex = Executor(g, gpu, dtype="f64", seed=1)
+    for _ in range(2):  # two steps: momentum buffers and BN statistics take part
+        a = cpu_ex.run(feeds, roles=roles)
+        b = gpu_ex.run(feeds, roles=roles)
+        np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
+        for x, y in zip(a["grads"], b["grads"]):
+            np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
+    sa, sb = cpu_ex.state_dict(), gpu_ex.state_dict()
+    for k in sa:
+        np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-10, err_msg=k)
+    # the executor's own accounting is backend-independent
+    assert gpu_ex.peak_bytes == cpu_ex.peak_bytes
+
+
+def test_float32_step_runs_and_is_finite():
+    gpu = _gpu_backend()
+    g = add_optimizer(autodiff(load("resnet164-cifar.net").lower(16)), "sgd", lr=0.1,
+                      momentum=0.9)
+    ex = Executor(g, gpu, dtype="f32", check_numerics=True)
+    out = ex.run(_feeds(g), roles=("loss", "updates"))
+    assert np.isfinite(gpu.to_host(out["loss"][0]))

@@ -85,6 +85,11 @@ for _op, _axis in (("batchnorm", 1), ("layernorm", -1)):
 
 
 # -- kernels ----------------------------------------------------------------------------------
+# Batchnorm works on a (N, C, P) view of x (P = the product of the spatial dims; a view, no
+# copy, for a contiguous x): the per-channel sums are einsum reductions over axes 0 and 2
+# (one SIMD pass each, no temporaries, several times faster than ufunc.reduce over
+# non-adjacent axes), and every elementwise step writes into one buffer in place. The
+# variance stays two-pass (mean first, then the sum of squared deviations), as x.var was.
 def _bn_axes(x):
     return (0,) + tuple(range(2, x.ndim))
 
@@ -100,6 +105,21 @@ def _normalise(xp, x, axes, eps):
     return (x - mean) * inv, inv, mean, var
 
 
+def _bn_stats(xp, x3, eps):
+    """Per-channel mean, 1/sqrt(var + eps) and biased var of a (N, C, P) array, plus the
+    deviations x - mean as a new (N, C, P) array the caller may overwrite."""
+    count = x3.shape[0] * x3.shape[2]
+    mean = xp.einsum("ncp->c", x3) / count
+    d = x3 - mean[:, None]
+    var = xp.einsum("ncp,ncp->c", d, d) / count
+    inv = 1.0 / xp.sqrt(var + eps)
+    return mean, inv, var, d
+
+
+def _view3(x):
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
 @kernel("batchnorm")
 def _batchnorm(xp, ins, a, ctx):
     x = ins[0]
@@ -109,20 +129,27 @@ def _batchnorm(xp, ins, a, ctx):
     else:
         w = bias = None
         rm, rv = ins[1:3]
+    x3 = _view3(x)
     if ctx.training:
-        xhat, _, mean, var = _normalise(xp, x, _bn_axes(x), a["eps"])
+        mean, inv, var, y = _bn_stats(xp, x3, a["eps"])
         m = a["momentum"]
-        count = x.size // c
+        count = x3.shape[0] * x3.shape[2]
         # running statistics updated in place (PyTorch: unbiased variance in the running var)
         rm *= 1.0 - m
-        rm += m * mean.reshape(c)
+        rm += m * mean
         rv *= 1.0 - m
-        rv += (m * count / max(count - 1, 1)) * var.reshape(c)
+        rv += (m * count / max(count - 1, 1)) * var
+        # y = (x - mean) * inv * w + bias, in place in the deviations buffer
+        y *= (inv if w is None else inv * w)[:, None]
+        if bias is not None:
+            y += bias[:, None]
     else:
-        xhat = (x - rm.reshape(_bshape(x, c))) / xp.sqrt(rv.reshape(_bshape(x, c)) + a["eps"])
-    if w is None:
-        return xhat
-    return xhat * w.reshape(_bshape(x, c)) + bias.reshape(_bshape(x, c))
+        inv = 1.0 / xp.sqrt(rv + a["eps"])
+        scale = inv if w is None else inv * w
+        shift = -rm * scale if bias is None else bias - rm * scale
+        y = x3 * scale[:, None]
+        y += shift[:, None]
+    return y.reshape(x.shape)
 
 
 def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
@@ -134,16 +161,28 @@ def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
 
 @kernel("batchnorm_grad_input")
 def _bn_gi(xp, ins, a, ctx):
+    # dx = w * inv * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) * inv;
+    # with d = x - mean: dx = w * inv * (d * (-inv^2 * sum(dy * d) / M) - sum(dy) / M + dy)
     dy, x = ins[0], ins[1]
     w = ins[2] if len(ins) > 2 else None
-    return _norm_grad_input(xp, dy, x, w, _bn_axes(x), _bshape(x, x.shape[1]), a["eps"])
+    dy3 = _view3(dy)
+    count = dy3.shape[0] * dy3.shape[2]
+    _, inv, _, dx = _bn_stats(xp, _view3(x), a["eps"])
+    sdy = xp.einsum("ncp->c", dy3)
+    sdyd = xp.einsum("ncp,ncp->c", dy3, dx)
+    dx *= (-(inv * inv) * sdyd / count)[:, None]
+    dx += (-sdy / count)[:, None]
+    dx += dy3
+    dx *= (inv if w is None else inv * w)[:, None]
+    return dx.reshape(x.shape)
 
 
 @kernel("batchnorm_grad_weight")
 def _bn_gw(xp, ins, a, ctx):
+    # sum(dy * xhat) = inv * sum(dy * (x - mean)) per channel
     dy, x = ins
-    xhat = _normalise(xp, x, _bn_axes(x), a["eps"])[0]
-    return (dy * xhat).sum(axis=_bn_axes(x))
+    _, inv, _, d = _bn_stats(xp, _view3(x), a["eps"])
+    return xp.einsum("ncp,ncp->c", _view3(dy), d) * inv
 
 
 @kernel("layernorm")

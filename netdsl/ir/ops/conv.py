@@ -93,6 +93,14 @@ register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
 
 
 # -- kernels ----------------------------------------------------------------------------------
+# Layouts are chosen so that every GEMM lands directly in its result's layout (no transposed
+# copy of an output): im2col columns are [N, G, C/G*kh*kw, Ho*Wo], so W @ cols is already
+# [N, G, O/G, Ho*Wo] = NCHW. Stride-1 convolutions take two shortcuts: the input gradient is
+# the forward convolution of dy with the flipped, transposed kernel, and the weight gradient
+# of a large map needs no im2col at all ("flat shift": in a zero-padded image flattened to
+# Hp*Wp, kernel offset (i, j) is a contiguous slice starting at i*dh*Wp + j*dw, so each
+# offset is one batched GEMM against a strided view, with Wp - Wo junk columns per row that
+# meet zeros in the padded dy).
 def windows(xp, xpad, kh, kw, sh, sw, dh, dw, ho, wo):
     """A zero-copy [N, C, Ho, Wo, kh, kw] view of the sliding windows of padded NCHW input."""
     s0, s1, s2, s3 = xpad.strides
@@ -104,7 +112,10 @@ def windows(xp, xpad, kh, kw, sh, sw, dh, dw, ho, wo):
 def pad2d(xp, x, ph, pw, value=0.0):
     if ph == 0 and pw == 0:
         return xp.ascontiguousarray(x)
-    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+    n, c, h, w = x.shape
+    out = xp.full((n, c, h + 2 * ph, w + 2 * pw), value, dtype=x.dtype)
+    out[:, :, ph:ph + h, pw:pw + w] = x
+    return out
 
 
 def col2im_add(xp, dxpad, cols, kh, kw, sh, sw, dh, dw):
@@ -117,45 +128,84 @@ def col2im_add(xp, dxpad, cols, kh, kw, sh, sw, dh, dw):
             dxpad[:, :, r:r + sh * (ho - 1) + 1:sh, c:c + sw * (wo - 1) + 1:sw] += cols[..., i, j]
 
 
-def _im2col(xp, x, a, ho, wo):
-    """[G, N*Ho*Wo, C/G*kh*kw] columns (a copy: the GEMM needs them contiguous)."""
-    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
-    g = a["groups"]
+def _is_pointwise(a):
+    """A 1x1, stride-1, unpadded, ungrouped convolution: a plain matmul over (N, C, H*W)."""
+    return (pair(a["kernel"]) == (1, 1) and pair(a["stride"]) == (1, 1)
+            and pair(a["padding"]) == (0, 0) and a["groups"] == 1)
+
+
+def _im2col(xp, x, geom, g, ho, wo):
+    """[N, G, C/G*kh*kw, Ho*Wo] columns (one copy of the strided windows view)."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, c = x.shape[0], x.shape[1]
     win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
-    win = win.reshape(n, g, c // g, ho, wo, kh, kw).transpose(1, 0, 3, 4, 2, 5, 6)
-    return win.reshape(g, n * ho * wo, (c // g) * kh * kw)
+    win = win.reshape(n, g, c // g, ho, wo, kh, kw).transpose(0, 1, 2, 5, 6, 3, 4)
+    return xp.ascontiguousarray(win).reshape(n, g, (c // g) * kh * kw, ho * wo)
+
+
+def _conv_forward(xp, x, w, geom, g):
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    n, o = x.shape[0], w.shape[0]
+    ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
+        return xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1)).reshape(n, o, ho, wo)
+    cols = _im2col(xp, x, geom, g, ho, wo)
+    return xp.matmul(w.reshape(g, o // g, -1), cols).reshape(n, o, ho, wo)
 
 
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    n = x.shape[0]
-    o, g = w.shape[0], a["groups"]
-    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
-    ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
-        y = xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1)).reshape(n, o, ho, wo)
-    else:
-        cols = _im2col(xp, x, a, ho, wo)
-        wm = w.reshape(g, o // g, -1)
-        y = xp.matmul(cols, wm.transpose(0, 2, 1))  # [G, N*Ho*Wo, O/G]
-        y = y.reshape(g, n, ho, wo, o // g).transpose(1, 0, 4, 2, 3).reshape(n, o, ho, wo)
-        y = xp.ascontiguousarray(y)
+    y = _conv_forward(xp, x, w, _geometry(None, a), a["groups"])
     if len(ins) > 2:
-        y += ins[2].reshape(1, o, 1, 1)
+        y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
+
+
+def _flat_padded(xp, x, ph, pw, extra):
+    """x zero-padded to [N, C, Hp*Wp + extra] (each padded image flattened, `extra` zeros
+    after it so that the last kernel offset's slice stays in bounds)."""
+    n, c, h, w = x.shape
+    hp, wp = h + 2 * ph, w + 2 * pw
+    buf = xp.zeros((n, c, hp * wp + extra), dtype=x.dtype)
+    buf[:, :, :hp * wp].reshape(n, c, hp, wp)[:, :, ph:ph + h, pw:pw + w] = x
+    return buf
 
 
 @kernel("conv2d_grad_weight")
 def _conv2d_gw(xp, ins, a, ctx):
     dy, x = ins
     n, o, ho, wo = dy.shape
+    c = x.shape[1]
     g = a["groups"]
-    dym = dy.reshape(n, g, o // g, ho * wo).transpose(1, 2, 0, 3).reshape(g, o // g, -1)
-    cols = _im2col(xp, x, a, ho, wo)
-    return xp.matmul(dym, cols).reshape(tuple(a["shape"]))
+    og, cg = o // g, c // g
+    kh, kw, sh, sw, ph, pw, dh, dw = geom = _geometry(None, a)
+    if _is_pointwise(a):  # sum over n of dy[n] @ x[n]^T (a transposed view: no copy)
+        return xp.matmul(dy.reshape(n, o, -1), x.reshape(n, c, -1).transpose(0, 2, 1)) \
+            .sum(axis=0).reshape(tuple(a["shape"]))
+    if (sh, sw) == (1, 1) and ho * wo >= 256:
+        # flat shift: per kernel offset, one batched GEMM of the padded dy with a strided
+        # slice of the flattened padded x; no im2col buffer
+        wp = x.shape[3] + 2 * pw
+        length = ho * wp
+        buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
+        dyp = xp.zeros((n, g, og, ho, wp), dtype=dy.dtype)
+        dyp[..., :wo] = dy.reshape(n, g, og, ho, wo)
+        dyp = dyp.reshape(n, g, og, length)
+        gw = xp.empty((g, og, cg, kh, kw), dtype=dy.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                off = i * dh * wp + j * dw
+                gw[:, :, :, i, j] = xp.matmul(
+                    dyp, buf[..., off:off + length].transpose(0, 1, 3, 2)).sum(axis=0)
+        return gw.reshape(tuple(a["shape"]))
+    # one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]
+    win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
+    win = win.reshape(n, g, cg, ho, wo, kh, kw).transpose(1, 2, 5, 6, 0, 3, 4)
+    cols = xp.ascontiguousarray(win).reshape(g, cg * kh * kw, n * ho * wo)
+    dym = xp.ascontiguousarray(dy.reshape(n, g, og, ho * wo).transpose(1, 2, 0, 3))
+    return xp.matmul(dym.reshape(g, og, -1), cols.transpose(0, 2, 1)).reshape(tuple(a["shape"]))
 
 
 @kernel("conv2d_grad_input")
@@ -164,20 +214,26 @@ def _conv2d_gi(xp, ins, a, ctx):
     n, o, ho, wo = dy.shape
     g = a["groups"]
     _, c, h, wd = a["shape"]
+    og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
-    if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
+    if _is_pointwise(a):
         return xp.matmul(w.reshape(o, -1).T, dy.reshape(n, o, -1)).reshape(n, c, h, wd)
-    # columns laid out [G, C/G, kh, kw, N, Ho, Wo] so each kernel offset's slab is contiguous
-    dym = dy.reshape(n, g, o // g, ho * wo).transpose(1, 2, 0, 3).reshape(g, o // g, -1)
-    wt = w.reshape(g, o // g, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]
-    dcols = xp.matmul(wt, dym).reshape(g, c // g, kh, kw, n, ho, wo)
-    dxpad = xp.zeros((n, g, c // g, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
+    qh, qw = (kh - 1) * dh - ph, (kw - 1) * dw - pw
+    if (sh, sw) == (1, 1) and qh >= 0 and qw >= 0:
+        # stride 1: dx is dy convolved with the flipped kernel, in/out channels swapped
+        wt = w.reshape(g, og, cg, kh, kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1]
+        wt = xp.ascontiguousarray(wt).reshape(c, og, kh, kw)
+        return _conv_forward(xp, dy, wt, (kh, kw, 1, 1, qh, qw, dh, dw), g)
+    # columns [N, G, C/G, kh, kw, Ho, Wo] (W^T @ dy per group, straight from NCHW dy), then
+    # one strided add per kernel offset into the padded dx
+    wt = w.reshape(g, og, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]
+    dcols = xp.matmul(wt, dy.reshape(n, g, og, ho * wo)).reshape(n, c, kh, kw, ho, wo)
+    dxpad = xp.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
     for i in range(kh):
         for j in range(kw):
             r, q = i * dh, j * dw
-            dxpad[:, :, :, r:r + sh * (ho - 1) + 1:sh, q:q + sw * (wo - 1) + 1:sw] += \
-                dcols[:, :, i, j].transpose(2, 0, 1, 3, 4)
-    dxpad = dxpad.reshape(n, c, h + 2 * ph, wd + 2 * pw)
+            dxpad[:, :, r:r + sh * (ho - 1) + 1:sh, q:q + sw * (wo - 1) + 1:sw] += \
+                dcols[:, :, i, j]
     return xp.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + wd])
 
 

@@ -95,12 +95,11 @@ register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
 # -- kernels ----------------------------------------------------------------------------------
 # Layouts are chosen so that every GEMM lands directly in its result's layout (no transposed
 # copy of an output): im2col columns are [N, G, C/G*kh*kw, Ho*Wo], so W @ cols is already
-# [N, G, O/G, Ho*Wo] = NCHW. Stride-1 convolutions take two shortcuts: the input gradient is
-# the forward convolution of dy with the flipped, transposed kernel, and the weight gradient
-# of a large map needs no im2col at all ("flat shift": in a zero-padded image flattened to
-# Hp*Wp, kernel offset (i, j) is a contiguous slice starting at i*dh*Wp + j*dw, so each
-# offset is one batched GEMM against a strided view, with Wp - Wo junk columns per row that
-# meet zeros in the padded dy).
+# [N, G, O/G, Ho*Wo] = NCHW. Stride-1 convolutions need no im2col ("flat shift": in a
+# zero-padded image flattened to Hp*Wp, kernel offset (i, j) is a contiguous slice starting
+# at i*dh*Wp + j*dw, so each offset is one batched GEMM against a strided view, with Wp - Wo
+# junk columns per output row that are cropped, or that meet zeros in a padded dy), and
+# their input gradient is the forward convolution of dy with the flipped, transposed kernel.
 def windows(xp, xpad, kh, kw, sh, sw, dh, dw, ho, wo):
     """A zero-copy [N, C, Ho, Wo, kh, kw] view of the sliding windows of padded NCHW input."""
     s0, s1, s2, s3 = xpad.strides
@@ -143,6 +142,16 @@ def _im2col(xp, x, geom, g, ho, wo):
     return xp.ascontiguousarray(win).reshape(n, g, (c // g) * kh * kw, ho * wo)
 
 
+def _flat_padded(xp, x, ph, pw, extra):
+    """x zero-padded to [N, C, Hp*Wp + extra] (each padded image flattened, `extra` zeros
+    after it so that the last kernel offset's slice stays in bounds)."""
+    n, c, h, w = x.shape
+    hp, wp = h + 2 * ph, w + 2 * pw
+    buf = xp.zeros((n, c, hp * wp + extra), dtype=x.dtype)
+    buf[:, :, :hp * wp].reshape(n, c, hp, wp)[:, :, ph:ph + h, pw:pw + w] = x
+    return buf
+
+
 def _conv_forward(xp, x, w, geom, g):
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, o = x.shape[0], w.shape[0]
@@ -150,6 +159,26 @@ def _conv_forward(xp, x, w, geom, g):
     wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
         return xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1)).reshape(n, o, ho, wo)
+    if (sh, sw) == (1, 1):
+        # flat shift: one batched GEMM per kernel offset against a strided slice of the
+        # flattened padded x, accumulated in place; no im2col buffer (kh*kw times the input)
+        c = x.shape[1]
+        og, cg = o // g, c // g
+        wp = x.shape[3] + 2 * pw
+        length = ho * wp
+        buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
+        wt = xp.ascontiguousarray(w.reshape(g, og, cg, kh * kw).transpose(3, 0, 1, 2))
+        y = tmp = None
+        for i in range(kh):
+            for j in range(kw):
+                off = i * dh * wp + j * dw
+                part = buf[..., off:off + length]
+                if y is None:
+                    y = xp.matmul(wt[i * kw + j], part)
+                else:
+                    tmp = xp.matmul(wt[i * kw + j], part, out=tmp)
+                    y += tmp
+        return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
     cols = _im2col(xp, x, geom, g, ho, wo)
     return xp.matmul(w.reshape(g, o // g, -1), cols).reshape(n, o, ho, wo)
 
@@ -161,16 +190,6 @@ def _conv2d(xp, ins, a, ctx):
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
-
-
-def _flat_padded(xp, x, ph, pw, extra):
-    """x zero-padded to [N, C, Hp*Wp + extra] (each padded image flattened, `extra` zeros
-    after it so that the last kernel offset's slice stays in bounds)."""
-    n, c, h, w = x.shape
-    hp, wp = h + 2 * ph, w + 2 * pw
-    buf = xp.zeros((n, c, hp * wp + extra), dtype=x.dtype)
-    buf[:, :, :hp * wp].reshape(n, c, hp, wp)[:, :, ph:ph + h, pw:pw + w] = x
-    return buf
 
 
 @kernel("conv2d_grad_weight")

@@ -199,7 +199,7 @@ def _conv2d_gw(xp, ins, a, ctx):
     c = x.shape[1]
     g = a["groups"]
     og, cg = o // g, c // g
-    kh, kw, sh, sw, ph, pw, dh, dw = geom = _geometry(None, a)
+    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
     if _is_pointwise(a):  # sum over n of dy[n] @ x[n]^T (a transposed view: no copy)
         return xp.matmul(dy.reshape(n, o, -1), x.reshape(n, c, -1).transpose(0, 2, 1)) \
             .sum(axis=0).reshape(tuple(a["shape"]))

@@ -123,7 +123,6 @@ def _view3(x):
 @kernel("batchnorm")
 def _batchnorm(xp, ins, a, ctx):
     x = ins[0]
-    c = x.shape[1]
     if a["affine"]:
         w, bias, rm, rv = ins[1:5]
     else:

@@ -179,3 +179,13 @@ def test_optimizers_match_torch_optim(kind, hyper, make):
         opt.step()
     np.testing.assert_allclose(ex.state["fc.weight"], lin.weight.detach().numpy(), rtol=1e-10)
     np.testing.assert_allclose(ex.state["fc.bias"], lin.bias.detach().numpy(), rtol=1e-10)
+
+
+# The kernels pick other paths on large maps (a flat-shift weight gradient from 256
+# pixels up, a flipped-kernel input gradient at stride 1): cover them explicitly.
+@pytest.mark.parametrize("groups,k,s,p,d", [(1, 3, 1, 1, 1), (2, 3, 1, 2, 2), (1, 5, 1, 0, 1),
+                                            (2, 3, 2, 1, 1), (1, 1, 1, 0, 1), (1, 3, 1, 4, 1)])
+def test_conv2d_matches_torch_on_large_maps(groups, k, s, p, d):
+    compare_with_torch("conv2d", [(2, 2 * groups, 20, 18)],
+                       {"out_channels": 2 * groups, "kernel": k, "stride": s, "padding": p,
+                        "dilation": d, "groups": groups, "bias": True}, {})

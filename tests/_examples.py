@@ -21,3 +21,19 @@ def load(name: str) -> netdsl.Network:
 
 def n_params(g) -> int:
     return sum(n.type.numel() for n in g.params())
+
+
+def example_feeds(g, seed: int = 0) -> dict:
+    """Random data for a lowered example graph's inputs (integer inputs in {0, 1}, which
+    any class count or vocabulary accepts); the optimizer's `lr` keeps its default."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for n in g.by_op("input"):
+        if n.name == "lr":
+            continue
+        if n.type.is_float:
+            feeds[n.name] = rng.standard_normal(n.type.shape)
+        else:
+            feeds[n.name] = rng.integers(0, 2, n.type.shape)
+    return feeds

@@ -5,7 +5,7 @@ Skips cleanly unless CuPy is installed and a CUDA device answers. On a GPU machi
 """
 import numpy as np
 import pytest
-from _examples import load
+from _examples import example_feeds, load
 
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.optimizer import add_optimizer
@@ -23,19 +23,6 @@ def _gpu_backend():
 pytestmark = pytest.mark.gpu
 
 
-def _feeds(g, seed=0):
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for n in g.by_op("input"):
-        if n.name == "lr":
-            continue
-        if n.type.is_float:
-            feeds[n.name] = rng.standard_normal(n.type.shape)
-        else:
-            feeds[n.name] = rng.integers(0, 2, n.type.shape)
-    return feeds
-
-
 @pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2),
                                            ("transformer-tiny", 2), ("densenet121", 1)])
 def test_training_step_matches_numpy(example, batch):
@@ -43,7 +30,7 @@ def test_training_step_matches_numpy(example, batch):
     g = add_optimizer(autodiff(load(f"{example}.net").lower(batch)), "sgd", lr=0.1,
                       momentum=0.9, weight_decay=1e-4)
     roles = ("loss", "grads", "updates")
-    feeds = _feeds(g)
+    feeds = example_feeds(g)
     cpu_ex = Executor(g, "numpy", dtype="f64", seed=1)
     gpu_ex = Executor(g, gpu, dtype="f64", seed=1)
     for _ in range(2):  # two steps: momentum buffers and BN statistics take part
@@ -64,5 +51,5 @@ def test_float32_step_runs_and_is_finite():
     g = add_optimizer(autodiff(load("resnet164-cifar.net").lower(16)), "sgd", lr=0.1,
                       momentum=0.9)
     ex = Executor(g, gpu, dtype="f32", check_numerics=True)
-    out = ex.run(_feeds(g), roles=("loss", "updates"))
+    out = ex.run(example_feeds(g), roles=("loss", "updates"))
     assert np.isfinite(gpu.to_host(out["loss"][0]))

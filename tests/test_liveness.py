@@ -1,7 +1,6 @@
 """Static liveness predicts the executor's measured peak exactly, on real examples."""
-import numpy as np
 import pytest
-from _examples import load
+from _examples import example_feeds, load
 
 from netdsl.memory.liveness import analyse
 from netdsl.passes.autodiff import autodiff
@@ -17,16 +16,7 @@ def test_predicted_peak_is_measured_peak(example, batch):
     roles = ("loss", "output", "updates")
     predicted = analyse(g, roles)
     ex = Executor(g, "numpy")
-    feeds = {}
-    rng = np.random.default_rng(0)
-    for n in g.by_op("input"):
-        if n.name == "lr":
-            continue
-        if n.type.is_float:
-            feeds[n.name] = rng.standard_normal(n.type.shape)
-        else:
-            feeds[n.name] = rng.integers(0, 2, n.type.shape)
-    ex.run(feeds, roles=roles)
+    ex.run(example_feeds(g), roles=roles)
     assert ex.peak_bytes == predicted.peak_bytes
     # freeing matters: the peak is well below keeping every value of the step
     everything = predicted.state_bytes + sum(

@@ -264,8 +264,9 @@ class Trainer:
         finally:
             if log:
                 log.close()
-        if self.opts.checkpoint and (not losses or self.step % (self.opts.checkpoint_every
-                                                               or 1 << 62)):
+        every = self.opts.checkpoint_every
+        just_saved = bool(losses) and bool(every) and self.step % every == 0
+        if self.opts.checkpoint and not just_saved:  # the final state, once
             self.save()
         final_eval = self.evaluate() if self.data.test is not None else {}
         steady = times[1:] or times

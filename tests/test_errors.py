@@ -494,3 +494,25 @@ def test_json_form_of_an_error():
     j = fails(CHAIN).to_json()
     assert j["errors"][0]["location"] == {"file": "bad.net", "line": 3, "column": 12}
     assert [s["block"] for s in j["errors"][0]["stack"]] == ["outer", "inner"]
+
+
+def test_annotation_arguments_see_the_statement_scope():
+    """`@stage(i)` may use a repeat index, and a block's annotations its parameters."""
+    net = netdsl.loads(textwrap.dedent("""
+        @stage(k)
+        block part(x, k) {
+            return relu(x)
+        }
+        network n {
+            parallel { pipeline = 4; microbatches = 4 }
+            input x: f32[N, 4]
+            h = x
+            repeat 2 as i {
+                @stage(i)
+                h = relu(h)
+            }
+            output part(h, 3)
+        }
+    """), "st.net")
+    stages = [n.annotations.get("stage") for n in net.graph.nodes if n.op == "relu"]
+    assert stages == [0, 1, 3]

@@ -10,7 +10,9 @@ SHARD_DIMS = ("batch", "channels", "height", "width", "features", "heads")
 MEMORY_HINTS = ("recompute", "offload", "keep")
 
 
-def check_annotations(anns, el, where: str) -> dict:
+def check_annotations(anns, el, where: str, frame=None) -> dict:
+    """Validate annotations; their arguments are evaluated in `frame` (the statement's
+    own, so `@stage(i)` may use a repeat index), else at module level."""
     out: dict = {}
     for a in anns:
         vals = []
@@ -22,7 +24,7 @@ def check_annotations(anns, el, where: str) -> dict:
             if isinstance(x, Name) and a.name == "shard" and x is a.args[0]:
                 vals.append(x.id)
             else:
-                vals.append(el.expr(x, _frame(el)))
+                vals.append(el.expr(x, frame if frame is not None else _frame(el)))
         if a.kwargs:
             raise el.error(f"@{a.name} takes no keyword arguments", a.kwargs[0][2])
         if a.name in out:

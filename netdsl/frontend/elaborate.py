@@ -216,7 +216,7 @@ class Elaborator:
         pushed = False
         if st.annotations:
             try:
-                anns = check_annotations(st.annotations, self, "statement")
+                anns = check_annotations(st.annotations, self, "statement", frame)
             except _Fail:
                 # the bad annotation is reported; still run the statement (without its
                 # annotations) so the names it binds exist and its own errors show
@@ -639,7 +639,7 @@ class Elaborator:
         before = len(self.diags)
         pushed = False
         if b.annotations:
-            anns = check_annotations(b.annotations, self, "block")
+            anns = check_annotations(b.annotations, self, "block", frame)
             self.anns.append(merge_annotations(self.anns[-1], anns))
             pushed = True
         try:

@@ -16,6 +16,8 @@ from netdsl.ir.types import TensorType, bind_dim
 
 # node ops that hold no computation: sources of values
 SOURCE_OPS = ("input", "param", "buffer")
+# the sources that are persistent state (kept across steps, saved in checkpoints)
+STATE_OPS = ("param", "buffer")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from netdsl.ir.graph import SOURCE_OPS
 from netdsl.ir.types import TensorType
 
 REQUIRED = object()
@@ -75,7 +76,7 @@ class OpDef:
 
     @property
     def op_is_source(self) -> bool:
-        return self.name in ("input", "param", "buffer")
+        return self.name in SOURCE_OPS
 
     @property
     def callable_from_language(self) -> bool:

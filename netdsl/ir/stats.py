@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 
 from netdsl.ir import registry
-from netdsl.ir.graph import Graph, Node
+from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.printer import fmt_attrs
 from netdsl.ir.types import TensorType
 
@@ -278,7 +278,7 @@ def summarize(g: Graph) -> Summary:
         op = ops[n.op]
         p = b = 0
         for i in n.inputs:
-            if kinds.get(i) in ("param", "buffer") and i not in counted:
+            if kinds.get(i) in STATE_OPS and i not in counted:
                 counted.add(i)
                 if kinds[i] == "param":
                     p += types[i].numel()

@@ -62,10 +62,6 @@ class TensorType:
         return TensorType(tuple(dims), dtype)
 
 
-def dim_str(d: Dim) -> str:
-    return str(d)
-
-
 def mul_dims(dims) -> Dim:
     """Product of dims; symbolic if any is symbolic (e.g. 'N*64')."""
     ints = [d for d in dims if isinstance(d, int)]

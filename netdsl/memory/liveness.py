@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from netdsl.ir import registry
-from netdsl.ir.graph import Graph
+from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.types import DTYPES, FLOAT_DTYPES
-
-STATE_OPS = ("param", "buffer")
 
 
 @dataclass

@@ -89,8 +89,19 @@ def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
     return Dataset("synthetic", Split(splits[0]), test, [n.name for n in ins])
 
 
+def loss_labels(g: Graph) -> tuple[str, str] | None:
+    """(logits, labels) when the loss is a softmax cross-entropy: the labels input is
+    what synthetic data makes learnable and what accuracy is measured against."""
+    for name in g.outputs.get("loss", []):
+        n = g[name]
+        if n.op == "softmax_cross_entropy":
+            return n.inputs[0], n.inputs[1]
+    return None
+
+
 def _is_label(g: Graph, name: str) -> bool:
-    return any(n.op == "softmax_cross_entropy" and n.inputs[1] == name for n in g.nodes)
+    found = loss_labels(g)
+    return found is not None and found[1] == name
 
 
 def _split(x, y, test_fraction: float, seed: int):

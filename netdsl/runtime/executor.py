@@ -29,12 +29,10 @@ import numpy as np
 from netdsl.backends import Backend, get_backend
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir import registry
-from netdsl.ir.graph import Graph, Node
+from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE
 from netdsl.memory.liveness import schedule
-
-STATE_OPS = ("param", "buffer")
 
 
 @dataclass

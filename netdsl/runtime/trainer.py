@@ -30,7 +30,7 @@ from netdsl.memory.liveness import analyse
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Loader, batches, make_dataset
+from netdsl.runtime.data import Loader, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor
 from netdsl.runtime.schedule import lr_at
 
@@ -115,15 +115,6 @@ def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
     return add_optimizer(autodiff(forward), kind, **opt)
 
 
-def _labels_input(g: Graph) -> tuple[str, str] | None:
-    """(logits, labels) if the loss is a softmax cross-entropy of a network output."""
-    for name in g.outputs.get("loss", []):
-        n = g[name]
-        if n.op == "softmax_cross_entropy":
-            return n.inputs[0], n.inputs[1]
-    return None
-
-
 class Trainer:
     ROLES = ("loss", "output", "updates")  # what a training step computes
     def __init__(self, forward: Graph, cfg: TrainConfig | None, opts: RunOptions,
@@ -147,7 +138,7 @@ class Trainer:
                                  opts.dtype, self.cfg.seed, opts.check_numerics)
         self._eval_execs = {self.batch: self.executor.with_graph(bound)}
         self.stats = summarize(bound)
-        self.acc = _labels_input(forward)
+        self.acc = loss_labels(forward)
         self.step = 0
         self.resumed_from = None
 

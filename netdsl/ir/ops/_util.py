@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from netdsl.errors import ShapeError
-from netdsl.ir.types import BATCH, Dim, TensorType
+from netdsl.ir.types import Dim, TensorType
 
 
 def pair(v) -> tuple[int, int]:
@@ -59,7 +59,3 @@ def out_size(size: Dim, k: int, s: int, p: int, d: int, op: str, what: str) -> i
         raise ShapeError(f"{op}: a {what} of {size} is too small for kernel {k} "
                          f"(dilation {d}) with padding {p}; {{x}} would become empty")
     return o
-
-
-def is_batch(d: Dim) -> bool:
-    return d == BATCH

@@ -50,6 +50,38 @@ class KernelContext:
 
     seed: int = 0
     step: int = 0
+    # storage the plan gives the node being run (arena mode; None otherwise): a kernel may
+    # write its result into `out` and return it, and takes scratch from `workspace()`
+    out: Any = None
+    scratch_block: Any = None
+    _scratch_used: int = 0
+
+    def workspace(self, shape, dtype=None, zero: bool = False):
+        """A scratch array for the running kernel: carved from the plan's shared workspace
+        region when there is one (its size is the largest `OpDef.workspace`, so a kernel
+        that asks for more than its rule declared is a bug, reported as such), else a
+        fresh array."""
+        import math
+        dtype = np.dtype(self.float_dtype if dtype is None else dtype)
+        shape = tuple(int(d) for d in shape)
+        if self.scratch_block is None:
+            xp = self.backend.xp
+            return xp.zeros(shape, dtype) if zero else xp.empty(shape, dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = self._scratch_used
+        if start + nbytes > self.scratch_block.nbytes:
+            raise NetdslError(f"internal error: {node_line(self.node)} asked for more scratch "
+                              f"memory than its op's workspace rule declares "
+                              f"({start + nbytes} > {self.scratch_block.nbytes} bytes)")
+        self._scratch_used = start + (nbytes + 255) // 256 * 256
+        arr = self.backend.view(self.scratch_block, start, shape, dtype)
+        if zero:
+            arr[...] = 0
+        return arr
+
+    def into(self, ufunc, *args):
+        """`ufunc(*args)`, written into the node's planned slot when it has one."""
+        return ufunc(*args) if self.out is None else ufunc(*args, out=self.out)
 
     def erf(self, x):
         return self.backend.erf(x)
@@ -208,6 +240,8 @@ class Executor:
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
                             seed=self.seed, step=step)
         slots = self._slots(roles, plan) if self.arena else None
+        if slots is not None:
+            ctx.scratch_block = self._workspace_block(plan)
         dev = self.backend.device
         values: dict[str, Any] = {}
         held: dict[str, int] = {}  # bytes each live value adds to the count
@@ -218,6 +252,8 @@ class Executor:
                 if n.op in STATE_OPS:
                     values[name] = self.state[name]
                 else:
+                    if slots is not None:
+                        ctx.out, ctx._scratch_used = slots.get(name), 0
                     v = (self._feed(n, feeds) if n.op == "input"
                          else self._call(n, [values[i] for i in n.inputs], ctx))
                     nb = plan.sizes.get(name)
@@ -227,9 +263,7 @@ class Executor:
                                 f"internal error: {node_line(n)} returned {v.nbytes} bytes "
                                 f"({tuple(v.shape)} {v.dtype}) but the plan holds {nb} for it")
                         if slots is not None and name in slots:
-                            slot = slots[name]
-                            self.xp.copyto(slot, v)
-                            v = slot
+                            v = self._into_slot(v, slots[name])
                         held[name] = nb
                         self._hold(name, nb, plan, +1)
                     values[name] = v
@@ -254,6 +288,21 @@ class Executor:
             self._alloc(self._dev(self.graph[name]), nbytes)
         else:
             self._free(self._dev(self.graph[name]), nbytes)
+
+    def _into_slot(self, v, slot):
+        """The value in its planned slot: as it is if the kernel wrote it there (no other
+        live value shares the slot's bytes), else copied in."""
+        if v is slot or (v.shape == slot.shape and v.flags.c_contiguous
+                         and self.xp.may_share_memory(v, slot)):
+            return slot
+        self.xp.copyto(slot, v)
+        return slot
+
+    def _workspace_block(self, plan: MemoryPlan):
+        key = ("workspace", plan.workspace_bytes)
+        if key not in self._arenas:
+            self._arenas[key] = self.backend.alloc(max(plan.workspace_bytes, 1))
+        return self._arenas[key]
 
     def _slots(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[str, Any]:
         """Views at each device value's planned offset in this plan's arena (one block,

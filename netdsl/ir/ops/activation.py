@@ -76,13 +76,13 @@ for _name, _k, _extra in (("relu_grad", 1, ()), ("leaky_relu_grad", 2, (Arg("slo
 # -- kernels --------------------------------------------------------------------------------
 @kernel("relu")
 def _relu(xp, ins, a, ctx):
-    return xp.maximum(ins[0], 0)
+    return ctx.into(xp.maximum, ins[0], 0)
 
 
 @kernel("relu_grad")
 def _relu_grad(xp, ins, a, ctx):
     dy, y = ins
-    return dy * (y > 0)
+    return ctx.into(xp.multiply, dy, y > 0)
 
 
 @kernel("leaky_relu")

@@ -98,7 +98,7 @@ register(OpDef("mean_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("ax
 # -- kernels ----------------------------------------------------------------------------------
 @kernel("add")
 def _add(xp, ins, a, ctx):
-    return ins[0] + ins[1]
+    return ctx.into(xp.add, ins[0], ins[1])
 
 
 @kernel("sub")

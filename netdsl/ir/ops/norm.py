@@ -116,12 +116,13 @@ def _normalise(xp, x, axes, eps):
     return (x - mean) * inv, inv, mean, var
 
 
-def _bn_stats(xp, x3, eps):
+def _bn_stats(xp, x3, eps, out=None):
     """Per-channel mean, 1/sqrt(var + eps) and biased var of a (N, C, P) array, plus the
-    deviations x - mean as a new (N, C, P) array the caller may overwrite."""
+    deviations x - mean as a (N, C, P) array the caller may overwrite (`out` if given: the
+    node's planned slot, viewed as (N, C, P))."""
     count = x3.shape[0] * x3.shape[2]
     mean = xp.einsum("ncp->c", x3) / count
-    d = x3 - mean[:, None]
+    d = xp.subtract(x3, mean[:, None], out=None if out is None else _view3(out))
     var = xp.einsum("ncp,ncp->c", d, d) / count
     inv = 1.0 / xp.sqrt(var + eps)
     return mean, inv, var, d
@@ -141,7 +142,7 @@ def _batchnorm(xp, ins, a, ctx):
         rm, rv = (list(ins[1:3]) + [None, None])[:2]
     x3 = _view3(x)
     if ctx.training:
-        mean, inv, var, y = _bn_stats(xp, x3, a["eps"])
+        mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
         if not a.get("replay"):  # a recompute replay must not update the statistics again
             m = a["momentum"]
             count = x3.shape[0] * x3.shape[2]
@@ -178,7 +179,7 @@ def _bn_gi(xp, ins, a, ctx):
     w = ins[2] if len(ins) > 2 else None
     dy3 = _view3(dy)
     count = dy3.shape[0] * dy3.shape[2]
-    _, inv, _, dx = _bn_stats(xp, _view3(x), a["eps"])
+    _, inv, _, dx = _bn_stats(xp, _view3(x), a["eps"], ctx.out)
     sdy = xp.einsum("ncp->c", dy3)
     sdyd = xp.einsum("ncp,ncp->c", dy3, dx)
     dx *= (-(inv * inv) * sdyd / count)[:, None]

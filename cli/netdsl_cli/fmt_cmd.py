@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from netdsl_cli.app import EXIT_USER, JsonOpt, app, console, guard, print_json
+from netdsl_cli.app import EXIT_USER, JsonOpt, app, console, guard, print_error, print_json
 
 
 def _sources(paths: list[Path]) -> list[Path]:
@@ -60,7 +60,7 @@ def fmt(
                 results.append({"file": str(path), "ok": False, "changed": False,
                                 **e.to_json()})
                 if not json_output:
-                    sys.stderr.write(e.render().rstrip("\n") + "\n")
+                    print_error(e)
                 continue
             changed = new != text
             changed_any |= changed

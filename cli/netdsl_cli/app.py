@@ -235,6 +235,7 @@ def graph(
 # -- netdsl run -------------------------------------------------------------------------------
 # in its own module (it registers itself on `app`); imported here, after the plumbing above
 import netdsl_cli.fmt_cmd  # noqa: E402,F401  (the tools for .net files: fmt, lsp, report)
+import netdsl_cli.lsp_cmd  # noqa: E402,F401
 import netdsl_cli.report_cmd  # noqa: E402,F401
 from netdsl_cli import run_cmd  # noqa: E402,F401
 

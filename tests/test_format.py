@@ -125,9 +125,14 @@ def test_comments_stay_where_they_were():
     src = ("# head\n\n# about f\nblock f(x) {  # opens\n    # first\n    h = x  # trail\n\n"
            "    # before return\n    return h\n    # at the end\n}\n# tail\n")
     assert assert_formats(src) == src
-    inner = ("network n {\n    input x: f32[N, 4]\n    h = f(x,  # why\n          2)\n"
-             "    output h\n}\n")
-    assert "    # why\n    h = f(x, 2)\n" in assert_formats(inner)
+    # between the arguments of a call: kept after its argument, one argument per line
+    inner = ("network n {\n    input x: f32[N, 4]\n    h = f(x,  # why\n          # two\n"
+             "          2)\n    output h\n}\n")
+    assert "    h = f(\n        x,  # why\n        # two\n        2,\n    )\n" in \
+        assert_formats(inner)
+    # inside an expression elsewhere: on the line before the statement
+    inner = "network n {\n    input x: f32[N, 4]\n    h = x +  # why\n        x\n    output h\n}\n"
+    assert "    # why\n    h = x + x\n" in assert_formats(inner)
 
 
 def test_a_file_with_errors_is_an_error():

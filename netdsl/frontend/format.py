@@ -11,8 +11,9 @@ line with a trailing comma; a long `if ... then ... else ...` breaks before `els
 Parentheses are only where the precedence needs them.
 
 Comments stay where they were: before a statement or definition, at the end of its line,
-or at the end of a body. A comment inside a statement (between the arguments of a call
-split over lines) moves to the line before that statement.
+or at the end of a body; between the arguments of a call (items of a tuple, parameters of
+a block) after its argument, that list then one item per line. A comment elsewhere inside
+a statement (`a +  # why` and `b` on the next line) moves to the line before it.
 """
 from __future__ import annotations
 
@@ -89,11 +90,11 @@ class _Formatter:
         """Whether the source has an empty line between offsets a and b."""
         return self.text.count("\n", a, b) >= 2
 
-    def brace_after(self, pos: int) -> int:
-        """The offset of the `{` after `pos`, past blanks and comments."""
+    def brace_after(self, pos: int, brace: str = "{") -> int:
+        """The offset of the `brace` after `pos`, past blanks and comments."""
         while True:
             ch = self.text[pos]
-            if ch == "{":
+            if ch == brace:
                 return pos
             if ch == "#":
                 pos = self.text.index("\n", pos)
@@ -103,47 +104,55 @@ class _Formatter:
     def items(self, nodes: list, lo: int, hi: int, top: bool = False, pad: int = 0) -> list:
         """A list of statements (or top-level items, or settings) with their comments, as
         docs separated by hard line breaks; the comments in [lo, hi) are placed here."""
-        out: list = []
-        prev_end, prev_kind = None, None  # where the last thing printed ends
         nodes = [n for n in nodes if isinstance(n, Tree) and n.data != "empty"]
-        aligned = {} if top else self.aligned_calls(nodes)
+        laid = []  # per node: its comments before, its doc, its comment after
+        prev_end = lo
         for i, n in enumerate(nodes):
             start, end = n.meta.start_pos, n.meta.end_pos
-            leading = self.take(lo if prev_end is None else prev_end, start)
-            doc = aligned[i] if i in aligned else self.node(n, pad)
-            hoisted = self.take(start, end)  # inside the statement, not in a body of it
+            leading = self.take(prev_end, start)
+            doc = self.node(n, pad)
+            leading += self.take(start, end)  # inside the statement, not in a body of it
+            limit = nodes[i + 1].meta.start_pos if i + 1 < len(nodes) else hi
+            after = None
+            k = bisect.bisect_left(self.starts, end)
+            if k < len(self.comments) and not self.used[k] and self.comments[k].pos < limit \
+                    and self.line(self.comments[k].pos) == self.line(end - 1):
+                after = self.take(self.comments[k].pos, self.comments[k].pos + 1)[0]
+            prev_end = after.pos + len(after.text) if after else end
+            laid.append([n, leading, doc, after, prev_end])
+        if not top:
+            for i, line in self.aligned_calls(laid).items():
+                laid[i][2] = line
+        out: list = []
+        prev_end, prev_kind = None, None  # where the last thing printed ends
+        for n, leading, doc, after, end in laid:
             kind = n.data
             # top level: a blank line between definitions, imports may stay together
             force_blank = top and prev_kind not in (None, "comment") and not (
                 kind.startswith("import") and prev_kind.startswith("import"))
-            for c in leading + hoisted:
+            for c in leading:
                 self._sep(out, prev_end, c.pos, force_blank, top)
                 out.append(c.text)
                 prev_end, prev_kind, force_blank = c.pos + len(c.text), "comment", False
-            self._sep(out, prev_end, start, force_blank, top)
+            self._sep(out, prev_end, n.meta.start_pos, force_blank, top)
             out.append(doc)
-            limit = nodes[i + 1].meta.start_pos if i + 1 < len(nodes) else hi
-            trailing = [c for c in self.comments[bisect.bisect_left(self.starts, end):][:1]
-                        if self.line(c.pos) == self.line(end - 1) and c.pos < limit]
+            if after is not None:
+                out.append("  " + after.text)
             prev_end, prev_kind = end, kind
-            if trailing:
-                c = self.take(trailing[0].pos, trailing[0].pos + 1)
-                if c:
-                    out.append("  " + c[0].text)
-                    prev_end = c[0].pos + len(c[0].text)
         for c in self.take(lo if prev_end is None else prev_end, hi):  # end of the body
             self._sep(out, prev_end, c.pos, False, top)
             out.append(c.text)
             prev_end = c.pos + len(c.text)
         return out
 
-    def aligned_calls(self, nodes: list) -> dict[int, str]:
+    def aligned_calls(self, laid: list) -> dict[int, str]:
         """Lines like `h = stage(h, width=64,  blocks=3)` in a run of assignments from
         calls of the same callee, arguments of the same names: each argument column padded
-        to its widest, when every line of the run then fits. {node index: its line}."""
+        to its widest, when every line of the run then fits. {index in `laid`: its line}.
+        A comment or a blank line before a statement ends a run."""
         rows: dict[int, tuple] = {}
-        for i, n in enumerate(nodes):
-            if n.data != "assign" or n.children[-1].data != "call":
+        for i, (n, _, doc, _, _) in enumerate(laid):
+            if n.data != "assign" or n.children[-1].data != "call" or _flat(doc) is None:
                 continue
             *targets, call = n.children
             func, arglist = call.children
@@ -156,12 +165,11 @@ class _Formatter:
                 continue
             rows[i] = (head, keys, texts)
         runs, run = [], []
-        for i in range(len(nodes)):
+        for i in range(len(laid)):
+            n = laid[i][0]
             ok = i in rows and run and run[-1] == i - 1 and rows[i][0] == rows[run[0]][0] \
-                and _compatible(rows[i][1], rows[run[0]][1]) and \
-                self.text.count("\n", nodes[i - 1].meta.end_pos, nodes[i].meta.start_pos) == 1 \
-                and not self.text[nodes[i - 1].meta.end_pos:nodes[i].meta.start_pos].strip() \
-                and not self.has_comment(nodes[i - 1].meta.end_pos, nodes[i].meta.end_pos)
+                and _compatible(rows[i][1], rows[run[0]][1]) and not laid[i][1] \
+                and not self.blank_between(laid[i - 1][4], n.meta.start_pos)
             if ok:
                 run.append(i)
                 continue
@@ -239,12 +247,20 @@ class _Formatter:
 
     def annotation(self, t: Tree):
         name, arglist = t.children
-        return ["@", str(name), self.args(arglist)] if arglist is not None else "@" + name
+        if arglist is None:
+            return "@" + name
+        return ["@", str(name), self.args(arglist, self.brace_after(name.end_pos, "("),
+                                          t.meta.end_pos - 1)]
 
     def n_block_def(self, t, pad):
         anns, name, params, body = t.children
-        ps = [self.param(p) for p in params.children] if params is not None else []
-        return self.annotations(anns) + ["block ", str(name), self.bracketed("(", ps, ")"),
+        ps, spans = [], None
+        if params is not None:
+            ps = [self.param(p) for p in params.children]
+            spans = (self.brace_after(name.end_pos, "("),
+                     self.brace_after(params.meta.end_pos, ")"), params.children)
+        return self.annotations(anns) + ["block ", str(name),
+                                         self.bracketed("(", ps, ")", spans=spans),
                                          " ", self.block_body(body)]
 
     def param(self, t: Tree):
@@ -279,6 +295,8 @@ class _Formatter:
 
     def _values(self, keyword: str, values: list):
         docs = [self.expr(v) for v in values]
+        if len(docs) == 1:
+            return [keyword, " ", docs[0]]
         return Group([keyword, " ", Align(_join(docs, [",", LINE]))])
 
     def n_output_decl(self, t, pad):
@@ -308,16 +326,58 @@ class _Formatter:
         return out
 
     # -- expressions ----------------------------------------------------------------------
-    def bracketed(self, open_: str, docs: list, close: str, comma: bool = False):
+    def bracketed(self, open_: str, docs: list, close: str, comma: bool = False,
+                  spans: tuple | None = None):
         """`(a, b)`: on one line if it fits, else the items on the next line, else one
-        per line with a trailing comma. `comma`: a trailing comma even on one line."""
+        per line with a trailing comma. `comma`: a trailing comma even on one line.
+        `spans`: (offset of the opening bracket, of the closing one, the item trees), to
+        keep the comments between the items; then it is one item per line."""
         if not docs:
             return open_ + close
+        if spans is not None:
+            laid = self._with_comments(docs, *spans)
+            if laid is not None:
+                return [open_, Nest(INDENT, laid), HARD, close]
         items = Group(_join(docs, [",", LINE]) + [IfBreak(",", "," if comma else "")])
         return Group([open_, Nest(INDENT, [SOFT, items]), SOFT, close])
 
-    def args(self, arglist: Tree | None):
-        return self.bracketed("(", self.arg_docs(arglist), ")")
+    def _with_comments(self, docs: list, open_pos: int, close_pos: int, trees: list):
+        """One item per line, each comment between the items after the item it follows on
+        its line, or on a line of its own before the next; None if there are none."""
+        trees = [t for t in trees if t is not None]
+        bounds = [(t.meta.start_pos, t.meta.end_pos) for t in trees]
+        found = [(k, c) for k, c in enumerate(self.comments) if not self.used[k]
+                 and open_pos < c.pos < close_pos
+                 and not any(a <= c.pos < b for a, b in bounds)]
+        if not found:
+            return None
+        leading: dict[int, list[str]] = {}
+        trailing: dict[int, str] = {}
+        for k, c in found:
+            self.used[k] = True
+            before = [i for i, (_, b) in enumerate(bounds) if b <= c.pos]
+            i = before[-1] if before else None
+            if i is not None and i not in trailing and self.line(c.pos) == \
+                    self.line(bounds[i][1] - 1):
+                trailing[i] = c.text
+            else:
+                leading.setdefault(i + 1 if i is not None else 0, []).append(c.text)
+        out: list = []
+        for i, d in enumerate(docs):
+            for text in leading.get(i, []):
+                out += [HARD, text]
+            out += [HARD, d, ","]
+            if i in trailing:
+                out.append("  " + trailing[i])
+        for text in leading.get(len(docs), []):
+            out += [HARD, text]
+        return out
+
+    def args(self, arglist: Tree | None, open_pos: int | None = None,
+             close_pos: int | None = None):
+        spans = (open_pos, close_pos, arglist.children) \
+            if arglist is not None and open_pos is not None else None
+        return self.bracketed("(", self.arg_docs(arglist), ")", spans=spans)
 
     def arg_docs(self, arglist: Tree | None) -> list:
         docs = []
@@ -341,11 +401,16 @@ class _Formatter:
             return _LITERALS[d], _ATOM
         if d == "tuple_":
             items = [self.expr(x) for x in c if x is not None]
+            spans = (t.meta.start_pos, t.meta.end_pos - 1, c)
             if self.text[t.meta.start_pos] == "[":
-                return self.bracketed("[", items, "]"), _ATOM
-            return self.bracketed("(", items, ")", comma=len(items) == 1), _ATOM
+                return self.bracketed("[", items, "]", spans=spans), _ATOM
+            return self.bracketed("(", items, ")", comma=len(items) == 1, spans=spans), _ATOM
         if d == "call":
-            return [self.expr(c[0], _POSTFIX), self.args(c[1])], _POSTFIX
+            func = self.expr(c[0], _POSTFIX)
+            # the `(` after the callee; `(f)(x)`: past the callee's own `)`
+            after = c[0].meta.end_pos
+            return [func, self.args(c[1], self.brace_after(after, "("),
+                                    t.meta.end_pos - 1)], _POSTFIX
         if d == "index":
             return [self.expr(c[0], _POSTFIX), "[", self.expr(c[1]), "]"], _POSTFIX
         if d == "attr":

@@ -45,9 +45,12 @@ class Session:
         self.file = tmp_path / "small.net"
         self.uri = self.file.resolve().as_uri()
 
+        self.versions: list[int | None] = []  # of every publication, in order
+
         @self.client.feature(T.TEXT_DOCUMENT_PUBLISH_DIAGNOSTICS)
         def publish(params: T.PublishDiagnosticsParams):
             self.diagnostics[params.uri] = params.diagnostics
+            self.versions.append(params.version)
 
     async def start(self):
         await self.client.start_io(sys.executable, "-m", "netdsl_cli", "lsp")
@@ -146,8 +149,18 @@ def test_diagnostics_hover_definition(tmp_path):
         q = BAD.split("\n")[12].index(" q") + 1
         assert (second.range.start.character, second.range.end.character) == (q, q + 1)
 
-        s.change(GOOD, 3)
+        # hover on a keyword argument: the block parameter, and go to it
+        h = await s.client.text_document_hover_async(T.HoverParams(**s.at(4, 48)))
+        assert "kernel: pair = 1" in h.contents.value and "argument of `conv2d(" in \
+            h.contents.value
+
+        # typing fast: only the last version is checked (and published)
+        published = len(s.versions)
+        s.change(BAD.replace("+ q", "+ "), 3)
+        s.change(GOOD, 4)
         assert list(await s.diagnostics_for("fixed")) == []
+        await asyncio.sleep(0.5)
+        assert s.versions[published:] == [4]
 
     run(tmp_path, scenario)
 

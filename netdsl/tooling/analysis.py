@@ -133,6 +133,22 @@ class _Recorder(Elaborator):
         self.note(e.loc, "value", v, d, name=e.name, block=frame.block)
         return v
 
+    def e_Call(self, e, frame):
+        try:
+            return super().e_Call(e, frame)
+        finally:  # the keyword names: what they are arguments of
+            f = e.func.loc
+            callee = self.index.get((f.file, f.line, f.column, f.end_line, f.end_column,
+                                     "value"))
+            ref = callee.value if callee is not None else None
+            for name, _, kloc in e.kwargs:
+                if isinstance(ref, BlockRef):
+                    p = next((p for p in ref.block.params if p.name == name), None)
+                    if p is not None:
+                        self.note(kloc, "argument", ref, p.loc, name=name)
+                elif isinstance(ref, OpRef):
+                    self.note(kloc, "argument", ref, None, name=name)
+
     def input_decl(self, st, frame):
         super().input_decl(st, frame)
         self.bound.setdefault(id(frame), {})[st.name] = st.loc
@@ -237,10 +253,11 @@ class Analysis:
         # the innermost: the shortest range
         size = lambda e: (e.loc.end_line - e.loc.line, e.loc.end_column - e.loc.column)  # noqa: E731
         best = min(map(size, hits))
-        order = {"block-call": 0, "call": 1, "value": 2}
+        order = {"block-call": 0, "call": 1, "value": 2, "argument": 3}
         hits = sorted((e for e in hits if size(e) == best), key=lambda e: order[e.kind])
-        if hits[0].kind != "value":  # a call says what the callee is: not twice
-            hits = [e for e in hits if not isinstance(e.value, BlockRef | OpRef)]
+        if hits[0].kind in ("call", "block-call"):  # a call says what the callee is
+            hits = [e for e in hits if e.kind != "value"
+                    or not isinstance(e.value, BlockRef | OpRef)]
         return hits
 
     def stats(self):
@@ -291,6 +308,20 @@ class Analysis:
             doc = doc_comment(b)
             return out + (f"\n\n{doc}" if doc else "")
         name = e.detail.get("name", "")
+        if e.kind == "argument":
+            if isinstance(v, BlockRef):
+                p = next(p for p in v.block.params if p.name == name)
+                default = f" = {_expr_text(p.default)}" if p.default is not None else ""
+                return (f"```\n{name}{default}\n```\nparameter of "
+                        f"`{block_signature(v.block)}`")
+            arg = next((a for a in registry.get(v.name).signature if a.name == name), None)
+            if arg is None:
+                return ""
+            default = "" if arg.required else f" = {_value_text(arg.default)}"
+            choices = f"; one of {', '.join(map(_value_text, arg.choices))}" \
+                if arg.choices else ""
+            return (f"```\n{name}: {arg.kind}{default}\n```\nargument of "
+                    f"`{op_signature(registry.get(v.name))}`{choices}")
         if isinstance(v, Tensor):
             made = self._node_of(v.node)
             out = f"```\n{name}: {v.type}\n```\n"

@@ -8,6 +8,7 @@ call in this file that led there. Every open file is checked again on each chang
 """
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from lsprotocol import types as T
@@ -17,6 +18,7 @@ from netdsl.errors import Diagnostic, NetdslError, SourceLoc
 from netdsl.frontend.format import format_source
 from netdsl.tooling.analysis import Analysis, Completion, Symbol, _same_file
 
+DEBOUNCE_S = 0.25  # the pause in typing after which a changed file is checked again
 _COMPLETION_KINDS = {
     "operator": T.CompletionItemKind.Function, "block": T.CompletionItemKind.Class,
     "module": T.CompletionItemKind.Module, "keyword": T.CompletionItemKind.Keyword,
@@ -131,8 +133,12 @@ def make_server() -> NetdslServer:
         ls.analyse(params.text_document.uri)
 
     @server.feature(T.TEXT_DOCUMENT_DID_CHANGE)
-    def did_change(ls: NetdslServer, params: T.DidChangeTextDocumentParams):
-        ls.analyse(params.text_document.uri)
+    async def did_change(ls: NetdslServer, params: T.DidChangeTextDocumentParams):
+        # while the user types, check once they pause: a newer change supersedes this one
+        uri, version = params.text_document.uri, params.text_document.version
+        await asyncio.sleep(DEBOUNCE_S)
+        if ls.workspace.get_text_document(uri).version == version:
+            ls.analyse(uri)
 
     @server.feature(T.TEXT_DOCUMENT_DID_SAVE)
     def did_save(ls: NetdslServer, params: T.DidSaveTextDocumentParams):

@@ -57,3 +57,8 @@ def test_stdin_and_missing_files(tmp_path):
     r = runner.invoke(app, ["fmt", str(tmp_path / "nope.net")])
     assert r.exit_code == 1 and "no such file" in r.output
 
+
+
+def test_examples_and_stdlib_are_formatted():
+    r = runner.invoke(app, ["fmt", "--check", str(ROOT / "examples"), str(ROOT / "stdlib")])
+    assert r.exit_code == 0, r.output

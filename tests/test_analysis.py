@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from test_fuzz import FILE, SMALL, _mutations
 
 from netdsl.tooling.analysis import Analysis
 
@@ -101,3 +103,27 @@ def test_syntax_errors_leave_symbols_empty(files):
     a = Analysis("network n {", str(files / "x.net"))
     assert len(a.diagnostics) == 1 and "syntax error" in a.diagnostics[0].message
     assert a.symbols() == [] and a.hover(1, 1) is None
+
+
+def check_errors(text: str, file: str) -> list:
+    """The errors `netdsl check` reports for `text`: load, then bind the batch."""
+    import netdsl
+    from netdsl.errors import NetdslError
+    try:
+        netdsl.loads(text, file=file).lower(1)
+    except NetdslError as e:
+        return [(d.message, d.loc, d.stack) for d in e.diagnostics]
+    return []
+
+
+@settings(derandomize=True, deadline=None, database=None, max_examples=40,
+          suppress_health_check=list(HealthCheck))
+@given(_mutations(SMALL, 2))
+def test_the_diagnostics_are_the_checkers(text):
+    """For mutants of a program that uses most of the language, the server reports
+    exactly what `netdsl check` does (a file of blocks only aside: no "no network")."""
+    expected = check_errors(text, FILE)
+    if any("defines no `network`" in m or "networks (" in m for m, _, _ in expected):
+        return
+    got = [(d.message, d.loc, d.stack) for d in Analysis(text, FILE).diagnostics]
+    assert got == expected

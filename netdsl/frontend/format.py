@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from lark import Tree
 
 from netdsl.frontend.layout import HARD, LINE, SOFT, Align, Group, IfBreak, Nest, render
-from netdsl.frontend.parser import _parser, parse
+from netdsl.frontend.parser import parse, parse_tree
 
 WIDTH = 100
 INDENT = 4
@@ -460,7 +460,7 @@ def format_source(text: str, file: str = "<string>") -> str:
     """The canonical layout of `text`. Raises NetdslError if it does not parse (the same
     error `netdsl check` gives), so a broken file is never rewritten."""
     parse(text, file)  # every syntax error, located, as the checker reports it
-    tree = _parser().parse(text)
+    tree = parse_tree(text, file)
     f = _Formatter(text)
     doc = f.items(tree.children, 0, len(text), top=True)
     leftover = [c for c, used in zip(f.comments, f.used) if not used]

@@ -244,7 +244,7 @@ class Analysis:
         hits = []
         for e in self.index.values():
             lo = e.loc
-            if not _same_file(lo.file, self.file) or lo.end_line is None:
+            if not same_file(lo.file, self.file) or lo.end_line is None:
                 continue
             if (lo.line, lo.column) <= (line, col) <= (lo.end_line, lo.end_column - 1):
                 hits.append(e)
@@ -392,8 +392,8 @@ class Analysis:
     def symbols(self) -> list[Symbol]:
         if self.env is None:
             return []
-        from netdsl.frontend.parser import _parser
-        tree = _parser().parse(self.text)
+        from netdsl.frontend.parser import parse_tree
+        tree = parse_tree(self.text, self.file)
         spans = {}
         for t in tree.children:
             if hasattr(t, "meta") and not t.meta.empty:
@@ -492,7 +492,7 @@ def _block_item(b: ast.BlockDef) -> Completion:
     return Completion(b.name, "block", block_signature(b), doc_comment(b))
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a: str, b: str) -> bool:
     if a == b:
         return True
     try:

@@ -16,7 +16,7 @@ from pygls.lsp.server import LanguageServer
 
 from netdsl.errors import Diagnostic, NetdslError, SourceLoc
 from netdsl.frontend.format import format_source
-from netdsl.tooling.analysis import Analysis, Completion, Symbol, _same_file
+from netdsl.tooling.analysis import Analysis, Completion, Symbol, same_file
 
 DEBOUNCE_S = 0.25  # the pause in typing after which a changed file is checked again
 _COMPLETION_KINDS = {
@@ -64,8 +64,8 @@ def to_lsp_diagnostic(d: Diagnostic, file: str) -> T.Diagnostic:
         for site in reversed(d.stack)]
     loc = d.loc
     message = d.message
-    if loc is None or not _same_file(loc.file, file):
-        here = [s.loc for s in d.stack if _same_file(s.loc.file, file)]
+    if loc is None or not same_file(loc.file, file):
+        here = [s.loc for s in d.stack if same_file(s.loc.file, file)]
         if loc is not None:
             related.insert(0, T.DiagnosticRelatedInformation(
                 location=_location(loc), message="the error is here"))

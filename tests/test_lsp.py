@@ -211,6 +211,17 @@ def test_completion_formatting_symbols(tmp_path):
         assert (net.range.start.line, net.range.end.line) == (7, 15)
         assert [c.name for c in net.children] == ["x", "y"]
 
+        # positions count UTF-16 code units, as LSP says: an emoji is two of them
+        line = '    t = "\U0001F60B"; z = relu(qq)'
+        s.change(GOOD.replace("    h = unit(h, 32)", line + "\n    h = unit(h, 32)"), 5)
+        (d,) = await s.diagnostics_for("emoji")
+        units = lambda text: len(text.encode("utf-16-le")) // 2  # noqa: E731
+        assert "`qq` is not defined" in d.message
+        assert d.range.start.character == units(line[:line.index("qq")])
+        h = await s.client.text_document_hover_async(T.HoverParams(
+            **s.at(11, units(line[:line.index("(qq")]) - 1)))  # on the `u` of `relu`
+        assert "relu(x)" in h.contents.value
+
     run(tmp_path, scenario)
 
 

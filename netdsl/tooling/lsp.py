@@ -13,8 +13,9 @@ from pathlib import Path
 
 from lsprotocol import types as T
 from pygls.lsp.server import LanguageServer
+from pygls.workspace.position_codec import PositionCodec
 
-from netdsl.errors import Diagnostic, NetdslError, SourceLoc
+from netdsl.errors import Diagnostic, NetdslError, SourceLoc, source_line
 from netdsl.frontend.format import format_source
 from netdsl.tooling.analysis import Analysis, Completion, Symbol, same_file
 
@@ -37,15 +38,25 @@ def _version() -> str:
         return "unknown"
 
 
-def _pos(line: int, col: int) -> T.Position:
-    return T.Position(line=max(line - 1, 0), character=max(col - 1, 0))
+# how the client counts characters (UTF-16 code units unless it asked for another);
+# netdsl counts code points. Set from the workspace when the server starts.
+_codec = PositionCodec()
+
+
+def _pos(line: int, col: int, file: str | None = None) -> T.Position:
+    """netdsl's (line, column), from 1 in code points, as the client counts."""
+    text = source_line(file, line) if file is not None else None
+    char = max(col - 1, 0)
+    if text is not None and not text.isascii():
+        char = _codec.client_num_units(text[:char])
+    return T.Position(line=max(line - 1, 0), character=char)
 
 
 def _range(loc: SourceLoc) -> T.Range:
-    start = _pos(loc.line, loc.column)
+    start = _pos(loc.line, loc.column, loc.file)
     if loc.end_line is not None and loc.end_column is not None:
-        return T.Range(start=start, end=_pos(loc.end_line, loc.end_column))
-    return T.Range(start=start, end=_pos(loc.line, loc.column + 1))
+        return T.Range(start=start, end=_pos(loc.end_line, loc.end_column, loc.file))
+    return T.Range(start=start, end=_pos(loc.line, loc.column + 1, loc.file))
 
 
 def _uri(file: str) -> str:
@@ -86,7 +97,8 @@ def _completion(c: Completion) -> T.CompletionItem:
 
 def _symbol(s: Symbol) -> T.DocumentSymbol:
     line, col, end_line, end_col = s.range
-    rng = T.Range(start=_pos(line, col), end=_pos(end_line, end_col))
+    rng = T.Range(start=_pos(line, col, s.selection.file),
+                  end=_pos(end_line, end_col, s.selection.file))
     sel = _range(s.selection)
     if not (rng.start.line, rng.start.character) <= (sel.start.line, sel.start.character):
         sel = rng
@@ -105,7 +117,15 @@ class NetdslServer(LanguageServer):
         doc = self.workspace.get_text_document(uri)
         return doc.path or uri
 
+    def where(self, uri: str, position: T.Position) -> tuple[int, int]:
+        """The client's position as netdsl's (line, column), from 1 in code points."""
+        doc = self.workspace.get_text_document(uri)
+        p = self.workspace.position_codec.position_from_client_units(doc.lines, position)
+        return p.line + 1, p.character + 1
+
     def analyse(self, uri: str) -> Analysis:
+        global _codec
+        _codec = self.workspace.position_codec
         doc = self.workspace.get_text_document(uri)
         file = doc.path or uri
         a = Analysis(doc.source, file)
@@ -155,8 +175,7 @@ def make_server() -> NetdslServer:
     @server.feature(T.TEXT_DOCUMENT_HOVER)
     def hover(ls: NetdslServer, params: T.HoverParams):
         a = ls.current(params.text_document.uri)
-        p = params.position
-        text = a.hover(p.line + 1, p.character + 1)
+        text = a.hover(*ls.where(params.text_document.uri, params.position))
         if text is None:
             return None
         return T.Hover(contents=T.MarkupContent(kind=T.MarkupKind.Markdown, value=text))
@@ -164,8 +183,7 @@ def make_server() -> NetdslServer:
     @server.feature(T.TEXT_DOCUMENT_DEFINITION)
     def definition(ls: NetdslServer, params: T.DefinitionParams):
         a = ls.current(params.text_document.uri)
-        p = params.position
-        loc = a.definition(p.line + 1, p.character + 1)
+        loc = a.definition(*ls.where(params.text_document.uri, params.position))
         return _location(loc) if loc is not None else None
 
     @server.feature(T.TEXT_DOCUMENT_COMPLETION,
@@ -175,8 +193,7 @@ def make_server() -> NetdslServer:
         doc = ls.workspace.get_text_document(uri)
         ls.current(uri)
         a = ls.parsed.get(uri) or ls.analyses[uri]
-        p = params.position
-        items = a.completions(p.line + 1, p.character + 1, doc.source)
+        items = a.completions(*ls.where(uri, params.position), doc.source)
         return T.CompletionList(is_incomplete=False, items=[_completion(c) for c in items])
 
     @server.feature(T.TEXT_DOCUMENT_FORMATTING)

@@ -55,7 +55,8 @@ def test_hover_and_definition_across_files(files):
     assert (Path(d.file).name, d.line, d.column) == ("lib.net", 3, 22)
     # the loop variable's uses and the tensor, with the node that made it
     h = a.hover(8, 12)
-    assert "x: f32[N, 8, 16, 16]" in h and "made by `relu`" in h
+    assert "x: f32[N, 8, 16, 16]" in h
+    assert "made by `relu` (node `pair[1].relu_1`) in block `pair`" in h
     # the import statement: the module
     assert a.definition(1, 10).file.endswith("lib.net")
     assert "blocks: `pair`" in a.hover(1, 10)

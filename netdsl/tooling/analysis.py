@@ -327,6 +327,8 @@ class Analysis:
             out = f"```\n{name}: {v.type}\n```\n"
             if made is not None and not made.is_source:
                 out += f"made by `{made.op}` (node `{made.name}`)"
+                if made.stack:  # inside block calls: which ones, outermost first
+                    out += " in block " + " > ".join(f"`{c.block}`" for c in made.stack)
                 info = self._node_line(made.name)
                 out += f"; {info}" if info else ""
             elif made is not None:

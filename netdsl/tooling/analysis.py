@@ -1,8 +1,9 @@
 """What an editor asks about a `.net` file, answered from the checker: its errors (the
 same as `netdsl check`), what the name under the cursor is (a tensor's type and the node
 that made it, parameters and FLOPs; a block's signature and doc comment), where it is
-defined, what may be typed next, and the outline. No LSP here: `netdsl.tooling.lsp` wraps
-this for pygls; positions are 1-based lines and columns, as in `SourceLoc`.
+defined, what may be typed next (`completion`), and the outline. No LSP here:
+`netdsl.tooling.lsp` wraps this for pygls; positions are 1-based lines and columns, as in
+`SourceLoc`.
 """
 from __future__ import annotations
 
@@ -10,178 +11,23 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netdsl.errors import Diagnostic, NetdslError, SourceLoc, source_line
+from netdsl.errors import Diagnostic, NetdslError, SourceLoc
 from netdsl.frontend import ast, load_module, train_config
-from netdsl.frontend.elaborate import Elaborator
 from netdsl.frontend.modules import ModuleEnv
 from netdsl.frontend.values import POISON, BlockRef, Builtin, ModuleRef, OpRef, Tensor
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import fmt_count, fmt_si, summarize
-from netdsl.tooling.names import BUILTINS, dtypes, keywords, operators
-
-
-def _value_text(v) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    if v is None:
-        return "none"
-    if isinstance(v, str):
-        return f'"{v}"' if v != "N" else "N"
-    if isinstance(v, tuple):
-        return "(" + ", ".join(map(_value_text, v)) + ("," if len(v) == 1 else "") + ")"
-    return repr(v)
-
-
-def op_signature(op: registry.OpDef) -> str:
-    parts = []
-    for a in op.signature:
-        name = f"{a.name}..." if a.kind == "tensors" else a.name
-        parts.append(name if a.required else f"{name}={_value_text(a.default)}")
-    return f"{op.name}({', '.join(parts)})"
-
-
-def block_signature(b: ast.BlockDef) -> str:
-    parts = []
-    for p in b.params:
-        parts.append(p.name if p.default is None else f"{p.name}={_expr_text(p.default)}")
-    return f"block {b.name}({', '.join(parts)})"
-
-
-def _expr_text(e: ast.Expr) -> str:
-    """The source text of a (short) expression, from its location."""
-    loc = e.loc
-    line = source_line(loc.file, loc.line) if loc is not None else None
-    if line is None or loc.end_line != loc.line or not loc.end_column:
-        if isinstance(e, ast.Const):
-            return _value_text(e.value)
-        return "..."
-    return line[loc.column - 1:loc.end_column - 1]
-
-
-def doc_comment(b: ast.BlockDef) -> str:
-    """The comment lines right above a block definition (past its annotations)."""
-    out: list[str] = []
-    n = b.loc.line - 1
-    while n >= 1:
-        text = (source_line(b.loc.file, n) or "").strip()
-        if text.startswith("@"):
-            n -= 1
-            continue
-        if not text.startswith("#"):
-            break
-        out.append(text.lstrip("#").strip())
-        n -= 1
-    return "\n".join(reversed(out))
-
-
-@dataclass
-class Entry:
-    """What a range of the source refers to."""
-
-    loc: SourceLoc
-    kind: str  # value | call | block-call | input
-    value: object = None
-    detail: dict = field(default_factory=dict)
-    definition: SourceLoc | None = None
-    count: int = 1
-
-
-class _Recorder(Elaborator):
-    """The elaborator, noting for each name and call in the source what it evaluated to."""
-
-    def __init__(self, module: ModuleEnv, net: ast.NetworkDef, index: dict):
-        super().__init__(module, net)
-        self.index = index
-        self.bound: dict[int, dict[str, SourceLoc]] = {}  # frame -> name -> where bound
-
-    def note(self, loc: SourceLoc | None, kind: str, value=None, definition=None, **detail):
-        if loc is None:
-            return
-        key = (loc.file, loc.line, loc.column, loc.end_line, loc.end_column, kind)
-        if key in self.index:
-            self.index[key].count += 1  # the same text again: a repeat or another call
-            return
-        self.index[key] = Entry(loc, kind, value, detail, definition)
-
-    def _definition(self, name: str, frame) -> SourceLoc | None:
-        d = self.bound.get(id(frame), {}).get(name)
-        if d is not None:
-            return d
-        if frame.block is not None:  # a block parameter
-            ref = frame.module.globals.get(frame.block)
-            if isinstance(ref, BlockRef):
-                for p in ref.block.params:
-                    if p.name == name:
-                        return p.loc
-        v = frame.module.globals.get(name)
-        if isinstance(v, BlockRef):
-            return v.block.loc
-        if isinstance(v, ModuleRef):
-            return SourceLoc(v.module.file, 1, 1)
-        return None
-
-    def e_Name(self, e, frame):
-        v = super().e_Name(e, frame)
-        self.note(e.loc, "value", v, self._definition(e.id, frame), name=e.id,
-                  block=frame.block)
-        return v
-
-    def e_Attr(self, e, frame):
-        v = super().e_Attr(e, frame)
-        d = v.block.loc if isinstance(v, BlockRef) else None
-        self.note(e.loc, "value", v, d, name=e.name, block=frame.block)
-        return v
-
-    def e_Call(self, e, frame):
-        try:
-            return super().e_Call(e, frame)
-        finally:  # the keyword names: what they are arguments of
-            f = e.func.loc
-            callee = self.index.get((f.file, f.line, f.column, f.end_line, f.end_column,
-                                     "value"))
-            ref = callee.value if callee is not None else None
-            for name, _, kloc in e.kwargs:
-                if isinstance(ref, BlockRef):
-                    p = next((p for p in ref.block.params if p.name == name), None)
-                    if p is not None:
-                        self.note(kloc, "argument", ref, p.loc, name=name)
-                elif isinstance(ref, OpRef):
-                    self.note(kloc, "argument", ref, None, name=name)
-
-    def input_decl(self, st, frame):
-        super().input_decl(st, frame)
-        self.bound.setdefault(id(frame), {})[st.name] = st.loc
-        self.note(st.loc, "value", frame.locals.get(st.name), st.loc, name=st.name)
-
-    def bind(self, st, v, frame):
-        try:
-            super().bind(st, v, frame)
-        finally:
-            line = source_line(st.loc.file, st.loc.line) or ""
-            col = st.loc.column - 1
-            for name in st.targets:
-                m = re.compile(r"\b" + re.escape(name) + r"\b").search(line, col)
-                if m is None:
-                    break
-                loc = SourceLoc(st.loc.file, st.loc.line, m.start() + 1, st.loc.line,
-                                m.end() + 1)
-                col = m.end()
-                first = self.bound.setdefault(id(frame), {}).setdefault(name, loc)
-                self.note(loc, "value", frame.locals.get(name), first, name=name,
-                          block=frame.block)
-
-    def emit(self, op, tensors, attrs, loc):
-        t = super().emit(op, tensors, attrs, loc)
-        self.note(loc, "call", t, op=op, node=t.node)
-        return t
-
-    def call_block(self, ref, args, kwargs, e):
-        first = len(self.g.nodes)
-        r = super().call_block(ref, args, kwargs, e)
-        self.note(e.loc, "block-call", r, ref.block.loc, block=ref.block,
-                  nodes=[n.name for n in self.g.nodes[first:]])
-        return r
+from netdsl.tooling.completion import Completion, completions
+from netdsl.tooling.recorder import Entry, Recorder
+from netdsl.tooling.signatures import (
+    block_signature,
+    doc_comment,
+    expr_text,
+    op_doc,
+    op_signature,
+    value_text,
+)
 
 
 @dataclass
@@ -193,14 +39,6 @@ class Symbol:
     selection: SourceLoc
     children: list[Symbol] = field(default_factory=list)
 
-
-@dataclass
-class Completion:
-    label: str
-    kind: str  # operator | block | module | keyword | builtin | variable | argument | dtype
-    detail: str = ""
-    doc: str = ""
-    insert: str | None = None
 
 
 class Analysis:
@@ -219,7 +57,7 @@ class Analysis:
             self.diagnostics = list(e.diagnostics)
             return
         for net in self.env.tree.networks[:1]:
-            rec = _Recorder(self.env, net, self.index)
+            rec = Recorder(self.env, net, self.index)
             try:
                 self.graph = rec.run().verify()
             except NetdslError as e:
@@ -291,7 +129,7 @@ class Analysis:
             info = self._node_line(e.detail["node"])
             sig = op_signature(registry.get(e.detail["op"]))
             return (f"```\n{sig} -> {v.type}\n```\nnode `{e.detail['node']}`{where}"
-                    + (f"; {info}" if info else "") + "\n\n" + _op_doc(e.detail["op"]))
+                    + (f"; {info}" if info else "") + "\n\n" + op_doc(e.detail["op"]))
         if e.kind == "block-call":
             b: ast.BlockDef = e.detail["block"]
             nodes = e.detail["nodes"]
@@ -311,14 +149,14 @@ class Analysis:
         if e.kind == "argument":
             if isinstance(v, BlockRef):
                 p = next(p for p in v.block.params if p.name == name)
-                default = f" = {_expr_text(p.default)}" if p.default is not None else ""
+                default = f" = {expr_text(p.default)}" if p.default is not None else ""
                 return (f"```\n{name}{default}\n```\nparameter of "
                         f"`{block_signature(v.block)}`")
             arg = next((a for a in registry.get(v.name).signature if a.name == name), None)
             if arg is None:
                 return ""
-            default = "" if arg.required else f" = {_value_text(arg.default)}"
-            choices = f"; one of {', '.join(map(_value_text, arg.choices))}" \
+            default = "" if arg.required else f" = {value_text(arg.default)}"
+            choices = f"; one of {', '.join(map(value_text, arg.choices))}" \
                 if arg.choices else ""
             return (f"```\n{name}: {arg.kind}{default}\n```\nargument of "
                     f"`{op_signature(registry.get(v.name))}`{choices}")
@@ -341,7 +179,7 @@ class Analysis:
             return f"```\n{block_signature(v.block)}\n```" + (f"\n\n{doc}" if doc else "") + \
                 f"\n\ndefined in {v.block.loc.file}"
         if isinstance(v, OpRef):
-            return f"```\n{op_signature(registry.get(v.name))}\n```\n\n{_op_doc(v.name)}"
+            return f"```\n{op_signature(registry.get(v.name))}\n```\n\n{op_doc(v.name)}"
         if isinstance(v, ModuleRef):
             m = v.module
             return f"module `{m.name}` ({m.file})\n\nblocks: " + ", ".join(
@@ -350,7 +188,7 @@ class Analysis:
             return f"builtin function `{v.name}()`"
         if v is POISON or v is None and e.kind != "value":
             return ""
-        return f"```\n{name} = {_value_text(v)}\n```" + (
+        return f"```\n{name} = {value_text(v)}\n```" + (
             f"\n\nin block `{e.detail['block']}`" if e.detail.get("block") else "")
 
     def _node_of(self, name: str):
@@ -425,73 +263,10 @@ class Analysis:
                               t.loc))
         return sorted(out, key=lambda s: s.range)
 
-    # -- completion -------------------------------------------------------------------------
     def completions(self, line: int, col: int, text: str | None = None) -> list[Completion]:
         """What may be typed at (line, col) of `text` (the current, maybe broken, text;
         this analysis may be of an older version that parsed)."""
-        text = self.text if text is None else text
-        lines = text.split("\n")
-        before = lines[line - 1][:col - 1] if 1 <= line <= len(lines) else ""
-        m = re.search(r"([A-Za-z_]\w*)\.(\w*)$", before)
-        if m and self.env is not None:  # `resnet.` : the module's blocks
-            ref = self.env.globals.get(m.group(1))
-            if isinstance(ref, ModuleRef):
-                return [_block_item(b) for b in ref.module.tree.blocks]
-            return []
-        items: list[Completion] = []
-        callee = _open_call(text, line, col)
-        if callee is not None:
-            items += self._arguments(callee)
-        for name, op in operators().items():
-            items.append(Completion(name, "operator", op_signature(op), op.doc,
-                                    insert=None))
-        items += [Completion(b, "builtin", f"{b}(...)") for b in BUILTINS]
-        items += [Completion(k, "keyword") for k in keywords()]
-        items += [Completion(d, "dtype") for d in dtypes()]
-        if self.env is not None:
-            for name, v in self.env.globals.items():
-                if isinstance(v, BlockRef):
-                    items.append(_block_item(v.block))
-                elif isinstance(v, ModuleRef):
-                    items.append(Completion(name, "module", v.module.file))
-        seen = {c.label for c in items}
-        for var in dict.fromkeys(re.findall(r"^\s*([A-Za-z_]\w*)\s*(?:,\s*\w+\s*)*=(?!=)",
-                                            text, re.M)):
-            if var not in seen:
-                items.append(Completion(var, "variable"))
-        return items
-
-    def _arguments(self, callee: str) -> list[Completion]:
-        mod, _, name = callee.rpartition(".")
-        if not mod and name in operators():
-            op = operators()[name]
-            return [Completion(f"{a.name}=", "argument", f"{a.name}: {a.kind}" + (
-                "" if a.required else f" = {_value_text(a.default)}"), op_signature(op))
-                for a in op.signature if a.kind not in ("tensor", "tensors")]
-        if self.env is None:
-            return []
-        env = self.env
-        if mod:
-            ref = env.globals.get(mod)
-            if not isinstance(ref, ModuleRef):
-                return []
-            env = ref.module
-        ref = env.globals.get(name)
-        if not isinstance(ref, BlockRef):
-            return []
-        sig = block_signature(ref.block)
-        return [Completion(f"{p.name}=", "argument", p.name if p.default is None else
-                           f"{p.name} = {_expr_text(p.default)}", sig)
-                for p in ref.block.params]
-
-
-def _op_doc(name: str) -> str:
-    op = registry.get(name)
-    return f"{op.doc} ({op.layer_type})" if op.doc else f"({op.layer_type})"
-
-
-def _block_item(b: ast.BlockDef) -> Completion:
-    return Completion(b.name, "block", block_signature(b), doc_comment(b))
+        return completions(self.env, self.text if text is None else text, line, col)
 
 
 def same_file(a: str, b: str) -> bool:
@@ -522,29 +297,3 @@ def _dotted_at(text: str, line: int, col: int) -> str:
         if m.start() <= col - 1 <= m.end():
             return m.group()
     return ""
-
-
-def _open_call(text: str, line: int, col: int) -> str | None:
-    """The callee of the innermost call whose `(` is open at (line, col): `conv2d`,
-    `resnet.stage`; None outside calls."""
-    lines = text.split("\n")
-    offset = sum(len(ln) + 1 for ln in lines[:line - 1]) + col - 1
-    depth = 0
-    i = offset - 1
-    body = re.sub(r'#[^\n]*|"(?:[^"\\\n]|\\.)*"', lambda m: " " * len(m.group()),
-                  text[:offset])
-    while i >= 0:
-        ch = body[i]
-        if ch in ")]":
-            depth += 1
-        elif ch in "([":
-            if depth == 0:
-                if ch == "[":
-                    return None
-                m = re.search(r"([A-Za-z_][\w.]*)\s*$", body[:i])
-                return m.group(1) if m else None
-            depth -= 1
-        elif ch in "{}" and depth == 0:
-            return None
-        i -= 1
-    return None

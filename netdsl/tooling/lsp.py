@@ -17,7 +17,8 @@ from pygls.workspace.position_codec import PositionCodec
 
 from netdsl.errors import Diagnostic, NetdslError, SourceLoc, source_line
 from netdsl.frontend.format import format_source
-from netdsl.tooling.analysis import Analysis, Completion, Symbol, same_file
+from netdsl.tooling.analysis import Analysis, Symbol, same_file
+from netdsl.tooling.completion import Completion
 
 DEBOUNCE_S = 0.25  # the pause in typing after which a changed file is checked again
 _COMPLETION_KINDS = {

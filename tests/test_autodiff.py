@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _op_cases import samples
 from gradcheck import op_graph
 
 from netdsl.errors import NetdslError, SourceLoc
@@ -190,6 +191,7 @@ SAMPLES = {
                                                                   "stop": 3}, {}),
     "dropout": ([(3, 4)], {"p": 0.5}, {}),
 }
+SAMPLES.update({k: v for k, v in samples().items() if k not in SAMPLES})
 
 
 @pytest.mark.parametrize("op", sorted(SAMPLES))

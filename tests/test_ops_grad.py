@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _op_cases import OP_CASES
 from gradcheck import check_grads, op_graph, random_feeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -162,8 +163,16 @@ def test_global_avgpool(n, c, hw, seed):
     check_grads(op_graph("global_avgpool", [(n, c, hw, hw + 1)], {}), seed)
 
 
+@pytest.mark.parametrize("op,shapes,attrs,ints,positive", OP_CASES,
+                         ids=[f"{c[0]}-{k}" for k, c in enumerate(OP_CASES)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_op_case_grads(op, shapes, attrs, ints, positive, seed):
+    check_grads(op_graph(op, shapes, attrs, ints), seed, positive=positive)
+
+
 # Ops tested above. Dropout is random, so it is tested apart: test_dropout_mask_is_explicit.
-COVERED = {"conv2d", "maxpool", "avgpool", "relu", "leaky_relu", "gelu", "sigmoid", "tanh",
+COVERED = {c[0] for c in OP_CASES} | {
+           "conv2d", "maxpool", "avgpool", "relu", "leaky_relu", "gelu", "sigmoid", "tanh",
            "add", "sub", "mul", "scale", "mean", "softmax", "linear", "matmul", "embedding",
            "softmax_cross_entropy", "mse", "batchnorm", "layernorm", "flatten", "reshape",
            "permute", "transpose", "slice", "concat", "global_avgpool", "dropout"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _op_cases import OP_CASES
 from gradcheck import op_graph, random_feeds, randomise_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,8 +56,42 @@ TORCH = {
     "permute": lambda t, a: t["in0"].permute(a["dims"]),
     "transpose": lambda t, a: t["in0"].transpose(a["dim0"], a["dim1"]),
     "concat": lambda t, a: torch.cat([t["in0"], t["in1"]], a["axis"]),
-    "slice": lambda t, a: t["in0"].narrow(a["axis"], a["start"], a["stop"] - a["start"]),
+    "slice": lambda t, a: _slice(t["in0"], a),
+    # arithmetic
+    "sqrt": lambda t, a: torch.sqrt(t["in0"]),
+    "exp": lambda t, a: torch.exp(t["in0"]),
+    "log": lambda t, a: torch.log(t["in0"]),
+    "abs": lambda t, a: torch.abs(t["in0"]),
+    "neg": lambda t, a: -t["in0"],
+    "div": lambda t, a: t["in0"] / t["in1"],
+    "pow": lambda t, a: torch.pow(t["in0"], t["in1"]),
+    "maximum": lambda t, a: torch.maximum(t["in0"], t["in1"]),
+    "minimum": lambda t, a: torch.minimum(t["in0"], t["in1"]),
+    "where": lambda t, a: torch.where(t["in0"].bool(), t["in1"], t["in2"]),
+    "cast": lambda t, a: t["in0"].to(torch.float64),
+    # reductions
+    "sum": lambda t, a: t["in0"].sum(a["axis"], keepdim=a["keepdims"]),
+    "amax": lambda t, a: t["in0"].amax(a["axis"], keepdim=a["keepdims"]),
+    "amin": lambda t, a: t["in0"].amin(a["axis"], keepdim=a["keepdims"]),
+    "log_softmax": lambda t, a: torch.log_softmax(t["in0"], a["axis"]),
+    # shape
+    "squeeze": lambda t, a: t["in0"].squeeze(a["axis"]),
+    "unsqueeze": lambda t, a: t["in0"].unsqueeze(a["axis"]),
+    "expand": lambda t, a: t["in0"].expand(*a["shape"]),
+    "gather": lambda t, a: _gather(t["in0"], t["in1"], a["axis"]),
 }
+
+
+def _slice(x, a):
+    idx = [slice(None)] * x.dim()
+    idx[a["axis"]] = slice(a["start"], a["stop"], a["step"])
+    return x[tuple(idx)]
+
+
+def _gather(x, idx, axis):  # ONNX Gather: x.shape[:axis] + idx.shape + x.shape[axis+1:]
+    axis %= x.dim()
+    flat = torch.index_select(x, axis, idx.reshape(-1))
+    return flat.reshape(x.shape[:axis] + idx.shape + x.shape[axis + 1:])
 
 CASES = [
     ("conv2d", [(2, 4, 7, 6)], {"out_channels": 6, "kernel": 3, "stride": 2, "padding": 1,
@@ -94,14 +129,15 @@ CASES = [
     ("concat", [(2, 3, 4), (2, 1, 4)], {"axis": 1}, {}),
     ("slice", [(2, 5, 3)], {"axis": 1, "start": 1, "stop": 4}, {}),
 ]
+CASES = [(*c, ()) for c in CASES] + list(OP_CASES)
 
 
-def compare_with_torch(op, shapes, attrs, ints, seed=0):
+def compare_with_torch(op, shapes, attrs, ints, seed=0, positive=()):
     g = op_graph(op, shapes, attrs, ints)
     t = autodiff(g)
     ex = Executor(t, "numpy", dtype="f64", seed=seed)
     rng = np.random.default_rng(seed)
-    randomise_params(ex, rng)
+    randomise_params(ex, rng, positive)
     for name in ex.state:  # positive running variances, as BN keeps them
         if name.endswith("running_var"):
             ex.state[name][...] = rng.uniform(0.5, 2.0, ex.state[name].shape)
@@ -124,10 +160,10 @@ def compare_with_torch(op, shapes, attrs, ints, seed=0):
             np.testing.assert_allclose(v, tens[name].numpy(), rtol=1e-12, err_msg=name)
 
 
-@pytest.mark.parametrize("op,shapes,attrs,ints", CASES,
+@pytest.mark.parametrize("op,shapes,attrs,ints,positive", CASES,
                          ids=[f"{c[0]}-{k}" for k, c in enumerate(CASES)])
-def test_op_matches_torch(op, shapes, attrs, ints):
-    compare_with_torch(op, shapes, attrs, ints)
+def test_op_matches_torch(op, shapes, attrs, ints, positive):
+    compare_with_torch(op, shapes, attrs, ints, positive=positive)
 
 
 def test_every_op_has_a_torch_case():

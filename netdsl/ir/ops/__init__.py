@@ -2,6 +2,7 @@
 gradient rules and backward operators)."""
 from netdsl.ir.ops import (  # noqa: F401
     activation,
+    arith,
     conv,
     dense,
     elementwise,
@@ -9,6 +10,7 @@ from netdsl.ir.ops import (  # noqa: F401
     norm,
     optim,
     pool,
+    reduce,
     shape_ops,
     sources,
 )

@@ -14,6 +14,9 @@ def _softmax_shape(ins, a):
 register(OpDef("softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
                doc="softmax along an axis (the last by default)"))
+register(OpDef("log_softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
+               "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
+               doc="log of softmax along an axis, computed stably (x - logsumexp(x))"))
 
 
 def _sce_shape(ins, a):
@@ -53,6 +56,10 @@ register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor")), _mse_sha
 register(OpDef("softmax_grad", (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
                differentiable=False, doc="dx = y * (dy - sum(dy * y)) along the axis"))
+register(OpDef("log_softmax_grad",
+               (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
+               lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
+               differentiable=False, doc="dx = dy - exp(y) * sum(dy) along the axis"))
 register(OpDef("softmax_cross_entropy_grad",
                (Arg("dy", "tensor"), Arg("logits", "tensor"), Arg("labels", "tensor")),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 6 * out.numel(),
@@ -77,6 +84,23 @@ def _softmax(xp, ins, a, ctx):
 def _softmax_grad(xp, ins, a, ctx):
     dy, y = ins
     return y * (dy - (dy * y).sum(axis=a["axis"], keepdims=True))
+
+
+def log_softmax_fn(xp, x, axis):
+    m = x.max(axis=axis, keepdims=True)
+    z = x - m
+    return z - xp.log(xp.exp(z).sum(axis=axis, keepdims=True))
+
+
+@kernel("log_softmax")
+def _log_softmax(xp, ins, a, ctx):
+    return log_softmax_fn(xp, ins[0], a["axis"])
+
+
+@kernel("log_softmax_grad")
+def _log_softmax_grad(xp, ins, a, ctx):
+    dy, y = ins
+    return dy - xp.exp(y) * dy.sum(axis=a["axis"], keepdims=True)
 
 
 def _flat(logits, labels):
@@ -118,6 +142,11 @@ def _mse_grad(xp, ins, a, ctx):
 @grad_rule("softmax")
 def _softmax_rule(n, b, gy):
     return [b.emit("softmax_grad", [gy, n.name], {"axis": n.attrs["axis"]})]
+
+
+@grad_rule("log_softmax")
+def _log_softmax_rule(n, b, gy):
+    return [b.emit("log_softmax_grad", [gy, n.name], {"axis": n.attrs["axis"]})]
 
 
 @grad_rule("softmax_cross_entropy")

@@ -1,0 +1,55 @@
+"""One table of cases for the operators added for real models (issue 9), shared by the
+finite-difference tests (test_ops_grad), the PyTorch comparison (test_torch_ops) and the
+`retains` check (test_autodiff).
+
+Each case: (op, input shapes, attributes, {input index: int bound or "bool"},
+names of float inputs that must be positive: the domain of sqrt, log and pow's base).
+"""
+from __future__ import annotations
+
+OP_CASES = [
+    # arithmetic
+    ("sqrt", [(3, 4)], {}, {}, ("in0",)),
+    ("exp", [(3, 4)], {}, {}, ()),
+    ("log", [(2, 3, 2)], {}, {}, ("in0",)),
+    ("abs", [(3, 4)], {}, {}, ()),
+    ("neg", [(3, 4)], {}, {}, ()),
+    ("div", [(2, 3, 4), (3, 1)], {}, {}, ("in1",)),
+    ("div", [(4,), (2, 4)], {}, {}, ("in1",)),
+    ("pow", [(2, 3), (3,)], {}, {}, ("in0",)),
+    ("pow", [(2, 3), ()], {}, {}, ("in0",)),
+    ("maximum", [(2, 3, 4), (3, 1)], {}, {}, ()),
+    ("minimum", [(4,), (2, 4)], {}, {}, ()),
+    ("where", [(2, 3), (2, 3), (3,)], {}, {0: "bool"}, ()),
+    ("where", [(3,), (2, 3), ()], {}, {0: "bool"}, ()),
+    ("cast", [(2, 3)], {"dtype": "f64"}, {}, ()),
+    # reductions
+    ("mean", [(2, 3, 4)], {"axis": (1, 2), "keepdims": True}, {}, ()),
+    ("sum", [(2, 3, 4)], {"axis": 1}, {}, ()),
+    ("sum", [(2, 3, 4)], {"axis": (0, -1), "keepdims": True}, {}, ()),
+    ("amax", [(2, 3, 4)], {"axis": -1}, {}, ()),
+    ("amax", [(2, 3, 4)], {"axis": (1, 2), "keepdims": True}, {}, ()),
+    ("amin", [(3, 5)], {"axis": 0}, {}, ()),
+    ("log_softmax", [(2, 3, 4)], {"axis": 1}, {}, ()),
+    ("log_softmax", [(3, 5)], {}, {}, ()),
+    # shape
+    ("squeeze", [(2, 1, 3, 1)], {"axis": (1, 3)}, {}, ()),
+    ("squeeze", [(2, 1, 3)], {"axis": 1}, {}, ()),
+    ("unsqueeze", [(2, 3)], {"axis": -1}, {}, ()),
+    ("unsqueeze", [(2, 3)], {"axis": 1}, {}, ()),
+    ("expand", [(2, 1, 3)], {"shape": (4, 2, 5, 3)}, {}, ()),
+    ("expand", [(3, 1)], {"shape": (-1, 4)}, {}, ()),
+    ("slice", [(2, 7, 3)], {"axis": 1, "start": 1, "stop": 7, "step": 2}, {}, ()),
+    ("slice", [(9, 2)], {"axis": 0, "start": 0, "stop": 8, "step": 3}, {}, ()),
+    ("gather", [(2, 5, 3), (4,)], {"axis": 1}, {1: 5}, ()),
+    ("gather", [(5, 3), (2, 3)], {"axis": 0}, {1: 5}, ()),
+    ("gather", [(2, 3, 4), (2, 2)], {"axis": -1}, {1: 4}, ()),
+]
+
+
+def samples() -> dict:
+    """The first case of each operator, as test_autodiff's SAMPLES want them."""
+    out: dict = {}
+    for op, shapes, attrs, ints, _ in OP_CASES:
+        out.setdefault(op, (shapes, attrs, ints))
+    return out

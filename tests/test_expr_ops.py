@@ -1,0 +1,81 @@
+"""Scalar constants and tensor operators in expressions, and the run-time index checks of
+embedding and gather."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import netdsl
+from netdsl.errors import NetdslError
+from netdsl.runtime.executor import Executor
+
+
+def forward(src: str, feeds: dict, batch: int = 2):
+    g = netdsl.loads(src).graph.bind(batch)
+    return g, Executor(g, "numpy", dtype="f64").run(feeds, training=False)["output"]
+
+
+def test_scalar_constants_compute_what_they_say():
+    src = """network t {
+  input x: f32[N, 4]
+  a = x * 0.5 - 1
+  b = 2 / (a ** 2 + 1)
+  c = where(x > 0, b, 1 - x)
+  d = maximum(c, x) - minimum(c, 0.25 * x)
+  output a, b, c, d
+}"""
+    x = np.random.default_rng(0).standard_normal((2, 4))
+    g, (a, b, c, d) = forward(src, {"x": x})
+    np.testing.assert_allclose(a, x * 0.5 - 1)
+    np.testing.assert_allclose(b, 2 / (a ** 2 + 1))
+    np.testing.assert_allclose(c, np.where(x > 0, b, 1 - x))
+    np.testing.assert_allclose(d, np.maximum(c, x) - np.minimum(c, 0.25 * x))
+    fills = g.by_op("fill")
+    assert fills and all(n.type.shape == () and n.attrs["dtype"] == "f32" for n in fills)
+
+
+def test_integer_tensor_with_a_float_constant_is_an_error():
+    src = """network t {
+  input ids: i64[N, 3]
+  k = ids + 1
+  z = ids - 0.5
+  output k
+}"""
+    with pytest.raises(NetdslError, match=r"cannot apply `-` to a tensor i64\[N, 3\].*cast"):
+        netdsl.loads(src)
+
+
+def test_integer_constant_keeps_an_integer_tensor_integer():
+    src = "network t {\n  input ids: i64[N, 3]\n  k = ids + 1\n  m = ids == 2\n  output k, m\n}"
+    g, (k, m) = forward(src, {"ids": np.array([[0, 1, 2], [2, 3, 4]])})
+    assert k.dtype == np.int64 and (k == [[1, 2, 3], [3, 4, 5]]).all()
+    assert m.dtype == bool and m.sum() == 2
+
+
+EMB = """network t {
+  input ids: i64[N, 3]
+  e = embedding(ids, 5, 2)
+  output e
+}"""
+
+
+@pytest.mark.parametrize("bad", [5, -1])
+def test_embedding_rejects_out_of_range_ids_naming_the_node(bad):
+    with pytest.raises(NetdslError) as info:
+        forward(EMB, {"ids": np.array([[0, 1, 2], [3, bad, 4]])})
+    msg = info.value.message
+    assert "embedding %embedding: id" in msg and str(bad) in msg and "values are 0 to 4" in msg
+    assert info.value.loc is not None and info.value.loc.line == 3
+
+
+def test_gather_takes_negative_indices_and_rejects_out_of_range_ones():
+    from gradcheck import op_graph
+    g = op_graph("gather", [(2, 5), (3,)], {"axis": 1}, ints={1: 5})
+    ex = Executor(g, "numpy", dtype="f64")
+    x = ex.state["in0"]
+    r = np.ones((2, 3))
+    out = ex.run({"in1": np.array([-1, 0, 2]), "r": r}, training=False)["output"][0]
+    np.testing.assert_array_equal(out, x[:, [4, 0, 2]])
+    with pytest.raises(NetdslError, match=r"gather %out: index 5 is out of range; valid "
+                                          r"values are -5 to 4"):
+        ex.run({"in1": np.array([-1, 5, 2]), "r": r}, training=False)

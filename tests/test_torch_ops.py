@@ -31,7 +31,7 @@ TORCH = {
     "global_avgpool": lambda t, a: t["in0"].mean((2, 3), keepdim=True),
     "relu": lambda t, a: F.relu(t["in0"]),
     "leaky_relu": lambda t, a: F.leaky_relu(t["in0"], a["slope"]),
-    "gelu": lambda t, a: F.gelu(t["in0"]),
+    "gelu": lambda t, a: F.gelu(t["in0"], approximate=a["approximate"]),
     "sigmoid": lambda t, a: torch.sigmoid(t["in0"]),
     "tanh": lambda t, a: torch.tanh(t["in0"]),
     "add": lambda t, a: t["in0"] + t["in1"],
@@ -69,6 +69,17 @@ TORCH = {
     "minimum": lambda t, a: torch.minimum(t["in0"], t["in1"]),
     "where": lambda t, a: torch.where(t["in0"].bool(), t["in1"], t["in2"]),
     "cast": lambda t, a: t["in0"].to(torch.float64),
+    # activations
+    "relu6": lambda t, a: F.relu6(t["in0"]),
+    "clip": lambda t, a: torch.clamp(t["in0"], a["min"], a["max"]),
+    "hardswish": lambda t, a: F.hardswish(t["in0"]),
+    "hardsigmoid": lambda t, a: F.hardsigmoid(t["in0"]),
+    "silu": lambda t, a: F.silu(t["in0"]),
+    "mish": lambda t, a: F.mish(t["in0"]),
+    "elu": lambda t, a: F.elu(t["in0"], a["alpha"]),
+    "selu": lambda t, a: F.selu(t["in0"]),
+    "softplus": lambda t, a: F.softplus(t["in0"], a["beta"], a["threshold"]),
+    "prelu": lambda t, a: F.prelu(t["in0"], t["out.weight"]),
     # reductions
     "sum": lambda t, a: t["in0"].sum(a["axis"], keepdim=a["keepdims"]),
     "amax": lambda t, a: t["in0"].amax(a["axis"], keepdim=a["keepdims"]),
@@ -132,6 +143,10 @@ CASES = [
 CASES = [(*c, ()) for c in CASES] + list(OP_CASES)
 
 
+# torch's hardsigmoid backward multiplies by 1/6 rounded to float32, even in float64
+GRAD_RTOL = {"hardsigmoid": 1e-7}
+
+
 def compare_with_torch(op, shapes, attrs, ints, seed=0, positive=()):
     g = op_graph(op, shapes, attrs, ints)
     t = autodiff(g)
@@ -153,8 +168,8 @@ def compare_with_torch(op, shapes, attrs, ints, seed=0, positive=()):
     np.testing.assert_allclose(res["loss"][0], loss.detach().numpy(), rtol=1e-10, atol=1e-14)
     for gname, grad in zip(t.outputs["grads"], res["grads"], strict=True):
         p = t.meta["grad_of"][gname]
-        np.testing.assert_allclose(grad, tens[p].grad.numpy(), rtol=1e-8, atol=1e-12,
-                                   err_msg=f"{op}: gradient of {p}")
+        np.testing.assert_allclose(grad, tens[p].grad.numpy(), rtol=GRAD_RTOL.get(op, 1e-8),
+                                   atol=1e-12, err_msg=f"{op}: gradient of {p}")
     for name, v in ex.state.items():  # batchnorm updates its running statistics in place
         if "running" in name:
             np.testing.assert_allclose(v, tens[name].numpy(), rtol=1e-12, err_msg=name)

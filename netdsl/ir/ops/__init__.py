@@ -2,6 +2,7 @@
 gradient rules and backward operators)."""
 from netdsl.ir.ops import (  # noqa: F401
     activation,
+    activation_fns,
     arith,
     conv,
     dense,

@@ -276,12 +276,13 @@ def _slice_grad(xp, ins, a, ctx):
 def _squeeze(xp, ins, a, ctx):
     x = ins[0]
     axes = a["axis"] if isinstance(a["axis"], tuple) else (a["axis"],)
-    return xp.squeeze(x, axis=tuple(ax % x.ndim for ax in axes))
+    # copies, not views: a view of a parameter would change under an in-place update
+    return xp.squeeze(x, axis=tuple(ax % x.ndim for ax in axes)).copy()
 
 
 @kernel("unsqueeze")
 def _unsqueeze(xp, ins, a, ctx):
-    return xp.expand_dims(ins[0], a["axis"] % (ins[0].ndim + 1))
+    return xp.expand_dims(ins[0], a["axis"] % (ins[0].ndim + 1)).copy()
 
 
 @kernel("expand")

@@ -45,7 +45,8 @@ def pool_case(draw):
     p = draw(st.integers(0, k // 2))
     h, w = draw(st.integers(k, k + 3)), draw(st.integers(k, k + 3))
     return [(draw(st.integers(1, 2)), draw(st.integers(1, 2)), h, w)], \
-        {"kernel": k, "stride": s, "padding": p}
+        {"kernel": k, "stride": s, "padding": p, "ceil_mode": draw(st.booleans()),
+         "count_include_pad": draw(st.booleans())}
 
 
 @FAST

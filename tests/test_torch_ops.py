@@ -25,9 +25,28 @@ def _pool_stride(a):
 TORCH = {
     "conv2d": lambda t, a: F.conv2d(t["in0"], t["out.weight"], t.get("out.bias"), a["stride"],
                                     a["padding"], a["dilation"], a["groups"]),
-    "maxpool": lambda t, a: F.max_pool2d(t["in0"], a["kernel"], _pool_stride(a), a["padding"]),
+    "maxpool": lambda t, a: F.max_pool2d(t["in0"], a["kernel"], _pool_stride(a), a["padding"],
+                                         ceil_mode=a["ceil_mode"]),
     "avgpool": lambda t, a: F.avg_pool2d(t["in0"], a["kernel"], _pool_stride(a), a["padding"],
-                                         count_include_pad=True),
+                                         ceil_mode=a["ceil_mode"],
+                                         count_include_pad=a["count_include_pad"]),
+    "maxpool1d": lambda t, a: F.max_pool1d(t["in0"], a["kernel"], _pool_stride(a),
+                                           a["padding"], ceil_mode=a["ceil_mode"]),
+    "avgpool1d": lambda t, a: F.avg_pool1d(t["in0"], a["kernel"], _pool_stride(a),
+                                           a["padding"], ceil_mode=a["ceil_mode"],
+                                           count_include_pad=a["count_include_pad"]),
+    "maxpool3d": lambda t, a: F.max_pool3d(t["in0"], _nd(a["kernel"]), _nd(_pool_stride(a)),
+                                           _nd(a["padding"]), ceil_mode=a["ceil_mode"]),
+    "avgpool3d": lambda t, a: F.avg_pool3d(t["in0"], _nd(a["kernel"]), _nd(_pool_stride(a)),
+                                           _nd(a["padding"]), ceil_mode=a["ceil_mode"],
+                                           count_include_pad=a["count_include_pad"]),
+    "global_maxpool": lambda t, a: t["in0"].amax(tuple(range(2, t["in0"].dim())), keepdim=True),
+    "adaptive_avgpool": lambda t, a: _adaptive(F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                                               F.adaptive_avg_pool3d, t["in0"],
+                                               a["output_size"]),
+    "adaptive_maxpool": lambda t, a: _adaptive(F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+                                               F.adaptive_max_pool3d, t["in0"],
+                                               a["output_size"]),
     "global_avgpool": lambda t, a: t["in0"].mean((2, 3), keepdim=True),
     "relu": lambda t, a: F.relu(t["in0"]),
     "leaky_relu": lambda t, a: F.leaky_relu(t["in0"], a["slope"]),
@@ -91,6 +110,16 @@ TORCH = {
     "expand": lambda t, a: t["in0"].expand(*a["shape"]),
     "gather": lambda t, a: _gather(t["in0"], t["in1"], a["axis"]),
 }
+
+
+def _nd(v, d=3):
+    v = tuple(v) if isinstance(v, tuple) else (v,)
+    return v * d if len(v) == 1 else v
+
+
+def _adaptive(f1, f2, f3, x, size):
+    d = x.dim() - 2
+    return (f1, f2, f3)[d - 1](x, _nd(size, d))
 
 
 def _slice(x, a):
@@ -195,6 +224,17 @@ def test_conv2d_matches_torch_on_random_geometry(groups, k, s, p, d, cmul, extra
     compare_with_torch("conv2d", [(2, groups * cmul, size, size + 1)],
                        {"out_channels": groups * 2, "kernel": k, "stride": s, "padding": p,
                         "dilation": d, "groups": groups, "bias": bias}, {})
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["maxpool", "avgpool"]), st.integers(1, 4), st.integers(1, 3),
+       st.data(), st.booleans(), st.booleans())
+def test_pools_match_torch_on_random_geometry(op, k, s, data, ceil, include_pad):
+    p = data.draw(st.integers(0, k // 2))
+    h, w = data.draw(st.integers(k, k + 5)), data.draw(st.integers(k, k + 5))
+    compare_with_torch(op, [(2, 2, h, w)], {"kernel": k, "stride": s, "padding": p,
+                                            "ceil_mode": ceil,
+                                            "count_include_pad": include_pad}, {})
 
 
 def regression_graph():

@@ -99,6 +99,12 @@ TORCH = {
     "selu": lambda t, a: F.selu(t["in0"]),
     "softplus": lambda t, a: F.softplus(t["in0"], a["beta"], a["threshold"]),
     "prelu": lambda t, a: F.prelu(t["in0"], t["out.weight"]),
+    # padding and resizing
+    "pad": lambda t, a: F.pad(t["in0"], a["pads"], a["mode"],
+                              a["value"] if a["mode"] == "constant" else None),
+    "upsample": lambda t, a: F.interpolate(
+        t["in0"], size=a["size"], scale_factor=a["scale_factor"], mode=a["mode"],
+        align_corners=None if a["mode"] == "nearest" else a["align_corners"]),
     # reductions
     "sum": lambda t, a: t["in0"].sum(a["axis"], keepdim=a["keepdims"]),
     "amax": lambda t, a: t["in0"].amax(a["axis"], keepdim=a["keepdims"]),

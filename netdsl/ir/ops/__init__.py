@@ -12,6 +12,7 @@ from netdsl.ir.ops import (  # noqa: F401
     optim,
     pool,
     reduce,
+    resize,
     shape_ops,
     sources,
 )

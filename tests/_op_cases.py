@@ -89,6 +89,17 @@ OP_CASES = [
     ("upsample", [(2, 3, 5)], {"scale_factor": 1.5, "mode": "linear"}, {}, ()),
     ("upsample", [(1, 2, 2, 3, 2)], {"size": (3, 5, 4), "mode": "trilinear"}, {}, ()),
     ("upsample", [(1, 2, 2, 3, 2)], {"scale_factor": 3.0}, {}, ()),
+    # normalisation
+    ("layernorm", [(2, 3, 4)], {"axis": -2}, {}, ()),
+    ("layernorm", [(2, 3, 2, 2)], {"axis": 1, "affine": False}, {}, ()),
+    ("groupnorm", [(2, 6, 3)], {"num_groups": 3}, {}, ()),
+    ("groupnorm", [(2, 4, 2, 3)], {"num_groups": 2, "affine": False}, {}, ()),
+    ("groupnorm", [(3, 4)], {"num_groups": 1}, {}, ()),
+    ("instancenorm", [(2, 3, 5)], {"affine": True, "eps": 1e-3}, {}, ()),
+    ("instancenorm", [(2, 3, 2, 3)], {}, {}, ()),
+    ("rmsnorm", [(2, 3, 5)], {}, {}, ()),
+    ("rmsnorm", [(2, 3, 4)], {"axis": 1, "eps": 1e-3}, {}, ()),
+    ("rmsnorm", [(4, 5)], {"affine": False}, {}, ()),
     # shape
     ("squeeze", [(2, 1, 3, 1)], {"axis": (1, 3)}, {}, ()),
     ("squeeze", [(2, 1, 3)], {"axis": 1}, {}, ()),

@@ -9,6 +9,7 @@ from netdsl.ir.ops import (  # noqa: F401
     elementwise,
     loss,
     norm,
+    norm_group,
     optim,
     pool,
     reduce,

@@ -79,3 +79,20 @@ def test_gather_takes_negative_indices_and_rejects_out_of_range_ones():
     with pytest.raises(NetdslError, match=r"gather %out: index 5 is out of range; valid "
                                           r"values are -5 to 4"):
         ex.run({"in1": np.array([-1, 5, 2]), "r": r}, training=False)
+
+
+def test_cross_entropy_rejects_out_of_range_labels_but_skips_ignored_ones():
+    src = """network t {
+  input x: f32[N, 3]
+  input y: i64[N]
+  loss softmax_cross_entropy(x, y, ignore_index=-1)
+}"""
+    g = netdsl.loads(src).graph.bind(3)
+    ex = Executor(g, "numpy", dtype="f64")
+    x = np.random.default_rng(0).standard_normal((3, 3))
+    ok = ex.run({"x": x, "y": np.array([2, -1, 0])}, training=False)["loss"][0]
+    lp = x - np.log(np.exp(x).sum(1, keepdims=True))
+    assert np.isclose(ok, -(lp[0, 2] + lp[2, 0]) / 2)
+    with pytest.raises(NetdslError, match=r"softmax_cross_entropy %softmax_cross_entropy: "
+                                          r"label 3 is out of range for 3 classes"):
+        ex.run({"x": x, "y": np.array([2, 3, 0])}, training=False)

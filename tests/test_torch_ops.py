@@ -62,8 +62,14 @@ TORCH = {
     "linear": lambda t, a: F.linear(t["in0"], t["out.weight"], t.get("out.bias")),
     "matmul": lambda t, a: torch.matmul(t["in0"], t["in1"]),
     "embedding": lambda t, a: F.embedding(t["in0"], t["out.weight"]),
-    "softmax_cross_entropy": lambda t, a: F.cross_entropy(
-        t["in0"].reshape(-1, t["in0"].shape[-1]), t["in1"].reshape(-1)),
+    "softmax_cross_entropy": lambda t, a: _class_loss(F.cross_entropy, t, a,
+                                                      label_smoothing=a["label_smoothing"]),
+    "nll": lambda t, a: _class_loss(F.nll_loss, t, a),
+    "l1": lambda t, a: F.l1_loss(t["in0"], t["in1"], reduction=a["reduction"]),
+    "smooth_l1": lambda t, a: F.smooth_l1_loss(t["in0"], t["in1"], reduction=a["reduction"],
+                                               beta=a["beta"]),
+    "bce_with_logits": lambda t, a: F.binary_cross_entropy_with_logits(
+        t["in0"], t["in1"], reduction=a["reduction"]),
     "mse": lambda t, a: F.mse_loss(t["in0"], t["in1"]),
     "batchnorm": lambda t, a: F.batch_norm(
         t["in0"], t["out.running_mean"], t["out.running_var"], t.get("out.weight"),
@@ -122,6 +128,14 @@ TORCH = {
     "expand": lambda t, a: t["in0"].expand(*a["shape"]),
     "gather": lambda t, a: _gather(t["in0"], t["in1"], a["axis"]),
 }
+
+
+def _class_loss(f, t, a, **kw):
+    x, y = t["in0"], t["in1"]
+    w = None if a["weight"] is None else torch.tensor(a["weight"], dtype=x.dtype)
+    out = f(x.reshape(-1, x.shape[-1]), y.reshape(-1), weight=w,
+            ignore_index=a["ignore_index"], reduction=a["reduction"], **kw)
+    return out.reshape(y.shape) if a["reduction"] == "none" else out
 
 
 def _nd(v, d=3):

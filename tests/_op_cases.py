@@ -119,6 +119,15 @@ OP_CASES = [
     ("smooth_l1", [(3, 4), (3, 4)], {"reduction": "sum"}, {}, ()),
     ("bce_with_logits", [(3, 4), (3, 4)], {}, {}, ()),
     ("bce_with_logits", [(3, 4), (3, 4)], {"reduction": "none"}, {}, ()),
+    # attention
+    ("scaled_dot_product_attention", [(2, 4, 3), (2, 5, 3), (2, 5, 2)], {}, {}, ()),
+    ("scaled_dot_product_attention", [(2, 2, 4, 3), (2, 2, 4, 3), (2, 2, 4, 5)],
+     {"causal": True}, {}, ()),
+    ("scaled_dot_product_attention", [(1, 3, 2), (1, 4, 2), (1, 4, 2)],
+     {"causal": True, "scale": 0.3}, {}, ()),
+    # (a finite fill value: -inf would make the test's weighted loss infinite)
+    ("causal_mask", [(2, 4, 4)], {"value": -3.0}, {}, ()),
+    ("causal_mask", [(2, 3, 5)], {"value": 0.0}, {}, ()),
     # shape
     ("squeeze", [(2, 1, 3, 1)], {"axis": (1, 3)}, {}, ()),
     ("squeeze", [(2, 1, 3)], {"axis": 1}, {}, ()),

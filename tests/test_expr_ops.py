@@ -96,3 +96,21 @@ def test_cross_entropy_rejects_out_of_range_labels_but_skips_ignored_ones():
     with pytest.raises(NetdslError, match=r"softmax_cross_entropy %softmax_cross_entropy: "
                                           r"label 3 is out of range for 3 classes"):
         ex.run({"x": x, "y": np.array([2, 3, 0])}, training=False)
+
+
+def test_causal_mask_and_softmax_equal_the_fused_causal_attention():
+    src = """network t {
+  input q: f32[N, 5, 4]
+  input k: f32[N, 5, 4]
+  input v: f32[N, 5, 3]
+  s = matmul(q, transpose(k)) * 0.5
+  manual = matmul(softmax(causal_mask(s)), v)
+  fused = scaled_dot_product_attention(q, k, v, causal=true)
+  output manual, fused
+}"""
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal((2, 5, 4 if n != "v" else 3)) for n in "qkv"}
+    _, (manual, fused) = forward(src, feeds)
+    np.testing.assert_allclose(manual, fused, rtol=1e-12)
+    # query 0 sees only key 0
+    np.testing.assert_allclose(fused[:, 0], feeds["v"][:, 0], rtol=1e-12)

@@ -117,6 +117,11 @@ TORCH = {
     "upsample": lambda t, a: F.interpolate(
         t["in0"], size=a["size"], scale_factor=a["scale_factor"], mode=a["mode"],
         align_corners=None if a["mode"] == "nearest" else a["align_corners"]),
+    # attention
+    "scaled_dot_product_attention": lambda t, a: F.scaled_dot_product_attention(
+        t["in0"], t["in1"], t["in2"], is_causal=a["causal"], scale=a["scale"]),
+    "causal_mask": lambda t, a: t["in0"].masked_fill(
+        torch.ones(t["in0"].shape[-2:], dtype=torch.bool).triu(1), a["value"]),
     # reductions
     "sum": lambda t, a: t["in0"].sum(a["axis"], keepdim=a["keepdims"]),
     "amax": lambda t, a: t["in0"].amax(a["axis"], keepdim=a["keepdims"]),

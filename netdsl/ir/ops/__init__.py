@@ -4,6 +4,7 @@ from netdsl.ir.ops import (  # noqa: F401
     activation,
     activation_fns,
     arith,
+    attention,
     conv,
     dense,
     elementwise,

@@ -2,6 +2,8 @@
 running statistics and the optimizers against torch.optim (skipped without torch)."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from _op_cases import OP_CASES
@@ -23,8 +25,12 @@ def _pool_stride(a):
 
 
 TORCH = {
-    "conv2d": lambda t, a: F.conv2d(t["in0"], t["out.weight"], t.get("out.bias"), a["stride"],
-                                    a["padding"], a["dilation"], a["groups"]),
+    "conv2d": lambda t, a: _conv(F.conv2d, 2, t, a),
+    "conv1d": lambda t, a: _conv(F.conv1d, 1, t, a),
+    "conv3d": lambda t, a: _conv(F.conv3d, 3, t, a),
+    "conv_transpose2d": lambda t, a: F.conv_transpose2d(
+        t["in0"], t["out.weight"], t.get("out.bias"), a["stride"], a["padding"],
+        a["output_padding"], a["groups"], a["dilation"]),
     "maxpool": lambda t, a: F.max_pool2d(t["in0"], a["kernel"], _pool_stride(a), a["padding"],
                                          ceil_mode=a["ceil_mode"]),
     "avgpool": lambda t, a: F.avg_pool2d(t["in0"], a["kernel"], _pool_stride(a), a["padding"],
@@ -133,6 +139,20 @@ TORCH = {
     "expand": lambda t, a: t["in0"].expand(*a["shape"]),
     "gather": lambda t, a: _gather(t["in0"], t["in1"], a["axis"]),
 }
+
+
+def _conv(f, d, t, a):
+    """torch's convN, with netdsl's (begins..., ends...) padding applied by F.pad first."""
+    x, p = t["in0"], a["padding"]
+    if isinstance(p, tuple) and len(p) == 2 * d:
+        widths = []
+        for i in reversed(range(d)):  # F.pad: last dim first
+            widths += [p[i], p[d + i]]
+        x, p = F.pad(x, widths), 0
+    with warnings.catch_warnings():  # torch: "same" with an even kernel copies the input
+        warnings.simplefilter("ignore", UserWarning)
+        return f(x, t["out.weight"], t.get("out.bias"), _nd(a["stride"], d), p,
+                 _nd(a["dilation"], d), a["groups"])
 
 
 def _class_loss(f, t, a, **kw):
@@ -266,6 +286,20 @@ def test_pools_match_torch_on_random_geometry(op, k, s, data, ceil, include_pad)
     compare_with_torch(op, [(2, 2, h, w)], {"kernel": k, "stride": s, "padding": p,
                                             "ceil_mode": ceil,
                                             "count_include_pad": include_pad}, {})
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2),
+       st.integers(1, 2), st.data(), st.booleans())
+def test_conv_transpose2d_matches_torch_on_random_geometry(groups, k, s, p, d, data, bias):
+    op = data.draw(st.integers(0, max(s, d) - 1))
+    size = data.draw(st.integers(1, 4))
+    if (size - 1) * s - 2 * p + d * (k - 1) + op + 1 < 1:
+        return
+    compare_with_torch("conv_transpose2d", [(2, groups * 2, size, size + 1)],
+                       {"out_channels": groups, "kernel": k, "stride": s, "padding": p,
+                        "output_padding": op, "dilation": d, "groups": groups,
+                        "bias": bias}, {})
 
 
 def regression_graph():

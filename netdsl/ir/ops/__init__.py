@@ -6,6 +6,7 @@ from netdsl.ir.ops import (  # noqa: F401
     arith,
     attention,
     conv,
+    conv_nd,
     dense,
     elementwise,
     loss,

@@ -37,8 +37,8 @@ def _class_loss_shape(op):
             raise ShapeError(f"{op} expects integer class labels, but {{labels}} is {labels}")
         if logits.rank < 2 or labels.shape != logits.shape[:-1]:
             raise ShapeError(f"{op} expects labels shaped like the logits without the class "
-                             f"(last) dimension, but {{logits}} is {logits} and {{labels}} "
-                             f"is {labels}")
+                             f"dimension, but {{logits}} is {logits} and {{labels}} is "
+                             f"{labels} (classes are the last dimension)")
         k = logits.shape[-1]
         if a["weight"] is not None and len(a["weight"]) != k:
             raise ShapeError(f"{op}: {len(a['weight'])} class weights for {k} classes")

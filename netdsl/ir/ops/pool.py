@@ -62,13 +62,14 @@ def _pool_shape(op, d):
             raise ShapeError(f"{op}: padding {a['padding']} is more than half the kernel "
                              f"{a['kernel']}")
         out = []
+        names = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}[d]
         for i, (n, ki, si, pi) in enumerate(zip(x.shape[2:], k, s, p)):
             if not isinstance(n, int):
-                raise ShapeError(f"{op}: spatial dimension {i} must be static, got {n}")
+                raise ShapeError(f"{op}: the {names[i]} dimension must be static, got {n}")
             o = pool_out(n, ki, si, pi, a["ceil_mode"])
             if o < 1:
-                raise ShapeError(f"{op}: a size of {n} is too small for kernel {ki} with "
-                                 f"padding {pi}; {{x}} would become empty")
+                raise ShapeError(f"{op}: a {names[i]} of {n} is too small for kernel {ki} "
+                                 f"with padding {pi}; {{x}} would become empty")
             out.append(o)
         return TensorType(x.shape[:2] + tuple(out), x.dtype)
     return shape

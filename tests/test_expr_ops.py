@@ -114,3 +114,23 @@ def test_causal_mask_and_softmax_equal_the_fused_causal_attention():
     np.testing.assert_allclose(manual, fused, rtol=1e-12)
     # query 0 sees only key 0
     np.testing.assert_allclose(fused[:, 0], feeds["v"][:, 0], rtol=1e-12)
+
+
+def test_builtin_max_and_min_are_element_wise_on_tensors():
+    src = """network t {
+  input x: f32[N, 4]
+  input z: f32[N, 4]
+  a = max(x, 0)
+  b = min(x, z, 0.5)
+  k = max(3, 7)
+  output a, b
+}"""
+    rng = np.random.default_rng(2)
+    x, z = rng.standard_normal((2, 4)), rng.standard_normal((2, 4))
+    g, (a, b) = forward(src, {"x": x, "z": z})
+    np.testing.assert_array_equal(a, np.maximum(x, 0))
+    np.testing.assert_array_equal(b, np.minimum(np.minimum(x, z), 0.5))
+    assert len(g.by_op("maximum")) == 1 and len(g.by_op("minimum")) == 2
+    with pytest.raises(NetdslError, match=r"max\(\) of a tensor needs a second argument; "
+                                          r"for a reduction use amax"):
+        netdsl.loads("network t {\n  input x: f32[N, 4]\n  a = max(x)\n  output a\n}")

@@ -722,6 +722,8 @@ def _builtins(el: Elaborator) -> dict:
     def minmax(fn):
         def f(args, kw, e):
             vals = args[0] if len(args) == 1 and isinstance(args[0], tuple) else args
+            if any(isinstance(v, Tensor) for v in vals):  # element-wise on tensors
+                return tensor_arith.minmax(el, fn.__name__, vals, e)
             if not vals or not all(_is_num(v) for v in vals):
                 raise el.error(f"{fn.__name__}() takes numbers", e.loc)
             return fn(vals)

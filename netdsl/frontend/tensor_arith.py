@@ -5,7 +5,8 @@ for the wider operator set (axes, floats, padding).
 (`+ - * / **`, comparisons give bool masks); a tensor and a number use `scale` for
 `x * k` and `x / k` (as before), and otherwise a scalar constant - a `fill` node of shape
 () and the tensor's element type - and the broadcasting operator: `x - 1`, `1 - x`,
-`2 / x`, `h ** 2`, `x > 0`.
+`2 / x`, `h ** 2`, `x > 0`. The builtins `max` and `min` with a tensor argument are
+element-wise (`max(x, 0)`), through `minmax`.
 """
 from __future__ import annotations
 
@@ -37,6 +38,30 @@ def binop(el, e, a, b):
                        "use cast() to make the tensor floating-point first", e.loc)
     const = el.emit("fill", [], {"shape": (), "value": float(k), "dtype": t.type.dtype}, e.loc)
     return el.emit(op, [a, const] if t is a else [const, b], {}, e.loc)
+
+
+def minmax(el, name: str, vals, e):
+    """The builtins `max(a, b, ...)` / `min(...)` with a tensor among the arguments: a chain
+    of element-wise `maximum` / `minimum` (numbers become scalar constants)."""
+    op = {"max": "maximum", "min": "minimum"}[name]
+    like = next(v for v in vals if isinstance(v, Tensor))
+    parts = []
+    for v in vals:
+        if isinstance(v, Tensor):
+            parts.append(v)
+        elif _is_num(v) and (like.type.is_float or isinstance(v, int)):
+            parts.append(el.emit("fill", [], {"shape": (), "value": float(v),
+                                              "dtype": like.type.dtype}, e.loc))
+        else:
+            raise el.error(f"{name}() of tensors takes tensors and numbers, not "
+                           f"{kind_of(v)}", e.loc)
+    if len(parts) < 2:
+        raise el.error(f"{name}() of a tensor needs a second argument; for a reduction use "
+                       f"a{'max' if name == 'max' else 'min'}(x, axis)", e.loc)
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = el.emit(op, [acc, p], {}, e.loc)
+    return acc
 
 
 EXTRA_KINDS = ("axes", "floats", "padding")

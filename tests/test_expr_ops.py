@@ -134,3 +134,15 @@ def test_builtin_max_and_min_are_element_wise_on_tensors():
     with pytest.raises(NetdslError, match=r"max\(\) of a tensor needs a second argument; "
                                           r"for a reduction use amax"):
         netdsl.loads("network t {\n  input x: f32[N, 4]\n  a = max(x)\n  output a\n}")
+
+
+def test_gather_elements_selects_per_example():
+    src = """network t {
+  input x: f32[N, 5]
+  input i: i64[N, 2]
+  y = gather_elements(x, i, axis=1)
+  output y
+}"""
+    x = np.arange(10.0).reshape(2, 5)
+    _, (y,) = forward(src, {"x": x, "i": np.array([[4, 0], [1, 1]])})
+    np.testing.assert_array_equal(y, [[4.0, 0.0], [6.0, 6.0]])

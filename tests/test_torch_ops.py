@@ -53,7 +53,7 @@ TORCH = {
     "adaptive_maxpool": lambda t, a: _adaptive(F.adaptive_max_pool1d, F.adaptive_max_pool2d,
                                                F.adaptive_max_pool3d, t["in0"],
                                                a["output_size"]),
-    "global_avgpool": lambda t, a: t["in0"].mean((2, 3), keepdim=True),
+    "global_avgpool": lambda t, a: t["in0"].mean(tuple(range(2, t["in0"].dim())), keepdim=True),
     "relu": lambda t, a: F.relu(t["in0"]),
     "leaky_relu": lambda t, a: F.leaky_relu(t["in0"], a["slope"]),
     "gelu": lambda t, a: F.gelu(t["in0"], approximate=a["approximate"]),
@@ -76,7 +76,7 @@ TORCH = {
                                                beta=a["beta"]),
     "bce_with_logits": lambda t, a: F.binary_cross_entropy_with_logits(
         t["in0"], t["in1"], reduction=a["reduction"]),
-    "mse": lambda t, a: F.mse_loss(t["in0"], t["in1"]),
+    "mse": lambda t, a: F.mse_loss(t["in0"], t["in1"], reduction=a["reduction"]),
     "batchnorm": lambda t, a: F.batch_norm(
         t["in0"], t["out.running_mean"], t["out.running_var"], t.get("out.weight"),
         t.get("out.bias"), training=True, momentum=a["momentum"], eps=a["eps"]),
@@ -138,6 +138,7 @@ TORCH = {
     "unsqueeze": lambda t, a: t["in0"].unsqueeze(a["axis"]),
     "expand": lambda t, a: t["in0"].expand(*a["shape"]),
     "gather": lambda t, a: _gather(t["in0"], t["in1"], a["axis"]),
+    "gather_elements": lambda t, a: torch.gather(t["in0"], a["axis"], t["in1"]),
 }
 
 

@@ -100,18 +100,11 @@ for _name, _extra, _doc in (
                    doc=f"d {_name} / d pred (wrt=0) or d target (wrt=1)"))
 
 
-def _mse_shape(ins, a):
-    p, t = ins
-    need_float(p, "mse", "pred")
-    if p.shape != t.shape or p.dtype != t.dtype:
-        raise ShapeError(f"mse expects prediction and target of one type, but {{pred}} is "
-                         f"{p} and {{target}} is {t}")
-    return TensorType((), p.dtype)
-
-
-register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor")), _mse_shape, "loss",
+register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor"),
+                       Arg("reduction", "str", "mean", choices=_REDUCTIONS)),
+               _pair_loss_shape("mse"), "loss",
                flops=lambda ins, out, a: 3 * ins[0].numel(), retains=("inputs",),
-               doc="mean squared error over all elements"))
+               doc="squared error (pred - target)^2, reduced (the mean by default)"))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -134,9 +127,10 @@ register(OpDef("nll_grad", (Arg("dy", "tensor"), Arg("labels", "tensor"),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
                flops=lambda ins, out, a: out.numel(), differentiable=False,
                doc="d(logp) = -dy * weight[label] * onehot / denominator"))
-register(OpDef("mse_grad", (Arg("dy", "tensor"), Arg("pred", "tensor"), Arg("target", "tensor")),
+register(OpDef("mse_grad", (Arg("dy", "tensor"), Arg("pred", "tensor"), Arg("target", "tensor"),
+                            Arg("reduction", "str", "mean", choices=_REDUCTIONS)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 3 * out.numel(),
-               differentiable=False, doc="d(pred) = dy * 2 (pred - target) / numel"))
+               differentiable=False, doc="d(pred) = dy * 2 (pred - target) (/ numel for mean)"))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -330,13 +324,15 @@ def _bce_grad(xp, ins, a, ctx):
 @kernel("mse")
 def _mse(xp, ins, a, ctx):
     d = ins[0] - ins[1]
-    return (d * d).mean()
+    return _pair_reduce(xp, d * d, a)
 
 
 @kernel("mse_grad")
 def _mse_grad(xp, ins, a, ctx):
     dy, p, t = ins
-    return (p - t) * (dy * (2.0 / p.size))
+    if a["reduction"] == "mean":
+        return (p - t) * (dy * (2.0 / p.size))
+    return (p - t) * (dy * 2.0)
 
 
 # -- gradient rules ---------------------------------------------------------------------------
@@ -376,5 +372,6 @@ for _name in ("l1", "smooth_l1", "bce_with_logits"):
 
 @grad_rule("mse")
 def _mse_rule(n, b, gy):
-    dp = b.emit("mse_grad", [gy, n.inputs[0], n.inputs[1]], tag="pred")
+    dp = b.emit("mse_grad", [gy, n.inputs[0], n.inputs[1]],
+                {"reduction": n.attrs["reduction"]}, tag="pred")
     return [dp, b.emit("scale", [dp], {"factor": -1.0}, tag="target")]

@@ -13,7 +13,7 @@ from netdsl.ir.types import TensorType
 
 def _bn_shape(ins, a):
     (x,) = ins
-    need_rank(x, "batchnorm", (2, 3, 4))
+    need_rank(x, "batchnorm", (2, 3, 4, 5))
     need_float(x, "batchnorm")
     return x
 

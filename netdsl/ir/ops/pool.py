@@ -117,9 +117,7 @@ for _suffix, _d in _DIMS.items():
 def _global_shape(op):
     def shape(ins, a):
         (x,) = ins
-        if op == "global_avgpool":
-            need_rank(x, op, (4,))
-        elif x.rank < 3:
+        if x.rank < 3:
             raise ShapeError(f"{op} expects an (N, C, spatial...) input, but {{x}} is {x}")
         need_float(x, op)
         return TensorType(x.shape[:2] + (1,) * (x.rank - 2), x.dtype)
@@ -128,7 +126,8 @@ def _global_shape(op):
 
 register(OpDef("global_avgpool", (Arg("x", "tensor"),), _global_shape("global_avgpool"), "pool",
                flops=lambda ins, out, a: ins[0].numel(),
-               doc="mean over height and width: [N, C, H, W] -> [N, C, 1, 1]"))
+               doc="mean over every spatial dimension: [N, C, H, W] -> [N, C, 1, 1] (and "
+                   "likewise for 1-d and 3-d)"))
 register(OpDef("global_maxpool", (Arg("x", "tensor"),), _global_shape("global_maxpool"), "pool",
                flops=lambda ins, out, a: ins[0].numel(), retains=("inputs", "output"),
                doc="maximum over every spatial dimension: [N, C, ...] -> [N, C, 1, ...] "
@@ -167,7 +166,7 @@ for _mode in ("avg", "max"):
 register(OpDef("global_avgpool_grad", (Arg("dy", "tensor"), Arg("shape", "shape")),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype),
                "backward", flops=lambda ins, out, a: out.numel(), differentiable=False,
-               doc="spread dy evenly over height and width"))
+               doc="spread dy evenly over the spatial dimensions"))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -284,14 +283,18 @@ for _suffix in _DIMS:
 
 @kernel("global_avgpool")
 def _gap(xp, ins, a, ctx):
-    return ins[0].mean(axis=(2, 3), keepdims=True)
+    x = ins[0]
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
 
 
 @kernel("global_avgpool_grad")
 def _gap_grad(xp, ins, a, ctx):
     dy = ins[0]
-    shape = tuple(a["shape"])
-    return xp.ascontiguousarray(xp.broadcast_to(dy * (1.0 / (shape[2] * shape[3])),
+    shape = tuple(int(d) for d in a["shape"])
+    count = 1
+    for d in shape[2:]:
+        count *= d
+    return xp.ascontiguousarray(xp.broadcast_to(dy * (1.0 / count),
                                                 (dy.shape[0],) + shape[1:]))
 
 

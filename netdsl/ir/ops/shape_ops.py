@@ -209,11 +209,37 @@ register(OpDef("gather", (Arg("x", "tensor"), Arg("index", "tensor"), Arg("axis"
                    "negative indices count from the end)"))
 
 
+def _gather_elements_shape(ins, a):
+    x, idx = ins
+    if idx.dtype not in ("i32", "i64"):
+        raise ShapeError(f"gather_elements expects integer indices, but {{index}} is {idx}")
+    ax = norm_axis(a["axis"], x.rank, "gather_elements")
+    if idx.rank != x.rank or any(idx.shape[d] != x.shape[d] for d in range(x.rank)
+                                 if d != ax):
+        raise ShapeError(f"gather_elements: {{index}} ({idx}) must have the shape of {{x}} "
+                         f"({x}) except along axis {a['axis']}")
+    if ax == 0 and x.shape[0] == "N":
+        raise ShapeError("gather_elements along the batch dimension is not supported")
+    return TensorType(idx.shape, x.dtype)
+
+
+register(OpDef("gather_elements", (Arg("x", "tensor"), Arg("index", "tensor"),
+                                   Arg("axis", "axis")),
+               _gather_elements_shape, "shape", retains=("input1",),
+               doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` "
+                   "(torch.gather, ONNX GatherElements): per-example selection"))
+
+
 # -- backward operator ------------------------------------------------------------------------
 register(OpDef("slice_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
                               Arg("start", "int"), Arg("step", "int", 1)),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
                differentiable=False, doc="zeros of x's shape with dy placed at [start::step]"))
+register(OpDef("gather_elements_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),
+                                        Arg("shape", "shape"), Arg("axis", "axis")),
+               lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
+               differentiable=False, flops=lambda ins, out, a: ins[0].numel(),
+               doc="scatter-add dy into zeros of x's shape at the indices along `axis`"))
 register(OpDef("gather_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),
                                Arg("shape", "shape"), Arg("axis", "axis", 0)),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
@@ -314,6 +340,34 @@ def checked_indices(xp, idx, size, ctx, negative=True, what="index"):
     return idx
 
 
+def _element_index(xp, idx, ax):
+    """The full advanced index that `take_along_axis(x, idx, ax)` reads."""
+    out = []
+    for d, n in enumerate(idx.shape):
+        if d == ax:
+            out.append(idx)
+        else:
+            out.append(xp.arange(n).reshape((n,) + (1,) * (idx.ndim - d - 1)))
+    return tuple(out)
+
+
+@kernel("gather_elements")
+def _gather_elements(xp, ins, a, ctx):
+    x, idx = ins
+    ax = a["axis"] % x.ndim
+    return xp.take_along_axis(x, checked_indices(xp, idx, x.shape[ax], ctx), axis=ax)
+
+
+@kernel("gather_elements_grad")
+def _gather_elements_grad(xp, ins, a, ctx):
+    dy, idx = ins
+    shape = tuple(int(d) for d in a["shape"])
+    ax = a["axis"] % len(shape)
+    dx = xp.zeros(shape, dtype=dy.dtype)
+    xp.add.at(dx, _element_index(xp, checked_indices(xp, idx, shape[ax], ctx), ax), dy)
+    return dx
+
+
 @kernel("gather")
 def _gather(xp, ins, a, ctx):
     x, idx = ins
@@ -384,6 +438,13 @@ grad_rule("unsqueeze")(_back_to_input)
 @grad_rule("expand")
 def _expand_rule(n, b, gy):
     return [b.emit("sum_to", [gy], {"shape": b.type(n.inputs[0]).shape})]
+
+
+@grad_rule("gather_elements")
+def _gather_elements_rule(n, b, gy):
+    x, idx = n.inputs
+    return [b.emit("gather_elements_grad", [gy, idx], {"shape": b.type(x).shape,
+                                                       "axis": n.attrs["axis"]}), None]
 
 
 @grad_rule("gather")

@@ -303,6 +303,43 @@ def test_conv_transpose2d_matches_torch_on_random_geometry(groups, k, s, p, d, d
                         "bias": bias}, {})
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["nearest", "bilinear"]), st.booleans(), st.integers(1, 7),
+       st.integers(1, 7), st.data())
+def test_upsample_matches_torch_on_random_sizes(mode, align, h, w, data):
+    if data.draw(st.booleans()):
+        attrs = {"size": (data.draw(st.integers(1, 13)), data.draw(st.integers(1, 13)))}
+    else:
+        attrs = {"scale_factor": data.draw(st.sampled_from([0.5, 1.5, 2.0, 3.0, 2.5]))}
+        if min(int(h * attrs["scale_factor"]), int(w * attrs["scale_factor"])) < 1:
+            return
+    attrs.update(mode=mode, align_corners=align and mode != "nearest")
+    compare_with_torch("upsample", [(1, 2, h, w)], attrs, {})
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(["adaptive_avgpool", "adaptive_maxpool"]), st.integers(1, 9),
+       st.integers(1, 9), st.integers(1, 5), st.integers(1, 5))
+def test_adaptive_pools_match_torch_on_random_sizes(op, h, w, oh, ow):
+    compare_with_torch(op, [(2, 2, h, w)], {"output_size": (oh, ow)}, {})
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(["conv1d", "conv3d"]), st.integers(1, 2), st.integers(1, 3),
+       st.integers(1, 2), st.integers(1, 2), st.data())
+def test_conv_nd_matches_torch_on_random_geometry(op, groups, k, s, d, data):
+    dims = 1 if op == "conv1d" else 3
+    same = data.draw(st.booleans()) and s == 1
+    p = "same" if same else data.draw(st.integers(0, 2))
+    eff = d * (k - 1) + 1
+    size = tuple(max(1, eff - (0 if same else 2 * p)) + data.draw(st.integers(0, 2))
+                 for _ in range(dims))
+    compare_with_torch(op, [(2, 2 * groups) + size],
+                       {"out_channels": groups, "kernel": k, "stride": s, "padding": p,
+                        "dilation": d, "groups": groups, "bias": data.draw(st.booleans())},
+                       {})
+
+
 def regression_graph():
     from test_executor import regression
     return regression()

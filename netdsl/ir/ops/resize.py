@@ -82,14 +82,13 @@ def _pad(xp, ins, a, ctx):
 
 def _scatter_axis(xp, g, ax, idx, n, weight=None):
     """The adjoint of `take(x, idx, axis=ax)` (times `weight` per output position)."""
-    shape = list(g.shape)
-    shape[ax] = n
-    out = xp.zeros(tuple(shape), dtype=g.dtype)
     gm = xp.moveaxis(g, ax, 0)
     if weight is not None:
         gm = gm * weight.reshape((-1,) + (1,) * (gm.ndim - 1))
-    xp.add.at(xp.moveaxis(out, ax, 0), idx, gm)
-    return out
+    # scatter into a contiguous array (the axis first), then move the axis back
+    out = xp.zeros((n,) + gm.shape[1:], dtype=g.dtype)
+    xp.add.at(out, idx, gm)
+    return xp.ascontiguousarray(xp.moveaxis(out, 0, ax))
 
 
 @kernel("pad_grad")

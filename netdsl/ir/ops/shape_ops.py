@@ -381,12 +381,13 @@ def _gather_grad(xp, ins, a, ctx):
     shape = tuple(int(d) for d in a["shape"])
     ax = a["axis"] % len(shape)
     idx = checked_indices(xp, idx, shape[ax], ctx)
-    dx = xp.zeros(shape, dtype=dy.dtype)
-    # move the gathered axis first: dy [..., idx..., ...] -> [idx..., lead..., trail...]
+    # move the gathered axis first: dy [..., idx..., ...] -> [idx..., lead..., trail...],
+    # and scatter into a contiguous [size, lead..., trail...] array
     k = idx.ndim
     dyv = xp.moveaxis(dy, tuple(range(ax, ax + k)), tuple(range(k)))
-    xp.add.at(xp.moveaxis(dx, ax, 0), idx, dyv)  # repeated indices accumulate
-    return dx
+    dx = xp.zeros((shape[ax],) + shape[:ax] + shape[ax + 1:], dtype=dy.dtype)
+    xp.add.at(dx, idx, dyv)  # repeated indices accumulate
+    return xp.ascontiguousarray(xp.moveaxis(dx, 0, ax))
 
 
 # -- gradient rules ---------------------------------------------------------------------------

@@ -146,3 +146,18 @@ def test_gather_elements_selects_per_example():
     x = np.arange(10.0).reshape(2, 5)
     _, (y,) = forward(src, {"x": x, "i": np.array([[4, 0], [1, 1]])})
     np.testing.assert_array_equal(y, [[4.0, 0.0], [6.0, 6.0]])
+
+
+def test_manual_causal_attention_passes_check_numerics():
+    src = """network t {
+  input q: f32[N, 4, 3]
+  s = matmul(q, transpose(q))
+  p = softmax(causal_mask(s))
+  output p
+}"""
+    g = netdsl.loads(src).graph.bind(2)
+    q = np.random.default_rng(3).standard_normal((2, 4, 3))
+    (p,) = Executor(g, "numpy", dtype="f32", check_numerics=True).run(
+        {"q": q}, training=False)["output"]
+    assert (np.triu(np.ones((4, 4)), 1)[None] * p == 0).all()
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)

@@ -82,10 +82,12 @@ def _mask_shape(ins, a):
     return x
 
 
-register(OpDef("causal_mask", (Arg("x", "tensor"), Arg("value", "float", float("-inf"))),
+# the fill value is finite (a softmax still gives it weight exactly 0, since every row keeps
+# its diagonal), so that --check-numerics does not take the mask for an overflow
+register(OpDef("causal_mask", (Arg("x", "tensor"), Arg("value", "float", -1e9)),
                _mask_shape, "elementwise", flops=lambda ins, out, a: out.numel(),
-               doc="scores [..., L, S] with entry (i, j) set to `value` (-inf) where j > i, "
-                   "so a following softmax lets query i see keys 0..i"))
+               doc="scores [..., L, S] with entry (i, j) set to `value` where j > i, so a "
+                   "following softmax lets query i see keys 0..i"))
 register(OpDef("causal_mask_grad", (Arg("dy", "tensor"),), lambda ins, a: ins[0], "backward",
                flops=lambda ins, out, a: out.numel(), differentiable=False,
                doc="dy with the masked entries zeroed"))

@@ -104,7 +104,7 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     kaiming_normal: N(0, 2/fan_in) (torchvision ResNet conv init, fan_in mode, ReLU gain);
     kaiming_uniform: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's weight:
     kaiming_uniform_ with a=sqrt(5)); uniform_fan_in: the same bound (torch's bias init);
-    normal: N(0, 1) (nn.Embedding); zeros; ones.
+    normal: N(0, 1) (nn.Embedding); zeros; ones; constant (`value`, e.g. PReLU's 0.25).
     """
     shape = tuple(node.type.shape)
     init = node.attrs.get("init", "zeros")
@@ -114,6 +114,8 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
         v = np.zeros(shape)
     elif init == "ones":
         v = np.ones(shape)
+    elif init == "constant":
+        v = np.full(shape, float(node.attrs.get("value", 0.0)))
     elif init == "kaiming_normal":
         v = rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
     elif init in ("kaiming_uniform", "uniform_fan_in"):

@@ -119,10 +119,10 @@ register(OpDef(
     "prelu", (Arg("x", "tensor"), Arg("num_parameters", "int", 1)), _prelu_shape,
     "activation",
     # torch starts the slope at 0.25; the executor has no constant init yet, so 0 (a relu)
-    lambda ins, a: {"weight": ParamSpec((a["num_parameters"],), "zeros")},
+    lambda ins, a: {"weight": ParamSpec((a["num_parameters"],), "constant", value=0.25)},
     lambda ins, out, a: 2 * out.numel(), retains=("inputs", "weight"),
-    doc="x if x > 0 else weight * x; weight [num_parameters], one slope per channel "
-        "(dimension 1) or one shared"))
+    doc="x if x > 0 else weight * x; weight [num_parameters] starts at 0.25 as in torch, "
+        "one slope per channel (dimension 1) or one shared"))
 
 
 def _slope_shape(x, k):

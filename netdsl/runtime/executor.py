@@ -128,6 +128,10 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     return v.astype(dtype)
 
 
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:,.2f} GB"
+
+
 def _where(n: Node) -> str:
     return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
 
@@ -143,7 +147,8 @@ class Executor:
 
     def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
                  seed: int = 0, check_numerics: bool = False,
-                 state: dict[str, Any] | None = None, arena: bool = False):
+                 state: dict[str, Any] | None = None, arena: bool = False,
+                 budget_bytes: int | None = None):
         registry.load_all()
         if dtype not in ("f32", "f64"):
             raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
@@ -159,6 +164,7 @@ class Executor:
         self.seed = seed
         self.check_numerics = check_numerics
         self.arena = arena
+        self.budget_bytes = budget_bytes  # device bytes a run may hold (None: no limit)
         self._arenas: dict[tuple[str, ...], Any] = {}
         self.host_bytes_current = 0
         self.host_peak_bytes = 0
@@ -287,7 +293,16 @@ class Executor:
             self.host_bytes_current += sign * nbytes
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes_current)
         elif sign > 0:
-            self._alloc(self._dev(self.graph[name]), nbytes)
+            n = self.graph[name]
+            dev = self._dev(n)
+            self._alloc(dev, nbytes)
+            if self.budget_bytes is not None and self.bytes_by_device[dev] > self.budget_bytes:
+                raise NetdslError(
+                    f"out of the memory budget at {_where(n)}: device {dev} would hold "
+                    f"{_fmt(self.bytes_by_device[dev])}, over the {_fmt(self.budget_bytes)} "
+                    f"budget (this value is {_fmt(nbytes)}). Plan the step for this budget "
+                    f"(`netdsl plan ... --mem`), or give more memory or a smaller batch",
+                    loc=n.loc, stack=n.stack)
         else:
             self._free(self._dev(self.graph[name]), nbytes)
 

@@ -226,9 +226,9 @@ def graph(
             sys.stdout.write(to_dot(g, fold=not unfold, depth=depth))
 
 
-# -- netdsl run -------------------------------------------------------------------------------
-# in its own module (it registers itself on `app`); imported here, after the plumbing above
-from netdsl_cli import run_cmd  # noqa: E402,F401
+# -- netdsl run, export, import ---------------------------------------------------------------
+# each in its own module (it registers itself on `app`); imported here, after the plumbing above
+from netdsl_cli import onnx_cmd, run_cmd  # noqa: E402,F401
 
 
 def _version(value: bool) -> None:

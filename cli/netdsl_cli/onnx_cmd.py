@@ -81,3 +81,28 @@ def export(
         extra = f" (weights in {r.data_path})" if r.data_path else ""
         console().print(f"{r.path}: network {r.network}, batch {r.batch}, {r.nodes:,} ONNX "
                         f"nodes, {r.weights:,} weights, opset {r.opset}{extra}", soft_wrap=True)
+
+
+@app.command("import")
+def import_(
+    model: Annotated[Path, typer.Argument(help="an ONNX model", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="the .net file to write",
+                                         show_default=False)],
+    checkpoint: Annotated[Path | None, typer.Option(
+        "--checkpoint", help="where to write the weights (default: OUTPUT with .ckpt)")] = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Import an ONNX model as a readable .net file plus a checkpoint of its weights."""
+    with guard(json_output):
+        from netdsl.interop import require_onnx
+        from netdsl.interop.onnx_import import import_onnx
+        require_onnx()
+        r = import_onnx(model, output, checkpoint)
+        if json_output:
+            print_json(r.to_json())
+            return
+        console().print(f"{r.net_path}: network {r.network}, {r.lines} lines ({r.blocks} "
+                        f"blocks) for {r.calls:,} operators, {r.weights:,} weights in "
+                        f"{r.checkpoint}", soft_wrap=True)
+        console().print(f"train it: netdsl run {r.net_path} --checkpoint "
+                        f"{r.checkpoint.parent} --resume", soft_wrap=True)

@@ -176,3 +176,20 @@ def test_cli_says_which_extra_to_install(tmp_path, monkeypatch):
                               str(tmp_path / "m.onnx")])
     assert res.exit_code == 1
     assert "pip install 'netdsl[onnx]'" in res.output
+
+
+def test_docs_list_every_mapped_operator():
+    """docs/onnx.md's two operator tables name exactly the export and import tables' keys."""
+    import re
+    from pathlib import Path
+
+    from netdsl.interop.onnx_import_ops import IMPORTERS
+    text = (Path(__file__).resolve().parents[1] / "docs" / "onnx.md").read_text()
+    export_part, import_part = text.split("## Import", 1)
+    rows = lambda part: [ln.split("|")[1] for ln in part.splitlines()  # noqa: E731
+                         if ln.startswith("| ") and not ln.startswith("| netdsl")
+                         and not ln.startswith("| ONNX")]
+    exported = {op for cell in rows(export_part) for op in re.findall(r"`(\w+)`", cell)}
+    assert exported == set(onnx_export_ops.EXPORTERS)
+    imported = {op for cell in rows(import_part) for op in re.findall(r"\b([A-Z]\w+)", cell)}
+    assert imported == set(IMPORTERS) | {"Constant"}

@@ -1,11 +1,9 @@
-"""ONNX import: torchvision-style models exported by torch.onnx.export (skipped without
-torch) and netdsl's own exports come back as readable .net files with their weights, give
-the same outputs as onnxruntime, and train."""
+"""ONNX import without torch: netdsl's own exports and hand-built ONNX models come back as
+readable .net files with their weights, give the same outputs as onnxruntime, and train;
+unsupported operators are named. (PyTorch's models: test_onnx_import_torch.py.)"""
 from __future__ import annotations
 
 import json
-import types
-import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ import pytest
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from _examples import example_feeds, load  # noqa: E402
-from _onnx_helpers import assert_matches, calibrated_state, rel_err, run_ort  # noqa: E402
+from _onnx_helpers import assert_matches, calibrated_state, run_ort  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import netdsl  # noqa: E402
@@ -37,8 +35,7 @@ def check_against_onnx(onnx_path, r, batch=2, seed=0):
     net = netdsl.load(r.net_path)
     g = net.lower(batch)
     feeds = example_feeds(g, seed)
-    ort_feeds = {name: feeds[name] for name in feeds}
-    got = run_ort(onnx_path, _rename(onnx_path, ort_feeds))
+    got = run_ort(onnx_path, _rename(onnx_path, feeds))
     assert_matches(got, g, imported_state(r), feeds)
     return net, g, feeds
 
@@ -91,99 +88,6 @@ def test_round_trip_of_an_example(name, tmp_path):
         assert r.lines < 60 and "repeat 23 {" in text
 
 
-# -- models from PyTorch ----------------------------------------------------------------------
-
-torch = pytest.importorskip("torch")
-import _torch_models  # noqa: E402
-
-
-def exported(name, tmp_path, size=64, **kw):
-    path = tmp_path / f"{name}.onnx"
-    model = _torch_models.build(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _torch_models.export(model, path, size, **kw)
-    return model, path
-
-
-@pytest.mark.parametrize("name", sorted(_torch_models.MODELS))
-def test_reference_models_have_torchvision_parameter_counts(name):
-    m = _torch_models.MODELS[name]()
-    assert sum(p.numel() for p in m.parameters()) == _torch_models.PARAMS[name]
-
-
-@pytest.mark.torch
-def test_resnet18_imports_folded_matches_and_trains(tmp_path):
-    model, path = exported("resnet18", tmp_path)
-    out = tmp_path / "resnet18.net"
-    res = runner.invoke(app, ["import", str(path), "-o", str(out), "--json"])
-    assert res.exit_code == 0, res.output
-    info = json.loads(res.stdout)
-    stats = sum(b.numel() for k, b in model.named_buffers() if "running" in k)
-    assert info["network"] == "resnet18" and info["weights"] == 11_689_512 + stats
-    assert info["checkpoint"] == str(tmp_path / "resnet18.ckpt" / "checkpoint.npz")
-    text = out.read_text()
-    assert info["lines"] < 50 and text.count("\nblock ") == 2 and "repeat 2 {" in text
-    r = types.SimpleNamespace(net_path=out, checkpoint=tmp_path / "resnet18.ckpt",
-                              network="resnet18")
-    net, g, feeds = check_against_onnx(path, r)
-    # and against PyTorch itself
-    with torch.no_grad():
-        ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
-    assert_matches([ref], g, imported_state(r), feeds)
-    # the checkpoint goes back out through `netdsl export --weights`
-    again = tmp_path / "again.onnx"
-    res = runner.invoke(app, ["export", str(out), "--onnx", str(again), "--weights",
-                              str(tmp_path / "resnet18.ckpt")])
-    assert res.exit_code == 0, res.output
-    assert rel_err(run_ort(again, feeds)[0], run_ort(path, {"image": feeds["x"]})[0]) <= 1e-5
-    train_one_step(out, tmp_path / "resnet18.ckpt")
-
-
-@pytest.mark.torch
-def test_resnet18_with_batchnorm_folded_into_conv(tmp_path):
-    _, path = exported("resnet18", tmp_path, fold_batchnorm=True)
-    r = import_onnx(path, tmp_path / "r.net")
-    text = r.net_path.read_text()
-    assert "batchnorm" not in text and "conv2d(x, width, kernel=3, padding=1)" in text
-    check_against_onnx(path, r)
-
-
-# MobileNetV2 needs relu6 (ONNX Clip) and SqueezeNet ceil_mode pooling: operators the ops
-# branch adds; the importer names them now, and the comparisons turn green with them
-MISSING = {"mobilenet_v2": "Clip (35 nodes:", "squeezenet1_1": "MaxPool with ceil_mode=1"}
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("name", sorted(MISSING))
-def test_unsupported_operators_are_listed_and_nothing_is_written(name, tmp_path):
-    _, path = exported(name, tmp_path)
-    out = tmp_path / "m.net"
-    res = runner.invoke(app, ["import", str(path), "-o", str(out)])
-    assert res.exit_code == 1
-    assert MISSING[name] in res.output and "Nothing was written" in res.output
-    assert "Traceback" not in res.output
-    assert not out.exists() and not (tmp_path / "m.ckpt").exists()
-
-
-@pytest.mark.torch
-@pytest.mark.parametrize("name", [
-    pytest.param("mobilenet_v2", marks=pytest.mark.xfail(
-        raises=InteropError, strict=True,
-        reason="needs relu6/clip (ONNX Clip), added by the ops branch")),
-    pytest.param("squeezenet1_1", marks=pytest.mark.xfail(
-        raises=InteropError, strict=True,
-        reason="needs ceil_mode pooling, added by the ops branch"))])
-def test_more_torch_models_import_match_and_train(name, tmp_path):
-    model, path = exported(name, tmp_path)
-    r = import_onnx(path, tmp_path / f"{name}.net")
-    net, g, feeds = check_against_onnx(path, r)
-    with torch.no_grad():
-        ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
-    assert_matches([ref], g, imported_state(r), feeds)
-    train_one_step(r.net_path, r.checkpoint.parent)
-
-
 def test_not_an_onnx_file_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x00garbage")
@@ -191,3 +95,50 @@ def test_not_an_onnx_file_is_a_clear_error(tmp_path):
     assert res.exit_code == 1 and "not a readable ONNX model" in res.output
     with pytest.raises(InteropError, match="does not exist"):
         import_onnx(tmp_path / "missing.onnx", tmp_path / "m.net")
+
+
+def _tiny_model(path, ops):
+    """x [N, 4] through a Gemm, then the given single-input ONNX ops (by op type)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["v0"], name="fc", transB=1)]
+    for k, op in enumerate(ops):
+        nodes.append(helper.make_node(op, [f"v{k}"], [f"v{k + 1}"], name=f"n{k}_{op.lower()}"))
+    g = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                        ["B", 4])],
+                          [helper.make_tensor_value_info(f"v{len(ops)}", TensorProto.FLOAT,
+                                                         ["B", 3])], initializer=[w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_every_unsupported_node_is_named_in_one_error(tmp_path):
+    _tiny_model(tmp_path / "m.onnx", ["Relu", "Hardmax", "Softsign", "Hardmax", "Sigmoid"])
+    res = runner.invoke(app, ["import", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.net"),
+                              "--json"])
+    assert res.exit_code == 1
+    msg = json.loads(res.stdout)["errors"][0]["message"]
+    assert "Hardmax (2 nodes: n1_hardmax, n3_hardmax)" in msg
+    assert "Softsign (node: n2_softsign)" in msg and "Relu" not in msg
+    assert list(tmp_path.iterdir()) == [tmp_path / "m.onnx"]
+
+
+def test_import_then_train_from_the_cli(tmp_path):
+    _tiny_model(tmp_path / "m.onnx", ["Relu", "Sigmoid"])
+    res = runner.invoke(app, ["import", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.net")])
+    assert res.exit_code == 0, res.output
+    assert "train it: netdsl run" in res.stdout
+    text = (tmp_path / "m.net").read_text()
+    assert "input x: f32[N, 4]" in text and "sigmoid(relu(linear(x, 3, bias=false)))" in text
+    res = runner.invoke(app, ["run", str(tmp_path / "m.net"), "--checkpoint",
+                              str(tmp_path / "m.ckpt"), "--resume", "--steps", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["steps"] == 2
+
+
+def test_weights_checkpoint_of_another_network_is_refused(tmp_path):
+    _tiny_model(tmp_path / "m.onnx", ["Relu"])
+    import_onnx(tmp_path / "m.onnx", tmp_path / "m.net", tmp_path / "ck")
+    res = runner.invoke(app, ["run", "examples/digits-mlp.net", "--checkpoint",
+                              str(tmp_path / "ck"), "--resume", "--steps", "1"])
+    assert res.exit_code == 1 and "belongs to network `m`" in res.output

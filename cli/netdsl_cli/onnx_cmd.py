@@ -55,6 +55,9 @@ def export(
     = "dynamic",
     seed: Annotated[int | None, typer.Option(
         min=0, help="seed of the initialisation (default: the train section's)")] = None,
+    flat: Annotated[bool, typer.Option(
+        "--flat", help="no ONNX local functions for the blocks (node names still carry "
+        "them)")] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Export a network to ONNX; the model passes onnx.checker's full check."""
@@ -72,7 +75,7 @@ def export(
         else:
             w = seeded(seed if seed is not None else (net.train.seed if net.train else 0))
         try:
-            r = export_onnx(g, w, onnx, batch=b, progress=bar)
+            r = export_onnx(g, w, onnx, batch=b, flat=flat, progress=bar)
         finally:
             bar.close()
         if json_output:
@@ -80,7 +83,8 @@ def export(
             return
         extra = f" (weights in {r.data_path})" if r.data_path else ""
         console().print(f"{r.path}: network {r.network}, batch {r.batch}, {r.nodes:,} ONNX "
-                        f"nodes, {r.weights:,} weights, opset {r.opset}{extra}", soft_wrap=True)
+                        f"nodes, {r.functions} block functions, {r.weights:,} weights, "
+                        f"opset {r.opset}{extra}", soft_wrap=True)
 
 
 @app.command("import")

@@ -4,8 +4,9 @@ The operators are written by the table in `onnx_export_ops`; this module builds 
 around them: inputs (the batch dimension `N` symbolic unless a batch is bound), the weights
 as initializers, the declared outputs, shape inference and `onnx.checker` with
 `full_check`. ONNX node names are netdsl's node names, which carry the block-instance path
-(`stage[2].bottleneck[1].conv2d`), so the structure shows in Netron; helper nodes an
-operator needs are named under it (`...gelu/Erf`). Models whose weights pass the 2 GiB
+(`stage[2].bottleneck[1].conv2d`), and each block call is a call of an ONNX local
+function (`onnx_functions`), so the structure shows in Netron; helper nodes an operator
+needs are named under it (`...gelu/Erf`). Models whose weights pass the 2 GiB
 protobuf limit keep them in a file beside the model (`out.onnx.data`), written one tensor
 at a time so the export never holds them all.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from netdsl.errors import InteropError
 from netdsl.interop import require_onnx
 from netdsl.interop.onnx_export_ops import EXPORTERS
+from netdsl.interop.onnx_functions import FUNCTION_DOMAIN, block_functions
 from netdsl.interop.weights import Weights
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.types import BATCH, TensorType
@@ -39,7 +41,8 @@ class ExportResult:
     data_path: Path | None  # the external weights file, if any
     network: str
     batch: int | str
-    nodes: int  # ONNX nodes
+    nodes: int  # ONNX nodes, function bodies included
+    functions: int  # ONNX local functions (one per distinct block body)
     weights: int  # elements in the weights (parameters and buffers)
     weight_bytes: int
     opset: int = OPSET
@@ -47,7 +50,8 @@ class ExportResult:
     def to_json(self) -> dict:
         return {"onnx": str(self.path), "data": str(self.data_path) if self.data_path else None,
                 "network": self.network, "batch": self.batch, "nodes": self.nodes,
-                "weights": self.weights, "weight_bytes": self.weight_bytes, "opset": self.opset}
+                "functions": self.functions, "weights": self.weights,
+                "weight_bytes": self.weight_bytes, "opset": self.opset}
 
 
 def needed_nodes(g: Graph) -> list[Node]:
@@ -72,7 +76,7 @@ class Emitter:
         self.onnx = onnx
         self.graph = graph
         self.nodes: list = []
-        self.consts: list = []
+        self.by_node: dict[str, list] = {}  # netdsl node -> the ONNX nodes written for it
         self.node: Node | None = None
         self._count = 0
         self._done = False
@@ -87,8 +91,10 @@ class Emitter:
     def _node(self, op_type, inputs, out, name, attrs):
         n = self.node
         doc = f"netdsl {n.op}" + (f" at {n.loc}" if n.loc else "")
-        self.nodes.append(self.onnx.helper.make_node(op_type, list(inputs), [out], name=name,
-                                                     doc_string=doc, **attrs))
+        made = self.onnx.helper.make_node(op_type, list(inputs), [out], name=name,
+                                          doc_string=doc, **attrs)
+        self.nodes.append(made)
+        self.by_node.setdefault(n.name, []).append(made)
 
     def emit(self, op_type: str, inputs, **attrs) -> str:
         """A helper node; returns its output's name."""
@@ -102,8 +108,10 @@ class Emitter:
         self._done = True
 
     def const(self, array: np.ndarray, tag: str) -> str:
+        """A constant, as a Constant node (so a block's function body holds its own)."""
         name = self._fresh(tag)
-        self.consts.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
+        value = self.onnx.numpy_helper.from_array(np.asarray(array), name)
+        self._node("Constant", [], name, name, {"value": value})
         return name
 
     def scalar(self, value: float, tag: str) -> str:
@@ -146,13 +154,14 @@ def _value_info(onnx, name: str, t: TensorType, keep_symbolic: bool = True):
 
 
 def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
-                batch: int | None = None, external: bool | None = None,
+                batch: int | None = None, external: bool | None = None, flat: bool = False,
                 progress: Callable[[int, int], None] | None = None) -> ExportResult:
     """Write `graph`'s forward network (its `output`s) to `path` as ONNX and check it.
 
     graph: a forward graph (`Network.lower()`); batch: bind `N` to it (default: keep `N`
     symbolic); weights: the value of each parameter and buffer node; external: keep the
-    weights in `path.data` (default: only when they pass 1 GiB); progress(done, total) is
+    weights in `path.data` (default: only when they pass 1 GiB); flat: no local functions
+    for the blocks (the node names still carry them); progress(done, total) is
     called as the weights are written. Raises InteropError, listing every operator that
     has no ONNX form, before anything is written.
     """
@@ -186,9 +195,15 @@ def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
         external = total > EXTERNAL_BYTES
     data_path = path.with_name(path.name + ".data") if external else None
     inits = _initializers(onnx, state, weights, data_path, progress)
-    gp = onnx.helper.make_graph(em.nodes, g.name, inputs, outputs, initializer=em.consts + inits,
+    body, functions = em.nodes, []
+    if not flat:
+        body, functions = block_functions(onnx, g, nodes, em.by_node, OPSET)
+    gp = onnx.helper.make_graph(body, g.name, inputs, outputs, initializer=inits,
                                 doc_string=f"netdsl network `{g.name}`, evaluation mode")
-    model = onnx.helper.make_model(gp, opset_imports=[onnx.helper.make_opsetid("", OPSET)],
+    opsets = [onnx.helper.make_opsetid("", OPSET)]
+    if functions:
+        opsets.append(onnx.helper.make_opsetid(FUNCTION_DOMAIN, 1))
+    model = onnx.helper.make_model(gp, opset_imports=opsets, functions=functions,
                                    producer_name="netdsl", producer_version=_version())
     model.ir_version = IR_VERSION
     onnx.helper.set_model_props(model, {"netdsl.network": g.name})
@@ -208,7 +223,7 @@ def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
         # a model netdsl made that ONNX rejects is netdsl's bug; say what ONNX said
         raise InteropError(f"the exported model of `{g.name}` fails ONNX's checks (a bug in "
                            f"netdsl's exporter): {e}") from None
-    return ExportResult(path, data_path, g.name, g.batch, len(em.nodes),
+    return ExportResult(path, data_path, g.name, g.batch, len(em.nodes), len(functions),
                         sum(n.type.numel() for n in state), total)
 
 

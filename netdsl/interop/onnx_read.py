@@ -205,6 +205,9 @@ def read_onnx(path: str | Path, name: str) -> Program:
     except Exception as e:
         raise InteropError(f"{path} is not a readable ONNX model ({type(e).__name__}: "
                            f"{e})") from None
+    if model.functions:  # blocks exported as local functions (netdsl's own export does)
+        import onnx.inliner
+        model = onnx.inliner.inline_local_functions(model)
     return Reader(onnx, model).read(model, path, name)
 
 

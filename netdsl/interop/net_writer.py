@@ -6,6 +6,8 @@ structure into `block`s and `repeat`s.
 2. Segments of two or more calls with the same skeleton (operators, wiring, non-numeric
    attributes) are instances of one block; the numeric attributes that differ between
    instances (widths, strides...) become its parameters, one per distinct column.
+   Before that, a kind of segment that always follows one other kind joins it (a fire
+   module's squeeze and expand parts).
 3. Consecutive calls of a block with the same arguments become `repeat k { ... }`.
 Calls stay in program order, so the nodes the `.net` elaborates to come in the same order
 as the program's calls (onnx_import maps the weights by that order).
@@ -131,7 +133,7 @@ def segments(p: Program) -> list[Segment]:
             start, prev = i + 1, c.out
     if start < len(calls):
         segs.append(Segment(calls[start:], prev))
-    return _attach_followers(segs)
+    return _merge_pairs(_attach_followers(segs))
 
 
 def _attach_followers(segs: list[Segment]) -> list[Segment]:
@@ -146,6 +148,28 @@ def _attach_followers(segs: list[Segment]) -> list[Segment]:
         else:
             out.append(s)
     return out
+
+
+def _merge_pairs(segs: list[Segment]) -> list[Segment]:
+    """Join segments of kind B to the segment before them when every B (two or more) comes
+    right after a segment of one other kind A that never repeats back to back: SqueezeNet's
+    squeeze conv and its expand branches become one fire unit. Runs of one kind are left
+    for `repeat`; merged kinds are not merged again."""
+    original = [skeleton(s)[0] for s in segs]
+    for b in dict.fromkeys(k for k in original if k is not None):
+        kinds = [skeleton(s)[0] for s in segs]
+        idx = [i for i, k in enumerate(kinds) if k == b]
+        if len(idx) < 2 or idx[0] == 0:
+            continue
+        before = {kinds[i - 1] for i in idx}
+        a = next(iter(before))
+        if (len(before) != 1 or a is None or a == b
+                or any(x == y == a for x, y in zip(kinds, kinds[1:]))
+                or any(segs[i].input != segs[i - 1].out for i in idx)):
+            continue
+        for i in reversed(idx):
+            segs[i - 1:i + 1] = [Segment(segs[i - 1].calls + segs[i].calls, segs[i - 1].input)]
+    return segs
 
 
 def skeleton(s: Segment):

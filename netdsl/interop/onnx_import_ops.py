@@ -117,15 +117,22 @@ def _pool(op, onnx_op):
     def imp(r, node, at):
         k = at.get("kernel_shape", [])
         _need(len(k) == 2, f"{onnx_op} over {len(k)} dimensions (netdsl pools 2-d)")
-        _need(not at.get("ceil_mode", 0), f"{onnx_op} with ceil_mode=1")
         _need(list(at.get("dilations", [1, 1])) == [1, 1], f"{onnx_op} with dilations")
         _need(len(node.output) == 1 or not node.output[1], f"{onnx_op} with indices output")
         pad = _pads2d(at, onnx_op)
+        strides = at.get("strides", [1, 1])
+        if at.get("ceil_mode", 0):
+            # ceil mode adds a last, partial window only where the windows do not tile the
+            # padded input exactly; where they do (SqueezeNet at 224 or 64), it is floor mode
+            size = r.shape(node.input[0])[2:]
+            _need(all(isinstance(d, int) and (d + 2 * p - kk) % st == 0
+                      for d, p, kk, st in zip(size, pad, k, strides)),
+                  f"{onnx_op} with ceil_mode=1 where it adds a partial window")
         if op == "avgpool" and max(pad) > 0:
             _need(at.get("count_include_pad", 0) == 1, "AveragePool with count_include_pad=0")
         _need(pad[0] <= k[0] // 2 and pad[1] <= k[1] // 2,
               f"{onnx_op} padded by more than half its kernel")
-        r.call(op, [node.input[0]], {"kernel": _pair(k), "stride": _pair(at.get("strides", [1, 1])),
+        r.call(op, [node.input[0]], {"kernel": _pair(k), "stride": _pair(strides),
                                      "padding": _pair(pad)}, {}, node.output[0])
     return imp
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from netdsl.interop.onnx_read import Call, Program
+from netdsl.interop.onnx_read import Call, Program, net_name
 from netdsl.ir import registry
 from netdsl.ir.ops._util import pair
 
@@ -384,13 +384,7 @@ def _fold_repeats(lines: list[str], blocks: set[str]) -> list[str]:
     return out
 
 
-_KEYWORDS = set("import as block network input output loss parallel train repeat if then else "
-                "return and or not true false none".split())
-
-
 def _input_name(name: str) -> str:
-    import re
-    s = re.sub(r"\W", "_", name)
-    if not s or s[0].isdigit() or s in _KEYWORDS or s in ("x", "y", "h", "logits", "out"):
-        s = "in_" + s
-    return s
+    """An input's ONNX name as a netdsl name that no generated name (h, v1, y...) takes."""
+    s = net_name(name)
+    return s if s.startswith("in_") else "in_" + s

@@ -146,9 +146,9 @@ class Emitter:
             raise AssertionError(f"exporter for {n.op} produced no result")
 
 
-def _value_info(onnx, name: str, t: TensorType, keep_symbolic: bool = True):
-    dims = [d if isinstance(d, int) else (d if d == BATCH and keep_symbolic else None)
-            for d in t.shape]
+def _value_info(onnx, name: str, t: TensorType):
+    # the batch is the named dimension N; a derived one (N*64 after a reshape) is unnamed
+    dims = [d if isinstance(d, int) else (d if d == BATCH else None) for d in t.shape]
     elem = getattr(onnx.TensorProto, _ELEM[t.dtype])
     return onnx.helper.make_tensor_value_info(name, elem, dims)
 
@@ -194,7 +194,17 @@ def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
     if external is None:
         external = total > EXTERNAL_BYTES
     data_path = path.with_name(path.name + ".data") if external else None
-    inits = _initializers(onnx, state, weights, data_path, progress)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        inits = _initializers(onnx, state, weights, data_path, progress)
+        return _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat,
+                       state, total)
+    except OSError as e:
+        raise InteropError(f"cannot write {e.filename or path}: {e.strerror or e}") from None
+
+
+def _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat, state, total):
+    """Assemble the model, infer its shapes, check it, save it."""
     body, functions = em.nodes, []
     if not flat:
         body, functions = block_functions(onnx, g, nodes, em.by_node, OPSET)
@@ -207,9 +217,8 @@ def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
                                    producer_name="netdsl", producer_version=_version())
     model.ir_version = IR_VERSION
     onnx.helper.set_model_props(model, {"netdsl.network": g.name})
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if external:
+        if data_path is not None:
             onnx.save_model(model, path)
             onnx.shape_inference.infer_shapes_path(str(path), str(path), check_type=True,
                                                    strict_mode=True, data_prop=True)

@@ -74,10 +74,13 @@ def import_onnx(onnx_path: str | Path, net_path: str | Path,
     g = net.lower()
     arrays = _weights(prog, g)
     _check_outputs(prog, g)
-    net_path.parent.mkdir(parents=True, exist_ok=True)
-    net_path.write_text(text, encoding="utf-8")
-    ck_file = checkpoint.save(ck, arrays, {"network": g.name, "step": 0, "kind": WEIGHTS_KIND,
-                                           "source": str(onnx_path)})
+    try:
+        net_path.parent.mkdir(parents=True, exist_ok=True)
+        net_path.write_text(text, encoding="utf-8")
+        ck_file = checkpoint.save(ck, arrays, {"network": g.name, "step": 0,
+                                               "kind": WEIGHTS_KIND, "source": str(onnx_path)})
+    except OSError as e:
+        raise InteropError(f"cannot write {e.filename or net_path}: {e.strerror or e}") from None
     return ImportResult(net_path, ck_file, g.name, text.count("\n"), len(prog.calls),
                         int(nparams), text.count("\nblock "))
 

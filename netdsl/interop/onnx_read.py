@@ -211,7 +211,13 @@ def read_onnx(path: str | Path, name: str) -> Program:
     return Reader(onnx, model).read(model, path, name)
 
 
+KEYWORDS = set("import as block network input output loss parallel train repeat if then else "
+               "return and or not true false none".split())
+
+
 def net_name(text: str) -> str:
-    """A netdsl name from a file stem: `resnet-18` -> `resnet_18`."""
-    s = re.sub(r"\W", "_", text)
-    return s if s and not s[0].isdigit() else "net_" + s
+    """A netdsl name from a file stem: `resnet-18` -> `resnet_18`, `network` -> `network_`."""
+    s = re.sub(r"\W", "_", text, flags=re.ASCII)
+    if not s or s[0].isdigit():
+        s = "net_" + s
+    return s + "_" if s in KEYWORDS else s

@@ -223,3 +223,21 @@ def test_docs_list_every_mapped_operator():
     assert exported == set(onnx_export_ops.EXPORTERS)
     imported = {op for cell in rows(import_part) for op in re.findall(r"\b([A-Z]\w+)", cell)}
     assert imported == set(IMPORTERS) | {"Constant"}
+
+
+def test_every_forward_operator_has_an_export_or_a_reason():
+    """A new operator needs a line in EXPORTERS (or, for a loss, in NOT_EXPORTED)."""
+    from netdsl.ir import registry
+    forward = {name for name, op in registry.load_all().items() if op.callable_from_language}
+    unmapped = forward - set(onnx_export_ops.EXPORTERS) - set(onnx_export_ops.NOT_EXPORTED)
+    assert not unmapped, f"operators with no ONNX export: {sorted(unmapped)}"
+
+
+def test_dropout_is_the_identity_in_the_export(tmp_path):
+    net = netdsl.loads("network d { input x: f32[N, 4]\n"
+                       " output dropout(linear(x, 4), 0.5) * dropout_mask(x, 0.3) }")
+    g = net.lower(3)
+    feeds = example_feeds(g)
+    state = calibrated_state(g, feeds)
+    export_onnx(net.lower(), lambda n: state[n.name], tmp_path / "m.onnx")
+    assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)

@@ -112,6 +112,12 @@ def _slice(e, n, xs):
                        e.ints([a["axis"]], "axes")])
 
 
+def _dropout_mask(e, n, xs):
+    # evaluation mode: all ones, shaped like x
+    one = e.onnx.numpy_helper.from_array(np.ones(1, np.float32), "one")
+    e.result("ConstantOfShape", [e.emit("Shape", xs[:1])], value=one)
+
+
 def _embedding(e, n, xs):
     ids, table = xs
     e.result("Gather", [table, ids], axis=0)
@@ -139,6 +145,7 @@ EXPORTERS = {
     "tanh": _same("Tanh"),
     "softmax": lambda e, n, xs: e.result("Softmax", xs, axis=n.attrs["axis"]),
     "dropout": _same("Identity"),  # evaluation mode
+    "dropout_mask": _dropout_mask,
     "flatten": _flatten,
     "reshape": _reshape,
     "permute": _permute,
@@ -146,3 +153,8 @@ EXPORTERS = {
     "concat": lambda e, n, xs: e.result("Concat", xs, axis=n.attrs["axis"]),
     "slice": _slice,
 }
+
+# forward operators deliberately without an export: the losses (the exported model is the
+# network's outputs; its loss needs labels) and constants made for the backward pass
+NOT_EXPORTED = {"softmax_cross_entropy": "a loss", "mse": "a loss",
+                "fill": "a constant of the backward pass"}

@@ -118,3 +118,22 @@ def test_more_torch_models_import_match_and_train(name, size, tmp_path):
     train_one_step(r.net_path, r.checkpoint.parent)
 
 
+
+
+@pytest.mark.torch
+def test_torch_gelu_mlp_imports_as_gelu(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3),
+                                torch.nn.Tanh()).eval()
+    path = tmp_path / "mlp.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn(2, 8), str(path), dynamo=False, opset_version=17,
+                          input_names=["features"], dynamic_axes={"features": {0: "b"}})
+    r = import_onnx(path, tmp_path / "mlp.net")
+    text = r.net_path.read_text()
+    assert "gelu(linear(x, 16))" in text and "Erf" not in text
+    net, g, feeds = check_against_onnx(path, r, batch=4)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
+    assert_matches([ref], g, imported_state(r), feeds)

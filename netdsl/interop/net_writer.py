@@ -72,6 +72,8 @@ def format_call(c: Call, args: list[str], value_of=None) -> str:
     replace an attribute's text (a block parameter)."""
     if c.op in _INFIX:
         return f"{args[0]} {_INFIX[c.op]} {args[1]}"
+    if c.op == "parameter":  # the builtin, not an operator: a free trainable tensor
+        return f"parameter({literal(c.attrs['shape'])})"
     op = registry.get(c.op)
     parts: list[str] = []
     ai = 0

@@ -91,14 +91,17 @@ def _is_classifier(p: Program) -> bool:
 
 
 def _weights(p: Program, g: Graph) -> dict[str, np.ndarray]:
-    ops = [n for n in g.nodes if not n.is_source and n.op != "softmax_cross_entropy"]
-    if len(ops) != len(p.calls) or any(n.op != c.op for n, c in zip(ops, p.calls)):
+    # operator nodes, and the param nodes of `parameter(...)` calls, in elaboration order
+    ops = [n for n in g.nodes if not n.is_source and n.op != "softmax_cross_entropy"
+           or n.op == "param" and n.name.rsplit(".", 1)[-1].startswith("parameter")]
+    kind = lambda n: "parameter" if n.op == "param" else n.op  # noqa: E731
+    if len(ops) != len(p.calls) or any(kind(n) != c.op for n, c in zip(ops, p.calls)):
         raise InteropError("the imported network's operators do not line up with the ONNX "
                            "model's (a bug in netdsl import)")
     arrays = {}
     for n, c in zip(ops, p.calls):
         for pname, value in c.params.items():
-            key = f"{n.name}.{pname}"
+            key = n.name if c.op == "parameter" else f"{n.name}.{pname}"
             if key not in g or tuple(g[key].type.shape) != value.shape:
                 raise InteropError(f"weight {key} of {c.source} does not fit the imported "
                                    "network (a bug in netdsl import)")

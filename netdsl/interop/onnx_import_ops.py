@@ -81,7 +81,10 @@ def _binary(op):
             return
         if op == "add" and cb is not None and r.add_bias(x, cb, node.output[0]):
             return
-        raise Unsupported(f"{node.op_type} with a constant operand")
+        # any other constant operand (a positional table) becomes a trainable parameter
+        _need(c.ndim >= 1 and c.size > 1, f"{node.op_type} with a constant operand")
+        p = r.parameter(c, node.output[0])
+        r.call(op, [p, b] if ca is not None else [a, p], {}, {}, node.output[0])
     return imp
 
 
@@ -208,6 +211,29 @@ def _layernorm(r, node, at):
            {"weight": scale, "bias": bias}, node.output[0])
 
 
+def _slice(r, node, at):
+    starts, ends = r.const(node.input[1]), r.const(node.input[2])
+    axes = r.const(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    steps = r.const(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+    _need(starts is not None and ends is not None and starts.size == 1,
+          "Slice other than a constant range along one axis")
+    _need(steps is None or int(steps.reshape(-1)[0]) == 1, "Slice with a step")
+    shape = r.shape(node.input[0])
+    axis = int(axes.reshape(-1)[0]) if axes is not None else 0
+    axis %= len(shape)
+    size = shape[axis]
+    _need(axis > 0 and isinstance(size, int), "Slice along the batch dimension")
+    start, stop = (int(np.clip(v + size if v < 0 else v, 0, size))
+                   for v in (int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])))
+    r.call("slice", [node.input[0]], {"axis": axis, "start": start, "stop": stop}, {},
+           node.output[0])
+
+
+def _gelu(r, node, at):
+    _need(at.get("approximate", "none") == "none", "Gelu with the tanh approximation")
+    r.call("gelu", [node.input[0]], {}, {}, node.output[0])
+
+
 def _identity(r, node, at):
     r.alias(node.output[0], node.input[0])
 
@@ -237,6 +263,8 @@ IMPORTERS = {
     "ReduceMean": _reduce_mean,
     "Gather": _gather,
     "LayerNormalization": _layernorm,
+    "Slice": _slice,
+    "Gelu": _gelu,  # also what the erf form of gelu is fused into (onnx_patterns)
     "Identity": _identity,
     "Dropout": _identity,  # inference graphs: dropout is the identity
 }

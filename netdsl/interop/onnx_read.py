@@ -12,6 +12,7 @@ import numpy as np
 
 from netdsl.errors import InteropError
 from netdsl.interop.onnx_import_ops import IMPORTERS, Unsupported
+from netdsl.interop.onnx_patterns import fuse_gelu
 from netdsl.ir.types import BATCH, TensorType
 
 _DTYPE = {"FLOAT": "f32", "DOUBLE": "f32", "FLOAT16": "f32", "INT64": "i64", "INT32": "i32",
@@ -62,8 +63,8 @@ class Reader:
             if t.HasField("shape"):
                 self.shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value")
                                              else (d.dim_param or "?") for d in t.shape.dim)
-        self.uses = Counter(i for n in g.node for i in n.input if i)
-        self.uses.update(o.name for o in g.output)
+        self.opsets = list(model.opset_import)
+        self.uses: Counter = Counter()
         self.aliases: dict[str, str] = {}
         self.calls: list[Call] = []
         self.producer: dict[str, Call] = {}
@@ -97,6 +98,13 @@ class Reader:
         self.calls.append(c)
         self.producer[out] = c
 
+    def parameter(self, value: np.ndarray, out: str) -> str:
+        """A trainable tensor holding a constant operand (netdsl's `parameter(shape)`)."""
+        name = out + "/parameter"
+        self.call("parameter", [], {"shape": tuple(int(d) for d in value.shape)},
+                  {"value": value}, name)
+        return name
+
     def add_bias(self, x: str, bias: np.ndarray, out: str) -> bool:
         """Fold `x + bias` into the bias-free linear that made x, if it is x's only use."""
         c = self.producer.get(self.name(x))
@@ -112,6 +120,13 @@ class Reader:
     def read(self, model, path: Path, name: str) -> Program:
         onnx, g = self.onnx, model.graph
         problems: dict[str, list[str]] = {}
+        for k, node in enumerate(g.node):  # constants first: the patterns look at them
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                at = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+                self._constant(node, at, problems, _node_label(node, k))
+        fuse_gelu(onnx, g, self.consts)
+        self.uses = Counter(i for n in g.node for i in n.input if i)
+        self.uses.update(o.name for o in g.output)
         for k, node in enumerate(g.node):
             label = _node_label(node, k)
             at = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -120,7 +135,9 @@ class Reader:
                 problems.setdefault(f"{node.domain}.{node.op_type}", []).append(label)
                 continue
             if node.op_type == "Constant":
-                self._constant(node, at, problems, label)
+                continue
+            if node.input and all(not i or self.const(i) is not None for i in node.input) \
+                    and self._fold(node):
                 continue
             importer = IMPORTERS.get(node.op_type)
             if importer is None:
@@ -156,6 +173,28 @@ class Reader:
                        {"opset": max((o.version for o in model.opset_import
                                       if o.domain in ("", "ai.onnx")), default=0),
                         "producer": f"{model.producer_name} {model.producer_version}".strip()})
+
+    def _fold(self, node) -> bool:
+        """Evaluate a node whose inputs are all constants (a transposed weight, a computed
+        shape) with onnx's reference evaluator; False if it cannot."""
+        onnx = self.onnx
+        try:
+            from onnx.reference import ReferenceEvaluator
+            ins = [i for i in node.input if i]
+            feeds = {i: self.const(i) for i in ins}
+            vi = [onnx.helper.make_tensor_value_info(
+                i, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                for i, v in feeds.items()]
+            outs = [onnx.helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None)
+                    for o in node.output]
+            m = onnx.helper.make_model(onnx.helper.make_graph([node], "fold", vi, outs),
+                                       opset_imports=self.opsets)
+            values = ReferenceEvaluator(m).run(None, feeds)
+        except Exception:  # not evaluable here: the importer table decides
+            return False
+        for o, v in zip(node.output, values):
+            self.consts[o] = np.asarray(v)
+        return True
 
     def _constant(self, node, at, problems, label):
         onnx = self.onnx

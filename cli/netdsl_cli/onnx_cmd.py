@@ -101,7 +101,11 @@ def import_(
         from netdsl.interop import require_onnx
         from netdsl.interop.onnx_import import import_onnx
         require_onnx()
-        r = import_onnx(model, output, checkpoint)
+        if json_output:
+            r = import_onnx(model, output, checkpoint)
+        else:
+            with console(stderr=True).status(f"importing {model}"):
+                r = import_onnx(model, output, checkpoint)
         if json_output:
             print_json(r.to_json())
             return

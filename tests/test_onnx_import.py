@@ -166,3 +166,31 @@ def test_file_names_become_valid_network_names(tmp_path):
     r = import_onnx(tmp_path / "m.onnx", tmp_path / "3-layer net.net")
     assert r.network == "net_3_layer_net"
     assert netdsl.load(r.net_path).name == "net_3_layer_net"
+
+
+def test_two_inputs_two_outputs_no_loss_and_back_out(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.random.default_rng(0).random((5, 4), np.float32), "w")
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"], name="sum"),
+             helper.make_node("Gemm", ["s", "w"], ["o1"], name="fc", transB=1),
+             helper.make_node("Relu", ["o1"], ["o2"], name="act"),
+             helper.make_node("Sigmoid", ["s"], ["o3"], name="sig")]
+    vi = lambda n, d: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", d])  # noqa: E731
+    g = helper.make_graph(nodes, "multi", [vi("a", 4), vi("b", 4)], [vi("o2", 5), vi("o3", 4)],
+                          initializer=[w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "m.onnx")
+    res = runner.invoke(app, ["import", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.net")])
+    assert res.exit_code == 0 and "no loss was added" in res.stdout
+    text = (tmp_path / "m.net").read_text()
+    assert "input in_a: f32[N, 4]" in text and "output out, out2" in text and "loss" not in text
+    res = runner.invoke(app, ["export", str(tmp_path / "m.net"), "--onnx", str(tmp_path / "b.onnx"),
+                              "--weights", str(tmp_path / "m.ckpt")])
+    assert res.exit_code == 0, res.output
+    rng = np.random.default_rng(1)
+    feeds = {"a": rng.standard_normal((3, 4)), "b": rng.standard_normal((3, 4))}
+    want = run_ort(tmp_path / "m.onnx", feeds)
+    got = run_ort(tmp_path / "b.onnx", {"in_a": feeds["a"], "in_b": feeds["b"]})
+    for x, y in zip(got, want):
+        assert np.abs(x - y).max() <= 1e-6 * np.abs(y).max()

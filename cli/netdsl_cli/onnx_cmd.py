@@ -112,5 +112,9 @@ def import_(
         console().print(f"{r.net_path}: network {r.network}, {r.lines} lines ({r.blocks} "
                         f"blocks) for {r.calls:,} operators, {r.weights:,} weights in "
                         f"{r.checkpoint}", soft_wrap=True)
-        console().print(f"train it: netdsl run {r.net_path} --checkpoint "
-                        f"{r.checkpoint.parent} --resume", soft_wrap=True)
+        if r.trainable:
+            console().print(f"train it: netdsl run {r.net_path} --checkpoint "
+                            f"{r.checkpoint.parent} --resume", soft_wrap=True)
+        else:
+            console().print("no loss was added (the model's outputs are not one [N, K] "
+                            "classifier output); add one to train it", soft_wrap=True)

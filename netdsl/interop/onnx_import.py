@@ -32,11 +32,13 @@ class ImportResult:
     calls: int
     weights: int  # elements, parameters and buffers
     blocks: int
+    trainable: bool  # has a loss (a classifier), so `netdsl run` can train it
 
     def to_json(self) -> dict:
         return {"net": str(self.net_path), "checkpoint": str(self.checkpoint),
                 "network": self.network, "lines": self.lines, "operators": self.calls,
-                "weights": self.weights, "blocks": self.blocks}
+                "weights": self.weights, "blocks": self.blocks,
+                "trainable": self.trainable}
 
 
 def default_checkpoint_dir(net_path: Path) -> Path:
@@ -57,8 +59,9 @@ def import_onnx(onnx_path: str | Path, net_path: str | Path,
     header = [f"# Imported from {onnx_path.name} by `netdsl import` "
               f"(ONNX opset {prog.info['opset']}"
               + (f", {prog.info['producer']}" if prog.info["producer"] else "") + ").",
-              f"# The weights are in {ck.name}/: netdsl run {net_path.name} "
-              f"--checkpoint {ck.name} --resume",
+              f"# The weights are in {ck.name}/: "
+              + (f"netdsl run {net_path.name} --checkpoint {ck.name} --resume" if classifier
+                 else f"netdsl export {net_path.name} --onnx OUT --weights {ck.name}"),
               ""]
     text = write_net(prog, header, classifier)
     if classifier:
@@ -82,7 +85,7 @@ def import_onnx(onnx_path: str | Path, net_path: str | Path,
     except OSError as e:
         raise InteropError(f"cannot write {e.filename or net_path}: {e.strerror or e}") from None
     return ImportResult(net_path, ck_file, g.name, text.count("\n"), len(prog.calls),
-                        int(nparams), text.count("\nblock "))
+                        int(nparams), text.count("\nblock "), classifier)
 
 
 def _is_classifier(p: Program) -> bool:

@@ -136,10 +136,17 @@ def test_import_then_train_from_the_cli(tmp_path):
     assert "train it: netdsl run" in res.stdout
     text = (tmp_path / "m.net").read_text()
     assert "input x: f32[N, 4]" in text and "sigmoid(relu(linear(x, 3, bias=false)))" in text
+    import shutil
+    shutil.copytree(tmp_path / "m.ckpt", tmp_path / "m64.ckpt")
     res = runner.invoke(app, ["run", str(tmp_path / "m.net"), "--checkpoint",
                               str(tmp_path / "m.ckpt"), "--resume", "--steps", "2", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["steps"] == 2
+    # float32 weights start a float64 run too (a weights checkpoint fixes no dtype)
+    res = runner.invoke(app, ["run", str(tmp_path / "m.net"), "--checkpoint",
+                              str(tmp_path / "m64.ckpt"), "--resume", "--steps", "1",
+                              "--dtype", "f64", "--json"])
+    assert res.exit_code == 0, res.output
 
 
 def test_weights_checkpoint_of_another_network_is_refused(tmp_path):

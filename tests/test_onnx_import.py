@@ -201,3 +201,24 @@ def test_two_inputs_two_outputs_no_loss_and_back_out(tmp_path):
     got = run_ort(tmp_path / "b.onnx", {"in_a": feeds["a"], "in_b": feeds["b"]})
     for x, y in zip(got, want):
         assert np.abs(x - y).max() <= 1e-6 * np.abs(y).max()
+
+
+def test_split_becomes_slices(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    sizes = numpy_helper.from_array(np.array([2, 4], np.int64), "sizes")
+    nodes = [helper.make_node("Split", ["x", "sizes"], ["p", "q"], name="split", axis=1),
+             helper.make_node("Tanh", ["p"], ["tp"], name="t"),
+             helper.make_node("Concat", ["q", "tp"], ["y"], name="cat", axis=1)]
+    g = helper.make_graph(nodes, "sp", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                      ["B", 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 6])],
+                          initializer=[sizes])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+              tmp_path / "m.onnx")
+    r = import_onnx(tmp_path / "m.onnx", tmp_path / "m.net")
+    text = r.net_path.read_text()
+    assert "slice(x, 1, 0, 2)" in text and "slice(x, 1, 2, 6)" in text
+    g2 = netdsl.load(r.net_path).lower(3)
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 6))}
+    assert_matches(run_ort(tmp_path / "m.onnx", feeds), g2, {}, feeds)

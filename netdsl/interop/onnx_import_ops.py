@@ -229,6 +229,25 @@ def _slice(r, node, at):
            node.output[0])
 
 
+def _split(r, node, at):
+    shape = r.shape(node.input[0])
+    axis = int(at.get("axis", 0)) % len(shape)
+    size = shape[axis]
+    _need(axis > 0 and isinstance(size, int), "Split along the batch dimension")
+    sizes = r.const(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+    if sizes is None:
+        sizes = at.get("split")  # opset < 13 keeps the sizes in an attribute
+    k = len(node.output)
+    if sizes is None:  # equal parts, the last one smaller if it must be (opset 18)
+        step = -(-size // k)
+        sizes = [min(step, size - i * step) for i in range(k)]
+    start = 0
+    for out, n in zip(node.output, [int(v) for v in np.asarray(sizes).reshape(-1)]):
+        r.call("slice", [node.input[0]], {"axis": axis, "start": start, "stop": start + n}, {},
+               out)
+        start += n
+
+
 def _gelu(r, node, at):
     _need(at.get("approximate", "none") == "none", "Gelu with the tanh approximation")
     r.call("gelu", [node.input[0]], {}, {}, node.output[0])
@@ -264,6 +283,7 @@ IMPORTERS = {
     "Gather": _gather,
     "LayerNormalization": _layernorm,
     "Slice": _slice,
+    "Split": _split,
     "Gelu": _gelu,  # also what the erf form of gelu is fused into (onnx_patterns)
     "Identity": _identity,
     "Dropout": _identity,  # inference graphs: dropout is the identity

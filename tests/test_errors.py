@@ -249,7 +249,7 @@ CASES = [
                         + net("output a(x)"),
      "block `a` is defined twice in this file (first at line 1, column 7)", 4, 7),
     ("dropout-p", net("output dropout(x, p=1.5)"),
-     "dropout probability p must be in [0, 1], not 1.5", 4, 12),
+     "dropout() `p` must be in [0, 1], not 1.5", 4, 23),
     ("reshape-batch-not-first", net("output reshape(x, (3, N, 64))"),
      "the batch dimension N may only come first, not in (3, N, 64)", 4, 12),
     ("flatten-1d", net("output flatten(y)"),

@@ -2,6 +2,7 @@
 parameter."""
 from __future__ import annotations
 
+from netdsl.frontend.checks import int_in_range
 from netdsl.frontend.values import Builtin, Tensor, is_num, where
 from netdsl.ir.graph import Node
 from netdsl.ir.types import TensorType
@@ -43,9 +44,12 @@ def builtins(el) -> dict:
         if len(args) != 1 or not is_num(args[0]):
             raise el.error("int() takes one number", e.loc)
         try:
-            return int(args[0])
-        except (OverflowError, ValueError):  # int(1e400), int(nan)
+            r = int(args[0])
+        except (OverflowError, ValueError):  # int(inf), int(nan)
             raise el.error(f"int(): {args[0]} has no integer value", e.loc) from None
+        if not int_in_range(r):  # int(1e30)
+            raise el.error(f"int(): {args[0]} does not fit in a 64-bit integer", e.loc)
+        return r
 
     def split(args, kw, e):
         if not args or not isinstance(args[0], Tensor):
@@ -91,8 +95,10 @@ def builtins(el) -> dict:
             raise el.error("parameter() needs a shape: a tuple of positive integers", e.loc)
         if init not in ("normal", "zeros", "ones", "uniform_fan_in"):
             raise el.error(f"parameter(): unknown init \"{init}\" (normal, zeros, ones)", e.loc)
-        name = el.node_name("parameter")
         t = TensorType(tuple(shp))
+        if (why := t.size_error()) is not None:
+            raise el.error(f"parameter(): {why}", e.loc)
+        name = el.node_name("parameter")
         el.g.add(Node(name, "param", (), t, {"shape": tuple(shp), "init": init,
                                               "fan_in": shp[-1], "std": 0.02},
                       loc=e.loc, stack=tuple(el.stack), scope=tuple(el.scope),

@@ -33,7 +33,7 @@ from netdsl.frontend.values import (
 from netdsl.ir import registry
 from netdsl.ir.build import add_op
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.types import BATCH, DTYPES, TensorType
+from netdsl.ir.types import BATCH, DTYPES, INT_MAX, TensorType
 
 MAX_REPEAT = 1_000_000
 # Block calls nested deeper than this are reported as runaway recursion. It is well below
@@ -117,6 +117,7 @@ class Elaborator(Expressions, ArgumentBinding):
         self.g.outputs["output"] = [t.node for t in outputs if t is not POISON]
         if losses and losses[0] is not POISON:
             self.g.outputs["loss"] = [losses[0].node]
+        self._check_param_count()
         self.g.parallel = dict(self.parallel)
         self.g.meta["source"] = self.module.file
         if self.diags:
@@ -125,6 +126,18 @@ class Elaborator(Expressions, ArgumentBinding):
         if self.diags:
             raise NetdslError(diagnostics=self.diags)
         return self.g
+
+    def _check_param_count(self):
+        """Each tensor fits in 64 bits (checked as it is made); so must their total."""
+        total = 0
+        for n in self.g.nodes:
+            if n.op in ("param", "buffer"):
+                total += n.type.numel()
+                if total > INT_MAX:
+                    self.stack = list(n.stack)
+                    self.error(f"the network has more than {INT_MAX:.3g} parameters (at "
+                               f"`{n.name}`); no memory can hold them", n.loc)
+                    return
 
     def _check_stages(self):
         stages = self.parallel.get("pipeline", 1)
@@ -160,6 +173,8 @@ class Elaborator(Expressions, ArgumentBinding):
         if st.name in frame.locals or st.name in self.g:
             raise self.error(f"`{st.name}` is already defined", st.loc)
         t = TensorType(tuple(dims), st.dtype)
+        if (why := t.size_error()) is not None:
+            raise self.error(f"input `{st.name}`: {why}", st.loc)
         self.g.add(Node(st.name, "input", (), t, {"shape": tuple(dims), "dtype": st.dtype},
                         loc=st.loc, annotations=dict(self.anns[-1])))
         frame.locals[st.name] = Tensor(st.name, t, f"input at {where(st.loc)}", st.name)

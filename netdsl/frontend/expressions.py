@@ -3,10 +3,12 @@ indexing, attributes and calls. A mixin of the Elaborator (it uses `error` and `
 from __future__ import annotations
 
 import difflib
+import math
 import operator
 
 from netdsl.errors import SourceLoc
 from netdsl.frontend import ast
+from netdsl.frontend.checks import int_in_range
 from netdsl.frontend.frames import Frame
 from netdsl.frontend.values import (
     POISON,
@@ -21,8 +23,8 @@ from netdsl.frontend.values import (
 from netdsl.ir import registry
 from netdsl.ir.types import BATCH
 
-# Static integers are capped: a result wider than this is surely a mistake, and computing
-# `10 ** 10 ** 10` exactly would hang.
+# Static integers are 64-bit signed (registry.INT_MIN..INT_MAX), checked where each is
+# made; `**` is checked before computing, as `10 ** 10 ** 10` exactly would hang.
 MAX_INT_BITS = 64
 
 _ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv,
@@ -169,12 +171,16 @@ class Expressions:
         try:
             r = _ARITH[e.op](a, b)
         except (OverflowError, ValueError, ZeroDivisionError) as ex:
-            raise self.error(f"arithmetic error: {ex}", e.loc) from None
+            # OverflowError's text is an errno tuple, "(34, 'Numerical result out of range')"
+            what = "is too large for a float" if isinstance(ex, OverflowError) else "is undefined"
+            raise self.error(f"the result of `{a!r} {e.op} {b!r}` {what}", e.loc) from None
         if isinstance(r, complex):  # (-8) ** 0.5
             raise self.error(f"{a} ** {b} has no real value", e.loc)
-        if isinstance(r, int) and r.bit_length() > MAX_INT_BITS:
-            raise self.error(f"the result of `{e.op}` is too large (static integers have at "
-                             f"most {MAX_INT_BITS} bits)", e.loc)
+        if isinstance(r, int) and not int_in_range(r):
+            raise self.error(f"the result of `{e.op}`, {r}, does not fit in a 64-bit integer "
+                             "(static integers are 64-bit signed)", e.loc)
+        if isinstance(r, float) and not math.isfinite(r):
+            raise self.error(f"the result of `{e.op}` is too large for a float", e.loc)
         return r
 
     def tensor_binop(self, e: ast.BinOp, a, b):

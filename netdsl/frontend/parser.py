@@ -1,6 +1,7 @@
 """Text -> AST. Lark LALR parser; syntax errors become located `NetdslError`s in words."""
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 
@@ -10,6 +11,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from netdsl.errors import NetdslError, SourceLoc, register_source
 from netdsl.frontend import ast
 from netdsl.frontend.resources import grammar_text
+from netdsl.ir.registry import INT_MAX
 
 # Keywords are reserved words. The contextual lexer only tries the terminals the parser can
 # accept next, so without this `h = output` would lex `output` as a NAME and the error
@@ -238,10 +240,18 @@ class _ToAst(Transformer):
         return ast.Name(self.L(meta), str(c[0]))
 
     def int_(self, meta, c):
-        return ast.Const(self.L(meta), int(str(c[0]).replace("_", "")))
+        v = int(str(c[0]).replace("_", ""))
+        if v > INT_MAX:  # every static integer is 64-bit signed (the sign is an operator)
+            raise NetdslError(f"the integer {c[0]} does not fit in a 64-bit integer (at most "
+                              f"{INT_MAX})", self.L(meta))
+        return ast.Const(self.L(meta), v)
 
     def float_(self, meta, c):
-        return ast.Const(self.L(meta), float(c[0]))
+        v = float(c[0])
+        if math.isinf(v):  # 1e400 reads as inf
+            raise NetdslError(f"the number {c[0]} is too large for a float (at most about "
+                              "1.8e308)", self.L(meta))
+        return ast.Const(self.L(meta), v)
 
     def string(self, meta, c):
         return ast.Const(self.L(meta), _unescape(c[0], self.file))
@@ -371,6 +381,14 @@ class _ToAst(Transformer):
         return ast.Param(str(c[0]), c[1], _tloc(self.file, c[0]))
 
     def param_list(self, meta, c):
+        seen: dict[str, ast.Param] = {}
+        for p in c:
+            if p.name in seen:
+                first = seen[p.name].loc
+                raise NetdslError(f"the block has two parameters named `{p.name}` (the first "
+                                  f"at line {first.line}, column {first.column}); rename "
+                                  "one", p.loc)
+            seen[p.name] = p
         return tuple(c)
 
     def block_def(self, meta, c):

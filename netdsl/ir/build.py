@@ -47,8 +47,12 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
     op = registry.get(op_name)
     attrs = normalise_attrs(op, attrs)
     in_types = [g[i].type for i in inputs]
+    _check_float_dtypes(op, inputs, in_types)
     out_type = op.shape(in_types, attrs)
     specs = op.params(in_types, attrs)
+    for t in [out_type] + [TensorType(s.shape, s.dtype) for s in specs.values()]:
+        if (why := t.size_error()) is not None:
+            raise ShapeError(f"{op.name}: {why}")
     param_names = []
     for pname, spec in specs.items():
         pnode = Node(f"{name}.{pname}", "buffer" if spec.buffer else "param", (),
@@ -61,6 +65,25 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
         param_names.append(pnode.name)
     return g.add(Node(name, op_name, tuple(inputs) + tuple(param_names), out_type, attrs,
                       **node_fields))
+
+
+def _check_float_dtypes(op: registry.OpDef, inputs, in_types) -> None:
+    """The dtype rule: an operator's floating-point tensor arguments share one dtype. There
+    is no implicit promotion (PyTorch's f32 @ f64 is an error too); a mix is a mistake
+    in the program, reported here for every operator rather than in each shape rule."""
+    floats = [(i, t) for i, t in enumerate(in_types[:op.n_tensor_inputs(len(in_types))])
+              if t.is_float]
+    for i, t in floats[1:]:
+        j, first = floats[0]
+        if t.dtype != first.dtype:
+            names = [a.name for a in op.tensor_args]
+            variadic = op.signature and op.signature[0].kind == "tensors"
+
+            def arg(k):
+                return f"input {k + 1}" if variadic or k >= len(names) else f"{{{names[k]}}}"
+            raise ShapeError(f"{op.name}: floating-point dtypes differ: {arg(j)} is {first} "
+                             f"and {arg(i)} is {t}; netdsl does not promote implicitly, so "
+                             "declare these inputs with one dtype")
 
 
 def _param_attrs(spec: registry.ParamSpec) -> dict:

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from netdsl.backends import get_backend
 from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
+from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
 from netdsl.memory.liveness import analyse
@@ -102,8 +104,16 @@ def resolve_config(cfg: TrainConfig | None, opts: RunOptions) -> TrainConfig:
     if opts.lr is not None:
         update["optimizer"] = cfg.optimizer.model_copy(update={"lr": opts.lr})
     out = cfg.model_copy(update=update)
-    # re-validate: model_copy does not run validators
-    return TrainConfig.model_validate(out.model_dump())
+    # re-validate: model_copy does not run validators. A bad value can only come from a
+    # command-line option here (the file's section was checked when it was loaded), so the
+    # error names the option, in the words the file's checks use.
+    try:
+        return TrainConfig.model_validate(out.model_dump())
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][-1]) if err["loc"] else ""
+        flag = f"--{field.replace('_', '-')}" if field else ""
+        raise NetdslError(f"invalid option: {pydantic_message(err, flag)}") from None
 
 
 def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:

@@ -1,7 +1,16 @@
 """2-d convolution (NCHW, weights OIHW)."""
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Arg,
+    OpDef,
+    ParamSpec,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.types import TensorType
 
 
@@ -62,16 +71,18 @@ def _workspace(ins, out, a):
 
 register(OpDef(
     "conv2d",
-    (Arg("x", "tensor"), Arg("out_channels", "int"), Arg("kernel", "pair", 1),
-     Arg("stride", "pair", 1), Arg("padding", "pair", 0), Arg("dilation", "pair", 1),
-     Arg("groups", "int", 1), Arg("bias", "bool", True)),
+    (Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE),
+     Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
+     Arg("padding", "pair", 0, range=NON_NEGATIVE), Arg("dilation", "pair", 1, range=POSITIVE),
+     Arg("groups", "int", 1, range=POSITIVE), Arg("bias", "bool", True)),
     _shape, "conv", _params, _flops, _workspace, retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]"))
 
 
 # -- backward operators -----------------------------------------------------------------------
-_GEOM = (Arg("kernel", "pair", 1), Arg("stride", "pair", 1), Arg("padding", "pair", 0),
-         Arg("dilation", "pair", 1), Arg("groups", "int", 1))
+_GEOM = (Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
+         Arg("padding", "pair", 0, range=NON_NEGATIVE), Arg("dilation", "pair", 1, range=POSITIVE),
+         Arg("groups", "int", 1, range=POSITIVE))
 
 
 def _to_shape(ins, a):

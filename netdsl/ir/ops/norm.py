@@ -5,7 +5,7 @@ only their input and their scale (`weight`); the running statistics are never re
 Batchnorm's backward is the training-mode one (gradients through the batch statistics).
 """
 from netdsl.ir.ops._util import need_float, need_rank
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -48,14 +48,15 @@ def _flops(ins, out, a):
 
 register(OpDef(
     "batchnorm",
-    (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("momentum", "float", 0.1),
+    (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
+     Arg("momentum", "float", 0.1, range=Range(0, 1)),
      Arg("affine", "bool", True)),
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"),
     doc="batch normalisation over every dim but 1; running stats in buffers"))
 
 register(OpDef(
     "layernorm",
-    (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("affine", "bool", True)),
+    (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0), Arg("affine", "bool", True)),
     _ln_shape, "norm", _ln_params, _flops, retains=("inputs", "weight"),
     doc="layer normalisation over the last dimension"))
 
@@ -74,12 +75,12 @@ def _gw_shape(axis):
 for _op, _axis in (("batchnorm", 1), ("layernorm", -1)):
     register(OpDef(f"{_op}_grad_input",
                    (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
-                    Arg("eps", "float", 1e-5)),
+                    Arg("eps", "float", 1e-5, range=GT0)),
                    _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
                    differentiable=False,
                    doc=f"dx of {_op} (batch statistics recomputed from x); weight optional"))
     register(OpDef(f"{_op}_grad_weight",
-                   (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5)),
+                   (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0)),
                    _gw_shape(_axis), "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
                    differentiable=False, doc=f"d(weight) of {_op}: sum of dy * x_hat"))
 

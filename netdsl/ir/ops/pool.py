@@ -2,7 +2,7 @@
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
 from netdsl.ir.ops.conv import col2im_add, pad2d, windows
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -30,8 +30,9 @@ def _pool_flops(ins, out, a):
     return out.numel() * kh * kw
 
 
-_POOL_SIG = (Arg("x", "tensor"), Arg("kernel", "pair"), Arg("stride", "pair", None),
-             Arg("padding", "pair", 0))
+_POOL_SIG = (Arg("x", "tensor"), Arg("kernel", "pair", range=POSITIVE),
+             Arg("stride", "pair", None, range=POSITIVE),
+             Arg("padding", "pair", 0, range=NON_NEGATIVE))
 # maxpool's backward recomputes the argmax from x, so it keeps x but not its output
 register(OpDef("maxpool", _POOL_SIG, _pool_shape("maxpool"), "pool", flops=_pool_flops,
                retains=("inputs",), doc="max pooling; stride defaults to kernel",

@@ -3,7 +3,7 @@
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import Dim, TensorType, mul_dims
 
 
@@ -125,15 +125,16 @@ def _slice_shape(ins, a):
     return TensorType(x.shape[:ax] + (stop - start,) + x.shape[ax + 1:], x.dtype)
 
 
-register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("start", "int"),
-                         Arg("stop", "int")), _slice_shape, "shape",
+register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"),
+                         Arg("start", "int", range=NON_NEGATIVE),
+                         Arg("stop", "int", range=POSITIVE)), _slice_shape, "shape",
                doc="x[start:stop] along one axis (`split` lowers to slices)"))
 
 
 
 # -- backward operator ------------------------------------------------------------------------
 register(OpDef("slice_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
-                              Arg("start", "int")),
+                              Arg("start", "int", range=NON_NEGATIVE)),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
                differentiable=False, doc="zeros of x's shape with dy placed at [start:...]"))
 

@@ -5,11 +5,12 @@ import math
 import re
 from functools import lru_cache
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from netdsl.errors import NetdslError, SourceLoc, register_source
 from netdsl.frontend import ast
+from netdsl.frontend.deep import MAX_NESTING
 from netdsl.frontend.resources import grammar_text
 from netdsl.ir.registry import INT_MAX
 
@@ -162,6 +163,10 @@ def _bracket_hint(text: str, pos: int, tok: str | None, expected=None) -> str:
     return f" (the `{ch}` at {_where_offset(text, at)} is never closed)"
 
 
+# an annotation (`@recompute`, `@stage(1)`) right before an offset, for `.search(text, 0, pos)`
+_ANNOTATION_BEFORE = re.compile(r"@\w+\s*(\([^()]*\))?\s*$")
+
+
 def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
     line, col = max(getattr(e, "line", 1) or 1, 1), max(getattr(e, "column", 1) or 1, 1)
     if isinstance(e, UnexpectedCharacters):
@@ -186,6 +191,11 @@ def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
         pos = e.token.start_pos if e.token.start_pos is not None else len(text)
         if e.token.type in ("EQUAL", "COLON") and "RPAR" in e.expected:
             msg += " (keyword arguments are written `name=value` after a name)"
+        elif e.token.type in ("INPUT", "OUTPUT", "LOSS", "PARALLEL") and \
+                _ANNOTATION_BEFORE.search(text, 0, pos):
+            msg = (f"an annotation cannot be put on `{e.token}`: annotations apply to "
+                   "statements that compute (assignments, `if`, `repeat`) and to blocks; "
+                   f"move it to the statement that computes the {e.token} value")
         elif e.token.type in ("INPUT", "OUTPUT", "LOSS", "PARALLEL") and "REPEAT" in e.expected:
             msg += (f" (`{e.token}` may only appear at the top level of a network, "
                     "not in a block, `if` or `repeat`)")
@@ -417,19 +427,63 @@ class _ToAst(Transformer):
         return items
 
 
-_TOO_DEEP = ("this file nests expressions too deeply to compile (hundreds of levels of "
-             "operators or parentheses); split them with intermediate names")
+def _transform(tf: Transformer, tree: Tree):
+    """`tf.transform(tree)` without recursion: Lark's transformer recurses through a
+    generator per level, which both needs a deep stack and slowed down more than linearly
+    with depth (5 s for 19,000 nested calls). A post-order walk with explicit stacks
+    calls the same per-rule methods (so the same errors) in the same order."""
+    values: list = []
+    todo: list = [(tree, False)]
+    while todo:
+        node, ready = todo.pop()
+        if not isinstance(node, Tree):  # a token or a `None` placeholder
+            values.append(tf._call_userfunc_token(node) if isinstance(node, Token) else node)
+        elif ready:
+            n = len(node.children)
+            children = values[len(values) - n:] if n else []
+            del values[len(values) - n:]
+            values.append(tf._call_userfunc(node, children))
+        else:
+            todo.append((node, True))
+            todo.extend((c, False) for c in reversed(node.children))
+    return values[0]
+
+
+_WRAPPERS = {"arglist", "body", "kwarg", "annotations", "param_list", "tensor_type"}
+
+
+def _check_nesting(tree, file: str) -> None:
+    """Refuse nesting deeper than MAX_NESTING where it is passed (iteratively: this runs
+    before anything that recurses over the tree)."""
+    todo = [(tree, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if node.data in _WRAPPERS:  # not a level the user writes: `relu(x)` is one
+            depth -= 1
+        if depth > MAX_NESTING:
+            meta = node.meta
+            loc = SourceLoc(file, getattr(meta, "line", 1), getattr(meta, "column", 1))
+            raise NetdslError(f"the program nests more than {MAX_NESTING:,} levels deep here "
+                              "(operators, calls, parentheses or statements inside one "
+                              "another); split it with intermediate names", loc)
+        todo.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+
+
+_TOO_DEEP = ("this file nests expressions too deeply to compile; split them with "
+             "intermediate names")
 
 
 def parse(text: str, file: str = "<string>") -> ast.Module:
     """Parse `.net` source into an AST; raises NetdslError on a syntax error."""
+    text = text.removeprefix("\ufeff")  # a byte-order mark (from an editor) is not code
     register_source(file, text)
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, file, text) from None
+    _check_nesting(tree, file)
     try:
-        items = _ToAst(file).transform(tree)
+        items = _transform(_ToAst(file), tree)
     except RecursionError:  # the transformer recurses once per nesting level
         raise NetdslError(_TOO_DEEP, SourceLoc(file, 1, 1)) from None
     except Exception as e:  # lark wraps errors raised in callbacks
@@ -442,6 +496,14 @@ def parse(text: str, file: str = "<string>") -> ast.Module:
     imports = tuple(i for i in items if isinstance(i, ast.Import))
     blocks = tuple(i for i in items if isinstance(i, ast.BlockDef))
     nets = tuple(i for i in items if isinstance(i, ast.NetworkDef))
+    seen: dict[str, ast.NetworkDef] = {}
+    for n in nets:
+        if n.name in seen:
+            first = seen[n.name].loc
+            raise NetdslError(f"a second network named `{n.name}` (the first is at line "
+                              f"{first.line}); networks in one file need different names, "
+                              "as they are chosen by name", n.loc)
+        seen[n.name] = n
     trains = [i for i in items if isinstance(i, ast.TrainDef)]
     if len(trains) > 1:
         raise NetdslError("a file may have only one `train` section", trains[1].loc)

@@ -154,3 +154,93 @@ def test_mutated_resnet2504(text):
 @given(st.text(alphabet=st.sampled_from(list("()[]{}\"#\\@=,.:;*+-/ \nxN12eif")), max_size=80))
 def test_punctuation_soup(text):
     check("network n {\n    input x: f32[N, 4]\n    h = " + text + "\n    output x\n}\n")
+
+
+# -- the checker's classes (issue 10): numbers, attributes, dtypes, depth, bytes -------------
+_NUMBERS = st.one_of(
+    st.integers(-(2 ** 70), 2 ** 70).map(str),
+    st.sampled_from(["1e400", "1e308 * 10.0", "2 ** 63", "2 ** 62 * 2", "-(2 ** 63)",
+                     "int(1e30)", "int(1e18)", "10.0 ** 400", "0.0", "-1", "9223372036854775807",
+                     "(3, 0)", "(1, -2)", "(2 ** 40, 2 ** 40)"]),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr))
+
+_CALLS = ["linear(flatten(x), {})", "conv2d(x, {}, kernel=1)", "conv2d(x, 4, kernel={})",
+          "conv2d(x, 4, stride={})", "conv2d(x, 4, padding={})", "maxpool(x, {})",
+          "batchnorm(x, eps={})", "batchnorm(x, momentum={})", "dropout(x, p={})",
+          "leaky_relu(x, slope={})", "reshape(x, (N, {}))", "parameter(({}, 4))",
+          "fill(({}, 2), 1.0)", "split(x, {})", "x * {}", "slice(x, 1, {}, 2)"]
+
+
+@settings(SETTINGS, max_examples=40)
+@given(st.sampled_from(_CALLS), _NUMBERS)
+def test_numbers_in_every_attribute_position(call, number):
+    """Any number (huge, negative, fractional, infinite) in an attribute: a located error
+    or a network, never an internal error or a network with impossible sizes."""
+    text = ("network n {\n    input x: f32[N, 3, 8, 8]\n    h = " + call.format(number) +
+            "\n    output h\n}\n")
+    check(text)
+    try:
+        g = netdsl.loads(text, file=FILE).graph
+    except NetdslError:
+        return
+    for n in g.nodes:
+        assert n.type.size_error() is None, n
+
+
+@settings(SETTINGS, max_examples=15)
+@given(st.sampled_from(["f16", "f32", "f64", "i32", "i64", "bool"]),
+       st.sampled_from(["f16", "f32", "f64", "i32", "i64", "bool"]),
+       st.sampled_from(["a + b", "a * b", "a - b", "matmul(a, b)", "concat(a, b)",
+                        "mse(a, b)"]))
+def test_mixed_dtypes(da, db, expr):
+    text = (f"network n {{\n    input a: {da}[N, 4, 4]\n    input b: {db}[N, 4, 4]\n"
+            f"    output {expr}\n}}\n")
+    check(text)
+    if da != db and da in ("f16", "f32", "f64") and db in ("f16", "f32", "f64"):
+        try:
+            netdsl.loads(text, file=FILE)
+        except NetdslError as e:
+            assert "dtype" in e.message or "one type" in e.message
+        else:
+            raise AssertionError(f"{da} {expr} {db} was accepted")
+
+
+@settings(SETTINGS, max_examples=12)
+@given(st.lists(st.sampled_from(["relu(", "(", "-(", "if true {\n", "repeat 1 {\n",
+                                 "1 + "]), min_size=1, max_size=4),
+       st.integers(1, 2500))
+def test_deep_nesting(openers, depth):
+    """Mixed nesting thousands of levels deep: compiles or a located limit error."""
+    closers = {"relu(": ")", "(": ")", "-(": ")", "if true {\n": "}\n",
+               "repeat 1 {\n": "}\n", "1 + ": ""}
+    seq = [openers[i % len(openers)] for i in range(depth)]
+    stmt_level = [o.endswith("\n") for o in seq]
+    # statements may not sit inside an expression: put statement openers first
+    seq = [o for o, s in zip(seq, stmt_level) if s] + [o for o, s in zip(seq, stmt_level)
+                                                       if not s]
+    expr_open = "".join(o for o in seq if not o.endswith("\n"))
+    expr_close = "".join(closers[o] for o in reversed(seq) if not o.endswith("\n"))
+    stmts = [o for o in seq if o.endswith("\n")]
+    body = "".join(stmts) + "k = " + expr_open + "1" + expr_close + "\n" + \
+        "".join(closers[o] for o in reversed(stmts))
+    check("network n {\n    input x: f32[N, 4]\n" + body + "    output x\n}\n")
+
+
+@settings(SETTINGS, max_examples=25)
+@given(st.binary(max_size=60), st.booleans(), st.integers(0, 200))
+def test_bytes_in_a_file(tmp_path_factory, junk, bom, at):
+    """Any bytes spliced into a valid file, with or without a byte-order mark: loads, or a
+    NetdslError whose location is inside the file."""
+    src = SMALL.encode()
+    at = min(at, len(src))
+    data = (b"\xef\xbb\xbf" if bom else b"") + src[:at] + junk + src[at:]
+    p = tmp_path_factory.mktemp("bytes") / "fuzzed.net"
+    p.write_bytes(data)
+    try:
+        netdsl.load(p)
+    except NetdslError as e:
+        lines = data.decode("utf-8-sig", errors="replace").split("\n")
+        for d in e.diagnostics:
+            if d.loc is not None and d.loc.file == str(p):
+                assert 1 <= d.loc.line <= len(lines), (d.loc, d.message)
+            d.render()

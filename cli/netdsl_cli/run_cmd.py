@@ -34,11 +34,15 @@ class _Bar:
         self.err = console(stderr=True)
         self.progress = None
         self.task = None
-        self.first = True
+        self.seen = 0
+        self.first_time = 0.0
 
     def on_start(self, info: dict) -> None:
         if self.quiet:
             return
+        for w in info.get("warnings", ()):
+            self.err.print(f"[yellow]warning:[/] {w}", highlight=False)
+        self.total = info["total_steps"]
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
                        f"{info['backend']} ({info['device']}), batch {info['batch']}, "
                        f"data {info['dataset']} ({info['train_samples']:,} samples)")
@@ -64,10 +68,15 @@ class _Bar:
         if "test_accuracy" in r:
             m += f"  test {r['test_accuracy']:.3f}"
         self.progress.update(self.task, completed=r["step"], metrics=m)
-        if self.first:
-            self.first = False
+        # the first step of a run also allocates and warms up (often 10x a later step),
+        # so the estimate is made from the second step of this run
+        self.seen += 1
+        if self.seen == 1:
+            self.first_time = r["step_time_s"]
+        elif self.seen == 2:
             left = (r["total_steps"] - r["step"]) * r["step_time_s"]
-            self.progress.console.print(f"first step: {r['step_time_s']:.3f} s; "
+            self.progress.console.print(f"first step: {self.first_time:.3f} s (with set-up), "
+                                        f"then {r['step_time_s']:.3f} s a step; "
                                         f"ETA about {left:.0f} s")
 
     def on_eval(self, r: dict) -> None:
@@ -126,6 +135,9 @@ def run(
             print_json(result.to_json())
             return
         out = console()
+        if result.final_loss is None:  # a resume past --steps
+            out.print(f"{result.network}: {result.note}")
+            return
         line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
                 f"{result.images_per_s:.1f} images/s (median step {result.step_time_s:.3f} s), "
                 f"peak memory {_fmt_bytes(result.peak_bytes)}")

@@ -66,24 +66,40 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     init = node.attrs.get("init", "zeros")
     fan_in = max(int(node.attrs.get("fan_in", 1) or 1), 1)
     rng = np.random.default_rng([seed, zlib.crc32(node.name.encode())])
+    # drawn in the training dtype (f32 runs used to draw every array in f64 first, which
+    # doubled the set-up peak); NumPy's generators draw f32 and f64 directly
+    gen = np.dtype(dtype) if np.dtype(dtype) in (np.float32, np.float64) else np.float32
     if init == "zeros":
-        v = np.zeros(shape)
+        v = np.zeros(shape, dtype)
     elif init == "ones":
-        v = np.ones(shape)
+        v = np.ones(shape, dtype)
     elif init == "kaiming_normal":
-        v = rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
+        v = rng.standard_normal(shape, dtype=gen)
+        v *= gen.type(math.sqrt(2.0 / fan_in))
     elif init in ("kaiming_uniform", "uniform_fan_in"):
         bound = 1.0 / math.sqrt(fan_in)
-        v = rng.uniform(-bound, bound, shape)
+        v = rng.random(shape, dtype=gen)
+        v *= gen.type(2 * bound)
+        v -= gen.type(bound)
     elif init == "normal":  # `parameter(...)` nodes may carry their own std
-        v = rng.standard_normal(shape) * float(node.attrs.get("std", 1.0))
+        v = rng.standard_normal(shape, dtype=gen)
+        v *= gen.type(float(node.attrs.get("std", 1.0)))
     else:
         raise NetdslError(f"unknown init `{init}` for %{node.name}", loc=node.loc)
-    return v.astype(dtype)
+    return v.astype(dtype, copy=False)
 
 
 def _where(n: Node) -> str:
     return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
+
+
+class NonFinite(NetdslError):
+    """A watched node (`Executor.stop_if_nonfinite`) produced NaN or Inf; the run stopped
+    before the nodes after it, so the state is as it was before the step's updates."""
+
+    def __init__(self, node: str):
+        self.node = node
+        super().__init__(f"`{node}` produced NaN or Inf")
 
 
 class Executor:
@@ -112,6 +128,9 @@ class Executor:
         self.np_dtype = NUMPY_DTYPE[dtype]
         self.seed = seed
         self.check_numerics = check_numerics
+        # nodes (the loss, the logits) whose non-finite value stops the run right there,
+        # before any later node (the optimizer's updates) runs: see NonFinite
+        self.stop_if_nonfinite: set[str] = set()
         self.rng = self.backend.rng(seed)
         self._scratch: dict[str, Any] = {}
         self.bytes_by_device: dict[int, int] = {}
@@ -246,6 +265,8 @@ class Executor:
         except Exception as e:
             raise NetdslError(f"while running {node_line(n)}: {type(e).__name__}: {e}",
                               loc=n.loc, stack=n.stack) from e
+        if n.name in self.stop_if_nonfinite and not bool(self.xp.isfinite(out).all()):
+            raise NonFinite(n.name)
         if self.check_numerics and out.dtype.kind == "f" and not bool(self.xp.isfinite(out).all()):
             bad = "NaN" if bool(self.xp.isnan(out).any()) else "Inf"
             raise NetdslError(f"check-numerics: {_where(n)} produced {bad} "

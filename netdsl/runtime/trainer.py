@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,13 @@ from netdsl.errors import NetdslError
 from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
+from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.liveness import analyse
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, batches, loss_labels, make_dataset
-from netdsl.runtime.executor import Executor
+from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
 
 
@@ -61,7 +63,7 @@ class RunOptions:
 class RunResult:
     network: str
     steps: int
-    final_loss: float
+    final_loss: float | None  # None when nothing was trained (a resume past --steps)
     images_per_s: float
     peak_bytes: int
     params: int
@@ -74,6 +76,8 @@ class RunResult:
     test_loss: float | None = None
     train_accuracy: float | None = None
     resumed_from: int | None = None
+    note: str | None = None
+    warnings: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -116,6 +120,49 @@ def resolve_config(cfg: TrainConfig | None, opts: RunOptions) -> TrainConfig:
         raise NetdslError(f"invalid option: {pydantic_message(err, flag)}") from None
 
 
+def check_options(opts: RunOptions) -> list[str]:
+    """Options that do nothing in the combination given: an error where the user surely
+    meant something else, else a warning (returned, for the caller to show)."""
+    if opts.checkpoint_every is not None and not opts.checkpoint:
+        raise NetdslError("--checkpoint-every needs --checkpoint DIR (where to write them)")
+    if opts.resume and not opts.checkpoint:
+        raise NetdslError("--resume needs --checkpoint DIR")
+    if opts.dtype not in ("f32", "f64"):
+        raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
+    warnings = []
+    if opts.backend == "numpy" and opts.device != 0:
+        warnings.append(f"--device {opts.device} has no effect with the NumPy backend (it "
+                        "picks a GPU for --backend cupy)")
+    return warnings
+
+
+def preflight(opts: RunOptions) -> None:
+    """Check the paths a run writes before it starts: a checkpoint folder that cannot be
+    made or written, or a log that cannot be opened, used to fail after the last step."""
+    if opts.checkpoint:
+        d = Path(opts.checkpoint)
+        if d.exists() and not d.is_dir():
+            raise NetdslError(f"--checkpoint {d} is a file, not a directory; give a "
+                              "directory to hold checkpoint.npz")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / ".netdsl-write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise NetdslError(f"--checkpoint {d} is not writable: "
+                              f"{e.strerror or e}") from None
+    if opts.log:
+        p = Path(opts.log)
+        if p.is_dir():
+            raise NetdslError(f"--log {p} is a directory; give a file name")
+        try:
+            with open(p, "a"):  # creates it if needed, truncates nothing
+                pass
+        except OSError as e:
+            raise NetdslError(f"--log {p} cannot be written: {e.strerror or e}") from None
+
+
 def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
     if "loss" not in forward.outputs:
         raise NetdslError(f"network `{forward.name}` declares no `loss`, so it cannot be "
@@ -130,6 +177,8 @@ class Trainer:
     def __init__(self, forward: Graph, cfg: TrainConfig | None, opts: RunOptions,
                  callback: Callback | None = None):
         self.opts = opts
+        self.warnings = check_options(opts)
+        preflight(opts)  # what would fail at the end fails now, before any work
         self.cfg = resolve_config(cfg, opts)
         self.cb = callback or Callback()
         self.forward = forward
@@ -149,6 +198,8 @@ class Trainer:
         self._eval_execs = {self.batch: self.executor.with_graph(bound)}
         self.stats = summarize(bound)
         self.acc = loss_labels(forward)
+        self.executor.stop_if_nonfinite = set(forward.outputs.get("loss", [])) | (
+            {self.acc[0]} if self.acc else set())
         self.step = 0
         self.resumed_from = None
 
@@ -208,12 +259,20 @@ class Trainer:
         return out["output"][0]
 
     def fit(self) -> RunResult:
+        # NumPy's RuntimeWarnings (overflow, invalid value) are not for the user: a
+        # non-finite loss or logits stops the run with one message naming the first node
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return self._fit()
+
+    def _fit(self) -> RunResult:
         if self.opts.resume:
-            if not self.opts.checkpoint:
-                raise NetdslError("--resume needs --checkpoint DIR")
             self.restore()
+            if self.step >= self.total:
+                return self._nothing_to_do()
         be = self.executor.backend
-        info = {"network": self.forward.name, "params": self.stats.params,
+        info = {"warnings": list(self.warnings),
+                "network": self.forward.name, "params": self.stats.params,
                 "backend": be.name, "device": _device_name(be), "batch": self.batch,
                 "total_steps": self.total, "start_step": self.step,
                 "expected_bytes": self.expected_bytes(), "dataset": self.data.name,
@@ -229,11 +288,15 @@ class Trainer:
             while self.step < self.total:
                 arrays = self.loader.next()
                 lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
+                lr_value = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)
                 feeds = self.feeds(arrays)
-                feeds["lr"] = np.float32(lr)
+                feeds["lr"] = lr_value  # at the executor's dtype: f64 runs used to get f32
                 self.executor.rng = be.rng(self.cfg.seed * 1_000_003 + self.step)
                 t0 = time.perf_counter()
-                out = self.executor.run(feeds, training=True, roles=self.ROLES)
+                try:
+                    out = self.executor.run(feeds, training=True, roles=self.ROLES)
+                except NonFinite as e:
+                    raise self._non_finite(e, feeds, lr) from None
                 loss = float(be.to_host(out["loss"][0]))
                 be.synchronize()
                 dt = time.perf_counter() - t0
@@ -247,10 +310,6 @@ class Trainer:
                     logits = be.to_host(self._logits(out))
                     train_acc = float((logits.argmax(-1) == arrays[labels_at]).mean())
                     rec["accuracy"] = train_acc
-                if not np.isfinite(loss):
-                    raise NetdslError(f"the loss became {loss} at step {self.step} (lr {lr:g});"
-                                      " lower the learning rate or run with --check-numerics "
-                                      "to find the first node that overflows")
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                     last_eval = self.evaluate()
                     rec.update(last_eval)
@@ -280,7 +339,38 @@ class Trainer:
             step_time_s=statistics.median(steady) if steady else 0.0,
             test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=train_acc,
-            resumed_from=self.resumed_from, losses=losses)
+            resumed_from=self.resumed_from, losses=losses, warnings=list(self.warnings))
+        self.cb.on_end(result)
+        return result
+
+    def _non_finite(self, e: NonFinite, feeds: dict, lr: float) -> NetdslError:
+        """The loss or logits of step `self.step + 1` went NaN/Inf; the step stopped before
+        its updates, so replaying it with --check-numerics finds the first such node."""
+        what = "loss" if e.node in self.forward.outputs.get("loss", []) else "logits"
+        head = f"the {what} became NaN or Inf at step {self.step + 1} (lr {lr:g})"
+        self.executor.rng = self.executor.backend.rng(self.cfg.seed * 1_000_003 + self.step)
+        try:
+            self.executor.with_graph(self.train_graph, check_numerics=True).run(
+                feeds, training=True, roles=("loss",))
+        except NetdslError as found:
+            if not isinstance(found, NonFinite):
+                where = found.message.removeprefix("check-numerics: ")
+                return NetdslError(f"{head}: the first non-finite value: {where}; lower the "
+                                   "learning rate, or check the data and the initialisation",
+                                   loc=found.loc, stack=found.diagnostics[0].stack)
+        return NetdslError(f"{head}; lower the learning rate or run with --check-numerics")
+
+    def _nothing_to_do(self) -> RunResult:
+        """A resumed run already at (or past) its last step: say so, train nothing."""
+        be = self.executor.backend
+        result = RunResult(
+            network=self.forward.name, steps=self.step, final_loss=None, images_per_s=0.0,
+            peak_bytes=self.executor.peak_bytes, params=self.stats.params, backend=be.name,
+            device=_device_name(be), batch=self.batch, expected_bytes=self.expected_bytes(),
+            step_time_s=0.0, resumed_from=self.resumed_from,
+            note=f"the checkpoint is at step {self.step}, already at or past the "
+                 f"{self.total} steps asked for; nothing to train (raise --steps to go on)",
+            warnings=list(self.warnings))
         self.cb.on_end(result)
         return result
 

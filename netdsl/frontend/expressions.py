@@ -10,6 +10,7 @@ from netdsl.errors import SourceLoc
 from netdsl.frontend import ast
 from netdsl.frontend.checks import int_in_range
 from netdsl.frontend.frames import Frame
+from netdsl.frontend.synonyms import by_meaning
 from netdsl.frontend.values import (
     POISON,
     BlockRef,
@@ -54,10 +55,15 @@ class Expressions:
             return BATCH
         known = list(frame.locals) + list(frame.module.globals) + list(self.builtins) + [
             o for o in registry.OPS if registry.OPS[o].callable_from_language]
-        hint = difflib.get_close_matches(name, known, n=1)
         msg = f"`{name}` is not defined"
-        if hint:
-            msg += f"; did you mean `{hint[0]}`?"
+        # by meaning first (`upsample`, `dense`, `cross_entropy`), then by spelling
+        meant = by_meaning(name, lambda c: c in known)
+        if meant is not None:
+            msg += f"; {meant}"
+        else:
+            hint = difflib.get_close_matches(name, known, n=1)
+            if hint:
+                msg += f"; did you mean `{hint[0]}`?"
         raise self.error(msg, loc)
 
     def expr(self, e: ast.Expr, frame: Frame):

@@ -111,7 +111,7 @@ CASES = [
     ("sce-labels-shape", net("input z: i64[N, 3]\nh = linear(flatten(x), 10)\noutput h\n"
                              "loss softmax_cross_entropy(h, z)"),
      "softmax_cross_entropy expects labels shaped like the logits without the class "
-     "dimension, but `h` (from linear at line 5, column 9) is f32[N, 10] and `z`", 7, 10),
+     "dimension (axis 1), but `h` (from linear at line 5, column 9) is f32[N, 10] and `z`", 7, 10),
     ("sce-labels-dtype", net("input z: f32[N]\nh = linear(flatten(x), 10)\noutput h\n"
                              "loss softmax_cross_entropy(h, z)"),
      "softmax_cross_entropy expects integer class labels, but `z` (input at line 4, "

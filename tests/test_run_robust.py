@@ -178,3 +178,65 @@ def test_parameters_are_initialised_in_the_training_dtype(dtype, init):
         assert abs(v.std() - math.sqrt(2 / 64)) < 0.01
     if init == "kaiming_uniform":
         assert abs(v).max() <= 1 / 8 and abs(v.std() - 1 / 8 / math.sqrt(3)) < 0.01
+
+
+SEG = """
+network seg {
+    input x: f32[N, 3, 6, 6]
+    input y: i64[N, 6, 6]
+    logits = conv2d(relu(conv2d(x, 8, kernel=3, padding=1)), 4, kernel=1)
+    output relu(logits)
+    loss softmax_cross_entropy(logits, y)
+}
+train { data = synthetic(samples=64, test_samples=16); batch = 16; steps = 40
+        optimizer = adam(lr=0.01) }
+"""
+
+TOKENS = """
+network lm {
+    input ids: i64[N, 7]
+    input y: i64[N, 7]
+    h = embedding(ids, 13, 16)
+    logits = linear(h, 13, bias=false, weight=h.weight)
+    loss softmax_cross_entropy(logits, y, axis=-1)
+}
+train { data = synthetic(samples=64, test_samples=16); batch = 16; steps = 60
+        optimizer = adam(lr=0.05) }
+"""
+
+
+def test_per_pixel_labels_and_accuracy_from_the_losss_logits():
+    """Labels [N, H, W] for [N, C, H, W] scores (classes at dim 1, as PyTorch); the
+    network's first output is not the logits, so accuracy must come from the loss."""
+    net = netdsl.loads(SEG, file="seg.net")
+    r = Trainer(net.graph, net.train, RunOptions()).fit()
+    assert 0.0 <= r.train_accuracy <= 1.0 and r.test_accuracy is not None
+    assert r.train_accuracy > 0.6  # per-pixel labels are a learnable function of x
+    assert r.losses[-1] < r.losses[0]
+
+
+def test_per_token_labels_train():
+    net = netdsl.loads(TOKENS, file="lm.net")
+    r = Trainer(net.graph, net.train, RunOptions()).fit()
+    assert r.train_accuracy > 0.5 and r.losses[-1] < r.losses[0] / 2
+
+
+@pytest.mark.parametrize("src,label_shape", [
+    ("input x: f32[N, 3, 6, 6]\n input y: i64[N, 6, 6]\n"
+     " loss softmax_cross_entropy(conv2d(x, 4), y)", (6, 6)),  # per pixel
+    ("input x: f32[N, 40]\n input y: i64[N, 5]\n"
+     " loss softmax_cross_entropy(reshape(x, (N, 5, 8)), y, axis=-1)", (5,)),
+    ("input x: f32[N, 3, 64, 64]\n input y: i64[N]\n"  # 12,288 features, pooled
+     " loss softmax_cross_entropy(linear(flatten(global_avgpool(x)), 4), y)", ()),
+], ids=["pixels", "positions", "samples"])
+def test_synthetic_labels_of_any_rank(src, label_shape):
+    from netdsl.config import Synthetic
+    from netdsl.runtime.data import synthetic
+    g = netdsl.loads(f"network n {{\n {src}\n}}\n", file="n.net").graph
+    d = synthetic(g, Synthetic(samples=32, test_samples=8), seed=0)
+    x_arr, y_arr = d.train.arrays
+    assert x_arr.dtype == np.float32  # drawn in the input's dtype
+    assert y_arr.shape == (32,) + label_shape
+    assert y_arr.min() >= 0 and y_arr.max() < 8 and len(np.unique(y_arr)) > 1
+    again = synthetic(g, Synthetic(samples=32, test_samples=8), seed=0)
+    assert (again.train.arrays[1] == y_arr).all()  # a fixed function of (x, seed)

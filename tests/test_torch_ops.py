@@ -42,8 +42,8 @@ TORCH = {
     "linear": lambda t, a: F.linear(t["in0"], t["out.weight"], t.get("out.bias")),
     "matmul": lambda t, a: torch.matmul(t["in0"], t["in1"]),
     "embedding": lambda t, a: F.embedding(t["in0"], t["out.weight"]),
-    "softmax_cross_entropy": lambda t, a: F.cross_entropy(
-        t["in0"].reshape(-1, t["in0"].shape[-1]), t["in1"].reshape(-1)),
+    "softmax_cross_entropy": lambda t, a: F.cross_entropy(  # classes at dim 1, as torch
+        t["in0"].movedim(a["axis"], 1), t["in1"]),
     "mse": lambda t, a: F.mse_loss(t["in0"], t["in1"]),
     "batchnorm": lambda t, a: F.batch_norm(
         t["in0"], t["out.running_mean"], t["out.running_var"], t.get("out.weight"),
@@ -83,7 +83,9 @@ CASES = [
     ("matmul", [(2, 3, 4), (4, 5)], {}, {}), ("matmul", [(2, 1, 3, 4), (3, 4, 2)], {}, {}),
     ("embedding", [(2, 5)], {"num": 4, "dim": 3}, {0: 4}),
     ("softmax_cross_entropy", [(5, 4), (5,)], {}, {1: 4}),
-    ("softmax_cross_entropy", [(2, 3, 4), (2, 3)], {}, {1: 4}),
+    ("softmax_cross_entropy", [(2, 3, 4), (2, 3)], {"axis": -1}, {1: 4}),
+    ("softmax_cross_entropy", [(2, 4, 3, 5), (2, 3, 5)], {}, {1: 4}),  # per pixel, dim 1
+    ("softmax_cross_entropy", [(2, 3, 4, 5), (2, 3, 4)], {"axis": 3}, {1: 5}),
     ("mse", [(3, 4), (3, 4)], {}, {}),
     ("batchnorm", [(4, 3, 2, 3)], {"momentum": 0.3}, {}),
     ("batchnorm", [(5, 3)], {"affine": False}, {}),

@@ -54,6 +54,11 @@ class ArgumentBinding:
         names = [a.name for a in op.signature]
         variadic = next((a.name for a in op.signature if a.kind == "tensors"), None)
         locs: dict = {}
+        # `weight=emb.weight`: a keyword that is not an argument but names one of the
+        # op's parameters, given a parameter tensor, ties that parameter (checked in add_op)
+        shared = {k: kwargs.pop(k) for k in [k for k, (v, _) in kwargs.items()
+                                             if k not in names and isinstance(v, Tensor)
+                                             and self.g[v.node].op == "param"]}
         bound = self.bind_args(f"{name}()", names, args, kwargs, e, variadic, locs)
         tensors, attrs = [], {}
         for a in op.signature:
@@ -75,5 +80,6 @@ class ArgumentBinding:
                 tensors.extend(v)
             else:
                 attrs[a.name] = check_attr(self, name, a, v, aloc)
-        return self.emit(name, tensors, attrs, e.loc)
+        return self.emit(name, tensors, attrs, e.loc,
+                         shared={k: (v.node, loc) for k, (v, loc) in shared.items()})
 

@@ -307,10 +307,13 @@ class Elaborator(Expressions, ArgumentBinding):
         local = base if k == 0 else f"{base}_{k}"
         return ".".join(self.scope + [local])
 
-    def emit(self, op: str, tensors: list[Tensor], attrs: dict, loc: SourceLoc) -> Tensor:
+    def emit(self, op: str, tensors: list[Tensor], attrs: dict, loc: SourceLoc,
+             shared: dict | None = None) -> Tensor:
         name = self.node_name(op)
+        shared = shared or {}
         try:
-            node = add_op(self.g, name, op, [t.node for t in tensors], attrs, loc=loc,
+            node = add_op(self.g, name, op, [t.node for t in tensors], attrs,
+                          shared={k: n for k, (n, _) in shared.items()}, loc=loc,
                           stack=tuple(self.stack), scope=tuple(self.scope),
                           annotations=dict(self.anns[-1]))
         except ShapeError as ex:
@@ -322,7 +325,9 @@ class Elaborator(Expressions, ArgumentBinding):
                 msg = str(ex).format(**desc)
             except (KeyError, IndexError):
                 msg = str(ex)
-            raise self.error(msg, loc) from None
+            # an error about a shared parameter points at the `weight=` that shares it
+            at = next((kloc for k, (_, kloc) in shared.items() if f"`{k}`" in msg), loc)
+            raise self.error(msg, at) from None
         return Tensor(node.name, node.type, f"from {op} at {where(loc)}")
 
     def call_block(self, ref: BlockRef, args, kwargs, e: ast.Call):

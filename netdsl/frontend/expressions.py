@@ -96,6 +96,10 @@ class Expressions:
                      "dtype": obj.type.dtype}
             if e.name in props and props[e.name] is not None:
                 return props[e.name]
+            # `emb.weight`: a parameter of the operator that made the tensor, to tie it
+            pnode = f"{obj.node}.{e.name}"
+            if pnode in self.g and self.g[pnode].op == "param":
+                return Tensor(pnode, self.g[pnode].type, f"the {e.name} of {obj.describe()}")
         raise self.error(f"{kind_of(obj)} has no attribute `{e.name}`", e.loc)
 
     def e_Index(self, e: ast.Index, frame):

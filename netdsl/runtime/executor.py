@@ -265,13 +265,13 @@ class Executor:
         except Exception as e:
             raise NetdslError(f"while running {node_line(n)}: {type(e).__name__}: {e}",
                               loc=n.loc, stack=n.stack) from e
-        if n.name in self.stop_if_nonfinite and not bool(self.xp.isfinite(out).all()):
-            raise NonFinite(n.name)
         if self.check_numerics and out.dtype.kind == "f" and not bool(self.xp.isfinite(out).all()):
             bad = "NaN" if bool(self.xp.isnan(out).any()) else "Inf"
             raise NetdslError(f"check-numerics: {_where(n)} produced {bad} "
                               f"({n.type}, phase {n.meta.get('phase', 'forward')})",
                               loc=n.loc, stack=n.stack)
+        if n.name in self.stop_if_nonfinite and not bool(self.xp.isfinite(out).all()):
+            raise NonFinite(n.name)
         return out
 
     # -- state -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from netdsl.memory.liveness import analyse
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Loader, batches, loss_labels, make_dataset
+from netdsl.runtime.data import Loader, accuracy, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
 
@@ -198,6 +198,10 @@ class Trainer:
         self._eval_execs = {self.batch: self.executor.with_graph(bound)}
         self.stats = summarize(bound)
         self.acc = loss_labels(forward)
+        if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
+            for g in (self.train_graph, bound):
+                g.outputs["logits"] = [self.acc[0]]
+            self.ROLES = (*Trainer.ROLES, "logits")
         self.executor.stop_if_nonfinite = set(forward.outputs.get("loss", [])) | (
             {self.acc[0]} if self.acc else set())
         self.step = 0
@@ -231,32 +235,30 @@ class Trainer:
         if self.data.test is None or len(self.data.test) == 0:
             return {}
         losses, correct, seen = [], 0, 0
-        roles = tuple(r for r in ("output", "loss") if r in self.forward.outputs)
+        roles = tuple(r for r in ("output", "loss", "logits") if r in
+                      self._eval_execs[self.batch].graph.outputs)
         be = self.executor.backend
         for arrays in batches(self.data.test, self.batch):
             n = len(arrays[0])
             if n not in self._eval_execs:  # the last, partial batch gets its own binding
-                self._eval_execs[n] = self.executor.with_graph(self.forward.bind(n))
+                g = self.forward.bind(n)
+                if self.acc:
+                    g.outputs["logits"] = [self.acc[0]]
+                self._eval_execs[n] = self.executor.with_graph(g)
             out = self._eval_execs[n].run(self.feeds(arrays), training=False, roles=roles)
             if "loss" in out:
                 losses.append((float(be.to_host(out["loss"][0])), n))
             if self.acc:
-                logits = be.to_host(self._logits(out))
                 labels = arrays[self.data.input_names.index(self.acc[1])]
-                correct += int((logits.argmax(-1) == labels).sum())
-                seen += labels.size
+                c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2], labels)
+                correct += c
+                seen += k
         rec = {"step": self.step}
         if losses:
             rec["test_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
         if seen:
             rec["test_accuracy"] = correct / seen
         return rec
-
-    def _logits(self, out):
-        names = self.forward.outputs.get("output", [])
-        if self.acc and self.acc[0] in names:
-            return out["output"][names.index(self.acc[0])]
-        return out["output"][0]
 
     def fit(self) -> RunResult:
         # NumPy's RuntimeWarnings (overflow, invalid value) are not for the user: a
@@ -307,9 +309,11 @@ class Trainer:
                        "images_per_s": self.batch / dt, "step_time_s": dt,
                        "epoch": self.loader.epoch}
                 if labels_at is not None:
-                    logits = be.to_host(self._logits(out))
-                    train_acc = float((logits.argmax(-1) == arrays[labels_at]).mean())
-                    rec["accuracy"] = train_acc
+                    c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2],
+                                    arrays[labels_at])
+                    if k:
+                        train_acc = c / k
+                        rec["accuracy"] = train_acc
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                     last_eval = self.evaluate()
                     rec.update(last_eval)

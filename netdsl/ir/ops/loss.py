@@ -22,17 +22,25 @@ def _sce_shape(ins, a):
     if labels.dtype not in ("i32", "i64"):
         raise ShapeError(f"softmax_cross_entropy expects integer class labels, but "
                          f"{{labels}} is {labels}")
-    if logits.rank < 2 or labels.shape != logits.shape[:-1]:
+    if logits.rank < 2:
+        raise ShapeError(f"softmax_cross_entropy expects logits of rank 2 or more, but "
+                         f"{{logits}} is {logits}")
+    ax = norm_axis(a["axis"], logits.rank, "softmax_cross_entropy")
+    if labels.shape != logits.shape[:ax] + logits.shape[ax + 1:]:
         raise ShapeError(f"softmax_cross_entropy expects labels shaped like the logits "
-                         f"without the class dimension, but {{logits}} is {logits} and "
-                         f"{{labels}} is {labels}")
+                         f"without the class dimension (axis {a['axis']}), but {{logits}} "
+                         f"is {logits} and {{labels}} is {labels}")
     return TensorType((), logits.dtype)
 
 
-register(OpDef("softmax_cross_entropy", (Arg("logits", "tensor"), Arg("labels", "tensor")),
+# the class axis as PyTorch's F.cross_entropy: dim 1 of [N, C] or [N, C, d1, ...] scores;
+# `axis=-1` for [N, T, C] (a language model's per-token scores)
+register(OpDef("softmax_cross_entropy",
+               (Arg("logits", "tensor"), Arg("labels", "tensor"), Arg("axis", "axis", 1)),
                _sce_shape, "loss", flops=lambda ins, out, a: 6 * ins[0].numel(),
                retains=("inputs",),
-               doc="mean over all positions of -log softmax(logits)[label]"))
+               doc="mean over all positions of -log softmax(logits)[label]; classes along "
+                   "`axis` (1, as PyTorch: [N, C] or [N, C, H, W] scores)"))
 
 
 def _mse_shape(ins, a):
@@ -54,7 +62,8 @@ register(OpDef("softmax_grad", (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("ax
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
                differentiable=False, doc="dx = y * (dy - sum(dy * y)) along the axis"))
 register(OpDef("softmax_cross_entropy_grad",
-               (Arg("dy", "tensor"), Arg("logits", "tensor"), Arg("labels", "tensor")),
+               (Arg("dy", "tensor"), Arg("logits", "tensor"), Arg("labels", "tensor"),
+                Arg("axis", "axis", 1)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 6 * out.numel(),
                differentiable=False, doc="d(logits) = dy * (softmax(logits) - onehot) / M"))
 register(OpDef("mse_grad", (Arg("dy", "tensor"), Arg("pred", "tensor"), Arg("target", "tensor")),
@@ -79,14 +88,15 @@ def _softmax_grad(xp, ins, a, ctx):
     return y * (dy - (dy * y).sum(axis=a["axis"], keepdims=True))
 
 
-def _flat(logits, labels):
-    k = logits.shape[-1]
-    return logits.reshape(-1, k), labels.reshape(-1)
+def _flat(xp, logits, labels, axis):
+    """Scores as [positions, classes] (the class axis moved last) and labels as [positions]."""
+    z = xp.moveaxis(logits, axis, -1)
+    return z.reshape(-1, z.shape[-1]), labels.reshape(-1)
 
 
 @kernel("softmax_cross_entropy")
 def _sce(xp, ins, a, ctx):
-    z, t = _flat(*ins)
+    z, t = _flat(xp, *ins, a["axis"])
     m = z.max(axis=1, keepdims=True)
     lse = xp.log(xp.exp(z - m).sum(axis=1)) + m[:, 0]
     picked = xp.take_along_axis(z, t[:, None].astype(xp.int64), axis=1)[:, 0]
@@ -96,10 +106,12 @@ def _sce(xp, ins, a, ctx):
 @kernel("softmax_cross_entropy_grad")
 def _sce_grad(xp, ins, a, ctx):
     dy, logits, labels = ins
-    z, t = _flat(logits, labels)
+    z, t = _flat(xp, logits, labels, a["axis"])
     p = _softmax_fn(xp, z, 1)
     p[xp.arange(z.shape[0]), t] -= 1.0
-    return (p * (dy / z.shape[0])).reshape(logits.shape)
+    moved = xp.moveaxis(logits, a["axis"], -1).shape
+    return xp.ascontiguousarray(xp.moveaxis((p * (dy / z.shape[0])).reshape(moved), -1,
+                                            a["axis"]))
 
 
 @kernel("mse")
@@ -122,7 +134,8 @@ def _softmax_rule(n, b, gy):
 
 @grad_rule("softmax_cross_entropy")
 def _sce_rule(n, b, gy):
-    return [b.emit("softmax_cross_entropy_grad", [gy, n.inputs[0], n.inputs[1]]), None]
+    return [b.emit("softmax_cross_entropy_grad", [gy, n.inputs[0], n.inputs[1]],
+                   {"axis": n.attrs["axis"]}), None]
 
 
 @grad_rule("mse")

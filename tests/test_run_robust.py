@@ -240,3 +240,44 @@ def test_synthetic_labels_of_any_rank(src, label_shape):
     assert y_arr.min() >= 0 and y_arr.max() < 8 and len(np.unique(y_arr)) > 1
     again = synthetic(g, Synthetic(samples=32, test_samples=8), seed=0)
     assert (again.train.arrays[1] == y_arr).all()  # a fixed function of (x, seed)
+
+
+class EvalSpy(Callback):
+    def __init__(self):
+        self.progress, self.evals = [], []
+
+    def on_eval_progress(self, done, total):
+        self.progress.append((done, total))
+
+    def on_eval(self, record):
+        self.evals.append(record)
+
+
+@pytest.mark.parametrize("eval_samples,used", [(None, 8), (0, 0), (5, 5), (100, 8)])
+def test_evaluation_can_be_limited_or_skipped(tiny, eval_samples, used):
+    """Synthetic data evaluates one batch by default; `eval_samples` limits it (0 skips),
+    and progress is reported batch by batch."""
+    spy = EvalSpy()
+    r = Trainer(tiny.graph, tiny.train, RunOptions(steps=2, eval_every=1,
+                                                   eval_samples=eval_samples), spy).fit()
+    if used == 0:
+        assert r.test_accuracy is None and spy.progress == [] and spy.evals == [{}, {}]
+        return
+    assert r.test_accuracy is not None
+    assert [e["eval_samples"] for e in spy.evals] == [used, used]
+    assert spy.progress[-1] == (1, 1) and spy.progress[0] == (0, 1)
+
+
+def test_real_data_evaluates_everything_by_default(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((16, 6)).astype(np.float32),
+             y=rng.integers(0, 3, 16), x_test=rng.standard_normal((20, 6)).astype(np.float32),
+             y_test=rng.integers(0, 3, 20))
+    (tmp_path / "n.net").write_text(TINY.replace("synthetic(samples=32, test_samples=8)",
+                                                 'npz(path="d.npz")'))
+    net = netdsl.load(tmp_path / "n.net")
+    spy = EvalSpy()
+    Trainer(net.graph, net.train, RunOptions(steps=1, eval_every=1), spy).fit()
+    assert spy.evals[0]["eval_samples"] == 20 and spy.progress[-1] == (3, 3)
+    with pytest.raises(NetdslError, match="--eval-samples must be 0"):
+        Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=-1))

@@ -35,6 +35,7 @@ class _Bar:
         self.progress = None
         self.task = None
         self.seen = 0
+        self.eval_task = None
         self.first_time = 0.0
 
     def on_start(self, info: dict) -> None:
@@ -51,7 +52,7 @@ class _Bar:
         if info["start_step"]:
             self.err.print(f"resuming at step {info['start_step']} of {info['total_steps']}")
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), console=self.err, transient=False)
         self.progress.start()
@@ -82,6 +83,17 @@ class _Bar:
     def on_eval(self, r: dict) -> None:
         pass
 
+    def on_eval_progress(self, done: int, total: int) -> None:
+        """A second bar for evaluation (a full pass can take minutes on a big network)."""
+        if self.quiet or self.progress is None:
+            return
+        if self.eval_task is None:
+            self.eval_task = self.progress.add_task("eval", total=total, metrics="held out")
+        self.progress.update(self.eval_task, completed=done, total=total)
+        if done >= total:
+            self.progress.remove_task(self.eval_task)
+            self.eval_task = None
+
     def on_end(self, result) -> None:
         if self.progress is not None:
             self.progress.stop()
@@ -108,6 +120,9 @@ def run(
     checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
     resume: Annotated[bool, typer.Option(help="continue from --checkpoint")] = False,
     eval_every: Annotated[int | None, typer.Option(min=1, help="evaluate every K steps")] = None,
+    eval_samples: Annotated[int | None, typer.Option(
+        min=0, help="held-out samples per evaluation (0: none; default: all of real data, "
+                    "one batch of synthetic data)")] = None,
     check_numerics: Annotated[bool, typer.Option(
         help="stop at the first NaN/Inf, naming the node")] = False,
     json_output: JsonOpt = False,
@@ -126,7 +141,8 @@ def run(
                           log=str(log) if log else None,
                           checkpoint=str(checkpoint) if checkpoint else None,
                           checkpoint_every=checkpoint_every, resume=resume,
-                          eval_every=eval_every, check_numerics=check_numerics)
+                          eval_every=eval_every, check_numerics=check_numerics,
+                          eval_samples=eval_samples)
         try:
             result = train(net, opts, bar)
         finally:

@@ -34,7 +34,7 @@ from netdsl.memory.liveness import analyse
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Loader, accuracy, batches, loss_labels, make_dataset
+from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
 
@@ -57,6 +57,10 @@ class RunOptions:
     resume: bool = False
     eval_every: int | None = None
     check_numerics: bool = False
+    # held-out samples each evaluation uses: None = all of real data, one batch of
+    # synthetic data (random labels say little, and a full pass was a third of a run);
+    # 0 skips evaluation
+    eval_samples: int | None = None
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Callback:
     def on_start(self, info: dict) -> None: ...
     def on_step(self, record: dict) -> None: ...
     def on_eval(self, record: dict) -> None: ...
+    def on_eval_progress(self, done: int, total: int) -> None: ...
     def on_end(self, result: RunResult) -> None: ...
 
 
@@ -127,6 +132,9 @@ def check_options(opts: RunOptions) -> list[str]:
         raise NetdslError("--checkpoint-every needs --checkpoint DIR (where to write them)")
     if opts.resume and not opts.checkpoint:
         raise NetdslError("--resume needs --checkpoint DIR")
+    if opts.eval_samples is not None and opts.eval_samples < 0:
+        raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
+                          f"{opts.eval_samples}")
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []
@@ -231,14 +239,28 @@ class Trainer:
     def feeds(self, arrays) -> dict:
         return dict(zip(self.data.input_names, arrays))
 
+    def eval_limit(self) -> int:
+        """How many held-out samples an evaluation uses (see RunOptions.eval_samples)."""
+        have = len(self.data.test) if self.data.test is not None else 0
+        want = self.opts.eval_samples
+        if want is None:
+            want = self.batch if self.data.name == "synthetic" else have
+        return min(have, want)
+
     def evaluate(self) -> dict:
-        if self.data.test is None or len(self.data.test) == 0:
+        limit = self.eval_limit()
+        if limit == 0:
             return {}
+        test = Split([a[:limit] for a in self.data.test.arrays])
+        total = -(-limit // self.batch)
+        progress = getattr(self.cb, "on_eval_progress", None)
         losses, correct, seen = [], 0, 0
         roles = tuple(r for r in ("output", "loss", "logits") if r in
                       self._eval_execs[self.batch].graph.outputs)
         be = self.executor.backend
-        for arrays in batches(self.data.test, self.batch):
+        for k, arrays in enumerate(batches(test, self.batch)):
+            if progress is not None:
+                progress(k, total)
             n = len(arrays[0])
             if n not in self._eval_execs:  # the last, partial batch gets its own binding
                 g = self.forward.bind(n)
@@ -253,7 +275,9 @@ class Trainer:
                 c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2], labels)
                 correct += c
                 seen += k
-        rec = {"step": self.step}
+        if progress is not None:
+            progress(total, total)
+        rec = {"step": self.step, "eval_samples": limit}
         if losses:
             rec["test_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
         if seen:

@@ -281,3 +281,32 @@ def test_real_data_evaluates_everything_by_default(tmp_path):
     assert spy.evals[0]["eval_samples"] == 20 and spy.progress[-1] == (3, 3)
     with pytest.raises(NetdslError, match="--eval-samples must be 0"):
         Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=-1))
+
+
+def test_out_of_memory_is_said_in_words(tmp_path):
+    """512 TiB of weights (more than any address space, so the allocation fails at once
+    even where the kernel overcommits): NumPy's MemoryError becomes what is needed, what
+    is free and what to change; exit 1, no traceback."""
+    p = tmp_path / "huge.net"
+    p.write_text("network huge {\n    input x: f32[N, 1048576]\n    input y: i64[N]\n"
+                 "    loss softmax_cross_entropy(linear(x, 134217728), y)\n}\n"
+                 "train { data = synthetic(samples=4, test_samples=0); batch = 2 }\n")
+    out = subprocess.run([sys.executable, "-m", "netdsl_cli", "run", str(p), "--steps", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "out of memory allocating the parameters: a training step needs about" in out.stderr
+    assert "is free on this machine" in out.stderr and "--batch 1" in out.stderr
+    assert "Traceback" not in out.stderr and "internal error" not in out.stderr
+
+
+def test_out_of_memory_during_a_step(tiny, monkeypatch):
+    t = Trainer(tiny.graph, tiny.train, RunOptions(steps=2))
+
+    def no_memory(*a, **k):
+        raise MemoryError("Unable to allocate 3.0 GiB")
+    monkeypatch.setattr(t.executor, "run", no_memory)
+    with pytest.raises(NetdslError) as info:
+        t.fit()
+    msg = info.value.message
+    assert msg.startswith("out of memory at step 1: a training step needs about")
+    assert "at batch 8" in msg and "--batch 4" in msg

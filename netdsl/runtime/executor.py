@@ -260,7 +260,7 @@ class Executor:
         ctx.node = n
         try:
             out = self.xp.asarray(op.kernel(self.xp, inputs, n.attrs, ctx))
-        except NetdslError:
+        except (NetdslError, MemoryError):  # out of memory: the trainer says it in words
             raise
         except Exception as e:
             raise NetdslError(f"while running {node_line(n)}: {type(e).__name__}: {e}",

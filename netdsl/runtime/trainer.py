@@ -171,6 +171,39 @@ def preflight(opts: RunOptions) -> None:
             raise NetdslError(f"--log {p} cannot be written: {e.strerror or e}") from None
 
 
+def available_bytes(backend) -> int | None:
+    """Free memory where the run allocates: the device's for CuPy, else the host's."""
+    try:
+        if backend.name == "cupy":
+            return int(backend.xp.cuda.Device().mem_info[0])
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except Exception:  # noqa: BLE001 - an estimate only; the error is said without it
+        return None
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def out_of_memory(needed: int, backend, batch: int, when: str) -> NetdslError:
+    """A MemoryError (NumPy) or CuPy's OutOfMemoryError, in words: what the step needs
+    (static liveness analysis), what is free, and what to change."""
+    free = available_bytes(backend)
+    where = "the GPU" if backend.name == "cupy" else "this machine"
+    have = (f"about {_gib(free)} is free on {where}" if free is not None
+            else f"{where} has less free")
+    smaller = max(batch // 2, 1)
+    return NetdslError(
+        f"out of memory {when}: a training step needs about {_gib(needed)} (parameters, "
+        f"optimizer state and the activations kept for backward, at batch {batch}), but "
+        f"{have}; use a smaller batch (e.g. --batch {smaller}: activations shrink with it)"
+        ", or a smaller network")
+
+
 def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
     if "loss" not in forward.outputs:
         raise NetdslError(f"network `{forward.name}` declares no `loss`, so it cannot be "
@@ -201,8 +234,13 @@ class Trainer:
             self.total = self.loader.batches_per_epoch  # one epoch
         bound = forward.bind(self.batch)
         self.train_graph = training_graph(bound, self.cfg).verify()
-        self.executor = Executor(self.train_graph, get_backend(opts.backend, opts.device),
-                                 opts.dtype, self.cfg.seed, opts.check_numerics)
+        backend = get_backend(opts.backend, opts.device)
+        try:  # the parameters and optimizer state are allocated here
+            self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
+                                     opts.check_numerics)
+        except MemoryError:
+            raise out_of_memory(self.expected_bytes(), backend, self.batch,
+                                "allocating the parameters") from None
         self._eval_execs = {self.batch: self.executor.with_graph(bound)}
         self.stats = summarize(bound)
         self.acc = loss_labels(forward)
@@ -289,7 +327,11 @@ class Trainer:
         # non-finite loss or logits stops the run with one message naming the first node
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            return self._fit()
+            try:
+                return self._fit()
+            except MemoryError:
+                raise out_of_memory(self.expected_bytes(), self.executor.backend, self.batch,
+                                    f"at step {self.step + 1}") from None
 
     def _fit(self) -> RunResult:
         if self.opts.resume:

@@ -288,8 +288,8 @@ def test_out_of_memory_is_said_in_words(tmp_path):
     even where the kernel overcommits): NumPy's MemoryError becomes what is needed, what
     is free and what to change; exit 1, no traceback."""
     p = tmp_path / "huge.net"
-    p.write_text("network huge {\n    input x: f32[N, 1048576]\n    input y: i64[N]\n"
-                 "    loss softmax_cross_entropy(linear(x, 134217728), y)\n}\n"
+    p.write_text("network huge {\n    input x: f32[N, 1048576]\n"
+                 "    loss mse(linear(x, 134217728), linear(x, 134217728))\n}\n"
                  "train { data = synthetic(samples=4, test_samples=0); batch = 2 }\n")
     out = subprocess.run([sys.executable, "-m", "netdsl_cli", "run", str(p), "--steps", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -223,7 +223,13 @@ class Trainer:
         self.cfg = resolve_config(cfg, opts)
         self.cb = callback or Callback()
         self.forward = forward
-        self.data = make_dataset(forward, self.cfg.data, self.cfg.seed)
+        try:
+            self.data = make_dataset(forward, self.cfg.data, self.cfg.seed)
+        except MemoryError:
+            raise NetdslError(f"out of memory making the {self.cfg.data.kind} data set "
+                              f"for network `{forward.name}`; its inputs or classes are "
+                              "too large for this machine (use fewer samples or a smaller "
+                              "network)") from None
         self.batch = self.cfg.batch
         self.loader = Loader(self.data.train, self.batch, self.cfg.seed)
         if self.cfg.steps is not None:

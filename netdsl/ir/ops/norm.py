@@ -20,7 +20,10 @@ def _bn_params(ins, a):
     c = ins[0].shape[1]
     p = {}
     if a["affine"]:
-        p["weight"] = ParamSpec((c,), "ones")
+        # zero_init: the scale starts at 0, so a residual branch ending here starts as
+        # nothing and its block as the identity (Goyal et al. 2017; torchvision's
+        # zero_init_residual) - what keeps thousands of blocks finite at initialisation
+        p["weight"] = ParamSpec((c,), "zeros" if a.get("zero_init") else "ones")
         p["bias"] = ParamSpec((c,), "zeros")
     p["running_mean"] = ParamSpec((c,), "zeros", buffer=True)
     p["running_var"] = ParamSpec((c,), "ones", buffer=True)
@@ -50,9 +53,10 @@ register(OpDef(
     "batchnorm",
     (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
      Arg("momentum", "float", 0.1, range=Range(0, 1)),
-     Arg("affine", "bool", True)),
+     Arg("affine", "bool", True), Arg("zero_init", "bool", False)),
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"),
-    doc="batch normalisation over every dim but 1; running stats in buffers"))
+    doc="batch normalisation over every dim but 1; running stats in buffers; "
+        "zero_init=true starts the scale at 0 (zero_init_residual)"))
 
 register(OpDef(
     "layernorm",

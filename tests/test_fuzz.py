@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -244,3 +245,58 @@ def test_bytes_in_a_file(tmp_path_factory, junk, bom, at):
             if d.loc is not None and d.loc.file == str(p):
                 assert 1 <= d.loc.line <= len(lines), (d.loc, d.message)
             d.render()
+
+
+# -- `netdsl run`'s options (issue 10): any combination fails before the first step, in
+# words, or trains ---------------------------------------------------------------------------
+TINY_RUN = """
+network tiny {
+    input x: f32[N, 4]
+    input y: i64[N]
+    logits = linear(x, 3)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+train { data = synthetic(samples=16, test_samples=4); batch = 4; steps = 2 }
+"""
+
+
+@settings(SETTINGS, max_examples=30)
+@given(st.fixed_dictionaries({}, optional={
+    "steps": st.sampled_from([1, 2, 3, 10 ** 20]),
+    "batch": st.sampled_from([1, 4, 64, 2 ** 31, 10 ** 23]),
+    "lr": st.sampled_from([0.0, -1.0, 1e-3, 1e40, float("inf"), float("nan")]),
+    "dtype": st.sampled_from(["f32", "f64", "f16", "i8"]),
+    "device": st.sampled_from([0, 3]),
+    "checkpoint": st.sampled_from(["dir", "file", "deep/new/dir"]),
+    "checkpoint_every": st.sampled_from([1, 5]),
+    "resume": st.booleans(),
+    "log": st.sampled_from(["m.jsonl", "dir", "missing/x.jsonl"]),
+    "eval_every": st.sampled_from([1, 2]),
+    "eval_samples": st.sampled_from([-1, 0, 1, 1000]),
+}))
+def test_run_option_combinations(tmp_path_factory, options):
+    from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+
+    class Count(Callback):
+        steps = 0
+
+        def on_step(self, record):
+            Count.steps += 1
+
+    root = tmp_path_factory.mktemp("run")
+    (root / "file").write_text("x")
+    (root / "dir").mkdir()
+    for key in ("checkpoint", "log"):
+        if key in options:
+            options[key] = str(root / options[key])
+    net = netdsl.loads(TINY_RUN, file=str(root / "tiny.net"))
+    try:
+        r = Trainer(net.graph, net.train, RunOptions(**options), Count()).fit()
+    except NetdslError as e:
+        assert e.message and "Traceback" not in e.render()
+        # a bad option or path is found before any step; only divergence comes later
+        if Count.steps:
+            assert "NaN or Inf" in e.message, e.message
+        return
+    assert r.final_loss is None or np.isfinite(r.final_loss) or options.get("lr", 0) > 1

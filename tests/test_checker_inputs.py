@@ -150,3 +150,16 @@ def test_the_synonym_table_points_at_real_names_or_future_ones():
         assert all(c.isidentifier() for c in choices)
     assert any(c in registry.OPS or c in builtins
                for choices in SYNONYMS.values() for c in choices)
+
+
+def test_without_room_for_a_big_stack_the_front_end_still_runs(monkeypatch):
+    """Where a thread with a large stack cannot start (a `ulimit -v`), the front end runs
+    on the caller's thread: ordinary programs check as before."""
+    import threading
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    limit = sys.getrecursionlimit()
+    assert netdsl.loads(net("output relu(x)")).graph["relu"].op == "relu"
+    assert sys.getrecursionlimit() == limit and gc.isenabled()

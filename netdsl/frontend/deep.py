@@ -61,18 +61,29 @@ def run_deep(fn, *args, **kwargs):
             threading.stack_size(_STACK_BYTES)  # applies to threads started now
             t = threading.Thread(target=target, name="netdsl-frontend", daemon=True)
             t.start()
+        except (RuntimeError, ValueError, MemoryError):
+            # no room for the big stack (a `ulimit -v`): run here, with the usual limit;
+            # very deep programs then get the per-statement "too deeply" error
+            t = None
         finally:
             threading.stack_size(old_size)
+    if t is None:
+        _release()
+        return fn(*args, **kwargs)
     try:
         t.join()
     finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:  # the main thread's small stack needs the usual limit
-                sys.setrecursionlimit(_saved_limit)
-                if _gc["was_enabled"]:
-                    gc.enable()
+        _release()
     if "error" in out:
         raise out["error"].with_traceback(out["error"].__traceback__)
     return out.get("value")
 
+
+def _release() -> None:
+    global _active
+    with _lock:
+        _active -= 1
+        if _active == 0:  # the main thread's small stack needs the usual limit
+            sys.setrecursionlimit(_saved_limit)
+            if _gc["was_enabled"]:
+                gc.enable()

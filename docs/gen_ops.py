@@ -32,6 +32,16 @@ def _value(v) -> str:
     return repr(v)
 
 
+def _valid(a: registry.Arg) -> str:
+    """The documented valid values: choices, or a range (ints are also 64-bit, floats
+    finite, everywhere)."""
+    if a.choices:
+        return f" (one of {', '.join(map(_value, a.choices))})"
+    if a.range is not None:
+        return f" ({a.range})"
+    return ""
+
+
 def signature(op: registry.OpDef) -> str:
     parts = []
     for a in op.signature:
@@ -47,8 +57,7 @@ def table() -> str:
         op = registry.OPS[name]
         if not op.callable_from_language:
             continue
-        kinds = ", ".join(f"{a.name}: {_KINDS.get(a.kind, a.kind)}" +
-                          (f" (one of {', '.join(map(_value, a.choices))})" if a.choices else "")
+        kinds = ", ".join(f"{a.name}: {_KINDS.get(a.kind, a.kind)}" + _valid(a)
                           for a in op.signature)
         doc = op.doc.replace("|", "\\|")
         rows.append(f"| `{signature(op)}` | {kinds} | {op.layer_type} | {doc} |")

@@ -70,7 +70,17 @@ def _network(env: ModuleEnv, network: str | None) -> Network:
         errors += e.diagnostics
     if errors:
         raise NetdslError(diagnostics=errors)
-    return Network(env, graph, train)
+    return Network(env, graph, _paths_relative_to(env.file, train))
+
+
+def _paths_relative_to(file: str, train: TrainConfig | None) -> TrainConfig | None:
+    """A data path in the file (`npz(path="data.npz")`) means next to that file, as an
+    import does, not in whatever folder netdsl runs from."""
+    if train is None or train.data.kind != "npz" or Path(train.data.path).is_absolute() \
+            or file.startswith("<"):
+        return train
+    path = str(Path(file).resolve().parent / train.data.path)
+    return train.model_copy(update={"data": train.data.model_copy(update={"path": path})})
 
 
 def train(net: Network, options=None, callback=None):

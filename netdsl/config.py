@@ -10,9 +10,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# every count (batch, steps, seed...) is a 64-bit integer; every float finite
+INT_MAX = 2 ** 63 - 1
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SGD(_Strict):
@@ -48,23 +51,23 @@ Optimizer = Annotated[SGD | Adam | AdamW, Field(discriminator="kind")]
 
 class Constant(_Strict):
     kind: Literal["constant"] = "constant"
-    warmup: int = Field(0, ge=0)
+    warmup: int = Field(0, ge=0, le=INT_MAX)
 
 
 class Step(_Strict):
     kind: Literal["step"] = "step"
-    step_size: int = Field(gt=0)
+    step_size: int = Field(gt=0, le=INT_MAX)
     gamma: float = Field(0.1, gt=0, le=1)
-    warmup: int = Field(0, ge=0)
+    warmup: int = Field(0, ge=0, le=INT_MAX)
 
 
 class Cosine(_Strict):
     kind: Literal["cosine"] = "cosine"
-    warmup: int = Field(0, ge=0)
+    warmup: int = Field(0, ge=0, le=INT_MAX)
     min_lr: float = Field(0.0, ge=0)
     # the decay horizon; None: the run's total steps. Fix it to make a run that is cut
     # short and resumed follow the same curve as one that is not.
-    steps: int | None = Field(None, gt=0)
+    steps: int | None = Field(None, gt=0, le=INT_MAX)
 
 
 Schedule = Annotated[Constant | Step | Cosine, Field(discriminator="kind")]
@@ -72,9 +75,9 @@ Schedule = Annotated[Constant | Step | Cosine, Field(discriminator="kind")]
 
 class Synthetic(_Strict):
     kind: Literal["synthetic"] = "synthetic"
-    classes: int | None = Field(None, gt=0)
-    samples: int = Field(1024, gt=0)
-    test_samples: int = Field(256, ge=0)
+    classes: int | None = Field(None, gt=0, le=INT_MAX)
+    samples: int = Field(1024, gt=0, le=INT_MAX)
+    test_samples: int = Field(256, ge=0, le=INT_MAX)
 
 
 class Digits(_Strict):
@@ -100,11 +103,12 @@ class TrainConfig(_Strict):
     data: Dataset = Field(default_factory=Synthetic)
     optimizer: Optimizer = Field(default_factory=SGD)
     schedule: Schedule = Field(default_factory=Constant)
-    batch: int = Field(32, gt=0)
-    steps: int | None = Field(None, gt=0)
-    epochs: int | None = Field(None, gt=0)
-    seed: int = Field(0, ge=0)
-    eval_every: int | None = Field(None, gt=0)
+    # a batch larger than this cannot fit in any memory; an int32 index on every backend
+    batch: int = Field(32, gt=0, le=2 ** 31 - 1)
+    steps: int | None = Field(None, gt=0, le=INT_MAX)
+    epochs: int | None = Field(None, gt=0, le=INT_MAX)
+    seed: int = Field(0, ge=0, le=INT_MAX)
+    eval_every: int | None = Field(None, gt=0, le=INT_MAX)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):
@@ -116,10 +120,10 @@ class TrainConfig(_Strict):
 class ParallelConfig(_Strict):
     """The network-level `parallel { }` declaration; devices = data x pipeline x tensor."""
 
-    data: int = Field(1, ge=1)
-    pipeline: int = Field(1, ge=1)
-    microbatches: int = Field(1, ge=1)
-    tensor: int = Field(1, ge=1)
+    data: int = Field(1, ge=1, le=INT_MAX)
+    pipeline: int = Field(1, ge=1, le=INT_MAX)
+    microbatches: int = Field(1, ge=1, le=INT_MAX)
+    tensor: int = Field(1, ge=1, le=INT_MAX)
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
 
     @property

@@ -52,7 +52,9 @@ def source_line(file: str, line: int) -> str | None:
     lines = _source_cache.get(file)
     if lines is None:
         try:
-            with open(file, encoding="utf-8") as fh:
+            # as the loader reads it (a byte-order mark is not text); a byte that is not
+            # UTF-8 must not turn the report of that very error into a crash
+            with open(file, encoding="utf-8-sig", errors="replace") as fh:
                 lines = _lines(fh.read())
         except OSError:
             return None

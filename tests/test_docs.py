@@ -41,3 +41,28 @@ def test_gen_ops_runs_as_a_script():
     out = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_ops.py")],
                          capture_output=True, text=True, check=True).stdout
     assert "| `conv2d(x, out_channels, kernel=1" in out
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"Run the tests.*?```\n(.*?)\n```", readme, re.S)
+    assert m, "README.md lost its test command"
+    command = m.group(1).strip()
+    assert "pip install torch==" in command  # so the PyTorch comparisons run
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert command in ci, f"README's `{command}` is not what .ci/run runs"
+
+
+def test_pytest_names_the_modules_it_skipped(tmp_path):
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_needs_x.py").write_text(
+        "import pytest\nx = pytest.importorskip('netdsl_no_such_module')\n"
+        "def test_x():\n    pass\n")
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 test module(s) skipped" in out.stdout
+    assert "SKIPPED MODULE test_needs_x.py: could not import 'netdsl_no_such_module'" in \
+        out.stdout, out.stdout

@@ -111,7 +111,7 @@ CASES = [
     ("sce-labels-shape", net("input z: i64[N, 3]\nh = linear(flatten(x), 10)\noutput h\n"
                              "loss softmax_cross_entropy(h, z)"),
      "softmax_cross_entropy expects labels shaped like the logits without the class "
-     "dimension, but `h` (from linear at line 5, column 9) is f32[N, 10] and `z`", 7, 10),
+     "dimension (axis 1), but `h` (from linear at line 5, column 9) is f32[N, 10] and `z`", 7, 10),
     ("sce-labels-dtype", net("input z: f32[N]\nh = linear(flatten(x), 10)\noutput h\n"
                              "loss softmax_cross_entropy(h, z)"),
      "softmax_cross_entropy expects integer class labels, but `z` (input at line 4, "
@@ -283,7 +283,7 @@ CASES = [
                         + net("output a(x)"),
      "block `a` is defined twice in this file (first at line 1, column 7)", 4, 7),
     ("dropout-p", net("output dropout(x, p=1.5)"),
-     "dropout probability p must be in [0, 1], not 1.5", 4, 12),
+     "dropout() `p` must be in [0, 1], not 1.5", 4, 23),
     ("reshape-batch-not-first", net("output reshape(x, (3, N, 64))"),
      "the batch dimension N may only come first, not in (3, N, 64)", 4, 12),
     ("flatten-1d", net("output flatten(y)"),

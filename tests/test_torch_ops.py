@@ -157,7 +157,7 @@ def _conv(f, d, t, a):
 
 
 def _class_loss(f, t, a, **kw):
-    x, y = t["in0"], t["in1"]
+    x, y = t["in0"].movedim(a["axis"], -1), t["in1"]  # netdsl's class axis, moved last
     w = None if a["weight"] is None else torch.tensor(a["weight"], dtype=x.dtype)
     out = f(x.reshape(-1, x.shape[-1]), y.reshape(-1), weight=w,
             ignore_index=a["ignore_index"], reduction=a["reduction"], **kw)
@@ -210,7 +210,9 @@ CASES = [
     ("matmul", [(2, 3, 4), (4, 5)], {}, {}), ("matmul", [(2, 1, 3, 4), (3, 4, 2)], {}, {}),
     ("embedding", [(2, 5)], {"num": 4, "dim": 3}, {0: 4}),
     ("softmax_cross_entropy", [(5, 4), (5,)], {}, {1: 4}),
-    ("softmax_cross_entropy", [(2, 3, 4), (2, 3)], {}, {1: 4}),
+    ("softmax_cross_entropy", [(2, 3, 4), (2, 3)], {"axis": -1}, {1: 4}),
+    ("softmax_cross_entropy", [(2, 4, 3, 5), (2, 3, 5)], {}, {1: 4}),  # per pixel, dim 1
+    ("softmax_cross_entropy", [(2, 3, 4, 5), (2, 3, 4)], {"axis": 3}, {1: 5}),
     ("mse", [(3, 4), (3, 4)], {}, {}),
     ("batchnorm", [(4, 3, 2, 3)], {"momentum": 0.3}, {}),
     ("batchnorm", [(5, 3)], {"affine": False}, {}),

@@ -34,12 +34,17 @@ class _Bar:
         self.err = console(stderr=True)
         self.progress = None
         self.task = None
-        self.first = True
+        self.seen = 0
+        self.eval_task = None
+        self.first_time = 0.0
         self.records: list[dict] = []  # every step's record, for --plot
 
     def on_start(self, info: dict) -> None:
         if self.quiet:
             return
+        for w in info.get("warnings", ()):
+            self.err.print(f"[yellow]warning:[/] {w}", highlight=False)
+        self.total = info["total_steps"]
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
                        f"{info['backend']} ({info['device']}), batch {info['batch']}, "
                        f"data {info['dataset']} ({info['train_samples']:,} samples)")
@@ -48,7 +53,7 @@ class _Bar:
         if info["start_step"]:
             self.err.print(f"resuming at step {info['start_step']} of {info['total_steps']}")
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), console=self.err, transient=False)
         self.progress.start()
@@ -66,14 +71,30 @@ class _Bar:
         if "test_accuracy" in r:
             m += f"  test {r['test_accuracy']:.3f}"
         self.progress.update(self.task, completed=r["step"], metrics=m)
-        if self.first:
-            self.first = False
+        # the first step of a run also allocates and warms up (often 10x a later step),
+        # so the estimate is made from the second step of this run
+        self.seen += 1
+        if self.seen == 1:
+            self.first_time = r["step_time_s"]
+        elif self.seen == 2:
             left = (r["total_steps"] - r["step"]) * r["step_time_s"]
-            self.progress.console.print(f"first step: {r['step_time_s']:.3f} s; "
+            self.progress.console.print(f"first step: {self.first_time:.3f} s (with set-up), "
+                                        f"then {r['step_time_s']:.3f} s a step; "
                                         f"ETA about {left:.0f} s")
 
     def on_eval(self, r: dict) -> None:
         pass
+
+    def on_eval_progress(self, done: int, total: int) -> None:
+        """A second bar for evaluation (a full pass can take minutes on a big network)."""
+        if self.quiet or self.progress is None:
+            return
+        if self.eval_task is None:
+            self.eval_task = self.progress.add_task("eval", total=total, metrics="held out")
+        self.progress.update(self.eval_task, completed=done, total=total)
+        if done >= total:
+            self.progress.remove_task(self.eval_task)
+            self.eval_task = None
 
     def on_end(self, result) -> None:
         if self.progress is not None:
@@ -101,6 +122,9 @@ def run(
     checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
     resume: Annotated[bool, typer.Option(help="continue from --checkpoint")] = False,
     eval_every: Annotated[int | None, typer.Option(min=1, help="evaluate every K steps")] = None,
+    eval_samples: Annotated[int | None, typer.Option(
+        min=0, help="held-out samples per evaluation (0: none; default: all of real data, "
+                    "one batch of synthetic data)")] = None,
     check_numerics: Annotated[bool, typer.Option(
         help="stop at the first NaN/Inf, naming the node")] = False,
     plot: Annotated[Path | None, typer.Option(
@@ -125,7 +149,8 @@ def run(
                           log=str(log) if log else None,
                           checkpoint=str(checkpoint) if checkpoint else None,
                           checkpoint_every=checkpoint_every, resume=resume,
-                          eval_every=eval_every, check_numerics=check_numerics)
+                          eval_every=eval_every, check_numerics=check_numerics,
+                          eval_samples=eval_samples)
         try:
             result = train(net, opts, bar)
         finally:
@@ -137,6 +162,9 @@ def run(
             print_json({**result.to_json(), **({"plot": str(plot)} if plot else {})})
             return
         out = console()
+        if result.final_loss is None:  # a resume past --steps
+            out.print(f"{result.network}: {result.note}")
+            return
         line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
                 f"{result.images_per_s:.1f} images/s (median step {result.step_time_s:.3f} s), "
                 f"peak memory {_fmt_bytes(result.peak_bytes)}")

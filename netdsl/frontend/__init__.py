@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from netdsl.errors import NetdslError
+from netdsl.frontend.deep import run_deep
 from netdsl.frontend.elaborate import Elaborator
 from netdsl.frontend.modules import Loader, ModuleEnv
 from netdsl.frontend.parser import parse
@@ -16,6 +17,10 @@ __all__ = ["Loader", "ModuleEnv", "elaborate", "load_module", "parse", "train_co
 def load_module(path: str | Path | None = None, *, text: str | None = None,
                 file: str = "<string>") -> ModuleEnv:
     """Parse a file (or text) and its imports; raises NetdslError listing every problem."""
+    return run_deep(_load_module, path, text, file)
+
+
+def _load_module(path, text, file) -> ModuleEnv:
     loader = Loader()
     env = loader.load_file(path) if text is None else loader.load_text(text, file, Path(file).stem)
     if loader.diagnostics:
@@ -25,7 +30,16 @@ def load_module(path: str | Path | None = None, *, text: str | None = None,
 
 def elaborate(env: ModuleEnv, network: str | None = None) -> Graph:
     """Evaluate one network of a module into a verified forward graph (symbolic batch N)."""
+    return run_deep(_elaborate, env, network)
+
+
+def _elaborate(env: ModuleEnv, network: str | None) -> Graph:
     nets = env.tree.networks
+    tree = env.tree
+    if not nets and not tree.blocks and not tree.imports and tree.train is None:
+        raise NetdslError(f"{env.file} is empty (or holds only comments): there is no "
+                          "network to check; a file needs at least `network NAME { input x: "
+                          "f32[N, ...]  output ... }`")
     if not nets:
         raise NetdslError(f"{env.file} defines no `network` (only blocks: it can be imported)")
     if network is None:

@@ -61,7 +61,7 @@ def check_annotations(anns, el, where: str, frame=None) -> dict:
 
 
 def _frame(el):
-    from netdsl.frontend.elaborate import Frame
+    from netdsl.frontend.frames import Frame
     return Frame({}, el.module, None)
 
 

@@ -4,66 +4,45 @@ Static values (ints, tuples, shapes) are computed here; every operator call beco
 via `ir.build.add_op`, so shapes are inferred as the program runs. Errors are collected,
 not raised at once: a failing statement binds its names to POISON, and uses of POISON
 report nothing further, so one run lists every independent mistake.
+
+The evaluator is split by job: statements, declarations and blocks here; expressions in
+`expressions.py`; argument binding and operator calls in `arguments.py`; attribute checks
+in `checks.py`; builtin functions in `builtins.py`.
 """
 from __future__ import annotations
 
-import difflib
-import operator
-from dataclasses import dataclass
-
 from netdsl.errors import CallSite, Diagnostic, NetdslError, ShapeError, SourceLoc
-from netdsl.frontend import ast, tensor_arith
+from netdsl.frontend import ast
 from netdsl.frontend.annotations import check_annotations, merge_annotations
+from netdsl.frontend.arguments import ArgumentBinding
+from netdsl.frontend.builtins import builtins
+from netdsl.frontend.expressions import Expressions
+from netdsl.frontend.frames import Fail, Frame, Return, poison_assigned
 from netdsl.frontend.modules import ModuleEnv
 from netdsl.frontend.train import pydantic_message
 from netdsl.frontend.values import (
     POISON,
     BlockRef,
-    Builtin,
-    ModuleRef,
-    OpRef,
     Tensor,
+    describe_value,
     kind_of,
+    named,
+    show,
     where,
 )
 from netdsl.ir import registry
 from netdsl.ir.build import add_op
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.types import BATCH, DTYPES, TensorType
+from netdsl.ir.types import BATCH, DTYPES, INT_MAX, TensorType
 
 MAX_REPEAT = 1_000_000
 # Block calls nested deeper than this are reported as runaway recursion. It is well below
 # what Python's own stack allows (each level costs several interpreter frames), so the
 # check fires first; deeper expression nesting is caught as RecursionError per statement.
 MAX_BLOCK_DEPTH = 64
-# Static integers are capped: a result wider than this is surely a mistake, and computing
-# `10 ** 10 ** 10` exactly would hang.
-MAX_INT_BITS = 64
 
 
-class _Fail(Exception):
-    """Aborts the current statement; the diagnostic has already been recorded."""
-
-
-class _Return(Exception):
-    def __init__(self, value):
-        self.value = value
-
-
-@dataclass
-class Frame:
-    locals: dict
-    module: ModuleEnv
-    block: str | None  # None at network level
-
-
-_ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv,
-          "%": operator.mod, "**": operator.pow, "/": operator.truediv}
-_COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
-            ">": operator.gt, ">=": operator.ge}
-
-
-class Elaborator:
+class Elaborator(Expressions, ArgumentBinding):
     def __init__(self, module: ModuleEnv, net: ast.NetworkDef, diagnostics: list | None = None):
         self.module = module
         self.net = net
@@ -75,23 +54,23 @@ class Elaborator:
         self.counters: list[dict[str, int]] = [{}]
         self.anns: list[dict] = [{}]
         self.parallel: dict = {}
-        self.builtins = _builtins(self)
+        self.builtins = builtins(self)
         registry.load_all()
 
     # -- diagnostics ---------------------------------------------------------------------
-    def error(self, message: str, loc: SourceLoc | None, notes=()) -> _Fail:
+    def error(self, message: str, loc: SourceLoc | None, notes=()) -> Fail:
         key = (message, loc)
         if key not in self._seen_diags:  # a block called 790 times reports its error once
             self._seen_diags.add(key)
             self.diags.append(Diagnostic(message, loc, tuple(self.stack), list(notes)))
-        return _Fail()
+        return Fail()
 
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:
         frame = Frame({}, self.module, None)
         try:
             self.anns = [check_annotations(self.net.annotations, self, "network")]
-        except _Fail:  # reported; go on without them (this used to escape as a crash)
+        except Fail:  # reported; go on without them (this used to escape as a crash)
             self.anns = [{}]
         outputs, losses = [], []
         parallel_seen = False
@@ -100,7 +79,7 @@ class Elaborator:
                 if isinstance(st, ast.InputDecl):
                     try:
                         self.input_decl(st, frame)
-                    except _Fail:
+                    except Fail:
                         # a bad declaration still declares the name: later uses of it
                         # should not each report "`x` is not defined"
                         frame.locals.setdefault(st.name, POISON)
@@ -123,9 +102,9 @@ class Elaborator:
                     self.parallel_decl(st, frame)
                 else:
                     self.stmt(st, frame)
-            except _Fail:
+            except Fail:
                 pass
-            except _Return:
+            except Return:
                 self.error("`return` is only allowed inside a block", st.loc)
             except RecursionError:
                 # expressions nested hundreds deep; the finally clauses of call_block have
@@ -138,6 +117,7 @@ class Elaborator:
         self.g.outputs["output"] = [t.node for t in outputs if t is not POISON]
         if losses and losses[0] is not POISON:
             self.g.outputs["loss"] = [losses[0].node]
+        self._check_param_count()
         self.g.parallel = dict(self.parallel)
         self.g.meta["source"] = self.module.file
         if self.diags:
@@ -146,6 +126,18 @@ class Elaborator:
         if self.diags:
             raise NetdslError(diagnostics=self.diags)
         return self.g
+
+    def _check_param_count(self):
+        """Each tensor fits in 64 bits (checked as it is made); so must their total."""
+        total = 0
+        for n in self.g.nodes:
+            if n.op in ("param", "buffer"):
+                total += n.type.numel()
+                if total > INT_MAX:
+                    self.stack = list(n.stack)
+                    self.error(f"the network has more than {INT_MAX:.3g} parameters (at "
+                               f"`{n.name}`); no memory can hold them", n.loc)
+                    return
 
     def _check_stages(self):
         stages = self.parallel.get("pipeline", 1)
@@ -170,10 +162,10 @@ class Elaborator:
                     raise self.error("the batch dimension N may only be the first dimension",
                                      e.loc)
             elif d is POISON:
-                raise _Fail()
+                raise Fail()
             elif not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise self.error(f"a dimension must be a positive integer or N, not "
-                                 f"{_describe_value(d)}", e.loc)
+                                 f"{describe_value(d)}", e.loc)
             dims.append(d)
         if not dims or dims[0] != BATCH:
             raise self.error(f"input `{st.name}` must have the batch dimension N first, e.g. "
@@ -181,6 +173,8 @@ class Elaborator:
         if st.name in frame.locals or st.name in self.g:
             raise self.error(f"`{st.name}` is already defined", st.loc)
         t = TensorType(tuple(dims), st.dtype)
+        if (why := t.size_error()) is not None:
+            raise self.error(f"input `{st.name}`: {why}", st.loc)
         self.g.add(Node(st.name, "input", (), t, {"shape": tuple(dims), "dtype": st.dtype},
                         loc=st.loc, annotations=dict(self.anns[-1])))
         frame.locals[st.name] = Tensor(st.name, t, f"input at {where(st.loc)}", st.name)
@@ -206,7 +200,7 @@ class Elaborator:
                        f"{', '.join(ParallelConfig.model_fields)}")
             else:
                 msg = pydantic_message(err, str(field) if field else "", lambda v: (
-                    _describe_value(v) if isinstance(v, Tensor) else _show(v) or kind_of(v)))
+                    describe_value(v) if isinstance(v, Tensor) else show(v) or kind_of(v)))
             raise self.error(f"invalid parallel declaration: {msg}", loc) from None
         self.parallel = cfg.model_dump()
 
@@ -216,7 +210,7 @@ class Elaborator:
         if st.annotations:
             try:
                 anns = check_annotations(st.annotations, self, "statement", frame)
-            except _Fail:
+            except Fail:
                 # the bad annotation is reported; still run the statement (without its
                 # annotations) so the names it binds exist and its own errors show
                 anns = {}
@@ -232,7 +226,7 @@ class Elaborator:
         if isinstance(st, ast.Assign):
             try:
                 v = self.expr(st.value, frame)
-            except _Fail:
+            except Fail:
                 for t in st.targets:
                     frame.locals[t] = POISON
                 raise
@@ -241,15 +235,15 @@ class Elaborator:
             try:
                 n = self.expr(st.count, frame)
                 if n is POISON:
-                    raise _Fail()
+                    raise Fail()
                 if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                     raise self.error(f"repeat needs a non-negative integer count, not "
-                                     f"{kind_of(n)} {_show(n)}".rstrip(), st.count.loc)
+                                     f"{kind_of(n)} {show(n)}".rstrip(), st.count.loc)
                 if n > MAX_REPEAT:
                     raise self.error(f"repeat count {n} is larger than {MAX_REPEAT}",
                                      st.count.loc)
-            except _Fail:
-                _poison_assigned(st.body, frame)  # no cascade of "`h` is not defined"
+            except Fail:
+                poison_assigned(st.body, frame)  # no cascade of "`h` is not defined"
                 raise
             before = len(self.diags)
             for i in range(n):
@@ -262,19 +256,19 @@ class Elaborator:
             try:
                 c = self.expr(st.test, frame)
                 if c is POISON:
-                    raise _Fail()
+                    raise Fail()
                 if not isinstance(c, bool):
                     raise self.error(f"an `if` condition must be true or false, not "
                                      f"{kind_of(c)}", st.test.loc)
-            except _Fail:
-                _poison_assigned(st.body + st.orelse, frame)
+            except Fail:
+                poison_assigned(st.body + st.orelse, frame)
                 raise
             self.body(st.body if c else st.orelse, frame)
         elif isinstance(st, ast.Return):
             if frame.block is None:
                 raise self.error("`return` is only allowed inside a block", st.loc)
             vals = tuple(self.expr(e, frame) for e in st.values)
-            raise _Return(vals[0] if len(vals) == 1 else vals)
+            raise Return(vals[0] if len(vals) == 1 else vals)
         elif isinstance(st, (ast.InputDecl, ast.OutputDecl, ast.LossDecl, ast.ParallelDecl)):
             kw = type(st).__name__.replace("Decl", "").lower()
             raise self.error(f"`{kw}` may only appear at the top level of a network", st.loc)
@@ -285,13 +279,13 @@ class Elaborator:
         for s in stmts:
             try:
                 self.stmt(s, frame)
-            except _Fail:
+            except Fail:
                 pass
 
     def bind(self, st: ast.Assign, v, frame: Frame):
         if len(st.targets) == 1:
             name = st.targets[0]
-            frame.locals[name] = _named(v, name)
+            frame.locals[name] = named(v, name)
             return
         if v is POISON:
             for t in st.targets:
@@ -303,284 +297,8 @@ class Elaborator:
                 frame.locals[t] = POISON
             raise self.error(f"cannot unpack {got} into {len(st.targets)} names", st.loc)
         for t, x in zip(st.targets, v):
-            frame.locals[t] = _named(x, t)
+            frame.locals[t] = named(x, t)
 
-    # -- expressions ---------------------------------------------------------------------
-    def tensor_value(self, e: ast.Expr, frame: Frame, what: str):
-        v = self.expr(e, frame)
-        if v is POISON:
-            return POISON
-        if not isinstance(v, Tensor):
-            raise self.error(f"the {what} must be a tensor, not {kind_of(v)}", e.loc)
-        return v
-
-    def lookup(self, name: str, loc: SourceLoc, frame: Frame):
-        for table in (frame.locals, frame.module.globals, self.builtins):
-            if name in table:
-                return table[name]
-        if name in registry.OPS and registry.OPS[name].callable_from_language:
-            return OpRef(name)
-        if name == BATCH:
-            return BATCH
-        known = list(frame.locals) + list(frame.module.globals) + list(self.builtins) + [
-            o for o in registry.OPS if registry.OPS[o].callable_from_language]
-        hint = difflib.get_close_matches(name, known, n=1)
-        msg = f"`{name}` is not defined"
-        if hint:
-            msg += f"; did you mean `{hint[0]}`?"
-        raise self.error(msg, loc)
-
-    def expr(self, e: ast.Expr, frame: Frame):
-        m = getattr(self, "e_" + type(e).__name__)
-        return m(e, frame)
-
-    def e_Name(self, e: ast.Name, frame):
-        return self.lookup(e.id, e.loc, frame)
-
-    def e_Const(self, e: ast.Const, frame):
-        return e.value
-
-    def e_TupleExpr(self, e: ast.TupleExpr, frame):
-        return tuple(self.expr(x, frame) for x in e.items)
-
-    def e_Attr(self, e: ast.Attr, frame):
-        obj = self.expr(e.obj, frame)
-        if obj is POISON:
-            return POISON
-        if isinstance(obj, ModuleRef):
-            g = obj.module.globals
-            if e.name not in g or isinstance(g[e.name], ModuleRef):
-                hint = difflib.get_close_matches(e.name, list(g), n=1)
-                raise self.error(f"module `{obj.module.name}` has no block `{e.name}`"
-                                 + (f"; did you mean `{hint[0]}`?" if hint else ""), e.loc)
-            return g[e.name]
-        if isinstance(obj, Tensor):
-            props = {"shape": obj.type.shape, "rank": obj.type.rank,
-                     "channels": obj.type.shape[1] if obj.type.rank > 1 else None,
-                     "dtype": obj.type.dtype}
-            if e.name in props and props[e.name] is not None:
-                return props[e.name]
-        raise self.error(f"{kind_of(obj)} has no attribute `{e.name}`", e.loc)
-
-    def e_Index(self, e: ast.Index, frame):
-        obj, i = self.expr(e.obj, frame), self.expr(e.index, frame)
-        if obj is POISON or i is POISON:
-            return POISON
-        if not isinstance(obj, tuple):
-            raise self.error(f"only tuples and shapes can be indexed, not {kind_of(obj)} "
-                             "(use slice() or split() on tensors)", e.loc)
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise self.error(f"an index must be an integer, not {kind_of(i)}", e.index.loc)
-        if not -len(obj) <= i < len(obj):
-            raise self.error(f"index {i} is out of range for a tuple of {len(obj)}", e.loc)
-        return obj[i]
-
-    def e_Unary(self, e: ast.Unary, frame):
-        v = self.expr(e.operand, frame)
-        if v is POISON:
-            return POISON
-        if e.op == "not":
-            if not isinstance(v, bool):
-                raise self.error(f"`not` needs true or false, not {kind_of(v)}", e.loc)
-            return not v
-        if isinstance(v, Tensor):
-            return self.emit("scale", [v], {"factor": -1.0}, e.loc)
-        if not _is_num(v):
-            raise self.error(f"cannot negate {kind_of(v)}", e.loc)
-        return -v
-
-    def e_Cond(self, e: ast.Cond, frame):
-        c = self.expr(e.test, frame)
-        if c is POISON:
-            return POISON
-        if not isinstance(c, bool):
-            raise self.error(f"an `if` condition must be true or false, not {kind_of(c)}",
-                             e.test.loc)
-        return self.expr(e.then if c else e.orelse, frame)
-
-    def e_BinOp(self, e: ast.BinOp, frame):
-        if e.op in ("and", "or"):
-            a = self.expr(e.left, frame)
-            if a is POISON:
-                return POISON
-            if not isinstance(a, bool):
-                raise self.error(f"`{e.op}` needs true or false, not {kind_of(a)}", e.left.loc)
-            if (e.op == "and" and not a) or (e.op == "or" and a):
-                return a
-            b = self.expr(e.right, frame)
-            if b is not POISON and not isinstance(b, bool):
-                raise self.error(f"`{e.op}` needs true or false, not {kind_of(b)}", e.right.loc)
-            return b
-        a, b = self.expr(e.left, frame), self.expr(e.right, frame)
-        if a is POISON or b is POISON:
-            return POISON
-        if isinstance(a, Tensor) or isinstance(b, Tensor):
-            return self.tensor_binop(e, a, b)
-        if e.op in _COMPARE:
-            if e.op in ("==", "!="):
-                return _COMPARE[e.op](a, b)
-            if not (_is_num(a) and _is_num(b)):
-                raise self.error(f"cannot compare {kind_of(a)} with {kind_of(b)}", e.loc)
-            return _COMPARE[e.op](a, b)
-        if BATCH in (a, b):
-            raise self.error("the batch dimension N cannot take part in arithmetic; "
-                             "use it whole, e.g. reshape(x, (N, -1))", e.loc)
-        if e.op == "+" and isinstance(a, tuple) and isinstance(b, tuple):
-            return a + b
-        if not (_is_num(a) and _is_num(b)):
-            raise self.error(f"cannot apply `{e.op}` to {kind_of(a)} and {kind_of(b)}", e.loc)
-        if e.op in ("/", "//", "%") and b == 0:
-            raise self.error("division by zero", e.loc)
-        if e.op == "**" and a == 0 and b < 0:
-            raise self.error("division by zero (0 raised to a negative power)", e.loc)
-        if e.op == "**" and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 \
-                and b * (abs(a).bit_length() - 1) > MAX_INT_BITS:
-            # checked before computing: `10 ** 10 ** 10` would run (almost) forever
-            raise self.error(f"{a} ** {b} is too large (static integers have at most "
-                             f"{MAX_INT_BITS} bits)", e.loc)
-        try:
-            r = _ARITH[e.op](a, b)
-        except (OverflowError, ValueError, ZeroDivisionError) as ex:
-            raise self.error(f"arithmetic error: {ex}", e.loc) from None
-        if isinstance(r, complex):  # (-8) ** 0.5
-            raise self.error(f"{a} ** {b} has no real value", e.loc)
-        if isinstance(r, int) and r.bit_length() > MAX_INT_BITS:
-            raise self.error(f"the result of `{e.op}` is too large (static integers have at "
-                             f"most {MAX_INT_BITS} bits)", e.loc)
-        return r
-
-    def tensor_binop(self, e: ast.BinOp, a, b):
-        return tensor_arith.binop(self, e, a, b)
-
-    # -- calls ---------------------------------------------------------------------------
-    def e_Call(self, e: ast.Call, frame):
-        f = self.expr(e.func, frame)
-        args = [self.expr(a, frame) for a in e.args]
-        kwargs = {}
-        for name, ex, kloc in e.kwargs:
-            if name in kwargs:
-                raise self.error(f"argument `{name}` is given twice", kloc)
-            kwargs[name] = (self.expr(ex, frame), kloc)
-        if f is POISON or any(a is POISON for a in args) or any(
-                v is POISON for v, _ in kwargs.values()):
-            return POISON
-        if isinstance(f, OpRef):
-            return self.call_op(f.name, args, kwargs, e)
-        if isinstance(f, BlockRef):
-            return self.call_block(f, args, kwargs, e)
-        if isinstance(f, Builtin):
-            return f.fn(args, {k: v for k, (v, _) in kwargs.items()}, e)
-        raise self.error(f"{kind_of(f)} cannot be called", e.loc)
-
-    def _bind_args(self, what: str, names: list[str], args, kwargs, e: ast.Call,
-                   variadic: str | None = None, locs: dict | None = None) -> dict:
-        """Match positional and keyword arguments to parameter names; `locs` (if given)
-        receives where each bound argument is written, for errors about its value."""
-        bound: dict = {}
-        locs = {} if locs is None else locs
-        arg_locs = [a.loc for a in e.args]
-        if variadic is not None:
-            k = 0
-            while k < len(args) and isinstance(args[k], Tensor):
-                k += 1
-            if k == 1 and isinstance(args[0], Tensor) or k > 1:
-                bound[variadic] = tuple(args[:k])
-            elif args and isinstance(args[0], tuple):
-                bound[variadic], k = args[0], 1
-            if variadic in bound:
-                locs[variadic] = arg_locs[0]
-            args, arg_locs = args[k:], arg_locs[k:]
-            names = [n for n in names if n != variadic]
-        if len(args) > len(names):
-            raise self.error(f"{what} takes at most {len(names)} positional arguments "
-                             f"({', '.join(names)}) but {len(args)} were given", e.loc)
-        for n, v, loc in zip(names, args, arg_locs):
-            bound[n] = v
-            locs[n] = loc
-        for k, (v, kloc) in kwargs.items():
-            if k not in names and k != variadic:
-                hint = difflib.get_close_matches(k, names, n=1)
-                raise self.error(f"{what} has no argument `{k}`"
-                                 + (f"; did you mean `{hint[0]}`?" if hint else
-                                    f" (it takes {', '.join(names) or 'none'})"), kloc)
-            if k in bound:
-                raise self.error(f"{what} got argument `{k}` both by position and by name",
-                                 kloc)
-            bound[k] = v
-            locs[k] = kloc
-        return bound
-
-    def call_op(self, name: str, args, kwargs, e: ast.Call):
-        op = registry.get(name)
-        names = [a.name for a in op.signature]
-        variadic = next((a.name for a in op.signature if a.kind == "tensors"), None)
-        locs: dict = {}
-        bound = self._bind_args(f"{name}()", names, args, kwargs, e, variadic, locs)
-        tensors, attrs = [], {}
-        for a in op.signature:
-            if a.name not in bound:
-                if a.required:
-                    raise self.error(f"{name}() is missing its argument `{a.name}`", e.loc)
-                continue
-            v = bound[a.name]
-            # errors about one argument point at that argument, not at the callee
-            aloc = locs.get(a.name, e.loc)
-            if a.kind == "tensor":
-                if not isinstance(v, Tensor):
-                    raise self.error(f"{name}() expects a tensor for `{a.name}`, but got "
-                                     f"{_describe_value(v)}", aloc)
-                tensors.append(v)
-            elif a.kind == "tensors":
-                if not v or not all(isinstance(t, Tensor) for t in v):
-                    raise self.error(f"{name}() expects one or more tensors", aloc)
-                tensors.extend(v)
-            else:
-                attrs[a.name] = self._check_attr(name, a, v, aloc)
-        return self.emit(name, tensors, attrs, e.loc)
-
-    def _check_attr(self, op: str, a: registry.Arg, v, loc: SourceLoc):
-        def bad(expect):
-            # a tensor used to print as "but got a tensor f32[N, 4] " with no name
-            return self.error(f"{op}() expects {expect} for `{a.name}`, but got "
-                              f"{_describe_value(v)}", loc)
-        is_int = isinstance(v, int) and not isinstance(v, bool)
-        if a.kind in ("int", "axis"):
-            if not is_int:
-                raise bad("an integer")
-        elif a.kind == "float":
-            if not _is_num(v):
-                raise bad("a number")
-        elif a.kind == "bool":
-            if not isinstance(v, bool):
-                raise bad("true or false")
-        elif a.kind == "str":
-            if not isinstance(v, str):
-                raise bad("a string")
-        elif a.kind == "pair":
-            if v is None and a.default is None:
-                return v
-            ok = is_int or (isinstance(v, tuple) and len(v) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in v))
-            if not ok:
-                raise bad("an integer or a pair of integers")
-        elif a.kind == "ints":
-            if is_int:
-                v = (v,)
-            if not isinstance(v, tuple) or not all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise bad("a tuple of integers")
-        elif a.kind in tensor_arith.EXTRA_KINDS:
-            expect = tensor_arith.check_kind(a.kind, v)
-            if expect:
-                raise bad(expect)
-        elif a.kind == "shape":
-            if not isinstance(v, tuple) or not all(
-                    x == BATCH or isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise bad("a shape: a tuple of integers, -1 or N")
-        if a.choices and v not in a.choices:
-            raise self.error(f"{op}() `{a.name}` must be one of "
-                             f"{', '.join(map(str, a.choices))}, not {_show(v)}", loc)
-        return v
 
     def node_name(self, base: str) -> str:
         counts = self.counters[-1]
@@ -589,10 +307,13 @@ class Elaborator:
         local = base if k == 0 else f"{base}_{k}"
         return ".".join(self.scope + [local])
 
-    def emit(self, op: str, tensors: list[Tensor], attrs: dict, loc: SourceLoc) -> Tensor:
+    def emit(self, op: str, tensors: list[Tensor], attrs: dict, loc: SourceLoc,
+             shared: dict | None = None) -> Tensor:
         name = self.node_name(op)
+        shared = shared or {}
         try:
-            node = add_op(self.g, name, op, [t.node for t in tensors], attrs, loc=loc,
+            node = add_op(self.g, name, op, [t.node for t in tensors], attrs,
+                          shared={k: n for k, (n, _) in shared.items()}, loc=loc,
                           stack=tuple(self.stack), scope=tuple(self.scope),
                           annotations=dict(self.anns[-1]))
         except ShapeError as ex:
@@ -604,7 +325,9 @@ class Elaborator:
                 msg = str(ex).format(**desc)
             except (KeyError, IndexError):
                 msg = str(ex)
-            raise self.error(msg, loc) from None
+            # an error about a shared parameter points at the `weight=` that shares it
+            at = next((kloc for k, (_, kloc) in shared.items() if f"`{k}`" in msg), loc)
+            raise self.error(msg, at) from None
         return Tensor(node.name, node.type, f"from {op} at {where(loc)}")
 
     def call_block(self, ref: BlockRef, args, kwargs, e: ast.Call):
@@ -614,11 +337,11 @@ class Elaborator:
             raise self.error(f"block calls are nested more than {MAX_BLOCK_DEPTH} deep; "
                              f"does block `{b.name}` call itself?", e.loc)
         names = [p.name for p in b.params]
-        bound = self._bind_args(f"block `{b.name}`", names, args, kwargs, e)
+        bound = self.bind_args(f"block `{b.name}`", names, args, kwargs, e)
         frame = Frame({}, ref.module, b.name)
         for p in b.params:
             if p.name in bound:
-                frame.locals[p.name] = _named(bound[p.name], p.name)
+                frame.locals[p.name] = named(bound[p.name], p.name)
             elif p.default is not None:
                 frame.locals[p.name] = self.expr(p.default, Frame({}, ref.module, b.name))
             else:
@@ -641,10 +364,10 @@ class Elaborator:
             for st in b.body:
                 try:
                     self.stmt(st, frame)
-                except _Fail:
+                except Fail:
                     pass
             result = None
-        except _Return as r:
+        except Return as r:
             result = r.value
         finally:
             self.scope.pop()
@@ -653,143 +376,7 @@ class Elaborator:
             if pushed:
                 self.anns.pop()
         if len(self.diags) > before:
-            raise _Fail()
+            raise Fail()
         return result
 
 
-def _poison_assigned(stmts, frame: Frame) -> None:
-    """Bind every name a skipped body would have assigned to POISON."""
-    for st in stmts:
-        if isinstance(st, ast.Assign):
-            for t in st.targets:
-                frame.locals[t] = POISON
-        elif isinstance(st, ast.Repeat):
-            _poison_assigned(st.body, frame)
-        elif isinstance(st, ast.If):
-            _poison_assigned(st.body + st.orelse, frame)
-
-
-def _describe_value(v) -> str:
-    if isinstance(v, Tensor):
-        return f"{v.describe()}, a tensor {v.type}"
-    shown = _show(v)
-    return f"{kind_of(v)} {shown}" if shown else kind_of(v)
-
-
-def _named(v, name):
-    if isinstance(v, Tensor):
-        return Tensor(v.node, v.type, v.origin, name)
-    return v
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _show(v) -> str:
-    if isinstance(v, Tensor):
-        return ""
-    if isinstance(v, str):
-        return f'"{v}"' if v != BATCH else ""
-    return repr(v) if not isinstance(v, bool) else str(v).lower()
-
-
-# -- builtin functions -------------------------------------------------------------------
-def _builtins(el: Elaborator) -> dict:
-    def need_tensor(fname, args, e, n=1):
-        if len(args) != n or not all(isinstance(a, Tensor) for a in args[:n]):
-            raise el.error(f"{fname}() takes {n} tensor argument{'s' * (n > 1)}", e.loc)
-        return args
-
-    def channels(args, kw, e):
-        (t,) = need_tensor("channels", args, e)
-        if t.type.rank < 2:
-            raise el.error(f"channels() needs a tensor of rank 2 or more, but "
-                           f"{t.describe()} is {t.type}", e.loc)
-        return t.type.shape[1]
-
-    def shape(args, kw, e):
-        return need_tensor("shape", args, e)[0].type.shape
-
-    def rank(args, kw, e):
-        return need_tensor("rank", args, e)[0].type.rank
-
-    def length(args, kw, e):
-        if len(args) != 1 or not isinstance(args[0], tuple):
-            raise el.error("len() takes one tuple", e.loc)
-        return len(args[0])
-
-    def minmax(fn):
-        def f(args, kw, e):
-            vals = args[0] if len(args) == 1 and isinstance(args[0], tuple) else args
-            if any(isinstance(v, Tensor) for v in vals):  # element-wise on tensors
-                return tensor_arith.minmax(el, fn.__name__, vals, e)
-            if not vals or not all(_is_num(v) for v in vals):
-                raise el.error(f"{fn.__name__}() takes numbers", e.loc)
-            return fn(vals)
-        return f
-
-    def to_int(args, kw, e):
-        if len(args) != 1 or not _is_num(args[0]):
-            raise el.error("int() takes one number", e.loc)
-        try:
-            return int(args[0])
-        except (OverflowError, ValueError):  # int(1e400), int(nan)
-            raise el.error(f"int(): {args[0]} has no integer value", e.loc) from None
-
-    def split(args, kw, e):
-        if not args or not isinstance(args[0], Tensor):
-            raise el.error("split() takes a tensor, then the number of parts or their sizes",
-                           e.loc)
-        t = args[0]
-        unknown = set(kw) - {"sections", "axis"}
-        if unknown:
-            raise el.error(f"split() has no argument `{sorted(unknown)[0]}` "
-                           "(it takes x, sections, axis)", e.loc)
-        sections = args[1] if len(args) > 1 else kw.get("sections")
-        axis = args[2] if len(args) > 2 else kw.get("axis", 1)
-        if not isinstance(axis, int) or isinstance(axis, bool) or \
-                not -t.type.rank <= axis < t.type.rank:
-            raise el.error(f"split(): axis {axis!r} is out of range for {t.type}", e.loc)
-        size = t.type.shape[axis]
-        if not isinstance(size, int):
-            raise el.error("split(): cannot split the batch dimension", e.loc)
-        if isinstance(sections, int) and not isinstance(sections, bool):
-            if sections < 1 or size % sections:
-                raise el.error(f"split(): {size} does not divide into {sections} equal parts",
-                               e.loc)
-            sizes = [size // sections] * sections
-        elif isinstance(sections, tuple) and all(isinstance(s, int) and s > 0 for s in sections):
-            sizes = list(sections)
-            if sum(sizes) != size:
-                raise el.error(f"split(): sizes {sections} add up to {sum(sizes)}, but the "
-                               f"axis has {size}", e.loc)
-        else:
-            raise el.error("split() needs the number of parts or a tuple of sizes", e.loc)
-        out, start = [], 0
-        for s in sizes:
-            out.append(el.emit("slice", [t], {"axis": axis, "start": start,
-                                              "stop": start + s}, e.loc))
-            start += s
-        return tuple(out)
-
-    def parameter(args, kw, e):
-        shp = args[0] if args else kw.get("shape")
-        init = kw.get("init", args[1] if len(args) > 1 else "normal")
-        if not isinstance(shp, tuple) or not shp or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shp):
-            raise el.error("parameter() needs a shape: a tuple of positive integers", e.loc)
-        if init not in ("normal", "zeros", "ones", "uniform_fan_in"):
-            raise el.error(f"parameter(): unknown init \"{init}\" (normal, zeros, ones)", e.loc)
-        name = el.node_name("parameter")
-        t = TensorType(tuple(shp))
-        el.g.add(Node(name, "param", (), t, {"shape": tuple(shp), "init": init,
-                                              "fan_in": shp[-1], "std": 0.02},
-                      loc=e.loc, stack=tuple(el.stack), scope=tuple(el.scope),
-                      annotations=dict(el.anns[-1])))
-        return Tensor(name, t, f"parameter at {where(e.loc)}")
-
-    table = {"channels": channels, "shape": shape, "rank": rank, "len": length,
-             "min": minmax(min), "max": minmax(max), "int": to_int, "split": split,
-             "parameter": parameter}
-    return {k: Builtin(k, f) for k, f in table.items()}

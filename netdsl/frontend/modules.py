@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netdsl.errors import Diagnostic, NetdslError
+from netdsl.errors import Diagnostic, NetdslError, SourceLoc
 from netdsl.frontend import ast
 from netdsl.frontend.parser import parse
 from netdsl.frontend.resources import stdlib_dir
@@ -30,11 +30,12 @@ class Loader:
     def load_file(self, path: str | Path, name: str | None = None) -> ModuleEnv:
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            data = p.read_bytes()
         except FileNotFoundError:
             raise NetdslError(f"no such file: {p}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise NetdslError(f"cannot read {p}: {e}") from None
+        except OSError as e:
+            raise NetdslError(f"cannot read {p}: {e.strerror or e}") from None
+        text = decode_source(data, str(path))
         return self.load_text(text, str(path), name or p.stem, key=str(p.resolve()))
 
     def load_text(self, text: str, file: str, name: str, key: str | None = None) -> ModuleEnv:
@@ -91,3 +92,20 @@ class Loader:
             names = " -> ".join(Path(c).name for c in chain)
             raise NetdslError(f"import cycle: {names}", imp.loc)
         return self.load_file(target, imp.alias)
+
+
+def decode_source(data: bytes, file: str) -> str:
+    """A `.net` file's text: UTF-8, with or without a byte-order mark. Other bytes are an
+    error at the line and column of the first one that is not UTF-8."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+        start = e.start + bom
+        line_start = data.rfind(b"\n", 0, start) + 1
+        line = data.count(b"\n", 0, start) + 1
+        # the bytes before it on its line are valid UTF-8 (it is the first bad byte)
+        column = len(data[max(line_start, bom):start].decode("utf-8")) + 1
+        raise NetdslError(f"the file is not UTF-8 text: byte 0x{data[start]:02X} here is not "
+                          "part of a UTF-8 character; save the file as UTF-8",
+                          SourceLoc(file, line, column)) from None

@@ -43,6 +43,8 @@ def pydantic_message(err: dict, field: str, describe=_show_input) -> str:
         if isinstance(bound, float) and bound.is_integer():
             bound = int(bound)  # "greater than 0", not "greater than 0.0"
         return f"{what} must be {words} {bound}, not {got}"
+    if t == "finite_number":
+        return f"{what} must be a finite number, not {got}"
     if t == "literal_error":
         return f"{what} must be {ctx.get('expected', '').replace(chr(39), chr(34))}, not {got}"
     if t == "missing":

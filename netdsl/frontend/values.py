@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from netdsl.errors import SourceLoc
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import BATCH, TensorType
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,30 @@ def kind_of(v) -> str:
 
 def where(loc: SourceLoc | None) -> str:
     return f"line {loc.line}, column {loc.column}" if loc else ""
+
+
+def describe_value(v) -> str:
+    if isinstance(v, Tensor):
+        return f"{v.describe()}, a tensor {v.type}"
+    shown = show(v)
+    return f"{kind_of(v)} {shown}" if shown else kind_of(v)
+
+
+def named(v, name):
+    if isinstance(v, Tensor):
+        return Tensor(v.node, v.type, v.origin, name)
+    return v
+
+
+def is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def show(v) -> str:
+    if isinstance(v, Tensor):
+        return ""
+    if isinstance(v, str):
+        return f'"{v}"' if v != BATCH else ""
+    return repr(v) if not isinstance(v, bool) else str(v).lower()
+
+

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from netdsl.ir.graph import SOURCE_OPS
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import INT_MAX, INT_MIN, TensorType
+
+__all__ = ["INT_MAX", "INT_MIN"]  # re-exported: the front end checks static ints with them
 
 REQUIRED = object()
 
@@ -32,6 +34,40 @@ REQUIRED = object()
 LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",
                "elementwise", "shape", "loss", "embedding", "reduce", "dropout",
                "backward", "optimizer", "transfer", "other")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric attribute: lo <= v <= hi, or lo < v with `lo_open`,
+    v < hi with `hi_open`. Floats must also be finite; ints must fit in 64 bits."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def __str__(self) -> str:
+        def num(x):
+            return str(int(x)) if float(x).is_integer() else str(x)
+        if self.lo is not None and self.hi is not None:
+            return (f"{'(' if self.lo_open else '['}{num(self.lo)}, {num(self.hi)}"
+                    f"{')' if self.hi_open else ']'}")
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {num(self.lo)}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {num(self.hi)}"
+        return "any"
+
+
+POSITIVE = Range(1)  # sizes, counts, strides
+NON_NEGATIVE = Range(0)  # paddings, starts
+PROBABILITY = Range(0, 1)  # dropout p (1 zeroes everything)
+GT0 = Range(0, lo_open=True)  # epsilons
 
 
 @dataclass(frozen=True)
@@ -47,6 +83,9 @@ class Arg:
     kind: str
     default: Any = REQUIRED
     choices: tuple | None = None
+    # valid values of an int/float attribute, or of each int of a pair/ints; None: any
+    # finite float or 64-bit int. The front end checks it and docs/gen_ops.py lists it.
+    range: Range | None = None
 
     @property
     def required(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from netdsl.errors import ShapeError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.ops._util import pair
@@ -29,7 +30,6 @@ INHERITED = ("loc", "stack", "scope", "device")
 
 def normalise_attrs(op: registry.OpDef, attrs: dict) -> dict:
     """Fill defaults and canonicalise (pairs become 2-tuples) in signature order."""
-    from netdsl.errors import ShapeError
     out = {}
     for a in op.attr_args:
         if a.name in attrs:
@@ -63,17 +63,41 @@ def make_node(g: Graph, name: str, op_name: str, inputs: Iterable[str], attrs: d
 
     Attributes are normalised; the type comes from the op's shape rule over the types of
     the tensor inputs (raises ShapeError if it rejects them). `like` gives loc, stack,
-    scope and device unless `fields` set them.
+    scope and device unless `fields` set them. The dtype rule (an op's floating-point
+    tensor arguments share one dtype; no implicit promotion) and the size limit (no
+    tensor over 2**63 bytes) are checked here, for every node any layer makes.
     """
     op = registry.get(op_name)
     inputs = tuple(inputs)
     attrs = normalise_attrs(op, dict(attrs or {}))
     in_types = [g[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
+    _check_float_dtypes(op, in_types)
     out_type = op.shape(in_types, attrs)
+    if (why := out_type.size_error()) is not None:
+        raise ShapeError(f"{op.name}: {why}")
     if like is not None:
         for f in INHERITED:
             fields.setdefault(f, getattr(like, f))
     return Node(name, op_name, inputs, out_type, attrs, meta=dict(meta or {}), **fields)
+
+
+def _check_float_dtypes(op: registry.OpDef, in_types) -> None:
+    """The dtype rule: an operator's floating-point tensor arguments share one dtype. There
+    is no implicit promotion (PyTorch's f32 @ f64 is an error too); a mix is a mistake
+    in the program, reported here for every operator rather than in each shape rule."""
+    floats = [(i, t) for i, t in enumerate(in_types[:op.n_tensor_inputs(len(in_types))])
+              if t.is_float]
+    for i, t in floats[1:]:
+        j, first = floats[0]
+        if t.dtype != first.dtype:
+            names = [a.name for a in op.tensor_args]
+            variadic = op.signature and op.signature[0].kind == "tensors"
+
+            def arg(k):
+                return f"input {k + 1}" if variadic or k >= len(names) else f"{{{names[k]}}}"
+            raise ShapeError(f"{op.name}: floating-point dtypes differ: {arg(j)} is {first} "
+                             f"and {arg(i)} is {t}; netdsl does not promote implicitly, so "
+                             "declare these inputs with one dtype")
 
 
 def clone(node: Node, name: str, inputs: Iterable[str] | None = None, *,

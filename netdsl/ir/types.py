@@ -7,6 +7,9 @@ from dataclasses import dataclass
 BATCH = "N"  # the one symbolic dimension; `Graph.bind(batch)` replaces it by an integer
 Dim = int | str
 
+# static integers (attributes, dimensions, counts) are 64-bit signed, as in the kernels
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
+
 DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 FLOAT_DTYPES = ("f16", "f32", "f64")
 NUMPY_DTYPE = {"f16": "float16", "f32": "float32", "f64": "float64",
@@ -46,6 +49,14 @@ class TensorType:
 
     def nbytes(self, batch: int | None = None) -> int:
         return self.numel(batch) * DTYPES[self.dtype]
+
+    def size_error(self) -> str | None:
+        """Why this type cannot exist (its bytes, with N = 1, do not fit in 64 bits)."""
+        n = math.prod(d for d in self.shape if isinstance(d, int))
+        if n * DTYPES.get(self.dtype, 1) > INT_MAX:
+            return (f"a tensor {self} would hold {n:.3g} elements, more than any memory "
+                    "(at most 2**63 bytes)")
+        return None
 
     def with_dtype(self, dtype: str) -> TensorType:
         return TensorType(self.shape, dtype)

@@ -13,7 +13,7 @@ import numpy as np
 
 from netdsl.config import Digits, Npz, Synthetic
 from netdsl.errors import NetdslError
-from netdsl.ir.graph import Graph
+from netdsl.ir.graph import Graph, Node
 from netdsl.ir.types import NUMPY_DTYPE
 
 
@@ -39,9 +39,24 @@ def _int_range(g: Graph, name: str) -> int | None:
         if name in n.inputs:
             if n.op == "embedding":
                 return n.attrs["num"]
-            if n.op == "softmax_cross_entropy" and n.inputs[1] == name:
-                return g[n.inputs[0]].type.shape[-1]
+            if n.op == "softmax_cross_entropy" and _source_input(g, n.inputs[1]) == name:
+                return g[n.inputs[0]].type.shape[_class_axis(g, n)]
     return None
+
+
+def _class_axis(g: Graph, ce: Node) -> int:
+    return ce.attrs.get("axis", 1) % g[ce.inputs[0]].type.rank
+
+
+# ops that only rearrange a tensor: labels reshaped to [N*T] are still the input's labels
+_SHAPE_ONLY = ("reshape", "flatten")
+
+
+def _source_input(g: Graph, name: str) -> str | None:
+    """The input node a value is a reshaping of, or None."""
+    while g[name].op in _SHAPE_ONLY:
+        name = g[name].inputs[0]
+    return name if g[name].op == "input" else None
 
 
 def _inputs(g: Graph):
@@ -50,7 +65,9 @@ def _inputs(g: Graph):
 
 def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
     """Seeded random data of the network's input shapes; labels are a fixed function of x
-    (the class of a random linear projection) so that a network can learn something."""
+    (the class of a random linear projection) so that a network can learn something.
+    Labels may have any rank: one per sample, per pixel ([N, H, W] for [N, C, H, W]
+    images) or per token ([N, T] for [N, T] token ids)."""
     rng = np.random.default_rng(seed)
     ins = _inputs(g)
     splits = []
@@ -58,70 +75,92 @@ def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
         arrays = []
         for n in ins:
             shape = (count,) + tuple(n.type.shape[1:])
-            if n.type.is_float:
-                arrays.append(rng.standard_normal(shape).astype(NUMPY_DTYPE[n.type.dtype]))
+            dtype = np.dtype(NUMPY_DTYPE[n.type.dtype])
+            if n.type.is_float:  # drawn in its own dtype: no float64 copy first
+                gen = dtype if dtype in (np.float32, np.float64) else np.float32
+                arrays.append(rng.standard_normal(shape, dtype=gen).astype(dtype, copy=False))
             else:
                 hi = cfg.classes if (cfg.classes and _is_label(g, n.name)) else None
                 hi = hi or _int_range(g, n.name) or cfg.classes or 2
-                arrays.append(rng.integers(0, hi, size=shape).astype(NUMPY_DTYPE[n.type.dtype]))
+                arrays.append(rng.integers(0, hi, size=shape).astype(dtype))
         splits.append(arrays)
-    labelled = len(ins) >= 2 and _is_label(g, ins[1].name)
-    x_t, y_t = (ins[0].type, ins[1].type) if labelled else (None, None)
-    # next-token prediction ([N, T] tokens, [N, T] labels): sequences that follow a fixed
-    # random successor table, the labels being the tokens shifted by one; a causal model
-    # learns the table
-    if labelled and not x_t.is_float and x_t.rank == 2 and y_t.shape == x_t.shape:
-        vocab = min(_int_range(g, ins[0].name) or 2, _int_range(g, ins[1].name) or 2)
-        succ = np.random.default_rng(seed + 1).permutation(vocab)
+    found = loss_labels(g)
+    if len(ins) >= 2 and found is not None and found[1] != ins[0].name:
+        at = [n.name for n in ins].index(found[1])
+        classes = _int_range(g, found[1]) or cfg.classes or 2
         for arrays in splits:
             if len(arrays[0]):
-                seq = np.empty((len(arrays[0]), x_t.shape[1] + 1), dtype=np.int64)
-                seq[:, 0] = rng.integers(0, vocab, len(arrays[0]))
-                for t in range(x_t.shape[1]):
-                    seq[:, t + 1] = succ[seq[:, t]]
-                arrays[0] = seq[:, :-1].astype(arrays[0].dtype)
-                arrays[1] = seq[:, 1:].astype(arrays[1].dtype)
-    # dense labels ([N, C, *S] images, [N, *S] labels: segmentation): the label of each
-    # position is the argmax of a fixed random projection of the channels there
-    elif labelled and x_t.is_float and x_t.rank >= 3 and y_t.shape[1:] == x_t.shape[2:]:
-        classes = _int_range(g, ins[1].name) or cfg.classes or 2
-        proj = np.random.default_rng(seed + 1).standard_normal((x_t.shape[1], classes))
-        for arrays in splits:
-            if len(arrays[0]):
-                scores = np.moveaxis(arrays[0].astype(np.float64), 1, -1) @ proj
-                arrays[1] = scores.argmax(-1).astype(arrays[1].dtype)
-    # make labels learnable: argmax of a fixed random projection of the first input
-    elif len(ins) >= 2 and _is_label(g, ins[1].name) and ins[0].type.is_float:
-        classes = _int_range(g, ins[1].name) or cfg.classes or 2
-        feat = int(np.prod(ins[0].type.shape[1:]))
-        proj = np.random.default_rng(seed + 1).standard_normal((feat, classes))
-        for arrays in splits:
-            if len(arrays[0]):
-                scores = arrays[0].reshape(len(arrays[0]), -1).astype(np.float64) @ proj
-                arrays[1] = scores.argmax(1).astype(arrays[1].dtype).reshape(arrays[1].shape)
-    # integer tokens ([N, T] into an embedding): the label is a fixed linear function of
-    # the bag of tokens, which an embedding + pooling network can learn
-    elif len(ins) >= 2 and _is_label(g, ins[1].name) and not ins[0].type.is_float:
-        classes = _int_range(g, ins[1].name) or cfg.classes or 2
-        vocab = _int_range(g, ins[0].name) or 2
-        proj = np.random.default_rng(seed + 1).standard_normal((vocab, classes))
-        for arrays in splits:
-            if len(arrays[0]):
-                tok = arrays[0].reshape(len(arrays[0]), -1)
-                scores = proj[tok].sum(1)
-                arrays[1] = scores.argmax(1).astype(arrays[1].dtype).reshape(arrays[1].shape)
+                arrays[at] = _learnable_labels(ins[0], arrays[0], arrays[at], classes, g,
+                                               seed).astype(arrays[at].dtype)
     test = Split(splits[1]) if cfg.test_samples else None
     return Dataset("synthetic", Split(splits[0]), test, [n.name for n in ins])
 
 
-def loss_labels(g: Graph) -> tuple[str, str] | None:
-    """(logits, labels) when the loss is a softmax cross-entropy: the labels input is
-    what synthetic data makes learnable and what accuracy is measured against."""
+# features are pooled to at most this many before the label projection: a full [C*H*W,
+# classes] projection was 1.2 GB and 15 s for ImageNet-sized inputs
+_FEATURES = 256
+
+
+def _pooled(x: np.ndarray, k: int) -> np.ndarray:
+    """[n, F] -> [n, min(F, k)]: means of k contiguous chunks (F itself when F <= k)."""
+    f = x.shape[1]
+    if f <= k:
+        return x.astype(np.float64)
+    edges = np.linspace(0, f, k + 1).astype(np.int64)
+    sums = np.add.reduceat(x.astype(np.float32, copy=False), edges[:-1], axis=1)
+    return sums / np.diff(edges).astype(np.float32)
+
+
+def _learnable_labels(x_node, x: np.ndarray, labels: np.ndarray, classes: int, g: Graph,
+                      seed: int) -> np.ndarray:
+    n, lshape = len(x), labels.shape[1:]
+    proj_rng = np.random.default_rng(seed + 1)
+    if not x_node.type.is_float:  # token ids: a fixed class per token (per position)
+        vocab = _int_range(g, x_node.name) or int(x.max()) + 1
+        table = proj_rng.standard_normal((vocab, classes))
+        if x.shape == labels.shape:  # one label per token: a language model's targets
+            return table[x].argmax(-1)
+        scores = table[x.reshape(n, -1)].sum(1)  # one per sequence: a bag of tokens
+        if lshape:
+            return np.broadcast_to(scores.argmax(1).reshape((n,) + (1,) * len(lshape)),
+                                   labels.shape)
+        return scores.argmax(1)
+    if lshape and x.ndim >= 3 and tuple(x.shape[2:]) == lshape:
+        # per pixel: classes from the channels at each position, [N, C, H, W] -> [N, H, W]
+        proj = proj_rng.standard_normal((x.shape[1], classes)).astype(np.float32)
+        return np.moveaxis(np.tensordot(x, proj, axes=([1], [0])), -1, 1).argmax(1)
+    feats = _pooled(x.reshape(n, -1), _FEATURES)
+    proj = proj_rng.standard_normal((feats.shape[1], classes))
+    base = (feats @ proj).argmax(1)
+    if not lshape:
+        return base
+    # other label shapes: the sample's class, shifted by a fixed amount per position
+    shift = np.arange(int(np.prod(lshape))).reshape(lshape)
+    return (base.reshape((n,) + (1,) * len(lshape)) + shift) % classes
+
+
+def loss_labels(g: Graph) -> tuple[str, str, int] | None:
+    """(logits node, labels input, class axis) when the loss is a softmax cross-entropy
+    whose labels are an input (perhaps reshaped): the labels input is what synthetic data
+    makes learnable, and accuracy compares the argmax of the loss's own logits with it,
+    per sample, per pixel or per token."""
     for name in g.outputs.get("loss", []):
         n = g[name]
         if n.op == "softmax_cross_entropy":
-            return n.inputs[0], n.inputs[1]
+            src = _source_input(g, n.inputs[1])
+            if src is not None:
+                return n.inputs[0], src, _class_axis(g, n)
     return None
+
+
+def accuracy(logits: np.ndarray, axis: int, labels: np.ndarray) -> tuple[int, int]:
+    """(correct, positions): the argmax along the class axis against the labels, over
+    every position (the logits may be the labels' layout reshaped, e.g. [N*T, C])."""
+    pred = logits.argmax(axis).reshape(-1)
+    want = labels.reshape(-1)
+    if pred.size != want.size:
+        return 0, 0
+    return int((pred == want).sum()), int(want.size)
 
 
 def _is_label(g: Graph, name: str) -> bool:

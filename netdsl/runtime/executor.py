@@ -110,22 +110,29 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     init = node.attrs.get("init", "zeros")
     fan_in = max(int(node.attrs.get("fan_in", 1) or 1), 1)
     rng = np.random.default_rng([seed, zlib.crc32(node.name.encode())])
+    # drawn in the training dtype (f32 runs used to draw every array in f64 first, which
+    # doubled the set-up peak); NumPy's generators draw f32 and f64 directly
+    gen = np.dtype(dtype) if np.dtype(dtype) in (np.float32, np.float64) else np.float32
     if init == "zeros":
-        v = np.zeros(shape)
+        v = np.zeros(shape, dtype)
     elif init == "ones":
-        v = np.ones(shape)
+        v = np.ones(shape, dtype)
     elif init == "constant":
-        v = np.full(shape, float(node.attrs.get("value", 0.0)))
+        v = np.full(shape, float(node.attrs.get("value", 0.0)), dtype)
     elif init == "kaiming_normal":
-        v = rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
+        v = rng.standard_normal(shape, dtype=gen)
+        v *= gen.type(math.sqrt(2.0 / fan_in))
     elif init in ("kaiming_uniform", "uniform_fan_in"):
         bound = 1.0 / math.sqrt(fan_in)
-        v = rng.uniform(-bound, bound, shape)
+        v = rng.random(shape, dtype=gen)
+        v *= gen.type(2 * bound)
+        v -= gen.type(bound)
     elif init == "normal":  # `parameter(...)` nodes may carry their own std
-        v = rng.standard_normal(shape) * float(node.attrs.get("std", 1.0))
+        v = rng.standard_normal(shape, dtype=gen)
+        v *= gen.type(float(node.attrs.get("std", 1.0)))
     else:
         raise NetdslError(f"unknown init `{init}` for %{node.name}", loc=node.loc)
-    return v.astype(dtype)
+    return v.astype(dtype, copy=False)
 
 
 def _fmt(nbytes: int) -> str:
@@ -134,6 +141,15 @@ def _fmt(nbytes: int) -> str:
 
 def _where(n: Node) -> str:
     return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
+
+
+class NonFinite(NetdslError):
+    """A watched node (`Executor.stop_if_nonfinite`) produced NaN or Inf; the run stopped
+    before the nodes after it, so the state is as it was before the step's updates."""
+
+    def __init__(self, node: str):
+        self.node = node
+        super().__init__(f"`{node}` produced NaN or Inf")
 
 
 class Executor:
@@ -169,6 +185,9 @@ class Executor:
         self.host_bytes_current = 0
         self.host_peak_bytes = 0
         self.step = 0  # training runs so far; keys the random draws unless run() is told
+        # nodes (the loss, the logits) whose non-finite value stops the run right there,
+        # before any later node (the optimizer's updates) runs: see NonFinite
+        self.stop_if_nonfinite: set[str] = set()
         self._scratch: dict[str, Any] = {}
         self.bytes_by_device: dict[int, int] = {}
         self.peak_by_device: dict[int, int] = {}
@@ -359,7 +378,7 @@ class Executor:
         ctx.node = n
         try:
             out = self.xp.asarray(op.kernel(self.xp, inputs, n.attrs, ctx))
-        except NetdslError:
+        except (NetdslError, MemoryError):  # out of memory: the trainer says it in words
             raise
         except Exception as e:
             raise NetdslError(f"while running {node_line(n)}: {type(e).__name__}: {e}",
@@ -369,6 +388,8 @@ class Executor:
             raise NetdslError(f"check-numerics: {_where(n)} produced {bad} "
                               f"({n.type}, phase {n.meta.get('phase', 'forward')})",
                               loc=n.loc, stack=n.stack)
+        if n.name in self.stop_if_nonfinite and not bool(self.xp.isfinite(out).all()):
+            raise NonFinite(n.name)
         return out
 
     # -- state -------------------------------------------------------------------------------

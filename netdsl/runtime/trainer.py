@@ -15,22 +15,26 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from netdsl.backends import get_backend
 from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
+from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
+from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.plan import make_plan
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Loader, batches, loss_labels, make_dataset
-from netdsl.runtime.executor import Executor
+from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
+from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
 
 
@@ -52,13 +56,17 @@ class RunOptions:
     resume: bool = False
     eval_every: int | None = None
     check_numerics: bool = False
+    # held-out samples each evaluation uses: None = all of real data, one batch of
+    # synthetic data (random labels say little, and a full pass was a third of a run);
+    # 0 skips evaluation
+    eval_samples: int | None = None
 
 
 @dataclass
 class RunResult:
     network: str
     steps: int
-    final_loss: float
+    final_loss: float | None  # None when nothing was trained (a resume past --steps)
     images_per_s: float
     peak_bytes: int
     params: int
@@ -71,6 +79,8 @@ class RunResult:
     test_loss: float | None = None
     train_accuracy: float | None = None
     resumed_from: int | None = None
+    note: str | None = None
+    warnings: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -85,6 +95,7 @@ class Callback:
     def on_start(self, info: dict) -> None: ...
     def on_step(self, record: dict) -> None: ...
     def on_eval(self, record: dict) -> None: ...
+    def on_eval_progress(self, done: int, total: int) -> None: ...
     def on_end(self, result: RunResult) -> None: ...
 
 
@@ -101,8 +112,95 @@ def resolve_config(cfg: TrainConfig | None, opts: RunOptions) -> TrainConfig:
     if opts.lr is not None:
         update["optimizer"] = cfg.optimizer.model_copy(update={"lr": opts.lr})
     out = cfg.model_copy(update=update)
-    # re-validate: model_copy does not run validators
-    return TrainConfig.model_validate(out.model_dump())
+    # re-validate: model_copy does not run validators. A bad value can only come from a
+    # command-line option here (the file's section was checked when it was loaded), so the
+    # error names the option, in the words the file's checks use.
+    try:
+        return TrainConfig.model_validate(out.model_dump())
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][-1]) if err["loc"] else ""
+        flag = f"--{field.replace('_', '-')}" if field else ""
+        raise NetdslError(f"invalid option: {pydantic_message(err, flag)}") from None
+
+
+def check_options(opts: RunOptions) -> list[str]:
+    """Options that do nothing in the combination given: an error where the user surely
+    meant something else, else a warning (returned, for the caller to show)."""
+    if opts.checkpoint_every is not None and not opts.checkpoint:
+        raise NetdslError("--checkpoint-every needs --checkpoint DIR (where to write them)")
+    if opts.resume and not opts.checkpoint:
+        raise NetdslError("--resume needs --checkpoint DIR")
+    if opts.eval_samples is not None and opts.eval_samples < 0:
+        raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
+                          f"{opts.eval_samples}")
+    if opts.dtype not in ("f32", "f64"):
+        raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
+    warnings = []
+    if opts.backend == "numpy" and opts.device != 0:
+        warnings.append(f"--device {opts.device} has no effect with the NumPy backend (it "
+                        "picks a GPU for --backend cupy)")
+    return warnings
+
+
+def preflight(opts: RunOptions) -> None:
+    """Check the paths a run writes before it starts: a checkpoint folder that cannot be
+    made or written, or a log that cannot be opened, used to fail after the last step."""
+    if opts.checkpoint:
+        d = Path(opts.checkpoint)
+        if d.exists() and not d.is_dir():
+            raise NetdslError(f"--checkpoint {d} is a file, not a directory; give a "
+                              "directory to hold checkpoint.npz")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / ".netdsl-write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise NetdslError(f"--checkpoint {d} is not writable: "
+                              f"{e.strerror or e}") from None
+    if opts.log:
+        p = Path(opts.log)
+        if p.is_dir():
+            raise NetdslError(f"--log {p} is a directory; give a file name")
+        try:
+            with open(p, "a"):  # creates it if needed, truncates nothing
+                pass
+        except OSError as e:
+            raise NetdslError(f"--log {p} cannot be written: {e.strerror or e}") from None
+
+
+def available_bytes(backend) -> int | None:
+    """Free memory where the run allocates: the device's for CuPy, else the host's."""
+    try:
+        if backend.name == "cupy":
+            return int(backend.xp.cuda.Device().mem_info[0])
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except Exception:  # noqa: BLE001 - an estimate only; the error is said without it
+        return None
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def out_of_memory(needed: int, backend, batch: int, when: str) -> NetdslError:
+    """A MemoryError (NumPy) or CuPy's OutOfMemoryError, in words: what the step needs
+    (static liveness analysis), what is free, and what to change."""
+    free = available_bytes(backend)
+    where = "the GPU" if backend.name == "cupy" else "this machine"
+    have = (f"about {_gib(free)} is free on {where}" if free is not None
+            else f"{where} has less free")
+    smaller = max(batch // 2, 1)
+    return NetdslError(
+        f"out of memory {when}: a training step needs about {_gib(needed)} (parameters, "
+        f"optimizer state and the activations kept for backward, at batch {batch}), but "
+        f"{have}; use a smaller batch (e.g. --batch {smaller}: activations shrink with it)"
+        ", or a smaller network")
 
 
 def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
@@ -119,10 +217,18 @@ class Trainer:
     def __init__(self, forward: Graph, cfg: TrainConfig | None, opts: RunOptions,
                  callback: Callback | None = None):
         self.opts = opts
+        self.warnings = check_options(opts)
+        preflight(opts)  # what would fail at the end fails now, before any work
         self.cfg = resolve_config(cfg, opts)
         self.cb = callback or Callback()
         self.forward = forward
-        self.data = make_dataset(forward, self.cfg.data, self.cfg.seed)
+        try:
+            self.data = make_dataset(forward, self.cfg.data, self.cfg.seed)
+        except MemoryError:
+            raise NetdslError(f"out of memory making the {self.cfg.data.kind} data set "
+                              f"for network `{forward.name}`; its inputs or classes are "
+                              "too large for this machine (use fewer samples or a smaller "
+                              "network)") from None
         self.batch = self.cfg.batch
         self.loader = Loader(self.data.train, self.batch, self.cfg.seed)
         if self.cfg.steps is not None:
@@ -133,11 +239,22 @@ class Trainer:
             self.total = self.loader.batches_per_epoch  # one epoch
         bound = forward.bind(self.batch)
         self.train_graph = training_graph(bound, self.cfg).verify()
-        self.executor = Executor(self.train_graph, get_backend(opts.backend, opts.device),
-                                 opts.dtype, self.cfg.seed, opts.check_numerics)
+        backend = get_backend(opts.backend, opts.device)
+        try:  # the parameters and optimizer state are allocated here
+            self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
+                                     opts.check_numerics)
+        except MemoryError:
+            raise out_of_memory(self.expected_bytes(), backend, self.batch,
+                                "allocating the parameters") from None
         self._eval_execs = {self.batch: self.executor.with_graph(bound)}
         self.stats = summarize(bound)
         self.acc = loss_labels(forward)
+        if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
+            for g in (self.train_graph, bound):
+                g.outputs["logits"] = [self.acc[0]]
+            self.ROLES = (*Trainer.ROLES, "logits")
+        self.executor.stop_if_nonfinite = set(forward.outputs.get("loss", [])) | (
+            {self.acc[0]} if self.acc else set())
         self.step = 0
         self.resumed_from = None
 
@@ -173,44 +290,70 @@ class Trainer:
     def feeds(self, arrays) -> dict:
         return dict(zip(self.data.input_names, arrays))
 
+    def eval_limit(self) -> int:
+        """How many held-out samples an evaluation uses (see RunOptions.eval_samples)."""
+        have = len(self.data.test) if self.data.test is not None else 0
+        want = self.opts.eval_samples
+        if want is None:
+            want = self.batch if self.data.name == "synthetic" else have
+        return min(have, want)
+
     def evaluate(self) -> dict:
-        if self.data.test is None or len(self.data.test) == 0:
+        limit = self.eval_limit()
+        if limit == 0:
             return {}
+        test = Split([a[:limit] for a in self.data.test.arrays])
+        total = -(-limit // self.batch)
+        progress = getattr(self.cb, "on_eval_progress", None)
         losses, correct, seen = [], 0, 0
-        roles = tuple(r for r in ("output", "loss") if r in self.forward.outputs)
+        roles = tuple(r for r in ("output", "loss", "logits") if r in
+                      self._eval_execs[self.batch].graph.outputs)
         be = self.executor.backend
-        for arrays in batches(self.data.test, self.batch):
+        for k, arrays in enumerate(batches(test, self.batch)):
+            if progress is not None:
+                progress(k, total)
             n = len(arrays[0])
             if n not in self._eval_execs:  # the last, partial batch gets its own binding
-                self._eval_execs[n] = self.executor.with_graph(self.forward.bind(n))
+                g = self.forward.bind(n)
+                if self.acc:
+                    g.outputs["logits"] = [self.acc[0]]
+                self._eval_execs[n] = self.executor.with_graph(g)
             out = self._eval_execs[n].run(self.feeds(arrays), training=False, roles=roles)
             if "loss" in out:
                 losses.append((float(be.to_host(out["loss"][0])), n))
             if self.acc:
-                logits = be.to_host(self._logits(out))
                 labels = arrays[self.data.input_names.index(self.acc[1])]
-                correct += int((logits.argmax(-1) == labels).sum())
-                seen += labels.size
-        rec = {"step": self.step}
+                c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2], labels)
+                correct += c
+                seen += k
+        if progress is not None:
+            progress(total, total)
+        rec = {"step": self.step, "eval_samples": limit}
         if losses:
             rec["test_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
         if seen:
             rec["test_accuracy"] = correct / seen
         return rec
 
-    def _logits(self, out):
-        names = self.forward.outputs.get("output", [])
-        if self.acc and self.acc[0] in names:
-            return out["output"][names.index(self.acc[0])]
-        return out["output"][0]
-
     def fit(self) -> RunResult:
+        # NumPy's RuntimeWarnings (overflow, invalid value) are not for the user: a
+        # non-finite loss or logits stops the run with one message naming the first node
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                return self._fit()
+            except MemoryError:
+                raise out_of_memory(self.expected_bytes(), self.executor.backend, self.batch,
+                                    f"at step {self.step + 1}") from None
+
+    def _fit(self) -> RunResult:
         if self.opts.resume:
-            if not self.opts.checkpoint:
-                raise NetdslError("--resume needs --checkpoint DIR")
             self.restore()
+            if self.step >= self.total:
+                return self._nothing_to_do()
         be = self.executor.backend
-        info = {"network": self.forward.name, "params": self.stats.params,
+        info = {"warnings": list(self.warnings),
+                "network": self.forward.name, "params": self.stats.params,
                 "backend": be.name, "device": _device_name(be), "batch": self.batch,
                 "total_steps": self.total, "start_step": self.step,
                 "expected_bytes": self.expected_bytes(), "dataset": self.data.name,
@@ -226,10 +369,15 @@ class Trainer:
             while self.step < self.total:
                 arrays = self.loader.next()
                 lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
+                lr_value = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)
                 feeds = self.feeds(arrays)
-                feeds["lr"] = np.float32(lr)
+                feeds["lr"] = lr_value  # at the executor's dtype: f64 runs used to get f32
                 t0 = time.perf_counter()
-                out = self.executor.run(feeds, training=True, roles=self.ROLES, step=self.step)
+                try:
+                    out = self.executor.run(feeds, training=True, roles=self.ROLES,
+                                            step=self.step)
+                except NonFinite as e:
+                    raise self._non_finite(e, feeds, lr) from None
                 loss = float(be.to_host(out["loss"][0]))
                 be.synchronize()
                 dt = time.perf_counter() - t0
@@ -240,13 +388,11 @@ class Trainer:
                        "images_per_s": self.batch / dt, "step_time_s": dt,
                        "epoch": self.loader.epoch}
                 if labels_at is not None:
-                    logits = be.to_host(self._logits(out))
-                    train_acc = float((logits.argmax(-1) == arrays[labels_at]).mean())
-                    rec["accuracy"] = train_acc
-                if not np.isfinite(loss):
-                    raise NetdslError(f"the loss became {loss} at step {self.step} (lr {lr:g});"
-                                      " lower the learning rate or run with --check-numerics "
-                                      "to find the first node that overflows")
+                    c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2],
+                                    arrays[labels_at])
+                    if k:
+                        train_acc = c / k
+                        rec["accuracy"] = train_acc
                 if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                     last_eval = self.evaluate()
                     rec.update(last_eval)
@@ -276,7 +422,37 @@ class Trainer:
             step_time_s=statistics.median(steady) if steady else 0.0,
             test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=train_acc,
-            resumed_from=self.resumed_from, losses=losses)
+            resumed_from=self.resumed_from, losses=losses, warnings=list(self.warnings))
+        self.cb.on_end(result)
+        return result
+
+    def _non_finite(self, e: NonFinite, feeds: dict, lr: float) -> NetdslError:
+        """The loss or logits of step `self.step + 1` went NaN/Inf; the step stopped before
+        its updates, so replaying it with --check-numerics finds the first such node."""
+        what = "loss" if e.node in self.forward.outputs.get("loss", []) else "logits"
+        head = f"the {what} became NaN or Inf at step {self.step + 1} (lr {lr:g})"
+        try:  # the same step number: the same dropout masks
+            self.executor.with_graph(self.train_graph, check_numerics=True).run(
+                feeds, training=True, roles=("loss",), step=self.step)
+        except NetdslError as found:
+            if not isinstance(found, NonFinite):
+                where = found.message.removeprefix("check-numerics: ")
+                return NetdslError(f"{head}: the first non-finite value: {where}; lower the "
+                                   "learning rate, or check the data and the initialisation",
+                                   loc=found.loc, stack=found.diagnostics[0].stack)
+        return NetdslError(f"{head}; lower the learning rate or run with --check-numerics")
+
+    def _nothing_to_do(self) -> RunResult:
+        """A resumed run already at (or past) its last step: say so, train nothing."""
+        be = self.executor.backend
+        result = RunResult(
+            network=self.forward.name, steps=self.step, final_loss=None, images_per_s=0.0,
+            peak_bytes=self.executor.peak_bytes, params=self.stats.params, backend=be.name,
+            device=_device_name(be), batch=self.batch, expected_bytes=self.expected_bytes(),
+            step_time_s=0.0, resumed_from=self.resumed_from,
+            note=f"the checkpoint is at step {self.step}, already at or past the "
+                 f"{self.total} steps asked for; nothing to train (raise --steps to go on)",
+            warnings=list(self.warnings))
         self.cb.on_end(result)
         return result
 

@@ -12,7 +12,7 @@ import math
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import PROBABILITY, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -47,12 +47,14 @@ def _dropout_shape(ins, a):
 
 
 register(OpDef(
-    "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _dropout_shape, "dropout",
+    "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5, range=PROBABILITY)),
+    _dropout_shape, "dropout",
     flops=_per_elem(2), retains=("mask",), random=True,
     doc="inverted dropout: zero with probability p in training, identity in evaluation"))
 
 register(OpDef(
-    "dropout_mask", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _same("dropout_mask"),
+    "dropout_mask", (Arg("x", "tensor"), Arg("p", "float", 0.5, range=PROBABILITY)),
+    _same("dropout_mask"),
     "dropout", flops=_per_elem(1), differentiable=False, random=True,
     doc="dropout's explicit mask: 0 or 1/(1-p) in training, 1 in evaluation"))
 

@@ -8,7 +8,16 @@ zero-padded onto x first (and cropped off dx).
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Arg,
+    OpDef,
+    ParamSpec,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.types import TensorType
 
 
@@ -129,9 +138,10 @@ def _workspace(ins, out, a):
 
 register(OpDef(
     "conv2d",
-    (Arg("x", "tensor"), Arg("out_channels", "int"), Arg("kernel", "pair", 1),
-     Arg("stride", "pair", 1), Arg("padding", "padding", 0), Arg("dilation", "pair", 1),
-     Arg("groups", "int", 1), Arg("bias", "bool", True)),
+    (Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE),
+     Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
+     Arg("padding", "padding", 0, range=NON_NEGATIVE), Arg("dilation", "pair", 1, range=POSITIVE),
+     Arg("groups", "int", 1, range=POSITIVE), Arg("bias", "bool", True)),
     _shape, "conv", _params, _flops, _workspace, retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
@@ -139,8 +149,9 @@ register(OpDef(
 
 
 # -- backward operators -----------------------------------------------------------------------
-_GEOM = (Arg("kernel", "pair", 1), Arg("stride", "pair", 1), Arg("padding", "padding", 0),
-         Arg("dilation", "pair", 1), Arg("groups", "int", 1))
+_GEOM = (Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
+         Arg("padding", "padding", 0, range=NON_NEGATIVE),
+         Arg("dilation", "pair", 1, range=POSITIVE), Arg("groups", "int", 1, range=POSITIVE))
 
 
 def _to_shape(ins, a):

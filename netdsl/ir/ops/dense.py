@@ -3,7 +3,7 @@ from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
 from netdsl.ir.ops.shape_ops import checked_indices
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -28,7 +28,8 @@ def _linear_params(ins, a):
 
 
 register(OpDef(
-    "linear", (Arg("x", "tensor"), Arg("out_features", "int"), Arg("bias", "bool", True)),
+    "linear",
+    (Arg("x", "tensor"), Arg("out_features", "int", range=POSITIVE), Arg("bias", "bool", True)),
     _linear_shape, "linear", _linear_params,
     lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs", "weight"),
     doc="y = x W^T + b over the last dimension; weight [out, in]"))
@@ -64,7 +65,8 @@ def _emb_shape(ins, a):
 
 
 register(OpDef(
-    "embedding", (Arg("ids", "tensor"), Arg("num", "int"), Arg("dim", "int")),
+    "embedding",
+    (Arg("ids", "tensor"), Arg("num", "int", range=POSITIVE), Arg("dim", "int", range=POSITIVE)),
     _emb_shape, "embedding",
     lambda ins, a: {"weight": ParamSpec((a["num"], a["dim"]), "normal")},
     retains=("inputs",),
@@ -98,7 +100,8 @@ def _emb_grad_shape(ins, a):
     return TensorType((a["num"], dy.shape[-1]), dy.dtype)
 
 
-register(OpDef("embedding_grad", (Arg("dy", "tensor"), Arg("ids", "tensor"), Arg("num", "int")),
+register(OpDef("embedding_grad",
+               (Arg("dy", "tensor"), Arg("ids", "tensor"), Arg("num", "int", range=POSITIVE)),
                _emb_grad_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: ins[0].numel(),
                doc="scatter-add dy rows into a [num, dim] table at the ids"))

@@ -7,7 +7,7 @@ seed d(loss)/d(loss) = 1, and the scalar constants of expressions like `x - 1`).
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, norm_axis
 from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import DTYPES, TensorType
 
 
 def _binary(op):
@@ -59,7 +59,7 @@ register(OpDef("sum_except", (Arg("x", "tensor"), Arg("axis", "axis")), _sum_exc
                doc="sum over every axis but one: [N, C, H, W] -> [C] for axis 1"))
 
 register(OpDef("fill", (Arg("shape", "shape"), Arg("value", "float", 0.0),
-                        Arg("dtype", "str", "f32")),
+                        Arg("dtype", "str", "f32", choices=tuple(DTYPES))),
                lambda ins, a: TensorType(tuple(a["shape"]), a["dtype"]), "other",
                differentiable=False, doc="a constant tensor (the loss seed, zero gradients)"))
 

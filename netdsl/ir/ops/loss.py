@@ -4,7 +4,8 @@ Losses reduce to a scalar by default (`reduction="mean"`); "sum" adds, "none" ke
 value per position. The class-index losses (softmax_cross_entropy, nll) follow torch's
 cross_entropy / nll_loss: class weights, `ignore_index` (those positions contribute
 nothing and are not counted), label smoothing, and a weighted mean that divides by the
-summed weights of the counted labels. Classes are the last dimension.
+summed weights of the counted labels. The class axis is PyTorch's: dim 1 of [N, C] or
+[N, C, d1, ...] scores, or `axis=` (e.g. -1 for a language model's [N, T, C]).
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, norm_axis
@@ -35,11 +36,15 @@ def _class_loss_shape(op):
         need_float(logits, op, "logits")
         if labels.dtype not in ("i32", "i64"):
             raise ShapeError(f"{op} expects integer class labels, but {{labels}} is {labels}")
-        if logits.rank < 2 or labels.shape != logits.shape[:-1]:
+        if logits.rank < 2:
+            raise ShapeError(f"{op} expects scores with a class dimension, but {{logits}} is "
+                             f"{logits}")
+        ax = norm_axis(a["axis"], logits.rank, op)
+        if labels.shape != logits.shape[:ax] + logits.shape[ax + 1:]:
             raise ShapeError(f"{op} expects labels shaped like the logits without the class "
-                             f"dimension, but {{logits}} is {logits} and {{labels}} is "
-                             f"{labels} (classes are the last dimension)")
-        k = logits.shape[-1]
+                             f"dimension (axis {a['axis']}), but {{logits}} is {logits} and "
+                             f"{{labels}} is {labels}; for [N, T, C] scores pass axis=-1")
+        k = logits.shape[ax]
         if a["weight"] is not None and len(a["weight"]) != k:
             raise ShapeError(f"{op}: {len(a['weight'])} class weights for {k} classes")
         if not 0.0 <= a.get("label_smoothing", 0.0) <= 1.0:
@@ -52,7 +57,7 @@ def _class_loss_shape(op):
 
 
 _CLASS_ARGS = (Arg("weight", "floats", None), Arg("ignore_index", "int", -100),
-               Arg("reduction", "str", "mean", choices=_REDUCTIONS))
+               Arg("reduction", "str", "mean", choices=_REDUCTIONS), Arg("axis", "axis", 1))
 register(OpDef("softmax_cross_entropy",
                (Arg("logits", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS
                + (Arg("label_smoothing", "float", 0.0),),
@@ -167,9 +172,17 @@ def _log_softmax_grad(xp, ins, a, ctx):
     return dy - xp.exp(y) * dy.sum(axis=a["axis"], keepdims=True)
 
 
-def _flat(logits, labels):
-    k = logits.shape[-1]
-    return logits.reshape(-1, k), labels.reshape(-1)
+def _flat(xp, logits, labels, axis):
+    """Scores as [positions, classes] (the class axis moved last) and labels as [positions]."""
+    z = xp.moveaxis(logits, axis, -1)
+    return z.reshape(-1, z.shape[-1]), labels.reshape(-1)
+
+
+def _unflat(xp, g, shape, axis):
+    """A [positions, classes] gradient back in the scores' layout."""
+    ax = axis % len(shape)
+    moved = shape[:ax] + shape[ax + 1:] + (shape[ax],)
+    return xp.ascontiguousarray(xp.moveaxis(g.reshape(moved), -1, ax))
 
 
 def _coefficients(xp, t, k, a, dtype, smoothing):
@@ -215,7 +228,7 @@ def _scale(xp, dy, denom, a, m):
 
 @kernel("softmax_cross_entropy")
 def _sce(xp, ins, a, ctx):
-    z, t = _flat(*ins)
+    z, t = _flat(xp, *ins, a["axis"])
     _check_labels(xp, t, z.shape[1], a, ctx)
     if a["weight"] is None and not a["label_smoothing"] and \
             not bool((t == a["ignore_index"]).any()):  # plain: log-sum-exp minus the pick
@@ -232,16 +245,16 @@ def _sce(xp, ins, a, ctx):
 @kernel("softmax_cross_entropy_grad")
 def _sce_grad(xp, ins, a, ctx):
     dy, logits, labels = ins
-    z, t = _flat(logits, labels)
+    z, t = _flat(xp, logits, labels, a["axis"])
     c, denom = _coefficients(xp, t, z.shape[1], a, z.dtype, a["label_smoothing"])
     p = _softmax_fn(xp, z, 1)
     g = p * c.sum(axis=1, keepdims=True) - c
-    return (g * _scale(xp, dy, denom, a, z.shape[0])).reshape(logits.shape)
+    return _unflat(xp, g * _scale(xp, dy, denom, a, z.shape[0]), logits.shape, a["axis"])
 
 
 @kernel("nll")
 def _nll(xp, ins, a, ctx):
-    lp, t = _flat(*ins)
+    lp, t = _flat(xp, *ins, a["axis"])
     _check_labels(xp, t, lp.shape[1], a, ctx)
     c, denom = _coefficients(xp, t, lp.shape[1], a, lp.dtype, 0.0)
     return _reduce(xp, -(c * lp).sum(axis=1), denom, a, ins[1].shape)
@@ -252,8 +265,8 @@ def _nll_grad(xp, ins, a, ctx):
     dy, labels = ins
     shape = tuple(int(d) for d in a["shape"])
     t = labels.reshape(-1)
-    c, denom = _coefficients(xp, t, shape[-1], a, dy.dtype, 0.0)
-    return (-c * _scale(xp, dy, denom, a, t.shape[0])).reshape(shape)
+    c, denom = _coefficients(xp, t, shape[a["axis"]], a, dy.dtype, 0.0)
+    return _unflat(xp, -c * _scale(xp, dy, denom, a, t.shape[0]), shape, a["axis"])
 
 
 def _pair_reduce(xp, per, a):

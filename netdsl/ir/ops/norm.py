@@ -7,7 +7,7 @@ Batchnorm's backward is the training-mode one (gradients through the batch stati
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, norm_axis
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -22,7 +22,10 @@ def _bn_params(ins, a):
     c = ins[0].shape[1]
     p = {}
     if a["affine"]:
-        p["weight"] = ParamSpec((c,), "ones")
+        # zero_init: the scale starts at 0, so a residual branch ending here starts as
+        # nothing and its block as the identity (Goyal et al. 2017; torchvision's
+        # zero_init_residual) - what keeps thousands of blocks finite at initialisation
+        p["weight"] = ParamSpec((c,), "zeros" if a.get("zero_init") else "ones")
         p["bias"] = ParamSpec((c,), "zeros")
     p["running_mean"] = ParamSpec((c,), "zeros", buffer=True)
     p["running_var"] = ParamSpec((c,), "ones", buffer=True)
@@ -67,14 +70,16 @@ def _flops(ins, out, a):
 
 register(OpDef(
     "batchnorm",
-    (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("momentum", "float", 0.1),
-     Arg("affine", "bool", True)),
+    (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
+     Arg("momentum", "float", 0.1, range=Range(0, 1)),
+     Arg("affine", "bool", True), Arg("zero_init", "bool", False)),
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"), writes=_bn_writes,
-    doc="batch normalisation over every dim but 1; running stats in buffers"))
+    doc="batch normalisation over every dim but 1; running stats in buffers; "
+        "zero_init=true starts the scale at 0 (zero_init_residual)"))
 
 register(OpDef(
     "layernorm",
-    (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("affine", "bool", True),
+    (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0), Arg("affine", "bool", True),
      Arg("axis", "axis", -1)),
     _ln_shape, "norm", _ln_params, _flops, retains=("inputs", "weight"),
     doc="layer normalisation over the dims from `axis` on (the last by default); weight "
@@ -96,12 +101,13 @@ def _gw_shape(ins, a):
 for _op, _extra in (("batchnorm", ()), ("layernorm", (Arg("axis", "axis", -1),))):
     register(OpDef(f"{_op}_grad_input",
                    (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
-                    Arg("eps", "float", 1e-5)) + _extra,
+                    Arg("eps", "float", 1e-5, range=GT0)) + _extra,
                    _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
                    differentiable=False,
                    doc=f"dx of {_op} (batch statistics recomputed from x); weight optional"))
     register(OpDef(f"{_op}_grad_weight",
-                   (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5)) + _extra,
+                   (Arg("dy", "tensor"), Arg("x", "tensor"),
+                    Arg("eps", "float", 1e-5, range=GT0)) + _extra,
                    _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
                    differentiable=False, doc=f"d(weight) of {_op}: sum of dy * x_hat"))
 

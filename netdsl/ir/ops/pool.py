@@ -15,7 +15,7 @@ import itertools
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -88,8 +88,9 @@ _MAX_EXTRA = (Arg("ceil_mode", "bool", False),)
 _AVG_EXTRA = (Arg("ceil_mode", "bool", False), Arg("count_include_pad", "bool", True))
 for _suffix, _d in _DIMS.items():
     _kind = "pair" if _d == 2 else "ints"
-    _sig = (Arg("x", "tensor"), Arg("kernel", _kind), Arg("stride", _kind, None),
-            Arg("padding", _kind, 0))
+    _sig = (Arg("x", "tensor"), Arg("kernel", _kind, range=POSITIVE),
+            Arg("stride", _kind, None, range=POSITIVE),
+            Arg("padding", _kind, 0, range=NON_NEGATIVE))
     _what = {1: "1-d (N, C, L)", 2: "2-d (N, C, H, W)", 3: "3-d (N, C, D, H, W)"}[_d]
     # maxpool's backward recomputes the argmax from x, so it keeps x but not its output
     register(OpDef(f"maxpool{_suffix}", _sig + _MAX_EXTRA, _pool_shape(f"maxpool{_suffix}", _d),

@@ -4,7 +4,7 @@ squeeze, unsqueeze, expand, gather."""
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import Dim, TensorType, mul_dims
 
 
@@ -130,8 +130,10 @@ def _slice_shape(ins, a):
     return TensorType(x.shape[:ax] + (n,) + x.shape[ax + 1:], x.dtype)
 
 
-register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("start", "int"),
-                         Arg("stop", "int"), Arg("step", "int", 1)), _slice_shape, "shape",
+register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"),
+                         Arg("start", "int", range=NON_NEGATIVE),
+                         Arg("stop", "int", range=POSITIVE), Arg("step", "int", 1, range=POSITIVE)),
+               _slice_shape, "shape",
                doc="x[start:stop:step] along one axis (`split` lowers to slices)"))
 
 
@@ -233,7 +235,8 @@ register(OpDef("gather_elements", (Arg("x", "tensor"), Arg("index", "tensor"),
 
 # -- backward operator ------------------------------------------------------------------------
 register(OpDef("slice_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
-                              Arg("start", "int"), Arg("step", "int", 1)),
+                              Arg("start", "int", range=NON_NEGATIVE),
+                              Arg("step", "int", 1, range=POSITIVE)),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
                differentiable=False, doc="zeros of x's shape with dy placed at [start::step]"))
 register(OpDef("gather_elements_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),

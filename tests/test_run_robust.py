@@ -1,0 +1,312 @@
+"""`netdsl run`'s edges: checks before the first step, paths relative to the file,
+resume past --steps, useless option combinations, the learning rate's dtype, non-finite
+losses in words (no NumPy warnings), the first-step ETA, and init in the training dtype."""
+from __future__ import annotations
+
+import io
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import netdsl
+from netdsl.errors import NetdslError
+from netdsl.ir.graph import Node
+from netdsl.ir.types import TensorType
+from netdsl.runtime.executor import init_value
+from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = """
+network tiny {
+    input x: f32[N, 6]
+    input y: i64[N]
+    logits = linear(relu(linear(x, 8)), 3)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+train { data = synthetic(samples=32, test_samples=8); batch = 8; steps = 3 }
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    p = tmp_path / "tiny.net"
+    p.write_text(TINY)
+    return netdsl.load(p)
+
+
+class Spy(Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step(self, record):
+        self.steps += 1
+
+
+def _fails_before_training(net, **kw) -> str:
+    spy = Spy()
+    with pytest.raises(NetdslError) as info:
+        Trainer(net.graph, net.train, RunOptions(**kw), spy).fit()
+    assert spy.steps == 0
+    return info.value.message
+
+
+def test_a_checkpoint_path_that_is_a_file(tiny, tmp_path):
+    f = tmp_path / "ck"
+    f.write_text("x")
+    assert "is a file, not a directory" in _fails_before_training(tiny, checkpoint=str(f))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_checkpoint_folder(tiny, tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        assert "not writable" in _fails_before_training(tiny, checkpoint=str(d / "ck"))
+    finally:
+        d.chmod(0o700)
+
+
+def test_a_log_that_cannot_be_written(tiny, tmp_path):
+    msg = _fails_before_training(tiny, log=str(tmp_path / "no" / "such" / "dir" / "x.log"))
+    assert "--log" in msg and "cannot be written" in msg
+    assert "is a directory" in _fails_before_training(tiny, log=str(tmp_path))
+
+
+def test_a_missing_data_file_fails_before_set_up(tmp_path):
+    p = tmp_path / "n.net"
+    p.write_text(TINY.replace("synthetic(samples=32, test_samples=8)", 'npz(path="d.npz")'))
+    net = netdsl.load(p)
+    assert "does not exist" in _fails_before_training(net)
+
+
+def test_data_paths_are_relative_to_the_file(tmp_path, monkeypatch):
+    sub = tmp_path / "project"
+    sub.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(sub / "d.npz", x=rng.standard_normal((16, 6)).astype(np.float32),
+             y=rng.integers(0, 3, 16))
+    (sub / "n.net").write_text(TINY.replace("synthetic(samples=32, test_samples=8)",
+                                            'npz(path="d.npz")'))
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    net = netdsl.load("project/n.net")
+    assert net.train.data.path == str((sub / "d.npz").resolve())
+    assert Trainer(net.graph, net.train, RunOptions(steps=2)).fit().steps == 2
+
+
+def test_resume_past_the_last_step_trains_nothing(tiny, tmp_path):
+    ck = str(tmp_path / "ck")
+    Trainer(tiny.graph, tiny.train, RunOptions(steps=3, checkpoint=ck)).fit()
+    r = Trainer(tiny.graph, tiny.train, RunOptions(steps=2, checkpoint=ck, resume=True)).fit()
+    assert r.final_loss is None and r.steps == 3 and "nothing to train" in r.note
+    out = subprocess.run([sys.executable, "-m", "netdsl_cli", "run", str(tmp_path / "tiny.net"),
+                          "--steps", "2", "--checkpoint", ck, "--resume"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "nothing to train" in out.stdout and "nan" not in out.stdout.lower()
+
+
+def test_useless_option_combinations(tiny):
+    assert "--checkpoint-every needs --checkpoint" in _fails_before_training(
+        tiny, checkpoint_every=1)
+    r = Trainer(tiny.graph, tiny.train, RunOptions(steps=1, device=1)).fit()
+    assert any("--device 1 has no effect" in w for w in r.warnings)
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("f32", np.float32), ("f64", np.float64)])
+def test_the_learning_rate_is_fed_at_the_executor_dtype(tiny, dtype, np_dtype):
+    t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1, dtype=dtype))
+    seen = []
+    run = t.executor.run
+
+    def spy(feeds, **kw):
+        seen.append(feeds["lr"])
+        return run(feeds, **kw)
+    t.executor.run = spy
+    t.fit()
+    assert seen and all(type(v) is np_dtype for v in seen)
+
+
+def test_a_non_finite_loss_names_the_first_node_and_warns_nothing(tmp_path):
+    p = tmp_path / "blow.net"
+    p.write_text(TINY.replace("steps = 3", "steps = 20; optimizer = sgd(lr=1e30)"))
+    net = netdsl.load(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a leaked RuntimeWarning fails the test
+        with pytest.raises(NetdslError) as info:
+            Trainer(net.graph, net.train, RunOptions()).fit()
+    msg = info.value.message
+    assert msg.startswith("the loss became NaN or Inf at step") or \
+        msg.startswith("the logits became NaN or Inf at step"), msg
+    assert "the first non-finite value: " in msg and "%" in msg  # a node, by name
+    assert info.value.loc is not None and info.value.loc.line > 1
+
+
+def test_the_eta_is_estimated_after_the_first_step():
+    from rich.console import Console
+
+    from netdsl_cli.run_cmd import _Bar
+    bar = _Bar(quiet=False)
+    buf = io.StringIO()
+    bar.err = Console(file=buf, width=200)
+    bar.on_start({"network": "n", "params": 1, "backend": "numpy", "device": "cpu",
+                  "batch": 8, "dataset": "synthetic", "train_samples": 8,
+                  "expected_bytes": 1, "start_step": 0, "total_steps": 101})
+    rec = {"loss": 1.0, "images_per_s": 1.0, "total_steps": 101}
+    bar.on_step({**rec, "step": 1, "step_time_s": 5.0})  # set-up: 50x a later step
+    assert "ETA" not in buf.getvalue()
+    bar.on_step({**rec, "step": 2, "step_time_s": 0.1})
+    bar.close()
+    assert "ETA about 10 s" in buf.getvalue()  # 99 steps x 0.1 s, not 99 x 5 s
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("init", ["kaiming_normal", "kaiming_uniform", "normal", "zeros"])
+def test_parameters_are_initialised_in_the_training_dtype(dtype, init):
+    n = Node("w", "param", (), TensorType((256, 64)), {"init": init, "fan_in": 64})
+    v = init_value(n, dtype, seed=0)
+    assert v.dtype == np.dtype(dtype)
+    if init == "kaiming_normal":
+        assert abs(v.std() - math.sqrt(2 / 64)) < 0.01
+    if init == "kaiming_uniform":
+        assert abs(v).max() <= 1 / 8 and abs(v.std() - 1 / 8 / math.sqrt(3)) < 0.01
+
+
+SEG = """
+network seg {
+    input x: f32[N, 3, 6, 6]
+    input y: i64[N, 6, 6]
+    logits = conv2d(relu(conv2d(x, 8, kernel=3, padding=1)), 4, kernel=1)
+    output relu(logits)
+    loss softmax_cross_entropy(logits, y)
+}
+train { data = synthetic(samples=64, test_samples=16); batch = 16; steps = 40
+        optimizer = adam(lr=0.01) }
+"""
+
+TOKENS = """
+network lm {
+    input ids: i64[N, 7]
+    input y: i64[N, 7]
+    h = embedding(ids, 13, 16)
+    logits = linear(h, 13, bias=false, weight=h.weight)
+    loss softmax_cross_entropy(logits, y, axis=-1)
+}
+train { data = synthetic(samples=64, test_samples=16); batch = 16; steps = 60
+        optimizer = adam(lr=0.05) }
+"""
+
+
+def test_per_pixel_labels_and_accuracy_from_the_losss_logits():
+    """Labels [N, H, W] for [N, C, H, W] scores (classes at dim 1, as PyTorch); the
+    network's first output is not the logits, so accuracy must come from the loss."""
+    net = netdsl.loads(SEG, file="seg.net")
+    r = Trainer(net.graph, net.train, RunOptions()).fit()
+    assert 0.0 <= r.train_accuracy <= 1.0 and r.test_accuracy is not None
+    assert r.train_accuracy > 0.6  # per-pixel labels are a learnable function of x
+    assert r.losses[-1] < r.losses[0]
+
+
+def test_per_token_labels_train():
+    net = netdsl.loads(TOKENS, file="lm.net")
+    r = Trainer(net.graph, net.train, RunOptions()).fit()
+    assert r.train_accuracy > 0.5 and r.losses[-1] < r.losses[0] / 2
+
+
+@pytest.mark.parametrize("src,label_shape", [
+    ("input x: f32[N, 3, 6, 6]\n input y: i64[N, 6, 6]\n"
+     " loss softmax_cross_entropy(conv2d(x, 4), y)", (6, 6)),  # per pixel
+    ("input x: f32[N, 40]\n input y: i64[N, 5]\n"
+     " loss softmax_cross_entropy(reshape(x, (N, 5, 8)), y, axis=-1)", (5,)),
+    ("input x: f32[N, 3, 64, 64]\n input y: i64[N]\n"  # 12,288 features, pooled
+     " loss softmax_cross_entropy(linear(flatten(global_avgpool(x)), 4), y)", ()),
+], ids=["pixels", "positions", "samples"])
+def test_synthetic_labels_of_any_rank(src, label_shape):
+    from netdsl.config import Synthetic
+    from netdsl.runtime.data import synthetic
+    g = netdsl.loads(f"network n {{\n {src}\n}}\n", file="n.net").graph
+    d = synthetic(g, Synthetic(samples=32, test_samples=8), seed=0)
+    x_arr, y_arr = d.train.arrays
+    assert x_arr.dtype == np.float32  # drawn in the input's dtype
+    assert y_arr.shape == (32,) + label_shape
+    assert y_arr.min() >= 0 and y_arr.max() < 8 and len(np.unique(y_arr)) > 1
+    again = synthetic(g, Synthetic(samples=32, test_samples=8), seed=0)
+    assert (again.train.arrays[1] == y_arr).all()  # a fixed function of (x, seed)
+
+
+class EvalSpy(Callback):
+    def __init__(self):
+        self.progress, self.evals = [], []
+
+    def on_eval_progress(self, done, total):
+        self.progress.append((done, total))
+
+    def on_eval(self, record):
+        self.evals.append(record)
+
+
+@pytest.mark.parametrize("eval_samples,used", [(None, 8), (0, 0), (5, 5), (100, 8)])
+def test_evaluation_can_be_limited_or_skipped(tiny, eval_samples, used):
+    """Synthetic data evaluates one batch by default; `eval_samples` limits it (0 skips),
+    and progress is reported batch by batch."""
+    spy = EvalSpy()
+    r = Trainer(tiny.graph, tiny.train, RunOptions(steps=2, eval_every=1,
+                                                   eval_samples=eval_samples), spy).fit()
+    if used == 0:
+        assert r.test_accuracy is None and spy.progress == [] and spy.evals == [{}, {}]
+        return
+    assert r.test_accuracy is not None
+    assert [e["eval_samples"] for e in spy.evals] == [used, used]
+    assert spy.progress[-1] == (1, 1) and spy.progress[0] == (0, 1)
+
+
+def test_real_data_evaluates_everything_by_default(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((16, 6)).astype(np.float32),
+             y=rng.integers(0, 3, 16), x_test=rng.standard_normal((20, 6)).astype(np.float32),
+             y_test=rng.integers(0, 3, 20))
+    (tmp_path / "n.net").write_text(TINY.replace("synthetic(samples=32, test_samples=8)",
+                                                 'npz(path="d.npz")'))
+    net = netdsl.load(tmp_path / "n.net")
+    spy = EvalSpy()
+    Trainer(net.graph, net.train, RunOptions(steps=1, eval_every=1), spy).fit()
+    assert spy.evals[0]["eval_samples"] == 20 and spy.progress[-1] == (3, 3)
+    with pytest.raises(NetdslError, match="--eval-samples must be 0"):
+        Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=-1))
+
+
+def test_out_of_memory_is_said_in_words(tmp_path):
+    """512 TiB of weights (more than any address space, so the allocation fails at once
+    even where the kernel overcommits): NumPy's MemoryError becomes what is needed, what
+    is free and what to change; exit 1, no traceback."""
+    p = tmp_path / "huge.net"
+    p.write_text("network huge {\n    input x: f32[N, 1048576]\n"
+                 "    loss mse(linear(x, 134217728), linear(x, 134217728))\n}\n"
+                 "train { data = synthetic(samples=4, test_samples=0); batch = 2 }\n")
+    out = subprocess.run([sys.executable, "-m", "netdsl_cli", "run", str(p), "--steps", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "out of memory allocating the parameters: a training step needs about" in out.stderr
+    assert "is free on this machine" in out.stderr and "--batch 1" in out.stderr
+    assert "Traceback" not in out.stderr and "internal error" not in out.stderr
+
+
+def test_out_of_memory_during_a_step(tiny, monkeypatch):
+    t = Trainer(tiny.graph, tiny.train, RunOptions(steps=2))
+
+    def no_memory(*a, **k):
+        raise MemoryError("Unable to allocate 3.0 GiB")
+    monkeypatch.setattr(t.executor, "run", no_memory)
+    with pytest.raises(NetdslError) as info:
+        t.fit()
+    msg = info.value.message
+    assert msg.startswith("out of memory at step 1: a training step needs about")
+    assert "at batch 8" in msg and "--batch 4" in msg

@@ -125,7 +125,7 @@ def test_float_overflow_is_in_words():
     ("cat", "netdsl calls this `concat`"),
     ("view", "netdsl calls this `reshape`"),
     ("BatchNorm2d", "netdsl calls this `batchnorm`"),
-    ("swish", "netdsl has no `swish`; the nearest operator is `sigmoid`"),
+    ("swish", "netdsl calls this `silu`"),
     ("rleu", "did you mean `relu`?"),  # not a known word: by spelling
 ])
 def test_unknown_operators_are_suggested_by_meaning(name, phrase):

@@ -11,7 +11,7 @@ from pygments.lexers import find_lexer_class_for_filename, get_lexer_by_name
 from pygments.token import Comment, Error, Keyword, Name, Number, String
 
 from netdsl.errors import NetdslError
-from netdsl.frontend.elaborate import _builtins
+from netdsl.frontend.builtins import builtins as _builtins
 from netdsl.tooling.lexer import NetdslLexer
 from netdsl.tooling.names import BUILTINS
 from netdsl_cli.app import print_error

@@ -41,7 +41,7 @@ SYNONYMS: dict[str, tuple[str, ...]] = {
     "concatenate": ("concat",), "stack": ("stack", "concat"), "chunk": ("split",),
     "narrow": ("slice",), "transpose2d": ("permute",), "swapaxes": ("transpose",),
     "mm": ("matmul",), "bmm": ("matmul",), "dot": ("matmul",), "einsum": ("matmul",),
-    "multiply": ("mul",), "subtract": ("sub",), "plus": ("add",), "sum": ("add", "mean"),
+    "multiply": ("mul",), "subtract": ("sub",), "plus": ("add",), "sum": ("sum", "add"),
     "average": ("mean",), "reduce_mean": ("mean",), "weight": ("parameter",),
     "variable": ("parameter",), "zeros": ("fill",), "ones": ("fill",), "full": ("fill",),
 }

@@ -67,7 +67,7 @@ def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
     """Seeded random data of the network's input shapes; labels are a fixed function of x
     (the class of a random linear projection) so that a network can learn something.
     Labels may have any rank: one per sample, per pixel ([N, H, W] for [N, C, H, W]
-    images) or per token ([N, T] for [N, T] token ids)."""
+    images), or per token: [N, T] labels of [N, T] token ids make a next-token task."""
     rng = np.random.default_rng(seed)
     ins = _inputs(g)
     splits = []
@@ -88,8 +88,14 @@ def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
     if len(ins) >= 2 and found is not None and found[1] != ins[0].name:
         at = [n.name for n in ins].index(found[1])
         classes = _int_range(g, found[1]) or cfg.classes or 2
+        x_t, y_t = ins[0].type, ins[at].type
         for arrays in splits:
-            if len(arrays[0]):
+            if not len(arrays[0]):
+                continue
+            if not x_t.is_float and x_t.rank == 2 and y_t.shape == x_t.shape:
+                arrays[0], arrays[at] = _next_token(arrays[0], arrays[at], classes, g,
+                                                    ins[0].name, rng, seed)
+            else:
                 arrays[at] = _learnable_labels(ins[0], arrays[0], arrays[at], classes, g,
                                                seed).astype(arrays[at].dtype)
     test = Split(splits[1]) if cfg.test_samples else None
@@ -109,6 +115,20 @@ def _pooled(x: np.ndarray, k: int) -> np.ndarray:
     edges = np.linspace(0, f, k + 1).astype(np.int64)
     sums = np.add.reduceat(x.astype(np.float32, copy=False), edges[:-1], axis=1)
     return sums / np.diff(edges).astype(np.float32)
+
+
+def _next_token(x: np.ndarray, y: np.ndarray, classes: int, g: Graph, x_name: str, rng,
+                seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Next-token prediction for [N, T] tokens and [N, T] labels: sequences that follow a
+    fixed random successor table, the labels being the tokens shifted by one, so a causal
+    model can learn the table (it must look at the previous token)."""
+    vocab = min(_int_range(g, x_name) or 2, classes)
+    succ = np.random.default_rng(seed + 1).permutation(vocab)
+    seq = np.empty((len(x), x.shape[1] + 1), dtype=np.int64)
+    seq[:, 0] = rng.integers(0, vocab, len(x))
+    for t in range(x.shape[1]):
+        seq[:, t + 1] = succ[seq[:, t]]
+    return seq[:, :-1].astype(x.dtype), seq[:, 1:].astype(y.dtype)
 
 
 def _learnable_labels(x_node, x: np.ndarray, labels: np.ndarray, classes: int, g: Graph,

@@ -7,7 +7,7 @@ from netdsl.frontend.parser import KEYWORDS
 from netdsl.ir import registry
 from netdsl.ir.types import DTYPES
 
-# the front end's builtin functions (netdsl/frontend/elaborate.py `_builtins`; a test
+# the front end's builtin functions (netdsl/frontend/builtins.py `builtins`; a test
 # keeps the two the same)
 BUILTINS = ("channels", "shape", "rank", "len", "min", "max", "int", "split", "parameter")
 CONSTANTS = ("true", "false", "none")

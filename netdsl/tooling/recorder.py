@@ -108,8 +108,8 @@ class Recorder(Elaborator):
                 self.note(loc, "value", frame.locals.get(name), first, name=name,
                           block=frame.block)
 
-    def emit(self, op, tensors, attrs, loc):
-        t = super().emit(op, tensors, attrs, loc)
+    def emit(self, op, tensors, attrs, loc, shared=None):
+        t = super().emit(op, tensors, attrs, loc, shared=shared)
         self.note(loc, "call", t, op=op, node=t.node)
         return t
 

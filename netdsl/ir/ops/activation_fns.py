@@ -9,7 +9,7 @@ from netdsl.errors import ShapeError
 from netdsl.ir.ops._unary import unary
 from netdsl.ir.ops._util import need_float
 from netdsl.ir.ops.elementwise import unbroadcast
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 _SELU_ALPHA = 1.6732632423543772848170429916717
@@ -98,7 +98,7 @@ def _softplus_check(x, a):
 
 
 unary("softplus", _softplus_fwd, _softplus_grad, check=_softplus_check,
-      attrs=(Arg("beta", "float", 1.0), Arg("threshold", "float", 20.0)), flops=4,
+      attrs=(Arg("beta", "float", 1.0, range=GT0), Arg("threshold", "float", 20.0)), flops=4,
       doc="log(1 + e^(beta x)) / beta; x itself where beta x > threshold")
 
 
@@ -116,7 +116,7 @@ def _prelu_shape(ins, a):
 
 
 register(OpDef(
-    "prelu", (Arg("x", "tensor"), Arg("num_parameters", "int", 1)), _prelu_shape,
+    "prelu", (Arg("x", "tensor"), Arg("num_parameters", "int", 1, range=POSITIVE)), _prelu_shape,
     "activation",
     # torch starts the slope at 0.25; the executor has no constant init yet, so 0 (a relu)
     lambda ins, a: {"weight": ParamSpec((a["num_parameters"],), "constant", value=0.25)},

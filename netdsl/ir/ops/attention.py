@@ -11,7 +11,7 @@ import math
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -51,7 +51,7 @@ def _sdpa_flops(ins, out, a):
     return 2 * pairs * (q.shape[-1] + v.shape[-1]) + 5 * pairs
 
 
-_ATTN = (Arg("causal", "bool", False), Arg("scale", "float", None))
+_ATTN = (Arg("causal", "bool", False), Arg("scale", "float", None, range=GT0))
 register(OpDef("scaled_dot_product_attention",
                (Arg("q", "tensor"), Arg("k", "tensor"), Arg("v", "tensor")) + _ATTN,
                _sdpa_shape, "matmul", flops=_sdpa_flops, retains=("inputs",),

@@ -22,7 +22,16 @@ from netdsl.ir.ops.conv import (
     explicit_padding,
 )
 from netdsl.ir.ops.pool import spatial
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import (
+    NON_NEGATIVE,
+    POSITIVE,
+    Arg,
+    OpDef,
+    ParamSpec,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.types import TensorType
 
 
@@ -86,8 +95,9 @@ def _conv_flops(d, op):
 
 
 def _sig(kind):
-    return (Arg("kernel", kind, 1), Arg("stride", kind, 1), Arg("padding", "padding", 0),
-            Arg("dilation", kind, 1), Arg("groups", "int", 1))
+    return (Arg("kernel", kind, 1, range=POSITIVE), Arg("stride", kind, 1, range=POSITIVE),
+            Arg("padding", "padding", 0, range=NON_NEGATIVE),
+            Arg("dilation", kind, 1, range=POSITIVE), Arg("groups", "int", 1, range=POSITIVE))
 
 
 def _to_shape(ins, a):
@@ -97,8 +107,8 @@ def _to_shape(ins, a):
 for _op, _d in (("conv1d", 1), ("conv3d", 3)):
     _what = {1: "(N, C, L); weight [out, in/groups, k]",
              3: "(N, C, D, H, W); weight [out, in/groups, kd, kh, kw]"}[_d]
-    register(OpDef(_op, (Arg("x", "tensor"), Arg("out_channels", "int")) + _sig("ints")
-                   + (Arg("bias", "bool", True),),
+    register(OpDef(_op, (Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE))
+                   + _sig("ints") + (Arg("bias", "bool", True),),
                    _conv_shape(_op, _d), "conv", _conv_params(_d, _op), _conv_flops(_d, _op),
                    retains=("inputs", "weight"),
                    doc=f"{_d}-d convolution over {_what}; padding as conv2d's",
@@ -289,11 +299,12 @@ def _ct_flops(ins, out, a):
     return 2 * ins[0].numel() * (a["out_channels"] // a["groups"]) * kh * kw
 
 
-_CT_GEOM = (Arg("kernel", "pair", 1), Arg("stride", "pair", 1), Arg("padding", "pair", 0),
-            Arg("output_padding", "pair", 0), Arg("dilation", "pair", 1),
-            Arg("groups", "int", 1))
+_CT_GEOM = (Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
+            Arg("padding", "pair", 0, range=NON_NEGATIVE),
+            Arg("output_padding", "pair", 0, range=NON_NEGATIVE),
+            Arg("dilation", "pair", 1, range=POSITIVE), Arg("groups", "int", 1, range=POSITIVE))
 register(OpDef("conv_transpose2d",
-               (Arg("x", "tensor"), Arg("out_channels", "int")) + _CT_GEOM
+               (Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE)) + _CT_GEOM
                + (Arg("bias", "bool", True),),
                _ct_shape, "conv", _ct_params, _ct_flops, retains=("inputs", "weight"),
                doc="transposed 2-d convolution (the adjoint of conv2d); weight [in, "

@@ -9,7 +9,7 @@ summed weights of the counted labels. The class axis is PyTorch's: dim 1 of [N, 
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import NON_NEGATIVE, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -60,7 +60,7 @@ _CLASS_ARGS = (Arg("weight", "floats", None), Arg("ignore_index", "int", -100),
                Arg("reduction", "str", "mean", choices=_REDUCTIONS), Arg("axis", "axis", 1))
 register(OpDef("softmax_cross_entropy",
                (Arg("logits", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS
-               + (Arg("label_smoothing", "float", 0.0),),
+               + (Arg("label_smoothing", "float", 0.0, range=Range(0, 1)),),
                _class_loss_shape("softmax_cross_entropy"), "loss",
                flops=lambda ins, out, a: 6 * ins[0].numel(), retains=("inputs",),
                doc="-log softmax(logits)[label] per position, reduced (torch's cross_entropy "
@@ -88,7 +88,7 @@ def _pair_loss_shape(op):
 _RED = Arg("reduction", "str", "mean", choices=_REDUCTIONS)
 for _name, _extra, _doc in (
         ("l1", (), "absolute error |pred - target|, reduced"),
-        ("smooth_l1", (Arg("beta", "float", 1.0),),
+        ("smooth_l1", (Arg("beta", "float", 1.0, range=NON_NEGATIVE),),
          "Huber-style error: 0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta; reduced"),
         ("bce_with_logits", (),
          "binary cross-entropy of sigmoid(pred) against target probabilities, computed "

@@ -7,7 +7,7 @@ statistics from x; the ops retain their input and their scale.
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, norm_axis
-from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -39,13 +39,13 @@ def _flops(ins, out, a):
     return 8 * out.numel()
 
 
-register(OpDef("groupnorm", (Arg("x", "tensor"), Arg("num_groups", "int"),
-                             Arg("eps", "float", 1e-5), Arg("affine", "bool", True)),
+register(OpDef("groupnorm", (Arg("x", "tensor"), Arg("num_groups", "int", range=POSITIVE),
+                             Arg("eps", "float", 1e-5, range=GT0), Arg("affine", "bool", True)),
                _group_shape("groupnorm"), "norm", _channel_params, _flops,
                retains=("inputs", "weight"),
                doc="normalise each example over groups of channels (and all spatial "
                    "positions); weight and bias per channel"))
-register(OpDef("instancenorm", (Arg("x", "tensor"), Arg("eps", "float", 1e-5),
+register(OpDef("instancenorm", (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
                                 Arg("affine", "bool", False)),
                _group_shape("instancenorm"), "norm", _channel_params, _flops,
                retains=("inputs", "weight"),
@@ -71,7 +71,7 @@ def _rms_params(ins, a):
     return {"weight": ParamSpec(tuple(x.shape[a["axis"] % x.rank:]), "ones")}
 
 
-register(OpDef("rmsnorm", (Arg("x", "tensor"), Arg("eps", "float", 1e-6),
+register(OpDef("rmsnorm", (Arg("x", "tensor"), Arg("eps", "float", 1e-6, range=GT0),
                            Arg("affine", "bool", True), Arg("axis", "axis", -1)),
                _rms_shape, "norm", _rms_params, lambda ins, out, a: 4 * out.numel(),
                retains=("inputs", "weight"),

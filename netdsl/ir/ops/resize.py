@@ -13,7 +13,7 @@ import numpy as np
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 _PAD_MODES = ("constant", "reflect", "replicate")
@@ -147,7 +147,7 @@ def _upsample_shape(ins, a):
     return TensorType(x.shape[:2] + size, x.dtype)
 
 
-_UP_ATTRS = (Arg("size", "ints", None), Arg("scale_factor", "float", None),
+_UP_ATTRS = (Arg("size", "ints", None), Arg("scale_factor", "float", None, range=GT0),
              Arg("mode", "str", "nearest", choices=tuple(_MODES)),
              Arg("align_corners", "bool", False))
 register(OpDef("upsample", (Arg("x", "tensor"),) + _UP_ATTRS, _upsample_shape, "shape",

@@ -197,7 +197,7 @@ network lm {
     input ids: i64[N, 7]
     input y: i64[N, 7]
     h = embedding(ids, 13, 16)
-    logits = linear(h, 13, bias=false, weight=h.weight)
+    logits = linear(h, 13)
     loss softmax_cross_entropy(logits, y, axis=-1)
 }
 train { data = synthetic(samples=64, test_samples=16); batch = 16; steps = 60
@@ -216,6 +216,8 @@ def test_per_pixel_labels_and_accuracy_from_the_losss_logits():
 
 
 def test_per_token_labels_train():
+    # [N, T] labels of [N, T] tokens are a next-token task; its successor table is a
+    # per-token map (untied: a tied E E^T is symmetric and cannot hold a permutation)
     net = netdsl.loads(TOKENS, file="lm.net")
     r = Trainer(net.graph, net.train, RunOptions()).fit()
     assert r.train_accuracy > 0.5 and r.losses[-1] < r.losses[0] / 2

@@ -152,8 +152,11 @@ def _binary(op):
 
 def _where(r, node, at):
     c, a, b = node.input
-    _need(r.const(c) is None, "Where with a constant condition")
     ca, cb = r.const(a), r.const(b)
+    mask = r.const(c)
+    if mask is not None:
+        _causal_mask(r, node, mask, ca, cb)
+        return
     _need(all(v is None or v.size == 1 for v in (ca, cb)) and (ca is None or cb is None),
           "Where with a constant operand other than one scalar")
     if ca is None and cb is None:
@@ -162,6 +165,22 @@ def _where(r, node, at):
         r.call("where", [c, b], {"scalar": (1, _scalar_value(ca))}, {}, node.output[0])
     else:
         r.call("where", [c, a], {"scalar": (2, _scalar_value(cb))}, {}, node.output[0])
+
+
+def _causal_mask(r, node, mask, ca, cb):
+    """Where(future, value, scores) with `future` true above the diagonal of the last two
+    dimensions (netdsl's and PyTorch's causal attention): `causal_mask`. An infinite value
+    becomes netdsl's finite -1e9 (a following softmax gives those keys weight exactly 0
+    either way)."""
+    m = mask.reshape(mask.shape[-2:]) if mask.ndim >= 2 and mask.size == np.prod(
+        mask.shape[-2:]) else None
+    _need(m is not None and ca is not None and ca.size == 1 and cb is None
+          and m.dtype == bool and np.array_equal(m, np.triu(np.ones(m.shape, bool), k=1))
+          and tuple(r.shape(node.input[2])[-2:]) == m.shape,
+          "Where with a constant condition other than a causal mask")
+    value = float(ca.reshape(()))
+    r.call("causal_mask", [node.input[2]], {"value": value if np.isfinite(value) else -1e9},
+           {}, node.output[0])
 
 
 def _clip(r, node, at):

@@ -139,7 +139,7 @@ def _binary(op):
             return
         if op == "add" and cb is not None and r.add_bias(x, cb, node.output[0]):
             return
-        if c.size == 1 and len(r.shape(node.output[0])) >= len(r.shape(x)):
+        if c.size == 1 and len(r.shape(node.output[0])) == len(r.shape(x)):
             r.call(op, [x], {"scalar": (0 if ca is not None else 1, _scalar_value(c))}, {},
                    node.output[0])
             return

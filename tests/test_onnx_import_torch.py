@@ -133,3 +133,49 @@ def test_torch_gelu_mlp_imports_as_gelu(tmp_path):
     with torch.no_grad():
         ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
     assert_matches([ref], g, imported_state(r), feeds)
+
+
+@pytest.mark.torch
+def test_torch_layers_of_issue_9_import(tmp_path):
+    """PyTorch's own ONNX forms of the newer layers: Resize (nearest and bilinear), Pad,
+    ConvTranspose, InstanceNormalization, HardSwish, Clip, 1-d convolution and pooling
+    with ceil_mode and count_include_pad=False, scalar arithmetic."""
+    F = torch.nn.functional
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.up = torch.nn.ConvTranspose2d(4, 4, 2, stride=2)
+            self.norm = torch.nn.InstanceNorm2d(4, affine=True)
+            self.c1d = torch.nn.Conv1d(4, 4, 3, padding=2, dilation=2)
+
+        def forward(self, x):
+            h = F.hardswish(self.c1(x))
+            h = self.norm(self.up(h)) + F.interpolate(h, scale_factor=2.0, mode="nearest")
+            h = F.pad(h, (1, 0, 2, 1), mode="reflect")
+            h = F.interpolate(h, size=(7, 9), mode="bilinear", align_corners=False)
+            h = F.avg_pool2d(h, 3, stride=2, padding=1, ceil_mode=True,
+                             count_include_pad=False)
+            h = torch.clamp(h, -0.5, 0.5) * 2.0 - 1.0
+            v = self.c1d(h.reshape(-1, 4, 20))
+            v = F.max_pool1d(v, 3, stride=2, ceil_mode=True)
+            return torch.sqrt(v.abs() + 1.0) / 3.0
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    path = tmp_path / "layers.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn(2, 3, 6, 5), str(path), dynamo=False,
+                          opset_version=17, input_names=["x"], dynamic_axes={"x": {0: "b"}})
+    r = import_onnx(path, tmp_path / "layers.net")
+    text = r.net_path.read_text()
+    for op in ("hardswish(", "conv_transpose2d(", "instancenorm(", "upsample(", "pad(",
+               "ceil_mode=true", "count_include_pad=false", "clip(", "conv1d(", "maxpool1d(",
+               "sqrt("):
+        assert op in text, op
+    net, g, feeds = check_against_onnx(path, r)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
+    assert_matches([ref], g, imported_state(r), feeds)

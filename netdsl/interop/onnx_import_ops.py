@@ -400,8 +400,10 @@ def _resize(r, node, at):
     x_shape, out_shape = r.shape(node.input[0]), r.shape(node.output[0])
     rank = len(x_shape)
     _need(3 <= rank <= 5, f"Resize of a {rank}-d tensor")
-    _need(isinstance(out_shape[1], int) and all(isinstance(v, int) for v in out_shape[2:])
-          and tuple(out_shape[1:2]) == tuple(x_shape[1:2]),
+    # (shape inference may lose the channels behind a computed Pad; a resize of them, if
+    # there were one, would fail the check of the imported network's output shapes)
+    _need(all(isinstance(v, int) for v in out_shape[2:])
+          and (not isinstance(out_shape[1], int) or out_shape[1] == x_shape[1]),
           "Resize of other than the spatial dimensions, or to sizes not known statically")
     _need("axes" not in at and not at.get("antialias", 0), "Resize with axes or antialias")
     size = tuple(int(v) for v in out_shape[2:])

@@ -54,7 +54,7 @@ class Reader:
         self.consts: dict[str, np.ndarray] = {
             t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
         try:
-            inferred = onnx.shape_inference.infer_shapes(model).graph
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
         except Exception:  # shapes are a help (Reshape's 0, Slice ends); go on without
             inferred = g
         self.shapes: dict[str, tuple] = {}

@@ -33,6 +33,9 @@ CASES = {
                                      "groups=3, dilation=(1, 2), bias=false)"),
     "maxpool_ceil": (IMG, "maxpool(x, 3, stride=2, ceil_mode=true)"),
     "maxpool_ceil_pad": (IMG, "maxpool(x, 3, stride=2, padding=1, ceil_mode=true)"),
+    # torch drops a last window that would start in the right padding (5 -> 3, not 4)
+    "pool_ceil_edge": ("input x: f32[N, 3, 5, 5]", "maxpool(x, 3, stride=2, padding=1, "
+                       "ceil_mode=true) + avgpool(x, 3, stride=2, padding=1, ceil_mode=true)"),
     "avgpool_ceil": (IMG, "avgpool(x, 3, stride=2, padding=1, ceil_mode=true)"),
     "avgpool_exclude_pad": (IMG, "avgpool(x, (3, 2), stride=(2, 1), padding=(1, 1), "
                                  "count_include_pad=false)"),

@@ -53,10 +53,13 @@ class Reader:
         g = model.graph
         self.consts: dict[str, np.ndarray] = {
             t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
-        except Exception:  # shapes are a help (Reshape's 0, Slice ends); go on without
-            inferred = g
+        inferred = g  # shapes are a help (Reshape's 0, Slice ends, Resize); go on without
+        for prop in (True, False):  # data propagation follows computed shapes (Resize's)
+            try:
+                inferred = onnx.shape_inference.infer_shapes(model, data_prop=prop).graph
+                break
+            except Exception:
+                continue
         self.shapes: dict[str, tuple] = {}
         for vi in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
             t = vi.type.tensor_type

@@ -24,13 +24,12 @@ from netdsl.interop.onnx_import import import_onnx  # noqa: E402
 ROUND_TRIP = ["conv_same", "conv_asym", "conv_valid_groups", "conv1d", "conv1d_same", "conv3d",
               "conv_transpose2d", "conv_transpose2d_groups", "maxpool_ceil", "maxpool_ceil_pad",
               "avgpool_ceil", "pool_ceil_edge", "avgpool_exclude_pad", "avgpool_exclude_pad_ceil",
-              "pool1d",
-              "pool3d", "global_maxpool", "adaptive_even", "pad_constant", "pad_reflect",
+              "pool1d", "pool3d", "global_maxpool", "adaptive_even", "pad_constant", "pad_reflect",
               "pad_replicate", "upsample_nearest", "upsample_nearest_size",
               "upsample_bilinear", "upsample_bilinear_scale", "upsample_align",
               "upsample_linear_1d", "upsample_trilinear", "instancenorm", "rmsnorm",
               "activations", "softplus", "prelu", "log_softmax", "arith", "where",
-              "reductions"]
+              "reductions", "shapes"]
 
 
 @pytest.mark.parametrize("name", ROUND_TRIP)

@@ -355,7 +355,8 @@ def _slice(r, node, at):
     steps = r.const(node.input[4]) if len(node.input) > 4 and node.input[4] else None
     _need(starts is not None and ends is not None and starts.size == 1,
           "Slice other than a constant range along one axis")
-    _need(steps is None or int(steps.reshape(-1)[0]) == 1, "Slice with a step")
+    step = 1 if steps is None else int(steps.reshape(-1)[0])
+    _need(step > 0, "Slice with a negative step")
     shape = r.shape(node.input[0])
     axis = int(axes.reshape(-1)[0]) if axes is not None else 0
     axis %= len(shape)
@@ -363,8 +364,10 @@ def _slice(r, node, at):
     _need(axis > 0 and isinstance(size, int), "Slice along the batch dimension")
     start, stop = (int(np.clip(v + size if v < 0 else v, 0, size))
                    for v in (int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])))
-    r.call("slice", [node.input[0]], {"axis": axis, "start": start, "stop": stop}, {},
-           node.output[0])
+    attrs = {"axis": axis, "start": start, "stop": stop}
+    if step != 1:
+        attrs["step"] = step
+    r.call("slice", [node.input[0]], attrs, {}, node.output[0])
 
 
 def _split(r, node, at):
@@ -525,6 +528,18 @@ def _unsqueeze(r, node, at):
         src = dst
 
 
+def _expand(r, node, at):
+    _need(r.const(node.input[1]) is not None, "Expand to a computed shape")
+    src, out = r.shape(node.input[0]), r.shape(node.output[0])
+    _need(len(out) == len(src) and not isinstance(src[0], int),
+          "Expand that adds dimensions or has no batch first")
+    # -1 keeps a dimension, as netdsl writes it; the batch stays N
+    target = tuple("N" if i == 0 else -1 if o == d else o
+                   for i, (o, d) in enumerate(zip(out, src)))
+    _need(all(isinstance(t, int) or t == "N" for t in target), "Expand to unknown sizes")
+    r.call("expand", [node.input[0]], {"shape": target}, {}, node.output[0])
+
+
 def _identity(r, node, at):
     r.alias(node.output[0], node.input[0])
 
@@ -579,6 +594,7 @@ IMPORTERS = {
     "Reshape": _reshape,
     "Transpose": _transpose,
     "Squeeze": _squeeze,
+    "Expand": _expand,
     "Unsqueeze": _unsqueeze,
     "Concat": _concat,
     "Softmax": _softmax,

@@ -65,7 +65,8 @@ def imported_state_from(ck):
 # -- netdsl's own exports, imported back (no torch needed) ----------------------------------
 
 @pytest.mark.parametrize("name", ["digits-cnn.net", "digits-mlp.net", "resnet20-cifar.net",
-                                  "transformer-tiny.net",
+                                  "transformer-tiny.net", "gpt-tiny.net",
+                                  pytest.param("unet-small.net", marks=pytest.mark.slow),
                                   pytest.param("densenet121.net", marks=pytest.mark.slow),
                                   pytest.param("resnet50.net", marks=pytest.mark.slow)])
 def test_round_trip_of_an_example(name, tmp_path):
@@ -92,6 +93,10 @@ def test_round_trip_of_an_example(name, tmp_path):
         assert "parameter((32, 64))" in text
     if name == "densenet121.net":
         assert r.lines < 60 and "repeat 23 {" in text
+    if name == "gpt-tiny.net":  # the causal attention's Where comes back as the mask
+        assert text.count("softmax(causal_mask(") == 1 and "block residual" in text
+    if name == "unet-small.net":
+        assert text.count("conv_transpose2d(") == 3 and text.count("concat(") == 3
 
 
 def test_not_an_onnx_file_is_a_clear_error(tmp_path):

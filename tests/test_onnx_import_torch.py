@@ -17,7 +17,6 @@ from _onnx_helpers import assert_matches, rel_err, run_ort  # noqa: E402
 from test_onnx_import import check_against_onnx, imported_state, train_one_step  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from netdsl.errors import InteropError  # noqa: E402
 from netdsl.interop.onnx_import import import_onnx  # noqa: E402
 from netdsl_cli.app import app  # noqa: E402
 
@@ -77,37 +76,34 @@ def test_resnet18_with_batchnorm_folded_into_conv(tmp_path):
     check_against_onnx(path, r)
 
 
-# MobileNetV2 needs relu6 (ONNX Clip), and SqueezeNet ceil_mode pooling where the windows
-# do not tile the input (at 70x70; at 64x64, as at 224x224, ceil mode changes nothing and
-# the import takes it as floor mode): operators the ops branch adds. The importer names
-# them now; the comparisons are strict xfails that turn green when they land.
-MISSING = {("mobilenet_v2", 64): "Clip (35 nodes:",
-           ("squeezenet1_1", 70): "MaxPool with ceil_mode=1 where it adds a partial window "
-                                  "(2 nodes: /features/features.2/MaxPool, "
-                                  "/features/features.8/MaxPool)"}
-
-
 @pytest.mark.torch
-@pytest.mark.parametrize("name, size", sorted(MISSING))
-def test_unsupported_operators_are_listed_and_nothing_is_written(name, size, tmp_path):
-    _, path = exported(name, tmp_path, size)
+def test_unsupported_operators_are_listed_and_nothing_is_written(tmp_path):
+    class Erf(torch.nn.Module):  # ONNX Erf on its own (not inside a gelu)
+        def forward(self, x):
+            return torch.erf(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), Erf(), torch.nn.Conv2d(4, 4, 3),
+                                Erf()).eval()
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn(1, 3, 8, 8), str(path), dynamo=False,
+                          opset_version=17, dynamic_axes={"input": {0: "b"}},
+                          input_names=["input"])
     out = tmp_path / "m.net"
     res = runner.invoke(app, ["import", str(path), "-o", str(out)])
     assert res.exit_code == 1
-    assert MISSING[name, size] in res.output and "Nothing was written" in res.output
-    assert "Traceback" not in res.output
+    assert "Erf (2 nodes: /1/Erf, /3/Erf)" in res.output
+    assert "Nothing was written" in res.output and "Traceback" not in res.output
     assert not out.exists() and not (tmp_path / "m.ckpt").exists()
 
 
 @pytest.mark.torch
 @pytest.mark.parametrize("name, size", [
     ("squeezenet1_1", 64),
-    pytest.param("mobilenet_v2", 64, marks=pytest.mark.xfail(
-        raises=InteropError, strict=True,
-        reason="needs relu6/clip (ONNX Clip), added by the ops branch")),
-    pytest.param("squeezenet1_1", 70, marks=pytest.mark.xfail(
-        raises=InteropError, strict=True,
-        reason="needs ceil_mode pooling, added by the ops branch"))])
+    ("mobilenet_v2", 64),  # relu6 (ONNX Clip 0..6)
+    ("squeezenet1_1", 70)])  # ceil_mode pools that add a partial window
 def test_more_torch_models_import_match_and_train(name, size, tmp_path):
     model, path = exported(name, tmp_path, size)
     r = import_onnx(path, tmp_path / f"{name}.net")
@@ -134,6 +130,52 @@ def test_torch_gelu_mlp_imports_as_gelu(tmp_path):
     text = r.net_path.read_text()
     assert "gelu(linear(x, 16))" in text and "Erf" not in text
     net, g, feeds = check_against_onnx(path, r, batch=4)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
+    assert_matches([ref], g, imported_state(r), feeds)
+
+
+@pytest.mark.torch
+def test_torch_layers_of_issue_9_import(tmp_path):
+    """PyTorch's own ONNX forms of the newer layers: Resize (nearest and bilinear), Pad,
+    ConvTranspose, InstanceNormalization, HardSwish, Clip, 1-d convolution and pooling
+    with ceil_mode and count_include_pad=False, scalar arithmetic."""
+    F = torch.nn.functional
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.up = torch.nn.ConvTranspose2d(4, 4, 2, stride=2)
+            self.norm = torch.nn.InstanceNorm2d(4, affine=True)
+            self.c1d = torch.nn.Conv1d(4, 4, 3, padding=2, dilation=2)
+
+        def forward(self, x):
+            h = F.hardswish(self.c1(x))
+            h = self.norm(self.up(h)) + F.interpolate(h, scale_factor=2.0, mode="nearest")
+            h = F.pad(h, (1, 0, 2, 1), mode="reflect")
+            h = F.interpolate(h, size=(7, 9), mode="bilinear", align_corners=False)
+            h = F.avg_pool2d(h, 3, stride=2, padding=1, ceil_mode=True,
+                             count_include_pad=False)
+            h = torch.clamp(h, -0.5, 0.5) * 2.0 - 1.0
+            v = self.c1d(h.reshape(-1, 4, 20))
+            v = F.max_pool1d(v, 3, stride=2, ceil_mode=True)
+            return torch.sqrt(v.abs() + 1.0) / 3.0
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    path = tmp_path / "layers.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, torch.randn(2, 3, 6, 5), str(path), dynamo=False,
+                          opset_version=17, input_names=["x"], dynamic_axes={"x": {0: "b"}})
+    r = import_onnx(path, tmp_path / "layers.net")
+    text = r.net_path.read_text()
+    for op in ("hardswish(", "conv_transpose2d(", "instancenorm(", "upsample(", "pad(",
+               "ceil_mode=true", "count_include_pad=false", "clip(", "conv1d(", "maxpool1d(",
+               "sqrt("):
+        assert op in text, op
+    net, g, feeds = check_against_onnx(path, r)
     with torch.no_grad():
         ref = model(torch.from_numpy(feeds["x"].astype(np.float32))).numpy()
     assert_matches([ref], g, imported_state(r), feeds)

@@ -15,7 +15,9 @@ from netdsl.ir import registry
 from netdsl.ir.ops._util import pair
 
 MAX_NEST = 3  # calls nested in one expression
-_INFIX = {"add": "+", "sub": "-", "mul": "*"}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "greater": ">",
+          "less": "<", "greater_equal": ">=", "less_equal": "<=", "equal": "=="}
+_BUILTIN = {"maximum": "max", "minimum": "min"}  # element-wise, and take numbers too
 
 
 def literal(v) -> str:
@@ -35,7 +37,18 @@ def literal(v) -> str:
 
 def format_call(c: Call, args: list[str], value_of=None) -> str:
     """`op(args, required..., key=value...)` with defaults left out; `value_of(k, v)` may
-    replace an attribute's text (a block parameter)."""
+    replace an attribute's text (a block parameter). A scalar constant operand (the
+    `scalar` attribute: position, value) is written as a number where the language takes
+    one (`x - 1.0`, `max(x, 0.0)`), else as `fill((1,), value=...)`."""
+    if "scalar" in c.attrs:
+        pos, v = c.attrs["scalar"]
+        number = literal(v)
+        if c.op not in _INFIX and c.op not in _BUILTIN:
+            number = f"fill((1,), value={number}" + (', dtype="i64")' if isinstance(v, int)
+                                                   else ")")
+        args = list(args[:pos]) + [number] + list(args[pos:])
+    if c.op in _BUILTIN:
+        return f"{_BUILTIN[c.op]}({', '.join(args)})"
     if c.op in _INFIX:
         return f"{args[0]} {_INFIX[c.op]} {args[1]}"
     if c.op == "parameter":  # the builtin, not an operator: a free trainable tensor

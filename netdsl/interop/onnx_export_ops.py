@@ -5,7 +5,8 @@ An exporter is `fn(e, n, xs)`: `n` is the netdsl node, `xs` the ONNX names of it
 `params()` lists them). It emits ONNX nodes through `e` (an `onnx_export.Emitter`) and ends
 with `e.result(...)`, the node whose output carries `n`'s value. The forward network is
 exported in evaluation mode: dropout is the identity, batchnorm uses its running statistics.
-Adding an operator is adding an entry to EXPORTERS.
+Adding an operator is adding an entry to EXPORTERS; the layer operators' exporters
+(convolution, pooling, normalisation, resizing, attention) are in `onnx_export_layers`.
 """
 from __future__ import annotations
 
@@ -13,27 +14,13 @@ import math
 
 import numpy as np
 
-from netdsl.ir.ops._util import norm_axis, pair
+from netdsl.errors import InteropError
+from netdsl.interop import onnx_export_layers as layers
+from netdsl.ir.ops._util import norm_axis
 
 
 def _same(op_type):
     return lambda e, n, xs: e.result(op_type, xs)
-
-
-def _conv2d(e, n, xs):
-    a = n.attrs
-    ph, pw = pair(a["padding"])
-    e.result("Conv", xs, kernel_shape=list(pair(a["kernel"])), strides=list(pair(a["stride"])),
-             pads=[ph, pw, ph, pw], dilations=list(pair(a["dilation"])), group=a["groups"])
-
-
-def _pool(op_type, **extra):
-    def export(e, n, xs):
-        a = n.attrs
-        ph, pw = pair(a["padding"])
-        e.result(op_type, xs, kernel_shape=list(pair(a["kernel"])),
-                 strides=list(pair(a["stride"])), pads=[ph, pw, ph, pw], **extra)
-    return export
 
 
 def _linear(e, n, xs):
@@ -57,31 +44,8 @@ def _batchnorm(e, n, xs):
     e.result("BatchNormalization", [x, w, b, mean, var], epsilon=n.attrs["eps"])
 
 
-def _layernorm(e, n, xs):
-    if n.attrs["affine"]:
-        ins = xs
-    else:
-        d = e.type(n.inputs[0]).shape[-1]
-        ins = [xs[0], e.const(np.ones(d, np.float32), "scale")]
-    e.result("LayerNormalization", ins, axis=-1, epsilon=n.attrs["eps"])
-
-
-def _gelu(e, n, xs):
-    # x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt 2)): the exact form netdsl computes
-    # (opset 20's Gelu is newer than many runtimes)
-    x = xs[0]
-    erf = e.emit("Erf", [e.emit("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), "inv_sqrt2")])])
-    half_x = e.emit("Mul", [x, e.scalar(0.5, "half")])
-    e.result("Mul", [half_x, e.emit("Add", [erf, e.scalar(1.0, "one")])])
-
-
 def _scale(e, n, xs):
     e.result("Mul", [xs[0], e.scalar(n.attrs["factor"], "factor")])
-
-
-def _mean(e, n, xs):
-    ax = norm_axis(n.attrs["axis"], e.type(n.inputs[0]).rank, "mean")
-    e.result("ReduceMean", xs, axes=[ax], keepdims=int(n.attrs["keepdims"]))
 
 
 def _flatten(e, n, xs):
@@ -106,12 +70,6 @@ def _transpose(e, n, xs):
     e.result("Transpose", xs, perm=perm)
 
 
-def _slice(e, n, xs):
-    a = n.attrs
-    e.result("Slice", [xs[0], e.ints([a["start"]], "starts"), e.ints([a["stop"]], "ends"),
-                       e.ints([a["axis"]], "axes")])
-
-
 def _dropout_mask(e, n, xs):
     # evaluation mode: all ones, shaped like x
     one = e.onnx.numpy_helper.from_array(np.ones(1, np.float32), "one")
@@ -123,27 +81,174 @@ def _embedding(e, n, xs):
     e.result("Gather", [table, ids], axis=0)
 
 
+def _gelu(e, n, xs):
+    x = xs[0]
+    half_x = e.emit("Mul", [x, e.scalar(0.5, "half")])
+    if n.attrs.get("approximate", "none") == "tanh":
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        cube = e.emit("Mul", [e.emit("Mul", [x, x]), x])
+        inner = e.emit("Add", [x, e.emit("Mul", [cube, e.scalar(0.044715, "c")])])
+        t = e.emit("Tanh", [e.emit("Mul", [inner, e.scalar(math.sqrt(2.0 / math.pi), "k")])])
+        e.result("Mul", [half_x, e.emit("Add", [t, e.scalar(1.0, "one")])])
+        return
+    # x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt 2)): the exact form netdsl computes
+    # (opset 20's Gelu is newer than many runtimes)
+    erf = e.emit("Erf", [e.emit("Mul", [x, e.scalar(1.0 / math.sqrt(2.0), "inv_sqrt2")])])
+    e.result("Mul", [half_x, e.emit("Add", [erf, e.scalar(1.0, "one")])])
+
+
+def _slice(e, n, xs):
+    a = n.attrs
+    e.result("Slice", [xs[0], e.ints([a["start"]], "starts"), e.ints([a["stop"]], "ends"),
+                       e.ints([a["axis"]], "axes"), e.ints([a.get("step", 1)], "steps")])
+
+
+def _clip(e, n, xs, lo=None, hi=None):
+    lo = n.attrs.get("min") if lo is None else lo
+    hi = n.attrs.get("max") if hi is None else hi
+    e.result("Clip", [xs[0], "" if lo is None else e.scalar(lo, "min"),
+                      "" if hi is None else e.scalar(hi, "max")])
+
+
+def _silu(e, n, xs):
+    e.result("Mul", [xs[0], e.emit("Sigmoid", xs)])
+
+
+def _mish(e, n, xs):
+    # x * tanh(softplus(x)) (ONNX's Mish is opset 18)
+    e.result("Mul", [xs[0], e.emit("Tanh", [e.emit("Softplus", xs)])])
+
+
+def _softplus(e, n, xs):
+    # log(1 + e^(beta x)) / beta, x itself where beta x > threshold (as torch)
+    beta, x = n.attrs["beta"], xs[0]
+    bx = x if beta == 1.0 else e.emit("Mul", [x, e.scalar(beta, "beta")])
+    sp = e.emit("Softplus", [bx])
+    if beta != 1.0:
+        sp = e.emit("Div", [sp, e.scalar(beta, "beta")])
+    e.result("Where", [e.emit("Greater", [bx, e.scalar(n.attrs["threshold"], "threshold")]),
+                       x, sp])
+
+
+def _selu(e, n, xs):
+    e.result("Selu", xs, alpha=1.6732632423543772848170429916717,
+             gamma=1.0507009873554804934193349852946)
+
+
+def _prelu(e, n, xs):
+    x, w = xs
+    rank = e.type(n.inputs[0]).rank
+    if n.attrs["num_parameters"] > 1:  # one slope per channel: [C, 1, ...] against (N, C, ...)
+        w = e.emit("Reshape", [w, e.ints([-1] + [1] * (rank - 2), "slope_shape")])
+    e.result("PRelu", [x, w])
+
+
+def _fill(e, n, xs):
+    # a constant (a scalar in an expression, `x - 1`): a Constant of its value
+    shape = n.attrs["shape"]
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise InteropError(f"fill %{n.name} has shape {shape}, which is not static; "
+                           "export with --batch B", loc=n.loc, stack=n.stack)
+    value = np.full(tuple(shape), n.attrs["value"], dtype=_NUMPY[n.attrs["dtype"]])
+    e.result("Constant", [], value=e.onnx.numpy_helper.from_array(value, n.name))
+
+
+def _cast(e, n, xs):
+    to = getattr(e.onnx.TensorProto, _ONNX_TYPE[n.attrs["dtype"]])
+    e.result("Cast", xs, to=to)
+
+
+def _squeeze(e, n, xs):
+    rank = e.type(n.inputs[0]).rank
+    axes = n.attrs["axis"] if isinstance(n.attrs["axis"], tuple) else (n.attrs["axis"],)
+    e.result("Squeeze", [xs[0], e.ints(sorted(a % rank for a in axes), "axes")])
+
+
+def _unsqueeze(e, n, xs):
+    rank = e.type(n.inputs[0]).rank + 1
+    e.result("Unsqueeze", [xs[0], e.ints([n.attrs["axis"] % rank], "axes")])
+
+
+def _expand(e, n, xs):
+    # ONNX Expand broadcasts: a 1 keeps the input's dimension, as -1 and N do in netdsl
+    shape = [d if isinstance(d, int) and d >= 0 else 1 for d in n.attrs["shape"]]
+    e.result("Expand", [xs[0], e.ints(shape, "shape")])
+
+
+# floats run at f32 (as the executor runs them)
+_ONNX_TYPE = {"f16": "FLOAT", "f32": "FLOAT", "f64": "FLOAT", "i32": "INT32", "i64": "INT64",
+              "bool": "BOOL"}
+_NUMPY = {"f16": np.float32, "f32": np.float32, "f64": np.float32, "i32": np.int32,
+          "i64": np.int64, "bool": np.bool_}
+
+
 EXPORTERS = {
     "add": _same("Add"),
     "sub": _same("Sub"),
     "mul": _same("Mul"),
     "scale": _scale,
-    "mean": _mean,
+    "div": _same("Div"),
+    "pow": _same("Pow"),
+    "maximum": _same("Max"),
+    "minimum": _same("Min"),
+    "neg": _same("Neg"),
+    "abs": _same("Abs"),
+    "exp": _same("Exp"),
+    "log": _same("Log"),
+    "sqrt": _same("Sqrt"),
+    "equal": _same("Equal"),
+    "greater": _same("Greater"),
+    "greater_equal": _same("GreaterOrEqual"),
+    "less": _same("Less"),
+    "less_equal": _same("LessOrEqual"),
+    "where": _same("Where"),
+    "cast": _cast,
+    "fill": _fill,
+    "mean": layers.reduce("ReduceMean"),
+    "sum": layers.reduce("ReduceSum"),
+    "amax": layers.reduce("ReduceMax"),
+    "amin": layers.reduce("ReduceMin"),
     "matmul": _same("MatMul"),
     "linear": _linear,
     "embedding": _embedding,
-    "conv2d": _conv2d,
-    "maxpool": _pool("MaxPool"),
-    "avgpool": _pool("AveragePool", count_include_pad=1),
+    "conv1d": layers.conv(1),
+    "conv2d": layers.conv(2),
+    "conv3d": layers.conv(3),
+    "conv_transpose2d": layers.conv_transpose2d,
+    "maxpool1d": layers.pool("MaxPool", 1),
+    "maxpool": layers.pool("MaxPool", 2),
+    "maxpool3d": layers.pool("MaxPool", 3),
+    "avgpool1d": layers.pool("AveragePool", 1),
+    "avgpool": layers.pool("AveragePool", 2),
+    "avgpool3d": layers.pool("AveragePool", 3),
     "global_avgpool": _same("GlobalAveragePool"),
+    "global_maxpool": _same("GlobalMaxPool"),
+    "adaptive_avgpool": layers.adaptive("AveragePool", "ReduceMean"),
+    "adaptive_maxpool": layers.adaptive("MaxPool", "ReduceMax"),
     "batchnorm": _batchnorm,
-    "layernorm": _layernorm,
+    "layernorm": layers.layernorm,
+    "groupnorm": layers.groupnorm,
+    "instancenorm": layers.instancenorm,
+    "rmsnorm": layers.rmsnorm,
     "relu": _same("Relu"),
     "leaky_relu": lambda e, n, xs: e.result("LeakyRelu", xs, alpha=n.attrs["slope"]),
     "gelu": _gelu,
+    "relu6": lambda e, n, xs: _clip(e, n, xs, 0.0, 6.0),
+    "clip": _clip,
+    "hardswish": _same("HardSwish"),
+    "hardsigmoid": lambda e, n, xs: e.result("HardSigmoid", xs, alpha=1.0 / 6, beta=0.5),
+    "silu": _silu,
+    "mish": _mish,
+    "elu": lambda e, n, xs: e.result("Elu", xs, alpha=n.attrs["alpha"]),
+    "selu": _selu,
+    "softplus": _softplus,
+    "prelu": _prelu,
     "sigmoid": _same("Sigmoid"),
     "tanh": _same("Tanh"),
     "softmax": lambda e, n, xs: e.result("Softmax", xs, axis=n.attrs["axis"]),
+    "log_softmax": lambda e, n, xs: e.result("LogSoftmax", xs, axis=n.attrs["axis"]),
+    "causal_mask": layers.causal_mask,
+    "scaled_dot_product_attention": layers.scaled_dot_product_attention,
     "dropout": _same("Identity"),  # evaluation mode
     "dropout_mask": _dropout_mask,
     "flatten": _flatten,
@@ -152,9 +257,16 @@ EXPORTERS = {
     "transpose": _transpose,
     "concat": lambda e, n, xs: e.result("Concat", xs, axis=n.attrs["axis"]),
     "slice": _slice,
+    "squeeze": _squeeze,
+    "unsqueeze": _unsqueeze,
+    "expand": _expand,
+    "gather": lambda e, n, xs: e.result("Gather", xs, axis=n.attrs["axis"]),
+    "gather_elements": lambda e, n, xs: e.result("GatherElements", xs, axis=n.attrs["axis"]),
+    "pad": layers.pad,
+    "upsample": layers.upsample,
 }
 
 # forward operators deliberately without an export: the losses (the exported model is the
-# network's outputs; its loss needs labels) and constants made for the backward pass
-NOT_EXPORTED = {"softmax_cross_entropy": "a loss", "mse": "a loss",
-                "fill": "a constant of the backward pass"}
+# network's outputs; its loss needs labels)
+NOT_EXPORTED = {op: "a loss" for op in ("softmax_cross_entropy", "mse", "nll", "l1",
+                                        "smooth_l1", "bce_with_logits")}

@@ -95,7 +95,8 @@ def _is_classifier(p: Program) -> bool:
 
 def _weights(p: Program, g: Graph) -> dict[str, np.ndarray]:
     # operator nodes, and the param nodes of `parameter(...)` calls, in elaboration order
-    ops = [n for n in g.nodes if not n.is_source and n.op != "softmax_cross_entropy"
+    # (the scalar constants of expressions, `fill` nodes, are part of their call)
+    ops = [n for n in g.nodes if not n.is_source and n.op not in ("softmax_cross_entropy", "fill")
            or n.op == "param" and n.name.rsplit(".", 1)[-1].startswith("parameter")]
     kind = lambda n: "parameter" if n.op == "param" else n.op  # noqa: E731
     if len(ops) != len(p.calls) or any(kind(n) != c.op for n, c in zip(ops, p.calls)):

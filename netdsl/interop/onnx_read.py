@@ -53,10 +53,13 @@ class Reader:
         g = model.graph
         self.consts: dict[str, np.ndarray] = {
             t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
-        try:
-            inferred = onnx.shape_inference.infer_shapes(model).graph
-        except Exception:  # shapes are a help (Reshape's 0, Slice ends); go on without
-            inferred = g
+        inferred = g  # shapes are a help (Reshape's 0, Slice ends, Resize); go on without
+        for prop in (True, False):  # data propagation follows computed shapes (Resize's)
+            try:
+                inferred = onnx.shape_inference.infer_shapes(model, data_prop=prop).graph
+                break
+            except Exception:
+                continue
         self.shapes: dict[str, tuple] = {}
         for vi in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
             t = vi.type.tensor_type
@@ -127,7 +130,10 @@ class Reader:
         fuse_gelu(onnx, g, self.consts)
         self.uses = Counter(i for n in g.node for i in n.input if i)
         self.uses.update(o.name for o in g.output)
+        shape_only = _shape_only(g)
         for k, node in enumerate(g.node):
+            if k in shape_only:
+                continue
             label = _node_label(node, k)
             at = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             at = {key: (v.decode() if isinstance(v, bytes) else v) for key, v in at.items()}
@@ -220,6 +226,31 @@ class Reader:
             raise InteropError(f"{path}: input `{vi.name}` has a symbolic dimension other than "
                                "the first (the batch); netdsl needs the others static")
         return TensorType((BATCH,) + tuple(dims[1:]), _DTYPE[elem])
+
+
+# inputs whose value importers take from shape inference instead (Resize's output sizes)
+_SHAPE_INPUTS = {"Resize": (1, 2, 3)}
+
+
+def _shape_only(g) -> set[int]:
+    """The indices of the nodes that only compute shapes for _SHAPE_INPUTS (`Shape ->
+    Concat` before a Resize): nothing else reads them, so they are not imported."""
+    nodes = list(g.node)
+    readers: dict[str, list] = {}
+    for k, node in enumerate(nodes):
+        for i, v in enumerate(node.input):
+            if v:
+                readers.setdefault(v, []).append((k, i))
+    outputs = {o.name for o in g.output}
+    skip: set[int] = set()
+    for k in reversed(range(len(nodes))):
+        node = nodes[k]
+        if not node.output or any(o in outputs or not readers.get(o) for o in node.output):
+            continue
+        if all(i in _SHAPE_INPUTS.get(nodes[r].op_type, ()) or r in skip
+               for o in node.output for r, i in readers[o]):
+            skip.add(k)
+    return skip
 
 
 def _live(calls: list[Call], outputs: list[str]) -> list[Call]:

@@ -59,11 +59,10 @@ def main() -> int:
           "(goal <= 1.25)")
     if budget:
         print(f"measured peak / budget: {planned['peak_bytes'] / budget:.3f} (must be <= 1)")
-    if planned.get("planned_peak_bytes"):
-        print(f"measured / planned peak: {planned['peak_bytes'] / planned['planned_peak_bytes']:.3f}"
-              f"; counted / planned: "
-              f"{planned['counted_peak_bytes'] / planned['planned_peak_bytes']:.3f} "
-              "(both within 5%)")
+    want = planned.get("planned_peak_bytes")
+    if want:
+        print(f"measured / planned peak: {planned['peak_bytes'] / want:.3f}; counted / "
+              f"planned: {planned['counted_peak_bytes'] / want:.3f} (both within 5%)")
     return 0
 
 

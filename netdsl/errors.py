@@ -102,7 +102,10 @@ class Diagnostic:
 
 
 class NetdslError(Exception):
-    """An error caused by user input; carries one or more diagnostics."""
+    """An error caused by user input; carries one or more diagnostics. The command exits
+    with `exit_code` (1; 3 for a memory budget no plan can meet)."""
+
+    exit_code = 1
 
     def __init__(self, message: str | None = None, loc: SourceLoc | None = None,
                  stack: tuple[CallSite, ...] = (), diagnostics: list[Diagnostic] | None = None):
@@ -140,3 +143,10 @@ class DeviceError(NetdslError):
 
 class InteropError(NetdslError):
     """A model that cannot be exported to or imported from another format (ONNX)."""
+
+
+class BudgetError(NetdslError):
+    """No plan fits the memory budget: the message names the smallest budget that works
+    and what dominates it. Exit code 3."""
+
+    exit_code = 3

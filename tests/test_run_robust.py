@@ -159,7 +159,7 @@ def test_the_eta_is_estimated_after_the_first_step():
     bar.err = Console(file=buf, width=200)
     bar.on_start({"network": "n", "params": 1, "backend": "numpy", "device": "cpu",
                   "batch": 8, "dataset": "synthetic", "train_samples": 8,
-                  "expected_bytes": 1, "start_step": 0, "total_steps": 101})
+                  "planned_peak_bytes": 1, "start_step": 0, "total_steps": 101})
     rec = {"loss": 1.0, "images_per_s": 1.0, "total_steps": 101}
     bar.on_step({**rec, "step": 1, "step_time_s": 5.0})  # set-up: 50x a later step
     assert "ETA" not in buf.getvalue()

@@ -132,7 +132,7 @@ def main() -> None:
            "params": tr.stats.params, "times": times, "cpu_times": cpus,
            "median_s": statistics.median(times),
            "losses": losses, "build_s": build_s, "peak_bytes": tr.executor.peak_bytes,
-           "expected_bytes": tr.expected_bytes(), "threadpools": threads_info()}
+           "expected_bytes": tr.planned_peak_bytes(), "threadpools": threads_info()}
     if a.profile:
         res["op_times"] = op_times(tr)
         prof = cProfile.Profile()

@@ -82,7 +82,7 @@ def guard(json_output: bool = False) -> Iterator[None]:
             print_json(e.to_json())
         else:
             print_error(e)
-        raise typer.Exit(EXIT_USER) from None
+        raise typer.Exit(getattr(e, "exit_code", EXIT_USER)) from None
     except KeyboardInterrupt:
         sys.stderr.write("netdsl: interrupted\n")
         raise typer.Exit(EXIT_INTERRUPT) from None

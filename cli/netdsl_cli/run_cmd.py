@@ -48,8 +48,18 @@ class _Bar:
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
                        f"{info['backend']} ({info['device']}), batch {info['batch']}, "
                        f"data {info['dataset']} ({info['train_samples']:,} samples)")
-        self.err.print(f"expected memory: about {_fmt_bytes(info['expected_bytes'])} "
-                       "(state + activations kept for backward)")
+        plan = info.get("memory_plan")
+        if plan:
+            d = plan["decisions"]
+            self.err.print(
+                f"memory plan ({plan['strategy']} on {plan['profile']}): "
+                f"{_fmt_bytes(info['planned_peak_bytes'])} of the "
+                f"{_fmt_bytes(info['budget_bytes'])} budget; "
+                f"{d.get('recompute', 0):,} values recomputed, {d.get('offload', 0):,} "
+                f"offloaded, predicted {100 * plan['predicted_overhead']:+.1f}% step time")
+        else:
+            self.err.print(f"expected memory: about {_fmt_bytes(info['planned_peak_bytes'])} "
+                           "(state + activations kept for backward)")
         if info["start_step"]:
             self.err.print(f"resuming at step {info['start_step']} of {info['total_steps']}")
         self.progress = Progress(
@@ -130,6 +140,15 @@ def run(
     plot: Annotated[Path | None, typer.Option(
         "--plot", help="at the end, write the training curves to this PNG (needs the plot "
         "extra)")] = None,
+    mem: Annotated[str | None, typer.Option(
+        "--mem", help="device memory budget (300MB, 12GB, 1.5GiB): plan the step to fit, "
+        "recomputing or offloading what does not, then run that plan")] = None,
+    profile: Annotated[str | None, typer.Option(
+        help="device profile the planner predicts time with (k40-12gb, v100-16gb, a100-40gb, "
+        "h200, cpu, or a file from `netdsl calibrate`); default cpu on numpy, h200 on "
+        "cupy")] = None,
+    strategy: Annotated[str, typer.Option(
+        help="auto | none | checkpoint-sqrt | offload-all | recompute-all")] = "auto",
     json_output: JsonOpt = False,
 ) -> None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
@@ -150,7 +169,8 @@ def run(
                           checkpoint=str(checkpoint) if checkpoint else None,
                           checkpoint_every=checkpoint_every, resume=resume,
                           eval_every=eval_every, check_numerics=check_numerics,
-                          eval_samples=eval_samples)
+                          eval_samples=eval_samples, mem=mem, profile=profile,
+                          strategy=strategy)
         try:
             result = train(net, opts, bar)
         finally:

@@ -60,6 +60,12 @@ class RunOptions:
     # synthetic data (random labels say little, and a full pass was a third of a run);
     # 0 skips evaluation
     eval_samples: int | None = None
+    # memory planning (`run --mem`): a budget for the device ("300MB", bytes), the device
+    # profile the planner predicts time with (None: "cpu" on NumPy, "h200" on CuPy) and
+    # the strategy (auto | none | checkpoint-sqrt | offload-all | recompute-all)
+    mem: int | str | None = None
+    profile: str | None = None
+    strategy: str = "auto"
 
 
 @dataclass
@@ -68,13 +74,18 @@ class RunResult:
     steps: int
     final_loss: float | None  # None when nothing was trained (a resume past --steps)
     images_per_s: float
+    # measured independently of the executor: the state's arrays plus the high-water mark
+    # of what the steps allocated (tracemalloc on NumPy, the CuPy pool on a GPU)
     peak_bytes: int
     params: int
     backend: str
     device: str
     batch: int
-    expected_bytes: int
+    planned_peak_bytes: int  # the storage plan's prediction, before the first step
     step_time_s: float
+    counted_peak_bytes: int = 0  # the executor's own count, which follows the plan
+    budget_bytes: int | None = None  # --mem
+    memory_plan: dict | None = None  # the planner's summary, with --mem
     test_accuracy: float | None = None
     test_loss: float | None = None
     train_accuracy: float | None = None
@@ -239,20 +250,29 @@ class Trainer:
             self.total = self.loader.batches_per_epoch  # one epoch
         bound = forward.bind(self.batch)
         self.train_graph = training_graph(bound, self.cfg).verify()
-        backend = get_backend(opts.backend, opts.device)
-        try:  # the parameters and optimizer state are allocated here
-            self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
-                                     opts.check_numerics)
-        except MemoryError:
-            raise out_of_memory(self.expected_bytes(), backend, self.batch,
-                                "allocating the parameters") from None
-        self._eval_execs = {self.batch: self.executor.with_graph(bound)}
-        self.stats = summarize(bound)
         self.acc = loss_labels(forward)
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]
             self.ROLES = (*Trainer.ROLES, "logits")
+        backend = get_backend(opts.backend, opts.device)
+        self.budget = self.mem_plan = None
+        if opts.mem is not None:  # plan the step into the budget, then run exactly that
+            from netdsl.memory.search import plan_and_apply
+            profile = opts.profile or ("cpu" if backend.name == "numpy" else "h200")
+            self.train_graph, self.mem_plan = plan_and_apply(
+                self.train_graph, opts.mem, profile, opts.strategy, opts.dtype,
+                roles=self.ROLES, arena=True)
+            self.budget = self.mem_plan.budget_bytes
+        try:  # the parameters and optimizer state are allocated here
+            self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
+                                     opts.check_numerics, arena=self.budget is not None,
+                                     budget_bytes=self.budget)
+        except MemoryError:
+            raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
+                                "allocating the parameters") from None
+        self._eval_execs = {self.batch: self.executor.with_graph(bound)}
+        self.stats = summarize(bound)
         self.executor.stop_if_nonfinite = set(forward.outputs.get("loss", [])) | (
             {self.acc[0]} if self.acc else set())
         self.step = 0
@@ -343,7 +363,7 @@ class Trainer:
             try:
                 return self._fit()
             except MemoryError:
-                raise out_of_memory(self.expected_bytes(), self.executor.backend, self.batch,
+                raise out_of_memory(self.planned_peak_bytes(), self.executor.backend, self.batch,
                                     f"at step {self.step + 1}") from None
 
     def _fit(self) -> RunResult:
@@ -356,8 +376,9 @@ class Trainer:
                 "network": self.forward.name, "params": self.stats.params,
                 "backend": be.name, "device": _device_name(be), "batch": self.batch,
                 "total_steps": self.total, "start_step": self.step,
-                "expected_bytes": self.expected_bytes(), "dataset": self.data.name,
-                "train_samples": len(self.data.train)}
+                "planned_peak_bytes": self.planned_peak_bytes(), "dataset": self.data.name,
+                "train_samples": len(self.data.train), "budget_bytes": self.budget,
+                "memory_plan": self._plan_summary()}
         self.cb.on_start(info)
         log = open(self.opts.log, "a" if self.opts.resume else "w") if self.opts.log else None
         times, losses = [], []
@@ -365,6 +386,9 @@ class Trainer:
         train_acc = None
         lr_base = self.cfg.optimizer.lr
         labels_at = self.data.input_names.index(self.acc[1]) if self.acc else None
+        # the peak is measured by the backend (tracemalloc, the CuPy pool), not counted
+        meter = be.memory_meter()
+        meter.__enter__()
         try:
             while self.step < self.total:
                 arrays = self.loader.next()
@@ -405,6 +429,7 @@ class Trainer:
                         and self.step % self.opts.checkpoint_every == 0):
                     self.save()
         finally:
+            meter.__exit__(None, None, None)
             if log:
                 log.close()
         every = self.opts.checkpoint_every
@@ -417,8 +442,11 @@ class Trainer:
         result = RunResult(
             network=self.forward.name, steps=self.step,
             final_loss=losses[-1] if losses else float("nan"), images_per_s=ips,
-            peak_bytes=self.executor.peak_bytes, params=self.stats.params, backend=be.name,
-            device=_device_name(be), batch=self.batch, expected_bytes=self.expected_bytes(),
+            peak_bytes=self._measured_peak(meter), params=self.stats.params, backend=be.name,
+            device=_device_name(be), batch=self.batch,
+            planned_peak_bytes=self.planned_peak_bytes(),
+            counted_peak_bytes=self.executor.peak_bytes, budget_bytes=self.budget,
+            memory_plan=self._plan_summary(),
             step_time_s=statistics.median(steady) if steady else 0.0,
             test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=train_acc,
@@ -447,8 +475,9 @@ class Trainer:
         be = self.executor.backend
         result = RunResult(
             network=self.forward.name, steps=self.step, final_loss=None, images_per_s=0.0,
-            peak_bytes=self.executor.peak_bytes, params=self.stats.params, backend=be.name,
-            device=_device_name(be), batch=self.batch, expected_bytes=self.expected_bytes(),
+            peak_bytes=0, params=self.stats.params, backend=be.name,
+            device=_device_name(be), batch=self.batch,
+            planned_peak_bytes=self.planned_peak_bytes(), budget_bytes=self.budget,
             step_time_s=0.0, resumed_from=self.resumed_from,
             note=f"the checkpoint is at step {self.step}, already at or past the "
                  f"{self.total} steps asked for; nothing to train (raise --steps to go on)",
@@ -456,10 +485,26 @@ class Trainer:
         self.cb.on_end(result)
         return result
 
-    def expected_bytes(self) -> int:
-        """The step's peak predicted by static liveness analysis before running (the
-        executor's measured peak equals it: both follow one schedule and one rule)."""
-        return make_plan(self.train_graph, self.ROLES, self.opts.dtype, pack_arena=False).peak_bytes
+    def planned_peak_bytes(self) -> int:
+        """The step's peak as its storage plan predicts it before running (the executor's
+        count equals it: both follow one schedule and one rule)."""
+        return self.executor.plan(self.ROLES).peak_bytes if hasattr(self, "executor") else \
+            make_plan(self.train_graph, self.ROLES, self.opts.dtype, pack_arena=False).peak_bytes
+
+    def _plan_summary(self) -> dict | None:
+        """What the memory planner decided (`run --mem`), for the log and --json."""
+        p = self.mem_plan
+        if p is None:
+            return None
+        return {"strategy": p.strategy, "profile": p.profile.name,
+                "decisions": dict(p.counts), "predicted_overhead": p.predicted_overhead,
+                "offload_bytes": p.offload_bytes, "recompute_flops": p.recompute_flops,
+                "arena_bytes": self.executor.plan(self.ROLES).arena_bytes, "plan_s": p.plan_s}
+
+    def _measured_peak(self, meter) -> int:
+        """The state's arrays (allocated before the steps) plus the steps' high-water mark."""
+        state = sum(int(v.nbytes) for v in self.executor.state.values())
+        return state + meter.read()
 
 
 def _device_name(be) -> str:

@@ -1,0 +1,390 @@
+"""The planner: decide keep / recompute / offload for every retained forward value.
+
+`plan_memory(g, budget, profile, strategy)` takes a bound training-step graph and
+returns a `PlanResult`. Every candidate plan is scored with the fast simulator
+(`simulate.py`, the same schedule `strategies.apply_decisions` builds) and the cost model
+(`cost.py`); the chosen plan is the fastest predicted one whose peak fits the budget.
+
+Strategies:
+- `none`: keep everything (the unplanned step, with eager updates);
+- `checkpoint-sqrt` (Chen et al. 2016): keep every ceil(sqrt(n))-th retained value as a
+  segment boundary and recompute the others;
+- `offload-all` (vDNN, Rhu et al. 2016): offload every retained value;
+- `recompute-all`: recompute every retained value (rebuilt from parameters and inputs);
+- `auto` (layer-adaptive, after Layup): each value gets the cheaper of recompute and
+  offload per byte it frees (recompute costs the node's time; offload the part of its
+  copy that the prefetch window cannot hide; cheap norm/activation/pool/element-wise
+  outputs therefore recompute and convolution/linear outputs offload). A value is only
+  recomputed when no value its clone reads is recomputed too, so clones never chain. The
+  values are ordered by cost per byte into one ladder, independent of the budget; the
+  plan is the shortest prefix of the ladder that fits (a binary search over exact
+  simulations), compared with the baselines and with checkpoint segment plans, the
+  fastest feasible one winning. Because the candidate set does not depend on the budget
+  and a longer prefix only adds work, a larger budget never predicts a slower step.
+
+Recomputing a value also recomputes the forward values between it and the retained
+values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would
+hold them alive from the forward pass.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from netdsl.errors import NetdslError
+from netdsl.ir import registry
+from netdsl.ir.graph import Graph
+from netdsl.memory.cost import Costs
+from netdsl.memory.profiles import Profile, get_profile
+from netdsl.memory.simulate import (
+    BWD,
+    DECISIONS,
+    FWD,
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    Prepared,
+    Sim,
+    prepare,
+    simulate,
+)
+from netdsl.sizes import format_decimal, parse_size
+
+STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
+CHEAP_TYPES = ("norm", "activation", "pool", "elementwise", "shape", "dropout", "reduce")
+
+
+class PlanError(NetdslError):
+    pass
+
+
+@dataclass
+class PlanResult:
+    network: str
+    strategy: str
+    profile: Profile
+    budget_bytes: int
+    feasible: bool
+    decisions: dict[str, str]  # forward value -> keep | recompute | offload (non-keep only)
+    planned_peak_bytes: int  # predicted device peak (state + live + workspace)
+    baseline_peak_bytes: int  # the same step without a plan (eager updates)
+    host_bytes: int  # peak of the host pool
+    predicted_step_s: float
+    baseline_step_s: float
+    offload_bytes: int  # bytes copied to the host (as many come back)
+    recompute_flops: int
+    state_bytes: int
+    workspace_bytes: int
+    plan_s: float
+    prefetch: int
+    counts: dict[str, int] = field(default_factory=dict)  # per decision
+    by_layer_type: dict[str, dict[str, int]] = field(default_factory=dict)
+    min_feasible_bytes: int | None = None  # the smallest budget a plan was found for
+    dominant: str = ""  # what dominates the smallest peak
+    sim: Sim | None = field(default=None, repr=False)
+    baseline_sim: Sim | None = field(default=None, repr=False)
+    prep: Prepared | None = field(default=None, repr=False)
+
+    @property
+    def predicted_overhead(self) -> float:
+        return self.predicted_step_s / self.baseline_step_s - 1 if self.baseline_step_s else 0.0
+
+
+class _Planner:
+    def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
+                 overrides: dict[str, str] | None):
+        self.prep = prepare(g, float_dtype=float_dtype)
+        self.costs = Costs(self.prep, profile, float_dtype)
+        self.profile = profile
+        self.prefetch = prefetch
+        self.ops = registry.load_all()
+        prep = self.prep
+        self.cand = prep.candidates
+        self.cand_set = set(self.cand)
+        self.forced = self._forced(g, overrides or {})
+        self.cache: dict[tuple, tuple[Sim, float]] = {}
+        # forward consumers, to find the clone closure
+        self.fwd_users: dict[int, list[int]] = {}
+        for k, ins in enumerate(prep.inputs):
+            if prep.phase[k] == FWD:
+                for u in ins:
+                    self.fwd_users.setdefault(u, []).append(k)
+
+    def _forced(self, g: Graph, overrides: dict[str, str]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for name, p in self.prep.pos.items():
+            n = g[name]
+            for d in DECISIONS:
+                if n.annotations.get(d):
+                    out[p] = d
+        for name, d in overrides.items():
+            if d not in DECISIONS:
+                raise PlanError(f"unknown memory decision {d!r} for %{name}: use "
+                                f"{', '.join(DECISIONS)}")
+            if name not in self.prep.pos:
+                raise PlanError(f"cannot plan %{name}: no value of that name in the "
+                                "training step")
+            out[self.prep.pos[name]] = d
+        # only retained forward values can be recomputed or offloaded
+        return {p: d for p, d in out.items() if p in self.cand_set}
+
+    # -- evaluating a plan ------------------------------------------------------------
+    def close(self, dec: dict[int, str]) -> dict[int, str]:
+        """Add the forward values between each recomputed value and the retained values
+        its clone reads (module doc); apply the source annotations."""
+        dec = {p: d for p, d in dec.items() if d != KEEP}
+        for p, d in self.forced.items():
+            if d == KEEP:
+                dec.pop(p, None)
+            else:
+                dec[p] = d
+        prep = self.prep
+        stack = [p for p, d in dec.items() if d == RECOMPUTE]
+        while stack:
+            v = stack.pop()
+            for u in prep.inputs[v]:
+                if (prep.phase[u] == FWD and u not in self.cand_set and u not in dec
+                        and u not in prep.wanted and prep.bytes[u] > 0):
+                    dec[u] = RECOMPUTE
+                    stack.append(u)
+        return dec
+
+    def evaluate(self, dec: dict[int, str]) -> tuple[Sim, float, dict[int, str]]:
+        dec = self.close(dec)
+        key = tuple(sorted(dec.items()))
+        if key not in self.cache:
+            sim = simulate(self.prep, dec, self.prefetch)
+            self.cache[key] = (sim, self.costs.step_time(sim))
+        sim, t = self.cache[key]
+        return sim, t, dec
+
+    def peak(self, sim: Sim) -> int:
+        return sim.unified_peak if self.profile.unified else sim.peak_bytes
+
+    # -- strategies ---------------------------------------------------------------------
+    def baseline(self, strategy: str) -> dict[int, str]:
+        c = self.cand
+        if strategy == "none":
+            return {}
+        if strategy == "offload-all":
+            return {p: OFFLOAD for p in c}
+        if strategy == "recompute-all":
+            return {p: RECOMPUTE for p in c}
+        if strategy == "checkpoint-sqrt":
+            return self.segments(max(1, math.ceil(math.sqrt(len(c)))))
+        raise PlanError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
+
+    def segments(self, k: int) -> dict[int, str]:
+        """Keep every k-th retained value (in forward order), recompute the others."""
+        return {p: RECOMPUTE for i, p in enumerate(self.cand) if i % k}
+
+    def closure_inputs(self, v: int) -> set[int]:
+        """The retained values the clone of v (with its closure) reads."""
+        prep, out, seen, stack = self.prep, set(), {v}, [v]
+        while stack:
+            x = stack.pop()
+            for u in prep.inputs[x]:
+                if u in seen or prep.phase[u] != FWD:
+                    continue
+                seen.add(u)
+                if u in self.cand_set or u in prep.wanted or prep.bytes[u] == 0:
+                    out.add(u)
+                else:
+                    stack.append(u)
+        return out
+
+    def closure_time(self, v: int) -> float:
+        prep, t, seen, stack = self.prep, self.costs.time[v], {v}, [v]
+        while stack:
+            x = stack.pop()
+            for u in prep.inputs[x]:
+                if u in seen or prep.phase[u] != FWD or u in self.cand_set \
+                        or u in prep.wanted or prep.bytes[u] == 0:
+                    continue
+                seen.add(u)
+                t += self.costs.time[u]
+                stack.append(u)
+        return t
+
+    def ladder(self) -> list[tuple[int, str]]:
+        """(value, decision) by predicted cost per byte freed; budget-independent."""
+        prep, costs = self.prep, self.costs
+        first_bwd: dict[int, int] = {}
+        for k, ins in enumerate(prep.inputs):
+            if prep.phase[k] == BWD:
+                for u in ins:
+                    first_bwd.setdefault(u, k)
+        window = self._windows(first_bwd)
+        rec_cost = {p: self.closure_time(p) for p in self.cand}
+        off_cost = {}
+        for p in self.cand:
+            if self.profile.unified:
+                continue
+            c = costs.copy_time(prep.bytes[p])
+            # exposed part of the prefetch, plus a little for the copy engines' load
+            off_cost[p] = max(0.0, c - window.get(p, 0.0)) + 0.05 * c
+        # recompute only where no clone would read another clone (no chains)
+        mode: dict[int, str] = {}
+        reads = {p: self.closure_inputs(p) & self.cand_set for p in self.cand}
+        read_by: dict[int, set[int]] = {}
+        for p, us in reads.items():
+            for u in us:
+                read_by.setdefault(u, set()).add(p)
+        by_rec = sorted(self.cand, key=lambda p: rec_cost[p] / prep.bytes[p])
+        for p in by_rec:
+            if p in off_cost and off_cost[p] <= rec_cost[p]:
+                continue
+            if any(mode.get(u) == RECOMPUTE for u in reads[p]) or \
+                    any(mode.get(w) == RECOMPUTE for w in read_by.get(p, ())):
+                continue
+            mode[p] = RECOMPUTE
+        items = []
+        for p in self.cand:
+            if mode.get(p) == RECOMPUTE:
+                items.append((rec_cost[p] / prep.bytes[p], p, RECOMPUTE))
+            elif p in off_cost:
+                items.append((off_cost[p] / prep.bytes[p], p, OFFLOAD))
+        items.sort()
+        return [(p, d) for _, p, d in items]
+
+    def _windows(self, first_bwd: dict[int, int]) -> dict[int, float]:
+        """Compute time of the `prefetch` nodes scheduled before each first reader."""
+        t = self.costs.time
+        out = {}
+        for p, k in first_bwd.items():
+            out[p] = sum(t[j] for j in range(max(0, k - self.prefetch), k))
+        return out
+
+
+def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
+                strategy: str = "auto", float_dtype: str = "f32",
+                overrides: dict[str, str] | None = None, prefetch: int | None = None,
+                progress=None) -> PlanResult:
+    """Plan bound training-step graph `g` into `budget_bytes` (module doc).
+
+    `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
+    do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
+    is issued (None: the one of PREFETCHES that gives offload-all the fastest predicted
+    step, a budget-independent choice); `progress(fraction)` is called as the search
+    advances."""
+    t0 = time.perf_counter()
+    budget = parse_size(budget_bytes, "memory budget")
+    profile = get_profile(profile)
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < 1):
+        raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
+    pl = _Planner(g, profile, float_dtype, prefetch or 1, overrides)
+    if prefetch is None:
+        pl.prefetch = _choose_prefetch(pl)
+    tick = progress or (lambda f: None)
+    base_sim, base_t, _ = pl.evaluate({})
+    options: list[tuple[float, int, dict[int, str], Sim]] = []
+
+    def consider(dec: dict[int, str]) -> tuple[Sim, float]:
+        sim, t, closed = pl.evaluate(dec)
+        options.append((t, pl.peak(sim), closed, sim))
+        return sim, t
+
+    if strategy != "auto":
+        consider(pl.baseline(strategy))
+    else:
+        for s in ("none", "offload-all", "checkpoint-sqrt", "recompute-all"):
+            consider(pl.baseline(s))
+        n = len(pl.cand)
+        for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
+            if k < n:
+                consider(pl.segments(k))
+        tick(0.3)
+        ladder = pl.ladder()
+
+        def prefix(k: int) -> dict[int, str]:
+            return dict(ladder[:k])
+
+        lo, hi = 0, len(ladder)
+        sim_hi, _ = consider(prefix(hi))
+        if pl.peak(sim_hi) <= budget:
+            # the shortest prefix that fits: binary search on exact simulations
+            while lo < hi:
+                mid = (lo + hi) // 2
+                sim, _ = consider(prefix(mid))
+                if pl.peak(sim) <= budget:
+                    hi = mid
+                else:
+                    lo = mid + 1
+                tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
+    tick(1.0)
+
+    feasible = [o for o in options if o[1] <= budget]
+    if feasible:
+        t, peak, dec, sim = min(feasible, key=lambda o: (o[0], o[1]))
+    else:
+        t, peak, dec, sim = min(options, key=lambda o: (o[1], o[0]))
+    prep = pl.prep
+    min_peak = min(o[1] for o in options)
+    named = {prep.names[p]: d for p, d in sorted(dec.items())}
+    counts = Counter(dec.values())
+    counts[KEEP] = len(pl.cand) - sum(1 for p in dec if p in pl.cand_set)
+    by_type: dict[str, dict[str, int]] = {}
+    for p in pl.cand:
+        lt = pl.ops[prep.ops[p]].layer_type
+        d = dec.get(p, KEEP)
+        by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    for p, d in dec.items():
+        if p not in pl.cand_set:
+            lt = pl.ops[prep.ops[p]].layer_type
+            by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    res = PlanResult(
+        g.name, strategy, profile, budget, bool(feasible), named, sim.peak_bytes,
+        base_sim.peak_bytes, sim.host_bytes, t, base_t, sim.offload_bytes,
+        pl.costs.recompute_flops(sim), prep.state_bytes, prep.workspace,
+        time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
+        min_peak, "", sim, base_sim, prep)
+    if not feasible:
+        best = min(options, key=lambda o: o[1])
+        res.dominant = dominant(pl, best[3])
+    return res
+
+
+PREFETCHES = (1, 2, 4, 8)
+
+
+def _choose_prefetch(pl: _Planner) -> int:
+    if pl.profile.unified or not pl.cand:
+        return 1
+    best = None
+    for k in PREFETCHES:
+        pl.prefetch, pl.cache = k, {}
+        _, t, _ = pl.evaluate(pl.baseline("offload-all"))
+        if best is None or t < best[0] - 1e-12:
+            best = (t, k)
+    pl.cache = {}
+    return best[1]
+
+
+def dominant(pl: _Planner, sim: Sim) -> str:
+    """What makes up the smallest peak found: state, workspace and the largest values."""
+    prep = pl.prep
+    g = prep.g
+    parts: Counter = Counter()
+    for name in prep.names:
+        n = g[name]
+        if n.op == "param":
+            parts["parameters"] += n.type.nbytes()
+        elif n.op == "buffer":
+            role = "optimizer state" if n.attrs.get("role") == "optimizer_state" \
+                else "buffers"
+            parts[role] += n.type.nbytes()
+    total = pl.peak(sim)
+    live = total - prep.state_bytes - prep.workspace
+    at = sim.entries[sim.peak_index][1] if sim.peak_index >= 0 else None
+    bits = [f"{k} {format_decimal(v)}" for k, v in parts.most_common() if v]
+    text = (f"persistent state {format_decimal(prep.state_bytes)} ({', '.join(bits)}), "
+            f"workspace {format_decimal(prep.workspace)}, live values "
+            f"{format_decimal(live)}")
+    if at is not None:
+        text += f" at %{prep.names[at]}"
+    return text

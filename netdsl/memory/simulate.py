@@ -1,0 +1,289 @@
+"""A fast model of a planned training step: its schedule and the device bytes it holds.
+
+`prepare(g)` indexes a bound training-step graph once (forward + autodiff + optimizer);
+`simulate(prep, decisions)` then builds, without rewriting the graph, the schedule that
+`netdsl.memory.strategies.apply_decisions` produces for the same decisions, and counts
+its bytes with the executor's rule. The search calls it many times, so it works on
+integer positions, not on nodes. The semantics (docs/memory.md):
+
+1. eager updates: each parameter's update runs right after the node producing its
+   gradient, so no step holds all gradients (non-state inputs the updates read, such as
+   the learning rate, are scheduled first);
+2. keep: a value lives from its producer until its last reader (netdsl/memory/liveness);
+3. recompute v: v is freed after its last forward reader; a clone of v's node runs right
+   before the first backward node reading v, reading v's inputs resolved recursively
+   (kept: as they are, offloaded: their device copy, recomputed: their own clone, made
+   first); every backward reader reads the clone, which lives until its last reader;
+4. offload v: a `to_host` copy runs right after v's last forward reader (v is freed after
+   it; the host copy lives in a host pool until it is copied back), and a `to_device`
+   copy `prefetch` scheduled nodes before the first reader of the device copy, which
+   lives until its last reader;
+5. device bytes = persistent state (params, buffers, optimizer state) + live values + one
+   shared workspace region, the largest `OpDef.workspace` of any scheduled node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from netdsl.ir import registry
+from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.memory.liveness import schedule, value_bytes
+
+ROLES = ("loss", "output", "updates")  # what a training step computes
+KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
+DECISIONS = (KEEP, RECOMPUTE, OFFLOAD)
+
+# phases of a scheduled node
+FWD, BWD, SRC, STATE = 0, 1, 2, 3
+# kinds of schedule entries
+NODE, CLONE, D2H, H2D = 0, 1, 2, 3
+
+
+@dataclass
+class Prepared:
+    """A bound training graph indexed for repeated simulation (positions, not names)."""
+
+    g: Graph
+    names: list[str]  # the base schedule (eager updates applied), all decisions "keep"
+    pos: dict[str, int]  # node name -> position in `names`
+    bytes: list[int]  # bytes of each value (0 for state and in-place updates)
+    inputs: list[tuple[int, ...]]  # input positions
+    phase: list[int]  # FWD | BWD | SRC | STATE; optimizer updates count as BWD
+    wanted: set[int]  # held to the end of the step (the roles' outputs)
+    state_bytes: int
+    workspace: int  # the shared workspace region
+    candidates: list[int]  # forward values a decision can apply to, in forward order
+    ops: list[str] = field(default_factory=list)
+
+    def name(self, p: int) -> str:
+        return self.names[p]
+
+
+def _is_update(n) -> bool:
+    return n.meta.get("phase") == "optimizer" and bool(
+        registry.OPS[n.op].extra.get("inplace"))
+
+
+def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
+            eager_updates: bool = True) -> Prepared:
+    ops = registry.load_all()
+    order, _, wanted_names = schedule(g, roles)
+    if eager_updates:
+        order = _eager(g, order)
+    names = [n.name for n in order]
+    pos = {name: k for k, name in enumerate(names)}
+    nbytes, inputs, phase, opnames = [], [], [], []
+    workspace = state = 0
+    for n in order:
+        opnames.append(n.op)
+        inputs.append(tuple(pos[i] for i in n.inputs))
+        if n.op in STATE_OPS:
+            phase.append(STATE)
+            b = value_bytes(n.type, float_dtype)
+            state += b
+            nbytes.append(0)
+            continue
+        if n.is_source:
+            phase.append(SRC)
+            nbytes.append(value_bytes(n.type, float_dtype))
+            continue
+        op = ops[n.op]
+        phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
+        nbytes.append(0 if op.extra.get("inplace") else value_bytes(n.type, float_dtype))
+        ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
+        workspace = max(workspace, int(op.workspace(ins, n.type, n.attrs)))
+    wanted = {pos[w] for w in wanted_names}
+    read_bwd = set()
+    for k, ins in enumerate(inputs):
+        if phase[k] == BWD:
+            read_bwd.update(ins)
+    cands = [k for k in range(len(names)) if phase[k] == FWD and k in read_bwd
+             and k not in wanted and nbytes[k] > 0]
+    return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
+                    opnames)
+
+
+def _eager(g: Graph, order: list) -> list:
+    """Move each update right after its gradient's producer; the non-state sources the
+    updates read (the learning rate) go first."""
+    grad_of = g.meta.get("grad_of", {})
+    updates_after: dict[str, list] = {}
+    moved = set()
+    for n in order:
+        if _is_update(n):
+            grads = [i for i in n.inputs if i in grad_of]
+            if grads:
+                updates_after.setdefault(grads[0], []).append(n)
+                moved.add(n.name)
+    update_inputs = {i for ns in updates_after.values() for u in ns for i in u.inputs}
+    early = [n for n in order if n.op == "input" and n.name in update_inputs
+             and n.meta.get("phase") == "optimizer"]
+    early_names = {n.name for n in early}
+    out = list(early)
+    for n in order:
+        if n.name in moved or n.name in early_names:
+            continue
+        out.append(n)
+        out.extend(updates_after.get(n.name, ()))
+    return out
+
+
+@dataclass
+class Sim:
+    """One simulated schedule: entries (kind, position) and the bytes after each."""
+
+    entries: list[tuple[int, int]]
+    timeline: list[int]  # device bytes after each entry ran (state + live + workspace)
+    host_timeline: list[int]  # bytes in the host pool after each entry
+    waits: dict[int, list[int]]  # entry index -> offloaded values whose copies it reads
+    peak_bytes: int
+    peak_index: int
+    host_bytes: int
+    state_bytes: int
+    workspace: int
+    offload_bytes: int  # bytes copied to the host (and as many back)
+    recomputed: list[int]  # values recomputed (their clones)
+
+    @property
+    def unified_peak(self) -> int:
+        """The peak when host and device are one memory (the `cpu` profile)."""
+        return max((d + h for d, h in zip(self.timeline, self.host_timeline)),
+                   default=self.state_bytes + self.workspace)
+
+
+def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
+             prefetch: int = 1) -> Sim:
+    """The schedule and byte counts of `prep` under `decisions` (position -> decision;
+    positions not given are kept)."""
+    decisions = decisions or {}
+    n = len(prep.names)
+    inputs, phase = prep.inputs, prep.phase
+    rec = [False] * n
+    off = [False] * n
+    for p, d in decisions.items():
+        if d == RECOMPUTE:
+            rec[p] = True
+        elif d == OFFLOAD:
+            off[p] = True
+
+    # 1. the compute sequence: base nodes with clones made just before their first reader
+    seq: list[tuple[int, int]] = []
+    cloned = [False] * n
+    for p in range(n):
+        if phase[p] == BWD:
+            for u in inputs[p]:
+                if rec[u] and not cloned[u]:
+                    _materialize(u, inputs, rec, cloned, seq)
+        seq.append((NODE, p))
+
+    # 2. who reads what: resolve backward/clone reads to clones and device copies
+    # value ids: p (original), n + p (clone), 2n + p (device copy)
+    last = {}
+    first_dev = {}
+    last_fwd = {}
+    reads_dev: dict[int, list[int]] = {}
+    for i, (kind, p) in enumerate(seq):
+        resolve = kind == CLONE or phase[p] == BWD
+        for u in inputs[p]:
+            if resolve and rec[u]:
+                last[n + u] = i
+            elif resolve and off[u]:
+                last[2 * n + u] = i
+                if u not in first_dev:
+                    first_dev[u] = i
+                reads_dev.setdefault(i, []).append(u)
+            else:
+                last[u] = i
+                if not resolve:
+                    last_fwd[u] = i
+
+    # 3. transfers: to_host after the last forward reader, to_device `prefetch` before
+    # the first reader of the device copy
+    after: dict[int, list[int]] = {}
+    before: dict[int, list[int]] = {}
+    seq_index = {p: i for i, (kind, p) in enumerate(seq) if kind == NODE}
+    offloaded = []
+    for p in prep.candidates:
+        if not off[p] or p not in first_dev:
+            continue
+        offloaded.append(p)
+        down = last_fwd.get(p, seq_index[p])
+        after.setdefault(down, []).append(p)
+        up = max(first_dev[p] - prefetch, down + 1)
+        before.setdefault(up, []).append(p)
+
+    entries: list[tuple[int, int]] = []
+    start: dict[int, int] = {}  # value id -> entry index where it appears
+    remap: dict[int, int] = {}  # seq index -> entry index
+    host_start, host_end = {}, {}
+    for i, e in enumerate(seq):
+        for p in before.get(i, ()):
+            start[2 * n + p] = len(entries)
+            host_end[p] = len(entries)
+            entries.append((H2D, p))
+        remap[i] = len(entries)
+        kind, p = e
+        start[n + p if kind == CLONE else p] = len(entries)
+        entries.append(e)
+        for p in after.get(i, ()):
+            host_start[p] = len(entries)
+            entries.append((D2H, p))
+
+    # 4. the byte count
+    m = len(entries)
+    diff = [0] * (m + 1)
+    nbytes = prep.bytes
+    end_all = m - 1
+    for vid, s in start.items():
+        p = vid % n if vid >= n else vid
+        b = nbytes[p]
+        if b == 0:
+            continue
+        if vid < n and p in prep.wanted:
+            e_idx = end_all
+        elif vid < n and p in host_start:
+            e_idx = host_start[p]  # freed after its to_host copy
+        elif vid in last:
+            e_idx = remap[last[vid]]
+        else:
+            e_idx = s  # nobody reads it: dropped as soon as made
+        diff[s] += b
+        diff[e_idx + 1] -= b
+    hdiff = [0] * (m + 1)
+    for p, s in host_start.items():
+        hdiff[s] += nbytes[p]
+        hdiff[host_end.get(p, end_all) + 1] -= nbytes[p]
+    base = prep.state_bytes + prep.workspace
+    timeline, host = [], []
+    cur = base
+    hcur = 0
+    peak, peak_i = base, -1
+    for i in range(m):
+        cur += diff[i]
+        hcur += hdiff[i]
+        timeline.append(cur)
+        host.append(hcur)
+        if cur > peak:
+            peak, peak_i = cur, i
+    waits = {remap[i]: us for i, us in reads_dev.items()}
+    return Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
+               prep.state_bytes, prep.workspace, sum(nbytes[p] for p in offloaded),
+               [p for p in range(n) if cloned[p]])
+
+
+def _materialize(v: int, inputs, rec, cloned, seq) -> None:
+    """Append clones of v and of the recomputed values it needs, inputs first
+    (iteratively: a recompute chain can be thousands of nodes long)."""
+    stack = [(v, False)]
+    while stack:
+        u, expanded = stack.pop()
+        if cloned[u]:
+            continue
+        if expanded:
+            cloned[u] = True
+            seq.append((CLONE, u))
+            continue
+        stack.append((u, True))
+        for w in reversed(inputs[u]):
+            if rec[w] and not cloned[w]:
+                stack.append((w, False))

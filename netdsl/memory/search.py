@@ -320,7 +320,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
 
     feasible = [o for o in options if o[1] <= budget]
     if feasible:
-        t, peak, dec, sim = min(feasible, key=lambda o: (o[0], o[1]))
+        t, peak, dec, sim = min(feasible, key=lambda o: (o[0], len(o[2]), o[1]))
     else:
         t, peak, dec, sim = min(options, key=lambda o: (o[1], o[0]))
     prep = pl.prep

@@ -7,8 +7,8 @@ its bytes with the executor's rule. The search calls it many times, so it works 
 integer positions, not on nodes. The semantics (docs/memory.md):
 
 1. eager updates: each parameter's update runs right after the node producing its
-   gradient, so no step holds all gradients (non-state inputs the updates read, such as
-   the learning rate, are scheduled first);
+   gradient, so no step holds all gradients (the sources the optimizer adds, its state
+   and the learning rate, are scheduled first);
 2. keep: a value lives from its producer until its last reader (netdsl/memory/liveness);
 3. recompute v: v is freed after its last forward reader; a clone of v's node runs right
    before the first backward node reading v, reading v's inputs resolved recursively
@@ -116,7 +116,7 @@ def _eager(g: Graph, order: list) -> list:
                 updates_after.setdefault(grads[0], []).append(n)
                 moved.add(n.name)
     update_inputs = {i for ns in updates_after.values() for u in ns for i in u.inputs}
-    early = [n for n in order if n.op == "input" and n.name in update_inputs
+    early = [n for n in order if n.is_source and n.name in update_inputs
              and n.meta.get("phase") == "optimizer"]
     early_names = {n.name for n in early}
     out = list(early)

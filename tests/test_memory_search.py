@@ -1,0 +1,235 @@
+"""The memory planner: the simulator's schedule, the strategies, and the search's
+promises (the planned peak fits the budget; a larger budget never predicts a slower step)."""
+import json
+
+import pytest
+from _examples import load
+from _toy_graphs import toy
+
+from netdsl.errors import NetdslError
+from netdsl.memory.cost import Costs
+from netdsl.memory.liveness import analyse
+from netdsl.memory.profiles import PROFILES, ProfileError, calibrate, get_profile, save_profile
+from netdsl.memory.search import STRATEGIES, PlanError, plan_memory
+from netdsl.memory.simulate import (
+    BWD,
+    CLONE,
+    D2H,
+    H2D,
+    NODE,
+    OFFLOAD,
+    RECOMPUTE,
+    ROLES,
+    prepare,
+    simulate,
+)
+from netdsl.passes.autodiff import autodiff
+from netdsl.passes.optimizer import add_optimizer
+
+NETS = [("resnet20-cifar", 2), ("densenet121", 1), ("transformer-tiny", 2)]
+
+
+def step_graph(g):
+    return add_optimizer(autodiff(g), "sgd", lr=0.1, momentum=0.9)
+
+
+_graphs = {}
+
+
+def example_step(name, batch):
+    if (name, batch) not in _graphs:
+        _graphs[name, batch] = step_graph(load(f"{name}.net").lower(batch))
+    return _graphs[name, batch]
+
+
+def check_schedule(prep, sim, dec):
+    """Every entry reads values that exist at that point, resolved as the semantics say:
+    backward nodes and clones read clones of recomputed values and device copies of
+    offloaded ones; a to_host runs after the last forward reader."""
+    n = len(prep.names)
+    made = set()
+    for kind, p in sim.entries:
+        if kind == D2H:
+            assert p in made
+            made.add(("host", p))
+            continue
+        if kind == H2D:
+            assert ("host", p) in made
+            made.add(("dev", p))
+            continue
+        resolve = kind == CLONE or prep.phase[p] == BWD
+        for u in prep.inputs[p]:
+            d = dec.get(u)
+            if resolve and d == RECOMPUTE:
+                assert ("clone", u) in made, f"{prep.names[p]} reads a clone not made"
+            elif resolve and d == OFFLOAD:
+                assert ("dev", u) in made
+            else:
+                assert u in made
+                if d == OFFLOAD:
+                    assert ("host", u) not in made, "forward read after to_host"
+        made.add(("clone", p) if kind == CLONE else p)
+    assert len([e for e in sim.entries if e[0] == NODE]) == n
+
+
+def test_keep_matches_liveness_without_eager_updates():
+    for name, batch in NETS:
+        g = example_step(name, batch)
+        prep = prepare(g, eager_updates=False)
+        sim = simulate(prep)
+        lv = analyse(g, ROLES)
+        assert [prep.names[p] for _, p in sim.entries] == lv.order
+        assert [t - prep.workspace for t in sim.timeline] == lv.timeline
+        assert sim.peak_bytes == lv.peak_bytes + prep.workspace
+
+
+def test_eager_updates_free_gradients_at_once():
+    g = example_step("resnet20-cifar", 2)
+    eager, late = prepare(g), prepare(g, eager_updates=False)
+    assert simulate(eager).peak_bytes <= simulate(late).peak_bytes
+    names = eager.names
+    for gname in g.outputs["grads"]:
+        k = names.index(gname)
+        upd = names[k + 1]
+        assert g[upd].op == "sgd_update" and gname in g[upd].inputs
+
+
+def test_toy_bytes_by_hand():
+    """Offloading the last block's ReLU output of a toy net frees exactly its bytes
+    after its last forward reader; recomputing it (with the conv output under it, which
+    its clone reads) too, and adds two clones."""
+    g = step_graph(toy(3).bind(2))
+    prep = prepare(g)
+    v = prep.pos["stage.blk[2].relu"]
+    conv = prep.pos["stage.blk[2].conv"]
+    b = prep.bytes[v]
+    keep = simulate(prep)
+    # recomputing the ReLU alone would hold the conv output from the forward pass on
+    alone = simulate(prep, {v: RECOMPUTE})
+    assert alone.peak_bytes >= keep.peak_bytes
+    for d in (OFFLOAD, RECOMPUTE):
+        dec = {v: d} if d == OFFLOAD else {v: d, conv: d}
+        sim = simulate(prep, dec, prefetch=1)
+        check_schedule(prep, sim, dec)
+        kinds = [k for k, p in sim.entries if p == v]
+        if d == OFFLOAD:
+            assert kinds == [NODE, D2H, H2D]
+            assert sim.host_bytes == b and sim.offload_bytes == b
+        else:
+            assert kinds == [NODE, CLONE]
+            assert sorted(sim.recomputed) == sorted([v, conv])
+        # between the to_host (or last forward reader) and the copy back, v is not held
+        i_flat = next(i for i, (k, p) in enumerate(sim.entries)
+                      if k == NODE and prep.names[p] == "flat")
+        j_flat = next(i for i, (k, p) in enumerate(keep.entries)
+                      if k == NODE and prep.names[p] == "flat")
+        i_fc = next(i for i, (k, p) in enumerate(sim.entries)
+                    if k == NODE and prep.names[p] == "fc")
+        j_fc = next(i for i, (k, p) in enumerate(keep.entries)
+                    if k == NODE and prep.names[p] == "fc")
+        assert keep.timeline[j_flat] == sim.timeline[i_flat]
+        assert keep.timeline[j_fc] - sim.timeline[i_fc] == b
+
+
+@pytest.mark.parametrize("name,batch", NETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategies_schedule_and_budget(name, batch, strategy):
+    g = example_step(name, batch)
+    top = plan_memory(g, 10**12, "k40-12gb", "none").planned_peak_bytes
+    low = plan_memory(g, 1, "k40-12gb").min_feasible_bytes
+    assert low < top
+    budget = (low + top) // 2
+    r = plan_memory(g, budget, "k40-12gb", strategy)
+    dec = {r.prep.pos[k]: d for k, d in r.decisions.items()}
+    check_schedule(r.prep, simulate(r.prep, dec, r.prefetch), dec)
+    if r.feasible:
+        assert r.planned_peak_bytes <= budget
+    else:
+        assert r.min_feasible_bytes > budget and "persistent state" in r.dominant
+    if strategy == "none":
+        assert not r.decisions and r.predicted_overhead == 0
+    if strategy == "auto":  # fits, and is no slower than any feasible baseline
+        assert r.feasible
+        for s in STRATEGIES[1:]:
+            other = plan_memory(g, budget, "k40-12gb", s)
+            if other.feasible:
+                assert r.predicted_step_s <= other.predicted_step_s + 1e-12
+
+
+@pytest.mark.parametrize("name,batch", NETS)
+@pytest.mark.parametrize("profile", ["k40-12gb", "cpu"])
+def test_larger_budget_never_slower(name, batch, profile):
+    g = example_step(name, batch)
+    top = plan_memory(g, 10**12, profile, "none").planned_peak_bytes
+    low = plan_memory(g, 1, profile, "auto").min_feasible_bytes
+    prev = None
+    for k in range(13):
+        budget = int(low + (top - low) * k / 12)
+        r = plan_memory(g, budget, profile, "auto")
+        assert r.feasible
+        peak = r.sim.unified_peak if profile == "cpu" else r.planned_peak_bytes
+        assert peak <= budget
+        if profile == "cpu":
+            assert r.counts["offload"] == 0  # offload saves nothing in unified memory
+        if prev is not None:
+            assert r.predicted_step_s <= prev + 1e-12
+        prev = r.predicted_step_s
+    assert prev == pytest.approx(Costs(r.prep, get_profile(profile)).base_time())
+
+
+def test_impossible_budget_names_the_smallest():
+    g = example_step("resnet20-cifar", 2)
+    r = plan_memory(g, "1KB", "k40-12gb")
+    assert not r.feasible
+    assert r.min_feasible_bytes > 1000
+    assert r.dominant.startswith("persistent state")
+    again = plan_memory(g, r.min_feasible_bytes, "k40-12gb")
+    assert again.feasible
+
+
+def test_annotations_override_the_planner():
+    net = load("resnet20-cifar.net")
+    g = step_graph(net.lower(2))
+    base = plan_memory(g, 1, "k40-12gb")  # as small as possible: most values planned
+    planned = [k for k, d in base.decisions.items() if d != "keep"]
+    assert planned
+    name = planned[0]
+    r = plan_memory(g, 1, "k40-12gb", overrides={name: "keep"})
+    assert name not in r.decisions
+    g2 = step_graph(net.lower(2))
+    g2[name].annotations["keep"] = True
+    assert name not in plan_memory(g2, 1, "k40-12gb").decisions
+    free = plan_memory(g, 10**12, "k40-12gb", overrides={name: "offload"})
+    assert free.decisions == {name: "offload"}
+    with pytest.raises(PlanError, match="no value of that name"):
+        plan_memory(g, 10**12, "k40-12gb", overrides={"nope": "keep"})
+    with pytest.raises(PlanError, match="unknown memory decision"):
+        plan_memory(g, 10**12, "k40-12gb", overrides={name: "drop"})
+    with pytest.raises(PlanError, match="unknown strategy"):
+        plan_memory(g, 10**12, "k40-12gb", "fast")
+
+
+def test_profiles(tmp_path):
+    assert get_profile("k40-12gb").capacity_bytes == 12 * 10**9
+    assert get_profile("cpu").unified
+    for p in PROFILES.values():
+        assert p.source
+    with pytest.raises(ProfileError, match="unknown device profile 'p100'"):
+        get_profile("p100")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ProfileError, match="cannot read"):
+        get_profile(str(bad))
+    bad.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ProfileError, match="lacks capacity_bytes"):
+        get_profile(str(bad))
+    d = PROFILES["v100-16gb"].to_json()
+    d["link_bw"] = -1
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="link_bw must be a positive"):
+        get_profile(str(bad))
+    p = calibrate(size=64, copy_mib=1, repeats=1)
+    assert p.flops_per_s > 0 and p.mem_bw > 0 and p.unified
+    save_profile(p, tmp_path / "me.json")
+    assert get_profile(str(tmp_path / "me.json")) == p
+    assert issubclass(ProfileError, NetdslError)

@@ -24,8 +24,9 @@ class Backend(Protocol):
     def to_host(self, arr) -> Any:
         """A NumPy copy of a device array."""
 
-    def rng(self, seed: int) -> RNG:
-        """A seeded random generator producing device arrays."""
+    def rng(self, key: int | tuple[int, ...]) -> RNG:
+        """A random generator producing device arrays, seeded by an int or a tuple of ints
+        (the executor keys each draw by (seed, step, node))."""
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing and memory measurements)."""

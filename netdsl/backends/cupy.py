@@ -21,8 +21,10 @@ def _import_cupy():
 
 
 class CupyRNG:
-    def __init__(self, cupy, seed: int):
+    def __init__(self, cupy, key):
         self._cupy = cupy
+        # RandomState takes one integer: fold a (seed, step, node) key into one
+        seed = int(np.random.SeedSequence(key).generate_state(1)[0])
         self._state = cupy.random.RandomState(seed)
 
     def random(self, shape, dtype):
@@ -57,9 +59,9 @@ class CupyBackend:
     def to_host(self, arr):
         return self.xp.asnumpy(arr)
 
-    def rng(self, seed: int) -> CupyRNG:
+    def rng(self, key) -> CupyRNG:
         with self._dev:
-            return CupyRNG(self.xp, seed)
+            return CupyRNG(self.xp, key)
 
     def synchronize(self) -> None:
         self._dev.synchronize()

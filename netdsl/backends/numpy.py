@@ -7,8 +7,8 @@ import numpy as np
 
 
 class NumpyRNG:
-    def __init__(self, seed: int):
-        self._gen = np.random.default_rng(seed)
+    def __init__(self, key):
+        self._gen = np.random.default_rng(key)
 
     def random(self, shape, dtype):
         return self._gen.random(tuple(shape), dtype=np.dtype(dtype))
@@ -33,8 +33,8 @@ class NumpyBackend:
     def to_host(self, arr):
         return np.array(arr, copy=True)
 
-    def rng(self, seed: int) -> NumpyRNG:
-        return NumpyRNG(seed)
+    def rng(self, key) -> NumpyRNG:
+        return NumpyRNG(key)
 
     def synchronize(self) -> None:
         pass

@@ -1,40 +1,13 @@
-"""Adding operator nodes to a graph: attribute normalisation, shape rule, parameters.
-
-Used by the front end (one call per op in the source) and by passes that emit new nodes
-(autodiff, optimizer updates), so every node is made the same way.
+"""Adding a source-level operator to a graph: the node (through `rewrite.make_node`, the
+one node factory) plus the parameter and buffer nodes it owns. Used by the front end, one
+call per op in the source.
 """
 from __future__ import annotations
 
-from netdsl.errors import ShapeError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.ops._util import pair
+from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
-
-
-def normalise_attrs(op: registry.OpDef, attrs: dict) -> dict:
-    """Fill defaults and canonicalise (pairs become 2-tuples) in signature order."""
-    out = {}
-    for a in op.attr_args:
-        if a.name in attrs:
-            v = attrs[a.name]
-        elif a.required:
-            raise ShapeError(f"{op.name}: missing argument `{a.name}`")
-        else:
-            v = a.default
-        if a.kind == "pair" and v is not None:
-            v = pair(v)
-        elif a.kind in ("ints", "shape") and isinstance(v, list):
-            v = tuple(v)
-        elif a.kind == "float" and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        out[a.name] = v
-    # an argument that defaults to another (pooling's stride = its kernel) is resolved
-    # here, so the IR never holds a `none` a pass or kernel must reinterpret
-    for name, source in op.extra.get("default_from", {}).items():
-        if out.get(name) is None:
-            out[name] = out[source]
-    return out
 
 
 def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
@@ -45,10 +18,8 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
     rejects the inputs; nothing is added to the graph in that case.
     """
     op = registry.get(op_name)
-    attrs = normalise_attrs(op, attrs)
-    in_types = [g[i].type for i in inputs]
-    out_type = op.shape(in_types, attrs)
-    specs = op.params(in_types, attrs)
+    node = make_node(g, name, op_name, inputs, attrs, **node_fields)  # checks the shapes
+    specs = op.params([g[i].type for i in inputs], node.attrs)
     param_names = []
     for pname, spec in specs.items():
         pnode = Node(f"{name}.{pname}", "buffer" if spec.buffer else "param", (),
@@ -59,8 +30,8 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
                      annotations=dict(node_fields.get("annotations", {})))
         g.add(pnode)
         param_names.append(pnode.name)
-    return g.add(Node(name, op_name, tuple(inputs) + tuple(param_names), out_type, attrs,
-                      **node_fields))
+    node.inputs = tuple(inputs) + tuple(param_names)
+    return g.add(node)
 
 
 def _param_attrs(spec: registry.ParamSpec) -> dict:

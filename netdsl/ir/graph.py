@@ -46,6 +46,37 @@ class Node:
         return n
 
 
+class NodeList(list):
+    """The node list of a graph: any change to it drops the graph's name index, so the
+    index cannot go stale whichever way a pass edits the list (append, insert, slice
+    assignment, or replacing `graph.nodes` outright)."""
+
+    __slots__ = ("_graph",)
+
+    def __init__(self, items=(), graph: Graph | None = None):
+        super().__init__(items)
+        self._graph = graph
+
+    def _changed(self) -> None:
+        if self._graph is not None:
+            self._graph._index = None
+
+
+def _mutator(name: str):
+    method = getattr(list, name)
+
+    def wrapped(self, *args, **kwargs):
+        self._changed()
+        return method(self, *args, **kwargs)
+    wrapped.__name__ = name
+    return wrapped
+
+
+for _m in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "insert", "extend",
+           "pop", "remove", "clear", "sort", "reverse"):
+    setattr(NodeList, _m, _mutator(_m))
+
+
 @dataclass
 class Graph:
     name: str
@@ -57,9 +88,15 @@ class Graph:
     meta: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] | None = field(default=None, repr=False, compare=False)
 
+    def __setattr__(self, key, value):
+        if key == "nodes":  # every node list a graph holds tracks its changes
+            value = NodeList(value, self)
+            object.__setattr__(self, "_index", None)
+        object.__setattr__(self, key, value)
+
     # -- lookup -------------------------------------------------------------------------
     def _idx(self) -> dict[str, Node]:
-        if self._index is None or len(self._index) != len(self.nodes):
+        if self._index is None:
             self._index = {n.name: n for n in self.nodes}
         return self._index
 
@@ -78,12 +115,13 @@ class Graph:
     def add(self, node: Node) -> Node:
         if node.name in self:
             raise ValueError(f"duplicate node name {node.name!r}")
-        self.nodes.append(node)
-        if self._index is not None:
-            self._index[node.name] = node
+        index = self._idx()
+        list.append(self.nodes, node)  # appending keeps the index valid: extend it
+        index[node.name] = node
         return node
 
     def invalidate(self) -> None:
+        """Drop the name index (kept for old callers: edits of `nodes` now do this)."""
         self._index = None
 
     def fresh_name(self, base: str) -> str:

@@ -4,7 +4,18 @@ An OpDef says how an operator is called from the language (its signature), what 
 produces (shape rule), which parameters and buffers it owns, what it costs (forward FLOPs,
 counted as 2 x multiply-accumulates; output and workspace bytes), its layer type (which the
 memory planner uses to choose between recompute and offload), what its backward pass
-retains, and - attached by the autodiff and kernel modules - its gradient rule and kernel.
+retains, its effects, and - attached by the autodiff and kernel modules - its gradient
+rule and kernel.
+
+Effects are what a rewrite must know before it moves, copies or drops a node (JAX keeps them
+on every equation for the same reason):
+- `writes`: the inputs whose storage the kernel overwrites in place (optimizer updates write
+  the parameter and its state; training-mode batchnorm writes its running statistics);
+- `view_of`: the input whose storage the output may share (reshape, transpose ...), so
+  writing into one is writing into the other;
+- `random`: the kernel draws random numbers. It draws them from `ctx.rng_for(node)`, keyed
+  by (seed, step, node.meta["rng_key"] or node.name), so a copy of the node made by a
+  recompute rewrite draws the same numbers as the original.
 """
 from __future__ import annotations
 
@@ -69,6 +80,11 @@ class OpDef:
     retains: tuple[str, ...] = ()
     doc: str = ""
     differentiable: bool = True
+    # effects (see the module docstring): input indices written in place, or a function of
+    # the node giving them; the input the output may alias; whether the kernel draws RNG
+    writes: tuple[int, ...] | Callable[[Any], tuple[int, ...]] = ()
+    view_of: int | None = None
+    random: bool = False
     # attached later by netdsl.passes.autodiff / the kernel modules
     grad: Callable | None = None
     kernel: Callable | None = None
@@ -82,6 +98,24 @@ class OpDef:
     def callable_from_language(self) -> bool:
         """Forward operators only: not sources, backward or optimizer nodes."""
         return not self.op_is_source and self.layer_type not in ("backward", "optimizer")
+
+    def written_inputs(self, node) -> tuple[int, ...]:
+        """Indices into `node.inputs` that running `node` overwrites in place."""
+        w = self.writes
+        idx = w(node) if callable(w) else w
+        return tuple(i for i in idx if i < len(node.inputs))  # optional inputs may be absent
+
+    def adds_storage(self, node) -> bool:
+        """Whether `node`'s value takes storage of its own. An in-place update's value is
+        the input it overwrote (`view_of` among `writes`): it adds nothing. Every other
+        value is counted as its own buffer - views too, so counts never under-state."""
+        return not (self.view_of is not None and self.view_of in self.written_inputs(node))
+
+    @property
+    def pure(self) -> bool:
+        """No in-place writes and no randomness: running it twice gives the same value and
+        changes nothing else, so a rewrite may copy, move or drop it freely."""
+        return not self.writes and not self.random
 
     @property
     def tensor_args(self) -> tuple[Arg, ...]:

@@ -62,7 +62,7 @@ def analyse(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32") -> Liven
     held: dict[str, int] = {}
     timeline = []
     for k, n in enumerate(order):
-        if n.op not in STATE_OPS and not registry.OPS[n.op].extra.get("inplace"):
+        if n.op not in STATE_OPS and registry.OPS[n.op].adds_storage(n):
             held[n.name] = value_bytes(n.type, float_dtype)
             cur += held[n.name]
         timeline.append(cur)

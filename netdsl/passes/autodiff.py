@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from netdsl.errors import NetdslError
 from netdsl.ir import registry
-from netdsl.ir.build import normalise_attrs
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
+from netdsl.passes.pipeline import register_pass
 
 
 class GradBuilder:
@@ -45,17 +46,11 @@ class GradBuilder:
 
     def emit(self, op_name: str, inputs: list[str], attrs: dict | None = None,
              tag: str = "") -> str:
-        op = registry.get(op_name)
-        attrs = normalise_attrs(op, dict(attrs or {}))
-        ins = [self.g[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
         fwd = self.fwd
         base = fwd.name if fwd is not None else "grad"
         name = self.g.fresh_name(f"{base}.grad" + (f".{tag}" if tag else ""))
-        node = Node(name, op_name, tuple(inputs), op.shape(ins, attrs), attrs,
-                    loc=fwd.loc if fwd else None, stack=fwd.stack if fwd else (),
-                    scope=fwd.scope if fwd else (), device=fwd.device if fwd else None,
-                    meta={"phase": "backward", "forward": base})
-        self.g.add(node)
+        self.g.add(make_node(self.g, name, op_name, inputs, attrs, like=fwd,
+                             meta={"phase": "backward", "forward": base}))
         return name
 
 
@@ -66,7 +61,7 @@ def lower_dropout(g: Graph) -> Graph:
         if n.op == "dropout":
             mask = Node(f"{n.name}.mask", "dropout_mask", (n.inputs[0],), n.type,
                         {"p": n.attrs["p"]}, loc=n.loc, stack=n.stack, scope=n.scope,
-                        device=n.device, meta=dict(n.meta))
+                        device=n.device, meta={**n.meta, "rng_key": n.name})
             nodes.append(mask)
             n = n.copy(op="mul", inputs=(n.inputs[0], mask.name), attrs={})
             n.meta["lowered_from"] = "dropout"
@@ -76,6 +71,7 @@ def lower_dropout(g: Graph) -> Graph:
     return g
 
 
+@register_pass("autodiff")
 def autodiff(g: Graph) -> Graph:
     """The training graph of forward graph `g` (which is not modified); see module doc."""
     ops = registry.load_all()

@@ -7,7 +7,7 @@
     (`<param>.momentum_buffer`, `<param>.exp_avg`, `<param>.exp_avg_sq`, and one shared
     `optimizer.step` counter for adam/adamw), initialised to zeros;
   - the update nodes (`sgd_update`, `adam_update`, `step_increment`), listed in
-    `outputs["updates"]`. They are in place: `OpDef.extra["inplace"]` names the inputs
+    `outputs["updates"]`. They are in place: `OpDef.writes` names the inputs
     whose storage the kernel overwrites (parameter and state), and `attrs` carry the
     hyper-parameters. Their value is the updated parameter.
 
@@ -18,10 +18,10 @@ decoupled decay p *= 1 - lr * weight_decay; both with bias correction.
 from __future__ import annotations
 
 from netdsl.errors import NetdslError
-from netdsl.ir import registry
-from netdsl.ir.build import normalise_attrs
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
+from netdsl.passes.pipeline import register_pass
 
 KINDS = {
     "sgd": {"lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
@@ -43,14 +43,11 @@ def _state(g: Graph, name: str, like: Node, shape=None, dtype=None) -> str:
 
 def _update(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
             like: Node) -> str:
-    op = registry.get(op_name)
-    attrs = normalise_attrs(op, attrs)
-    t = op.shape([g[i].type for i in inputs], attrs)
-    g.add(Node(name, op_name, tuple(inputs), t, attrs, loc=like.loc, stack=like.stack,
-               scope=like.scope, device=like.device, meta={"phase": "optimizer"}))
+    g.add(make_node(g, name, op_name, inputs, attrs, like=like, meta={"phase": "optimizer"}))
     return name
 
 
+@register_pass("optimizer")
 def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
     """A copy of training graph `g` with `kind` ("sgd" | "adam" | "adamw") update nodes."""
     if kind not in KINDS:

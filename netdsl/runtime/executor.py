@@ -10,7 +10,7 @@ requested outputs need, in graph order, like torch.fx's Interpreter:
 - the executor counts the bytes it holds, per device: persistent state plus live values,
   with current and high-water marks (`bytes_current`, `peak_bytes`, `bytes_by_device`,
   `peak_by_device`). A value counts its array's `nbytes` from the moment its kernel
-  returns until its last reader has run; in-place update nodes (OpDef.extra["inplace"])
+  returns until its last reader has run; in-place update nodes (`OpDef.adds_storage`)
   and source nodes add nothing, since their storage is counted as state. Views (reshape,
   transpose) are counted as if they were copies: the count never under-states. Kernel
   temporaries (im2col columns) are not counted;
@@ -40,14 +40,23 @@ class KernelContext:
     """What a kernel may use besides its inputs and attributes."""
 
     training: bool
-    rng: Any  # backend RNG: rng.random(shape, dtype) -> uniform [0, 1) device array
     backend: Backend
     float_dtype: str  # numpy name of the executor's float dtype
     node: Node | None = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-node storage, by node name
 
+    seed: int = 0
+    step: int = 0
+
     def erf(self, x):
         return self.backend.erf(x)
+
+    def rng_for(self, node: Node):
+        """The random generator of a node that draws (`OpDef.random`): keyed by the seed,
+        the step and the node's `rng_key` (its name unless a rewrite copied it), so a
+        recomputed copy draws exactly what the original drew."""
+        key = zlib.crc32(str(node.meta.get("rng_key", node.name)).encode())
+        return self.backend.rng((self.seed, self.step, key))
 
     def dtype_of(self, ir_dtype: str) -> str:
         """The array dtype for an IR dtype: floats run at the executor's dtype."""
@@ -112,7 +121,7 @@ class Executor:
         self.np_dtype = NUMPY_DTYPE[dtype]
         self.seed = seed
         self.check_numerics = check_numerics
-        self.rng = self.backend.rng(seed)
+        self.step = 0  # training runs so far; keys the random draws unless run() is told
         self._scratch: dict[str, Any] = {}
         self.bytes_by_device: dict[int, int] = {}
         self.peak_by_device: dict[int, int] = {}
@@ -172,20 +181,27 @@ class Executor:
 
     # -- running -----------------------------------------------------------------------------
     def run(self, feeds: dict[str, Any], training: bool = True,
-            roles: tuple[str, ...] | list[str] | None = None) -> dict[str, list]:
+            roles: tuple[str, ...] | list[str] | None = None,
+            step: int | None = None) -> dict[str, list]:
         """Execute the graph; returns {role: [device arrays]} for the requested roles.
 
         Default roles: every output role in training; in evaluation, all but "grads" and
         "updates" (so a training graph runs forward-only in eval mode on the same state).
         Inputs not fed use their `default` attribute (e.g. the optimizer's `lr`).
+        `step` keys the random draws (dropout masks); by default the number of training
+        runs this executor has made.
         """
         g = self.graph
         if roles is None:
             roles = tuple(r for r in g.outputs
                           if training or r not in ("grads", "updates"))
         order, frees, wanted = self._plan(tuple(roles))
-        ctx = KernelContext(training, self.rng, self.backend, self.np_dtype,
-                            scratch=self._scratch)
+        if step is None:
+            step = self.step
+        if training:
+            self.step = step + 1
+        ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
+                            seed=self.seed, step=step)
         values: dict[str, Any] = {}
         counted: dict[str, int] = {}  # bytes each live value adds to the count
         try:
@@ -200,7 +216,7 @@ class Executor:
                 else:
                     out = self._call(n, [values[i] for i in n.inputs], ctx)
                     values[n.name] = out
-                    if not registry.OPS[n.op].extra.get("inplace"):
+                    if registry.OPS[n.op].adds_storage(n):
                         counted[n.name] = out.nbytes
                         self._alloc(self._dev(n), out.nbytes)
                 for name in frees[k]:

@@ -27,8 +27,7 @@ from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
 from netdsl.memory.liveness import analyse
-from netdsl.passes.autodiff import autodiff
-from netdsl.passes.optimizer import add_optimizer
+from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor
@@ -112,7 +111,7 @@ def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
                           "trained; add e.g. `loss softmax_cross_entropy(logits, y)`")
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
-    return add_optimizer(autodiff(forward), kind, **opt)
+    return run_pipeline(forward, ["autodiff", ("optimizer", {"kind": kind, **opt})])
 
 
 class Trainer:
@@ -221,9 +220,8 @@ class Trainer:
                 lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
                 feeds = self.feeds(arrays)
                 feeds["lr"] = np.float32(lr)
-                self.executor.rng = be.rng(self.cfg.seed * 1_000_003 + self.step)
                 t0 = time.perf_counter()
-                out = self.executor.run(feeds, training=True, roles=self.ROLES)
+                out = self.executor.run(feeds, training=True, roles=self.ROLES, step=self.step)
                 loss = float(be.to_host(out["loss"][0]))
                 be.synchronize()
                 dt = time.perf_counter() - t0

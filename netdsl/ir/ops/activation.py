@@ -47,12 +47,12 @@ def _dropout_shape(ins, a):
 
 register(OpDef(
     "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _dropout_shape, "dropout",
-    flops=_per_elem(2), retains=("mask",),
+    flops=_per_elem(2), retains=("mask",), random=True,
     doc="inverted dropout: zero with probability p in training, identity in evaluation"))
 
 register(OpDef(
     "dropout_mask", (Arg("x", "tensor"), Arg("p", "float", 0.5)), _same("dropout_mask"),
-    "dropout", flops=_per_elem(1), differentiable=False,
+    "dropout", flops=_per_elem(1), differentiable=False, random=True,
     doc="dropout's explicit mask: 0 or 1/(1-p) in training, 1 in evaluation"))
 
 
@@ -144,7 +144,7 @@ def _mask(xp, x, p, ctx):
         return xp.ones_like(x)
     if p >= 1.0:
         return xp.zeros_like(x)
-    keep = ctx.rng.random(x.shape, x.dtype) >= p
+    keep = ctx.rng_for(ctx.node).random(x.shape, x.dtype) >= p
     return keep.astype(x.dtype) * (1.0 / (1.0 - p))
 
 

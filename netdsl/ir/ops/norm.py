@@ -42,6 +42,17 @@ def _ln_params(ins, a):
     return {"weight": ParamSpec((d,), "ones"), "bias": ParamSpec((d,), "zeros")}
 
 
+def _bn_writes(node) -> tuple[int, ...]:
+    """Training-mode batchnorm updates its running statistics (the last two inputs) in
+    place - unless it is a recompute replay (`replay` attribute, set by the recompute
+    rewrite): that one must not update them a second time, and does not read them, so
+    it takes only x and the affine parameters as inputs."""
+    if node.attrs.get("replay"):
+        return ()
+    n = len(node.inputs)
+    return (n - 2, n - 1)
+
+
 def _flops(ins, out, a):
     return 8 * out.numel()  # mean, var, normalise, scale and shift
 
@@ -50,7 +61,7 @@ register(OpDef(
     "batchnorm",
     (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("momentum", "float", 0.1),
      Arg("affine", "bool", True)),
-    _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"),
+    _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"), writes=_bn_writes,
     doc="batch normalisation over every dim but 1; running stats in buffers"))
 
 register(OpDef(
@@ -124,20 +135,21 @@ def _view3(x):
 def _batchnorm(xp, ins, a, ctx):
     x = ins[0]
     if a["affine"]:
-        w, bias, rm, rv = ins[1:5]
+        w, bias, rm, rv = (list(ins[1:5]) + [None, None])[:4]
     else:
         w = bias = None
-        rm, rv = ins[1:3]
+        rm, rv = (list(ins[1:3]) + [None, None])[:2]
     x3 = _view3(x)
     if ctx.training:
         mean, inv, var, y = _bn_stats(xp, x3, a["eps"])
-        m = a["momentum"]
-        count = x3.shape[0] * x3.shape[2]
-        # running statistics updated in place (PyTorch: unbiased variance in the running var)
-        rm *= 1.0 - m
-        rm += m * mean
-        rv *= 1.0 - m
-        rv += (m * count / max(count - 1, 1)) * var
+        if not a.get("replay"):  # a recompute replay must not update the statistics again
+            m = a["momentum"]
+            count = x3.shape[0] * x3.shape[2]
+            # running statistics in place (PyTorch: unbiased variance in the running var)
+            rm *= 1.0 - m
+            rm += m * mean
+            rv *= 1.0 - m
+            rv += (m * count / max(count - 1, 1)) * var
         # y = (x - mean) * inv * w + bias, in place in the deviations buffer
         y *= (inv if w is None else inv * w)[:, None]
         if bias is not None:

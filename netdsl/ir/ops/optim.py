@@ -1,7 +1,7 @@
 """Optimizer update operators (emitted by netdsl.passes.optimizer).
 
 Every update node is in place: its kernel writes into the storage of the inputs listed in
-`OpDef.extra["inplace"]` (the parameter and its optimizer state, all persistent) and its
+`OpDef.writes` (the parameter and its optimizer state, all persistent) and its
 value is the updated parameter itself, so it costs no memory of its own. Semantics follow
 PyTorch's torch.optim.SGD / Adam / AdamW (dampening 0, amsgrad off, maximize off).
 """
@@ -25,7 +25,7 @@ register(OpDef(
      Arg("momentum_buffer", "tensor", None), Arg("momentum", "float", 0.0),
      Arg("nesterov", "bool", False), Arg("weight_decay", "float", 0.0)),
     _like_param("sgd_update"), "optimizer", flops=lambda ins, out, a: 4 * out.numel(),
-    differentiable=False, extra={"inplace": (0, 3)},
+    differentiable=False, writes=(0, 3), view_of=0,
     doc="p -= lr * g (with L2 weight decay, momentum and Nesterov as in torch.optim.SGD)"))
 
 register(OpDef(
@@ -35,7 +35,7 @@ register(OpDef(
      Arg("beta2", "float", 0.999), Arg("eps", "float", 1e-8), Arg("weight_decay", "float", 0.0),
      Arg("decoupled", "bool", False)),
     _like_param("adam_update"), "optimizer", flops=lambda ins, out, a: 12 * out.numel(),
-    differentiable=False, extra={"inplace": (0, 3, 4)},
+    differentiable=False, writes=(0, 3, 4), view_of=0,
     doc="Adam (decoupled=false: L2 decay in the gradient) or AdamW (decoupled=true)"))
 
 
@@ -47,7 +47,7 @@ def _step_shape(ins, a):
 
 
 register(OpDef("step_increment", (Arg("step", "tensor"),), _step_shape, "optimizer",
-               differentiable=False, extra={"inplace": (0,)},
+               differentiable=False, writes=(0,), view_of=0,
                doc="add one to the optimizer's step counter (in place)"))
 
 

@@ -16,7 +16,7 @@ def _flatten_shape(ins, a):
 
 
 register(OpDef("flatten", (Arg("x", "tensor"), Arg("start", "axis", 1)), _flatten_shape,
-               "shape", doc="merge dims start.. into one: [N, C, H, W] -> [N, C*H*W]"))
+               "shape", view_of=0, doc="merge dims start.. into one: [N, C, H, W] -> [N, C*H*W]"))
 
 
 def _factor(dims) -> tuple[int, tuple[str, ...]]:
@@ -65,7 +65,8 @@ def _reshape_shape(ins, a):
 
 
 register(OpDef("reshape", (Arg("x", "tensor"), Arg("shape", "shape")), _reshape_shape,
-               "shape", doc="same elements, new shape; one dim may be -1, N is the batch"))
+               "shape", view_of=0,
+               doc="same elements, new shape; one dim may be -1, N is the batch"))
 
 
 def _permute_shape(ins, a):
@@ -78,7 +79,7 @@ def _permute_shape(ins, a):
 
 
 register(OpDef("permute", (Arg("x", "tensor"), Arg("dims", "ints")), _permute_shape, "shape",
-               doc="reorder all dimensions"))
+               view_of=0, doc="reorder all dimensions"))
 
 
 def _transpose_shape(ins, a):
@@ -91,7 +92,7 @@ def _transpose_shape(ins, a):
 
 register(OpDef("transpose", (Arg("x", "tensor"), Arg("dim0", "axis", -2),
                              Arg("dim1", "axis", -1)), _transpose_shape, "shape",
-               doc="swap two dimensions (the last two by default)"))
+               view_of=0, doc="swap two dimensions (the last two by default)"))
 
 
 def _concat_shape(ins, a):

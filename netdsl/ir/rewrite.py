@@ -1,0 +1,140 @@
+"""The rewrite toolkit every pass uses: one node factory, use replacement, cloning, and
+splicing new nodes into the schedule.
+
+- `make_node` is the one way to build an operator node: attributes normalised against the
+  op's signature, the type from its shape rule, position and block scope inherited from
+  the node it stands for (`like`). The front end (`build.add_op`), autodiff, the optimizer
+  and the memory rewrites all build nodes through it.
+- `replace_uses` points readers (and output roles) of one value at another.
+- `clone` copies a node under a new name, keeping its rng key, so a recomputed copy of a
+  random node draws what the original drew.
+- `splice` inserts new nodes before or after existing ones in a single pass over the node
+  list (a rewrite that adds thousands of nodes stays linear).
+
+A graph's name index follows every change to `graph.nodes` (see `NodeList`), so a rewrite
+never has to remember to invalidate it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from netdsl.ir import registry
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.ops._util import pair
+
+# fields a derived node takes from the node it stands for, so errors and plans point at
+# the source line and block that caused it
+INHERITED = ("loc", "stack", "scope", "device")
+
+
+def normalise_attrs(op: registry.OpDef, attrs: dict) -> dict:
+    """Fill defaults and canonicalise (pairs become 2-tuples) in signature order."""
+    from netdsl.errors import ShapeError
+    out = {}
+    for a in op.attr_args:
+        if a.name in attrs:
+            v = attrs[a.name]
+        elif a.required:
+            raise ShapeError(f"{op.name}: missing argument `{a.name}`")
+        else:
+            v = a.default
+        if a.kind == "pair" and v is not None:
+            v = pair(v)
+        elif a.kind in ("ints", "shape") and isinstance(v, list):
+            v = tuple(v)
+        elif a.kind == "float" and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        out[a.name] = v
+    # an argument that defaults to another (pooling's stride = its kernel) is resolved
+    # here, so the IR never holds a `none` a pass or kernel must reinterpret
+    for name, source in op.extra.get("default_from", {}).items():
+        if out.get(name) is None:
+            out[name] = out[source]
+    return out
+
+
+def make_node(g: Graph, name: str, op_name: str, inputs: Iterable[str], attrs: dict | None = None,
+              *, like: Node | None = None, meta: dict | None = None, **fields) -> Node:
+    """A new `op_name(inputs)` node called `name` (not yet added to `g`).
+
+    Attributes are normalised; the type comes from the op's shape rule over the types of
+    the tensor inputs (raises ShapeError if it rejects them). `like` gives loc, stack,
+    scope and device unless `fields` set them.
+    """
+    op = registry.get(op_name)
+    inputs = tuple(inputs)
+    attrs = normalise_attrs(op, dict(attrs or {}))
+    in_types = [g[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
+    out_type = op.shape(in_types, attrs)
+    if like is not None:
+        for f in INHERITED:
+            fields.setdefault(f, getattr(like, f))
+    return Node(name, op_name, inputs, out_type, attrs, meta=dict(meta or {}), **fields)
+
+
+def clone(node: Node, name: str, inputs: Iterable[str] | None = None, *,
+          attrs: dict | None = None, meta: dict | None = None) -> Node:
+    """A copy of `node` named `name`, optionally reading other inputs and with some
+    attributes or meta entries changed. Its random draws stay keyed to the original."""
+    c = node.copy(name=name, inputs=tuple(node.inputs if inputs is None else inputs))
+    c.attrs.update(attrs or {})
+    c.meta.setdefault("rng_key", node.meta.get("rng_key", node.name))
+    c.meta.update(meta or {})
+    return c
+
+
+def replace_uses(g: Graph, old: str, new: str, *, readers: Iterable[str] | None = None,
+                 outputs: bool = True) -> int:
+    """Make `readers` (default: every node but `new` itself) read `new` where they read
+    `old`, and, with `outputs`, output roles name `new`. Returns how many inputs changed."""
+    only = None if readers is None else set(readers)
+    changed = 0
+    for n in g.nodes:
+        if n.name == new or (only is not None and n.name not in only) or old not in n.inputs:
+            continue
+        n.inputs = tuple(new if i == old else i for i in n.inputs)
+        changed += 1
+    if outputs:
+        for role, names in g.outputs.items():
+            g.outputs[role] = [new if x == old else x for x in names]
+    return changed
+
+
+def splice(g: Graph, *, before: dict[str, list[Node]] | None = None,
+           after: dict[str, list[Node]] | None = None) -> Graph:
+    """Insert nodes before/after named anchors, in one pass (order within a list kept)."""
+    before, after = before or {}, after or {}
+    missing = [a for a in (*before, *after) if a not in g]
+    if missing:
+        raise KeyError(f"splice anchors not in graph {g.name}: {', '.join(missing[:5])}")
+    out: list[Node] = []
+    for n in g.nodes:
+        out.extend(before.get(n.name, ()))
+        out.append(n)
+        out.extend(after.get(n.name, ()))
+    g.nodes = out
+    return g
+
+
+def move_after(g: Graph, moves: dict[str, str]) -> Graph:
+    """Reorder: each node `name` in `moves` is taken out and put right after the node
+    `moves[name]` (which may itself be moved; nodes after one anchor keep their order)."""
+    after: dict[str, list[Node]] = {}
+    for n in g.nodes:
+        if n.name in moves:
+            after.setdefault(moves[n.name], []).append(n)
+    out: list[Node] = []
+
+    def emit(n: Node) -> None:
+        out.append(n)
+        for m in after.get(n.name, ()):
+            emit(m)
+
+    for n in g.nodes:
+        if n.name not in moves:
+            emit(n)
+    if len(out) != len(g.nodes):
+        raise KeyError(f"move_after: an anchor is missing or the moves form a cycle in "
+                       f"{g.name}")
+    g.nodes = out
+    return g

@@ -1,0 +1,72 @@
+"""The pass pipeline: named Graph -> Graph steps, each followed by `verify()`.
+
+A pass is registered once with `@register_pass(name)`; a pipeline is a list of names, or
+(name, options) pairs, run in order:
+
+    g = run_pipeline(forward, ["autodiff", ("optimizer", {"kind": "sgd", "lr": 0.1})])
+
+After every step the graph is verified (a pass that breaks an IR invariant is caught at
+the step that broke it, not at run time), and with `dump=DIR` (or the NETDSL_DUMP_IR
+environment variable) its readable IR is written to `DIR/NN-name.ir`, so a user or a test
+can see what each step did. Later layers register their own passes (the memory planner
+registers "plan"); `PASSES` lists what is known.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from netdsl.errors import NetdslError
+from netdsl.ir.graph import Graph
+
+DUMP_ENV = "NETDSL_DUMP_IR"
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    fn: Callable[..., Graph]
+    doc: str
+
+
+PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str):
+    """Decorator registering `fn(graph, **options) -> Graph` as pass `name`."""
+    def deco(fn):
+        if name in PASSES and PASSES[name].fn is not fn:
+            raise ValueError(f"pass {name!r} registered twice")
+        PASSES[name] = Pass(name, fn, (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+    return deco
+
+
+Step = str | tuple[str, dict[str, Any]]
+
+
+def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = None) -> Graph:
+    """Run `steps` on `g` in order, verifying after each; see the module docstring."""
+    _load_builtin_passes()
+    dump = dump if dump is not None else os.environ.get(DUMP_ENV) or None
+    if dump is not None:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / "00-input.ir").write_text(g.to_text())
+    for k, step in enumerate(steps, start=1):
+        name, options = (step, {}) if isinstance(step, str) else step
+        if name not in PASSES:
+            raise NetdslError(f"unknown pass `{name}`; the passes are "
+                              f"{', '.join(sorted(PASSES))}")
+        g = PASSES[name].fn(g, **options)
+        g.verify()
+        if dump is not None:
+            (Path(dump) / f"{k:02d}-{name}.ir").write_text(g.to_text())
+    return g
+
+
+def _load_builtin_passes() -> None:
+    import netdsl.passes.autodiff  # noqa: F401  (registers "autodiff")
+    import netdsl.passes.optimizer  # noqa: F401  (registers "optimizer")

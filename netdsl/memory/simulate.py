@@ -60,8 +60,7 @@ class Prepared:
 
 
 def _is_update(n) -> bool:
-    return n.meta.get("phase") == "optimizer" and bool(
-        registry.OPS[n.op].extra.get("inplace"))
+    return n.meta.get("phase") == "optimizer" and bool(registry.OPS[n.op].writes)
 
 
 def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
@@ -89,7 +88,7 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             continue
         op = ops[n.op]
         phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
-        nbytes.append(0 if op.extra.get("inplace") else value_bytes(n.type, float_dtype))
+        nbytes.append(value_bytes(n.type, float_dtype) if op.adds_storage(n) else 0)
         ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
         workspace = max(workspace, int(op.workspace(ins, n.type, n.attrs)))
     wanted = {pos[w] for w in wanted_names}

@@ -78,3 +78,19 @@ def train(net: Network, options=None, callback=None):
     Returns a RunResult; raises NetdslError for bad data, checkpoints or settings."""
     from netdsl.runtime.trainer import RunOptions, Trainer
     return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()
+
+
+def plan(net: Network, mem: int | str, batch: int | None = None,
+         profile: str = "k40-12gb", strategy: str = "auto", float_dtype: str = "f32",
+         prefetch: int | None = None, progress=None):
+    """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works) on a device
+    `profile`; returns a `netdsl.memory.search.PlanResult` (`feasible` says whether it
+    fits). Raises NetdslError for bad sizes, profiles or strategies."""
+    from netdsl.memory.search import plan_memory
+    from netdsl.runtime.trainer import training_graph
+    from netdsl.sizes import parse_size
+    budget = parse_size(mem, "--mem")
+    b = batch if batch is not None else net.default_batch
+    step = training_graph(net.lower(b), net.train or TrainConfig())
+    return plan_memory(step, budget, profile, strategy, float_dtype, prefetch=prefetch,
+                       progress=progress)

@@ -228,7 +228,7 @@ def graph(
 
 # -- netdsl run -------------------------------------------------------------------------------
 # in its own module (it registers itself on `app`); imported here, after the plumbing above
-from netdsl_cli import run_cmd  # noqa: E402,F401
+from netdsl_cli import plan_cmd, run_cmd  # noqa: E402,F401
 
 
 def _version(value: bool) -> None:

@@ -142,6 +142,7 @@ class Sim:
     workspace: int
     offload_bytes: int  # bytes copied to the host (and as many back)
     recomputed: list[int]  # values recomputed (their clones)
+    kinds: dict[str, list[int]] = field(default_factory=dict)  # live bytes by KINDS
 
     @property
     def unified_peak(self) -> int:
@@ -150,10 +151,13 @@ class Sim:
                    default=self.state_bytes + self.workspace)
 
 
+KINDS = ("forward values", "backward values", "recomputed", "prefetched")
+
+
 def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
-             prefetch: int = 1) -> Sim:
+             prefetch: int = 1, by_kind: bool = False) -> Sim:
     """The schedule and byte counts of `prep` under `decisions` (position -> decision;
-    positions not given are kept)."""
+    positions not given are kept). `by_kind` also splits the live bytes into KINDS."""
     decisions = decisions or {}
     n = len(prep.names)
     inputs, phase = prep.inputs, prep.phase
@@ -233,21 +237,36 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     diff = [0] * (m + 1)
     nbytes = prep.bytes
     end_all = m - 1
+
+    def _end(vid: int, p: int, s: int) -> int:
+        """One past the entry after which value `vid` is freed."""
+        if vid < n and p in prep.wanted:
+            return end_all + 1
+        if vid < n and p in host_start:
+            return host_start[p] + 1  # freed after its to_host copy
+        if vid in last:
+            return remap[last[vid]] + 1
+        return s + 1  # nobody reads it: dropped as soon as made
+
     for vid, s in start.items():
         p = vid % n if vid >= n else vid
         b = nbytes[p]
         if b == 0:
             continue
-        if vid < n and p in prep.wanted:
-            e_idx = end_all
-        elif vid < n and p in host_start:
-            e_idx = host_start[p]  # freed after its to_host copy
-        elif vid in last:
-            e_idx = remap[last[vid]]
-        else:
-            e_idx = s  # nobody reads it: dropped as soon as made
         diff[s] += b
-        diff[e_idx + 1] -= b
+        diff[_end(vid, p, s)] -= b
+    if by_kind:
+        kd = {k: [0] * (m + 1) for k in KINDS}
+        for vid, s in start.items():
+            p = vid % n if vid >= n else vid
+            b = nbytes[p]
+            if b == 0:
+                continue
+            kind = (KINDS[3] if vid >= 2 * n else KINDS[2] if vid >= n
+                    else KINDS[1] if phase[p] == BWD else KINDS[0])
+            d = kd[kind]
+            d[s] += b
+            d[_end(vid, p, s)] -= b
     hdiff = [0] * (m + 1)
     for p, s in host_start.items():
         hdiff[s] += nbytes[p]
@@ -265,9 +284,17 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         if cur > peak:
             peak, peak_i = cur, i
     waits = {remap[i]: us for i, us in reads_dev.items()}
-    return Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
-               prep.state_bytes, prep.workspace, sum(nbytes[p] for p in offloaded),
-               [p for p in range(n) if cloned[p]])
+    sim = Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
+              prep.state_bytes, prep.workspace, sum(nbytes[p] for p in offloaded),
+              [p for p in range(n) if cloned[p]])
+    if by_kind:
+        for k, d in kd.items():
+            acc, out = 0, []
+            for i in range(m):
+                acc += d[i]
+                out.append(acc)
+            sim.kinds[k] = out
+    return sim
 
 
 def _materialize(v: int, inputs, rec, cloned, seq) -> None:

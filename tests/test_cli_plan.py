@@ -63,6 +63,15 @@ def test_calibrate_roundtrip(tmp_path):
     r = runner.invoke(app, ["calibrate", "--json", "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["flops_per_s"] > 0
-    r = plan("--mem", "5MB", "--profile", str(out), "--json")
+    r = plan("--mem", "6MB", "--profile", str(out), "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["profile"] == "calibrated"
+
+
+def test_plot(tmp_path):
+    import pytest
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "mem.png"
+    r = plan("--mem", "5MB", "--plot", str(out))
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:4] == b"\x89PNG"

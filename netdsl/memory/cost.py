@@ -30,10 +30,11 @@ class Costs:
         self.time: list[float] = []
         self.flops: list[int] = []
         self.full_bytes: list[int] = []  # output bytes, in-place updates included
-        for name, ph in zip(prep.names, prep.phase):
+        full = self.full_bytes
+        for name in prep.names:
+            full.append(value_bytes(g[name].type, float_dtype))
+        for k, (name, ph) in enumerate(zip(prep.names, prep.phase)):
             n = g[name]
-            out_b = value_bytes(n.type, float_dtype)
-            self.full_bytes.append(out_b)
             if n.is_source or ph == STATE:
                 self.time.append(0.0)
                 self.flops.append(0)
@@ -41,7 +42,7 @@ class Costs:
             op = ops[n.op]
             ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
             f = int(op.flops(ins, n.type, n.attrs))
-            moved = out_b + sum(value_bytes(g[i].type, float_dtype) for i in n.inputs)
+            moved = full[k] + sum(full[i] for i in prep.inputs[k])
             self.flops.append(f)
             self.time.append(max(f / profile.flops_per_s, moved / profile.mem_bw)
                              + profile.op_overhead_s)

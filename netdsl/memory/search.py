@@ -295,7 +295,9 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         for s in ("none", "offload-all", "checkpoint-sqrt", "recompute-all"):
             consider(pl.baseline(s))
         n = len(pl.cand)
-        for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
+        # segment plans matter most where offload is not possible (unified memory)
+        ks = (2, 3, 4, 8) if profile.unified else (2,)
+        for k in sorted({*ks, max(1, math.ceil(math.sqrt(n)))}):
             if k < n:
                 consider(pl.segments(k))
         tick(0.3)
@@ -308,7 +310,10 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         sim_hi, _ = consider(prefix(hi))
         if pl.peak(sim_hi) <= budget:
             # the shortest prefix that fits: binary search on exact simulations
-            while lo < hi:
+            # (to a tolerance of 1/256 of the ladder: a prefix a little longer than the
+            # shortest still fits, and 8 simulations are saved on large graphs)
+            tol = len(ladder) // 256
+            while hi - lo > tol:
                 mid = (lo + hi) // 2
                 sim, _ = consider(prefix(mid))
                 if pl.peak(sim) <= budget:

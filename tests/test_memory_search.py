@@ -233,3 +233,22 @@ def test_profiles(tmp_path):
     save_profile(p, tmp_path / "me.json")
     assert get_profile(str(tmp_path / "me.json")) == p
     assert issubclass(ProfileError, NetdslError)
+
+
+def test_exact_program_fits_and_bounds_auto():
+    pytest.importorskip("scipy")
+    from netdsl.memory.milp import exact_plan
+    g = step_graph(load("resnet20-cifar.net").lower(8))
+    budget = 14 * 10**6
+    x = exact_plan(g, budget, "cpu")
+    assert x.feasible and x.planned_peak_bytes <= budget
+    assert set(x.decisions.values()) == {RECOMPUTE}  # unified memory: offload saves nothing
+    auto = plan_memory(g, budget, "cpu")
+    none = plan_memory(g, budget, "cpu", "none")
+    assert not none.feasible
+    # the program found a plan at least as good as the fitting baselines
+    for s in ("checkpoint-sqrt", "recompute-all"):
+        r = plan_memory(g, budget, "cpu", s)
+        if r.feasible:
+            assert x.predicted_step_s <= r.predicted_step_s + 1e-12
+    assert auto.feasible and auto.predicted_step_s >= x.predicted_step_s * 0.8

@@ -43,6 +43,9 @@ def plan(
                                        help="block levels in the decision table")] = 2,
     plot: Annotated[Path | None, typer.Option(help="draw device memory over the schedule "
                                               "into this image (needs matplotlib)")] = None,
+    exact: Annotated[bool, typer.Option(help="also solve the exact program (SciPy HiGHS "
+                                        "MILP; small networks) and report auto's gap")]
+    = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Plan a training step into a memory budget: what to keep, recompute or offload."""
@@ -63,10 +66,27 @@ def plan(
         if plot is not None:
             from netdsl.memory.plot import plot_memory
             plot_memory(res, plot)
+        extra = {}
+        if exact:
+            from netdsl.memory.milp import exact_plan
+            x = exact_plan(res.prep.g, res.budget_bytes, res.profile, prefetch=res.prefetch)
+            gap = res.predicted_step_s / x.predicted_step_s - 1 if x.feasible else None
+            extra["exact"] = {"feasible": x.feasible, "planned_peak_bytes": x.planned_peak_bytes,
+                              "predicted_step_s": x.predicted_step_s,
+                              "predicted_overhead": x.predicted_overhead,
+                              "solve_s": x.solve_s, "rounds": x.rounds, "auto_gap": gap}
         if json_output:
-            print_json(plan_json(res, b, depth))
+            print_json(plan_json(res, b, depth, extra))
         else:
             _print(res, b, depth)
+            if exact:
+                e = extra["exact"]
+                line = (f"exact (MILP)        step {e['predicted_step_s']:.3f} s, "
+                        f"{100 * e['predicted_overhead']:+.1f}%; solved in "
+                        f"{e['solve_s']:.2f} s; {res.strategy} is "
+                        f"{100 * gap:+.2f}% against it" if e["feasible"] else
+                        "exact (MILP)        found no plan that fits")
+                console().print(Text(line))
         if not res.feasible:
             from netdsl.sizes import format_decimal
             sys.stderr.write(

@@ -92,7 +92,7 @@ class PlanResult:
         return self.predicted_step_s / self.baseline_step_s - 1 if self.baseline_step_s else 0.0
 
 
-class _Planner:
+class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
                  overrides: dict[str, str] | None):
         self.prep = prepare(g, float_dtype=float_dtype)
@@ -105,12 +105,6 @@ class _Planner:
         self.cand_set = set(self.cand)
         self.forced = self._forced(g, overrides or {})
         self.cache: dict[tuple, tuple[Sim, float]] = {}
-        # forward consumers, to find the clone closure
-        self.fwd_users: dict[int, list[int]] = {}
-        for k, ins in enumerate(prep.inputs):
-            if prep.phase[k] == FWD:
-                for u in ins:
-                    self.fwd_users.setdefault(u, []).append(k)
 
     def _forced(self, g: Graph, overrides: dict[str, str]) -> dict[int, str]:
         out: dict[int, str] = {}
@@ -208,15 +202,20 @@ class _Planner:
                 stack.append(u)
         return t
 
-    def ladder(self) -> list[tuple[int, str]]:
-        """(value, decision) by predicted cost per byte freed; budget-independent."""
-        prep, costs = self.prep, self.costs
-        first_bwd: dict[int, int] = {}
-        for k, ins in enumerate(prep.inputs):
-            if prep.phase[k] == BWD:
+    def first_bwd(self) -> dict[int, int]:
+        """Position of the first backward reader of each value."""
+        out: dict[int, int] = {}
+        for k, ins in enumerate(self.prep.inputs):
+            if self.prep.phase[k] == BWD:
                 for u in ins:
-                    first_bwd.setdefault(u, k)
-        window = self._windows(first_bwd)
+                    out.setdefault(u, k)
+        return out
+
+    def estimates(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Predicted extra time of recomputing / offloading each candidate on its own
+        (no offload cost where host and device share memory)."""
+        prep, costs = self.prep, self.costs
+        window = self._windows(self.first_bwd())
         rec_cost = {p: self.closure_time(p) for p in self.cand}
         off_cost = {}
         for p in self.cand:
@@ -225,6 +224,12 @@ class _Planner:
             c = costs.copy_time(prep.bytes[p])
             # exposed part of the prefetch, plus a little for the copy engines' load
             off_cost[p] = max(0.0, c - window.get(p, 0.0)) + 0.05 * c
+        return rec_cost, off_cost
+
+    def ladder(self) -> list[tuple[int, str]]:
+        """(value, decision) by predicted cost per byte freed; budget-independent."""
+        prep = self.prep
+        rec_cost, off_cost = self.estimates()
         # recompute only where no clone would read another clone (no chains)
         mode: dict[int, str] = {}
         reads = {p: self.closure_inputs(p) & self.cand_set for p in self.cand}
@@ -277,7 +282,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
                                  or prefetch < 1):
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
-    pl = _Planner(g, profile, float_dtype, prefetch or 1, overrides)
+    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides)
     if prefetch is None:
         pl.prefetch = _choose_prefetch(pl)
     tick = progress or (lambda f: None)
@@ -357,7 +362,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
 PREFETCHES = (1, 2, 4, 8)
 
 
-def _choose_prefetch(pl: _Planner) -> int:
+def _choose_prefetch(pl: Planner) -> int:
     if pl.profile.unified or not pl.cand:
         return 1
     best = None
@@ -370,7 +375,7 @@ def _choose_prefetch(pl: _Planner) -> int:
     return best[1]
 
 
-def dominant(pl: _Planner, sim: Sim) -> str:
+def dominant(pl: Planner, sim: Sim) -> str:
     """What makes up the smallest peak found: state, workspace and the largest values."""
     prep = pl.prep
     g = prep.g

@@ -162,11 +162,18 @@ def test_global_avgpool(n, c, hw, seed):
     check_grads(op_graph("global_avgpool", [(n, c, hw, hw + 1)], {}), seed)
 
 
+@FAST
+@given(shape(), st.sampled_from(["to_host", "to_device"]), st.integers(0, 2**16))
+def test_transfers(s, op, seed):
+    check_grads(op_graph(op, [s], {}), seed)
+
+
 # Ops tested above. Dropout is random, so it is tested apart: test_dropout_mask_is_explicit.
 COVERED = {"conv2d", "maxpool", "avgpool", "relu", "leaky_relu", "gelu", "sigmoid", "tanh",
            "add", "sub", "mul", "scale", "mean", "softmax", "linear", "matmul", "embedding",
            "softmax_cross_entropy", "mse", "batchnorm", "layernorm", "flatten", "reshape",
-           "permute", "transpose", "slice", "concat", "global_avgpool", "dropout"}
+           "permute", "transpose", "slice", "concat", "global_avgpool", "dropout",
+           "to_host", "to_device"}
 
 
 def test_every_differentiable_op_is_gradchecked():

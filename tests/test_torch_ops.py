@@ -132,7 +132,8 @@ def test_op_matches_torch(op, shapes, attrs, ints):
 
 def test_every_op_has_a_torch_case():
     from test_ops_grad import COVERED
-    assert COVERED - {"dropout"} == set(TORCH) == {c[0] for c in CASES}
+    # dropout is random; the transfers are copies with no torch op to compare against
+    assert COVERED - {"dropout", "to_host", "to_device"} == set(TORCH) == {c[0] for c in CASES}
 
 
 @settings(max_examples=15, deadline=None)

@@ -1,7 +1,9 @@
 """The backend interface: an array module plus a handful of device operations.
 
 A backend is small on purpose (tinygrad's `ops_npy.py` is a dozen lines): kernels get
-`backend.xp` and do everything else with the NumPy-compatible API it offers.
+`backend.xp` and do everything else with the NumPy-compatible API it offers. The storage
+contract the memory plan relies on is as small: allocate a block of bytes, view a typed
+array at an offset inside it, and copy values to and from (pinned) host memory.
 """
 from __future__ import annotations
 
@@ -33,3 +35,17 @@ class Backend(Protocol):
 
     def erf(self, x) -> Any:
         """The error function, element-wise (NumPy has none; gelu needs it)."""
+
+    # -- storage ------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Any:
+        """A block of `nbytes` bytes of device memory (a uint8 array); freed when dropped."""
+
+    def view(self, block, offset: int, shape: tuple[int, ...], dtype) -> Any:
+        """A typed array of `shape` over `block` starting at byte `offset` (no copy)."""
+
+    def copy_to_host(self, arr, out=None) -> Any:
+        """A host copy of device array `arr` (into `out` if given; pinned memory on a GPU,
+        a separate buffer on the CPU, so an offload really moves the bytes)."""
+
+    def copy_to_device(self, host, out=None) -> Any:
+        """A device copy of a host array made by `copy_to_host` (into `out` if given)."""

@@ -51,6 +51,8 @@ class CupyBackend:
         self._dev.use()
         from cupyx.scipy.special import erf
         self._erf = erf
+        self._copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self._pending: dict[int, tuple] = {}  # host buffer -> (copy-done event, source)
 
     def asarray(self, host_array, dtype=None):
         with self._dev:
@@ -68,6 +70,50 @@ class CupyBackend:
 
     def erf(self, x):
         return self._erf(x)
+
+    # -- storage -------------------------------------------------------------------------------
+    def alloc(self, nbytes: int):
+        with self._dev:
+            return self.xp.empty(nbytes, dtype=self.xp.uint8)
+
+    def view(self, block, offset: int, shape, dtype):
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        return block[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def copy_to_host(self, arr, out=None):
+        """Device -> pinned host memory on the copy stream; the copy overlaps the compute
+        queued after it, and a later `copy_to_device` waits for it."""
+        import cupyx
+        if out is None:
+            out = cupyx.empty_pinned(arr.shape, dtype=arr.dtype)
+        # the copy stream must not start before the value is computed
+        ready = self.xp.cuda.get_current_stream().record()
+        self._copy_stream.wait_event(ready)
+        arr.get(out=out, stream=self._copy_stream, blocking=False)
+        # the source must outlive the copy: the pool could hand its memory to the compute
+        # stream while the copy stream still reads it. Held until the copy is done.
+        self._reap()
+        self._pending[id(out)] = [self._copy_stream.record(), arr]
+        return out
+
+    def _reap(self) -> None:
+        for entry in self._pending.values():
+            if entry[1] is not None and entry[0].done:
+                entry[1] = None
+
+    def copy_to_device(self, host, out=None):
+        """Pinned host -> device on the copy stream; the compute stream waits for it."""
+        self._reap()
+        done, _ = self._pending.pop(id(host), (None, None))
+        if done is not None:
+            self._copy_stream.wait_event(done)
+        with self._dev:
+            if out is None:
+                out = self.xp.empty(host.shape, dtype=host.dtype)
+            out.set(host, stream=self._copy_stream)
+            self.xp.cuda.get_current_stream().wait_event(self._copy_stream.record())
+        return out
 
     def __repr__(self) -> str:
         return f"CupyBackend(device={self.device})"

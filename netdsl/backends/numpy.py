@@ -44,5 +44,23 @@ class NumpyBackend:
             return self._erf(x)
         return np.vectorize(math.erf, otypes=[x.dtype])(x)
 
+    # -- storage: host and device are the same memory here, but the copies are real ----------
+    def alloc(self, nbytes: int):
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def view(self, block, offset: int, shape, dtype):
+        dtype = np.dtype(dtype)
+        count = math.prod(shape)
+        return block[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def copy_to_host(self, arr, out=None):
+        if out is None:
+            return np.array(arr, copy=True)
+        np.copyto(out, arr)
+        return out
+
+    def copy_to_device(self, host, out=None):
+        return self.copy_to_host(host, out)
+
     def __repr__(self) -> str:
         return "NumpyBackend()"

@@ -31,7 +31,7 @@ REQUIRED = object()
 # layer types; the memory planner picks offload for compute-heavy ones, recompute for cheap
 LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",
                "elementwise", "shape", "loss", "embedding", "reduce", "dropout",
-               "backward", "optimizer", "other")
+               "backward", "optimizer", "transfer", "other")
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,10 @@ class OpDef:
 
     @property
     def callable_from_language(self) -> bool:
-        """Forward operators only: not sources, backward or optimizer nodes."""
-        return not self.op_is_source and self.layer_type not in ("backward", "optimizer")
+        """Forward operators only: not sources, backward, optimizer or transfer nodes
+        (those are emitted by passes)."""
+        return not self.op_is_source and self.layer_type not in ("backward", "optimizer",
+                                                                 "transfer")
 
     def written_inputs(self, node) -> tuple[int, ...]:
         """Indices into `node.inputs` that running `node` overwrites in place."""

@@ -1,19 +1,22 @@
-"""Run a graph with a backend: persistent state, per-node dispatch, byte accounting.
+"""Run a graph with a backend: persistent state, per-node dispatch, a storage plan followed
+and checked.
 
 `Executor(graph, backend)` owns the graph's persistent state - parameters, buffers (BN
 running statistics) and optimizer state - initialised from each node's `init` attribute
 (deterministically from `seed` and the node's name, so the same parameter gets the same
 values in any graph that contains it). `run(feeds, training)` executes the nodes the
-requested outputs need, in graph order, like torch.fx's Interpreter:
+requested outputs need, like torch.fx's Interpreter, following the storage plan
+`memory.plan.make_plan` makes for those outputs (the schedule, what to free after each
+node, every value's bytes and memory space):
 
 - each value is dropped right after its last reader runs;
-- the executor counts the bytes it holds, per device: persistent state plus live values,
-  with current and high-water marks (`bytes_current`, `peak_bytes`, `bytes_by_device`,
-  `peak_by_device`). A value counts its array's `nbytes` from the moment its kernel
-  returns until its last reader has run; in-place update nodes (`OpDef.adds_storage`)
-  and source nodes add nothing, since their storage is counted as state. Views (reshape,
-  transpose) are counted as if they were copies: the count never under-states. Kernel
-  temporaries (im2col columns) are not counted;
+- the executor counts the bytes it holds by the plan's one accounting rule, per device and
+  in the host pool (`bytes_current`, `peak_bytes`, `bytes_by_device`, `peak_by_device`,
+  `host_peak_bytes`), and checks every value a kernel returns against the bytes the plan
+  gave it: the count cannot drift from the prediction without an error naming the node;
+- with `arena=True` every device value lives at its planned offset in one block
+  allocated once per plan (kernel results are written into their slots), so a step
+  allocates no value storage of its own;
 - any kernel exception is re-raised as a NetdslError naming the node and its source line;
 - with `check_numerics=True` it stops at the first node that produces NaN or Inf.
 """
@@ -32,7 +35,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE
-from netdsl.memory.liveness import schedule
+from netdsl.memory.plan import HOST, MemoryPlan, make_plan
 
 
 @dataclass
@@ -106,7 +109,7 @@ class Executor:
 
     def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
                  seed: int = 0, check_numerics: bool = False,
-                 state: dict[str, Any] | None = None):
+                 state: dict[str, Any] | None = None, arena: bool = False):
         registry.load_all()
         if dtype not in ("f32", "f64"):
             raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
@@ -121,6 +124,10 @@ class Executor:
         self.np_dtype = NUMPY_DTYPE[dtype]
         self.seed = seed
         self.check_numerics = check_numerics
+        self.arena = arena
+        self._arenas: dict[tuple[str, ...], Any] = {}
+        self.host_bytes_current = 0
+        self.host_peak_bytes = 0
         self.step = 0  # training runs so far; keys the random draws unless run() is told
         self._scratch: dict[str, Any] = {}
         self.bytes_by_device: dict[int, int] = {}
@@ -133,7 +140,7 @@ class Executor:
         self._state_dev = {n.name: self._dev(n) for n in graph.nodes if n.op in STATE_OPS}
         for name, dev in self._state_dev.items():
             self._alloc(dev, self.state[name].nbytes)
-        self._plans: dict[tuple[str, ...], tuple] = {}
+        self._plans: dict[tuple[str, ...], MemoryPlan] = {}
 
     # -- accounting --------------------------------------------------------------------------
     @property
@@ -164,20 +171,17 @@ class Executor:
         return self.np_dtype if ir_dtype in FLOAT_DTYPES else NUMPY_DTYPE[ir_dtype]
 
     # -- planning ----------------------------------------------------------------------------
-    def _plan(self, roles: tuple[str, ...]):
-        """The nodes the roles need, in graph order, and each value's last reader."""
-        if roles in self._plans:
-            return self._plans[roles]
-        g = self.graph
-        for r in roles:
-            if r not in g.outputs:
-                raise NetdslError(f"graph `{g.name}` has no `{r}` outputs "
-                                  f"(it has {', '.join(g.outputs) or 'none'})")
-        # the same schedule the static liveness analysis predicts the peak from
-        order, frees, wanted = schedule(g, roles)
-        plan = (order, frees, wanted)
-        self._plans[roles] = plan
-        return plan
+    def plan(self, roles: tuple[str, ...]) -> MemoryPlan:
+        """The storage plan this executor follows for a run of `roles`."""
+        roles = tuple(roles)
+        if roles not in self._plans:
+            g = self.graph
+            for r in roles:
+                if r not in g.outputs:
+                    raise NetdslError(f"graph `{g.name}` has no `{r}` outputs "
+                                      f"(it has {', '.join(g.outputs) or 'none'})")
+            self._plans[roles] = make_plan(g, roles, self.dtype, pack_arena=self.arena)
+        return self._plans[roles]
 
     # -- running -----------------------------------------------------------------------------
     def run(self, feeds: dict[str, Any], training: bool = True,
@@ -195,41 +199,73 @@ class Executor:
         if roles is None:
             roles = tuple(r for r in g.outputs
                           if training or r not in ("grads", "updates"))
-        order, frees, wanted = self._plan(tuple(roles))
+        roles = tuple(roles)
+        plan = self.plan(roles)
         if step is None:
             step = self.step
         if training:
             self.step = step + 1
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
                             seed=self.seed, step=step)
+        slots = self._slots(roles, plan) if self.arena else None
+        dev = self.backend.device
         values: dict[str, Any] = {}
-        counted: dict[str, int] = {}  # bytes each live value adds to the count
+        held: dict[str, int] = {}  # bytes each live value adds to the count
+        self._alloc(dev, plan.workspace_bytes)  # the shared scratch region, for the run
         try:
-            for k, n in enumerate(order):
+            for k, name in enumerate(plan.order):
+                n = g[name]
                 if n.op in STATE_OPS:
-                    values[n.name] = self.state[n.name]
-                elif n.op == "input":
-                    v = self._feed(n, feeds)
-                    values[n.name] = v
-                    counted[n.name] = v.nbytes
-                    self._alloc(self._dev(n), v.nbytes)
+                    values[name] = self.state[name]
                 else:
-                    out = self._call(n, [values[i] for i in n.inputs], ctx)
-                    values[n.name] = out
-                    if registry.OPS[n.op].adds_storage(n):
-                        counted[n.name] = out.nbytes
-                        self._alloc(self._dev(n), out.nbytes)
-                for name in frees[k]:
-                    values.pop(name, None)
-                    nb = counted.pop(name, 0)
+                    v = (self._feed(n, feeds) if n.op == "input"
+                         else self._call(n, [values[i] for i in n.inputs], ctx))
+                    nb = plan.sizes.get(name)
+                    if nb is not None:
+                        if v.nbytes != nb:
+                            raise NetdslError(
+                                f"internal error: {node_line(n)} returned {v.nbytes} bytes "
+                                f"({tuple(v.shape)} {v.dtype}) but the plan holds {nb} for it")
+                        if slots is not None and name in slots:
+                            slot = slots[name]
+                            self.xp.copyto(slot, v)
+                            v = slot
+                        held[name] = nb
+                        self._hold(name, nb, plan, +1)
+                    values[name] = v
+                for dead in plan.frees[k]:
+                    values.pop(dead, None)
+                    nb = held.pop(dead, 0)
                     if nb:
-                        self._free(self._dev(g[name]), nb)
+                        self._hold(dead, nb, plan, -1)
             return {r: [values[name] for name in g.outputs[r]] for r in roles}
         finally:
             # whatever is still held (outputs handed to the caller, or the values of a run
             # that failed) is no longer the executor's
-            for name, nb in counted.items():
-                self._free(self._dev(g[name]), nb)
+            for name, nb in held.items():
+                self._hold(name, nb, plan, -1)
+            self._free(dev, plan.workspace_bytes)
+
+    def _hold(self, name: str, nbytes: int, plan: MemoryPlan, sign: int) -> None:
+        if plan.space[name] == HOST:
+            self.host_bytes_current += sign * nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes_current)
+        elif sign > 0:
+            self._alloc(self._dev(self.graph[name]), nbytes)
+        else:
+            self._free(self._dev(self.graph[name]), nbytes)
+
+    def _slots(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[str, Any]:
+        """Views at each device value's planned offset in this plan's arena (one block,
+        allocated on first use). Requested outputs get no slot: they outlive the run."""
+        if roles not in self._arenas:
+            block = self.backend.alloc(max(plan.arena_bytes, 1))
+            wanted = {x for r in roles for x in self.graph.outputs.get(r, [])}
+            self._arenas[roles] = {
+                name: self.backend.view(block, off, tuple(self.graph[name].type.shape),
+                                        self._dtype_for(self.graph[name].type.dtype))
+                for name, off in plan.offsets.items() if name not in wanted}
+        return self._arenas[roles]
 
     def _feed(self, n: Node, feeds: dict[str, Any]):
         if n.name in feeds:

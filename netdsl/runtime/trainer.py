@@ -26,7 +26,7 @@ from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
-from netdsl.memory.liveness import analyse
+from netdsl.memory.plan import make_plan
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, batches, loss_labels, make_dataset
@@ -275,7 +275,7 @@ class Trainer:
     def expected_bytes(self) -> int:
         """The step's peak predicted by static liveness analysis before running (the
         executor's measured peak equals it: both follow one schedule and one rule)."""
-        return analyse(self.train_graph, self.ROLES, self.opts.dtype).peak_bytes
+        return make_plan(self.train_graph, self.ROLES, self.opts.dtype, pack_arena=False).peak_bytes
 
 
 def _device_name(be) -> str:

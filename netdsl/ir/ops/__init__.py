@@ -11,4 +11,5 @@ from netdsl.ir.ops import (  # noqa: F401
     pool,
     shape_ops,
     sources,
+    transfer,
 )

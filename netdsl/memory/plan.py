@@ -1,0 +1,140 @@
+"""The storage plan of one run of a graph: what runs in which order, what is freed after
+each node, where every value lives, and the bytes held at every step - the one place the
+byte accounting is written down. The executor follows the plan and checks each value
+against it, so what it counts is, by construction, what was predicted.
+
+The accounting rule:
+- persistent state (params, buffers, optimizer state) is held all the time;
+- one shared workspace region, the largest `OpDef.workspace` of the nodes run (im2col
+  columns and other kernel scratch: Layup's "multi-type intermediates" reuse one region),
+  is held for the whole run;
+- every other value that takes storage of its own (`OpDef.adds_storage`: not an in-place
+  update) is held from the moment its node runs until its last reader has run (the
+  requested outputs until the end). Views are counted as copies, so a count never
+  under-states. Values made by host-space ops (`to_host`) are held in the host pool, not
+  on the device.
+
+Device values are packed into one arena per device: an offset for each value such that
+values alive at the same time never overlap (first fit over the schedule, as tinygrad's
+memory planner does), reported against the lower bound, the largest sum of bytes alive at
+once. Host values get slots in a host pool the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from netdsl.ir import registry
+from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.types import DTYPES, FLOAT_DTYPES
+from netdsl.memory.arena import pack
+from netdsl.memory.liveness import schedule
+
+HOST = "host"
+DEVICE = "device"
+
+
+def value_bytes(t, float_dtype: str = "f32") -> int:
+    """Bytes of a value of type `t` when floats run at `float_dtype`."""
+    size = DTYPES[float_dtype] if t.dtype in FLOAT_DTYPES else DTYPES[t.dtype]
+    return t.numel() * size
+
+
+def space_of(n: Node) -> str:
+    return registry.OPS[n.op].extra.get("space", DEVICE)
+
+
+def takes_storage(n: Node) -> bool:
+    """Whether running `n` creates a buffer of its own (sources are state or fed)."""
+    if n.op in STATE_OPS:
+        return False
+    return n.op == "input" or registry.OPS[n.op].adds_storage(n)
+
+
+def workspace_bytes(g: Graph, n: Node, float_dtype: str = "f32") -> int:
+    op = registry.OPS[n.op]
+    if n.is_source:
+        return 0
+    ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
+    w = int(op.workspace(ins, n.type, n.attrs))
+    return w * DTYPES[float_dtype] // 4 if float_dtype != "f32" else w  # rules count f32
+
+
+@dataclass
+class MemoryPlan:
+    order: list[str]  # the nodes run, in order
+    frees: list[list[str]]  # values released after each node
+    sizes: dict[str, int]  # bytes of every value that takes storage of its own
+    space: dict[str, str]  # "device" or "host", for the values in `sizes`
+    state_bytes: int
+    workspace_bytes: int
+    peak_bytes: int  # device: state + workspace + the most value bytes alive at once
+    peak_at: str | None  # the node after which the peak is reached
+    timeline: list[int]  # device bytes held after each node ran (before its frees)
+    host_peak_bytes: int  # the most host-pool bytes alive at once
+    offsets: dict[str, int] = field(default_factory=dict)  # device arena offsets
+    arena_bytes: int = 0
+    host_offsets: dict[str, int] = field(default_factory=dict)  # host pool slots
+    host_bytes: int = 0  # the host pool's size
+    float_dtype: str = "f32"
+
+    @property
+    def lower_bound_bytes(self) -> int:
+        """The largest sum of device value bytes alive at once: no arena is smaller."""
+        return self.peak_bytes - self.state_bytes - self.workspace_bytes
+
+    @property
+    def arena_peak_bytes(self) -> int:
+        """Device bytes when values live in the packed arena: state + workspace + arena."""
+        return self.state_bytes + self.workspace_bytes + self.arena_bytes
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "state_bytes": self.state_bytes,
+                "workspace_bytes": self.workspace_bytes, "arena_bytes": self.arena_bytes,
+                "arena_lower_bound_bytes": self.lower_bound_bytes,
+                "host_bytes": self.host_bytes, "host_peak_bytes": self.host_peak_bytes,
+                "peak_at": self.peak_at, "nodes": len(self.order)}
+
+
+def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
+              pack_arena: bool = True) -> MemoryPlan:
+    """The plan for `executor.run(roles=roles)` on bound graph `g` (see module doc)."""
+    registry.load_all()
+    order, frees, _ = schedule(g, roles)
+    state = sum(value_bytes(n.type, float_dtype) for n in g.nodes if n.op in STATE_OPS)
+    workspace = max((workspace_bytes(g, n, float_dtype) for n in order), default=0)
+    sizes: dict[str, int] = {}
+    space: dict[str, str] = {}
+    for n in order:
+        if takes_storage(n):
+            sizes[n.name] = value_bytes(n.type, float_dtype)
+            space[n.name] = space_of(n)
+    base = state + workspace
+    cur, peak, peak_at = base, base, None
+    host_cur = host_peak = 0
+    timeline = []
+    for k, n in enumerate(order):
+        nb = sizes.get(n.name, 0)
+        if space.get(n.name) == HOST:
+            host_cur += nb
+            host_peak = max(host_peak, host_cur)
+        else:
+            cur += nb
+        timeline.append(cur)
+        if cur > peak:
+            peak, peak_at = cur, n.name
+        for name in frees[k]:
+            if space.get(name) == HOST:
+                host_cur -= sizes.get(name, 0)
+            else:
+                cur -= sizes.get(name, 0)
+    plan = MemoryPlan([n.name for n in order], frees, sizes, space, state, workspace, peak,
+                      peak_at, timeline, host_peak, float_dtype=float_dtype)
+    if pack_arena:
+        for where in (DEVICE, HOST):
+            offsets, size = pack(plan.order, plan.frees,
+                                 {k: v for k, v in sizes.items() if space[k] == where})
+            if where == DEVICE:
+                plan.offsets, plan.arena_bytes = offsets, size
+            else:
+                plan.host_offsets, plan.host_bytes = offsets, size
+    return plan

@@ -1,0 +1,82 @@
+"""The storage plan: its predicted peak is the executor's count on real examples, its
+arena never overlaps live values, and executing in the arena changes no number."""
+import numpy as np
+import pytest
+from _examples import example_feeds, load
+
+from netdsl.errors import NetdslError
+from netdsl.memory.plan import make_plan
+from netdsl.passes.autodiff import autodiff
+from netdsl.passes.optimizer import add_optimizer
+from netdsl.runtime.executor import Executor
+
+
+@pytest.mark.parametrize("example,batch", [("digits-cnn", 8), ("resnet20-cifar", 2),
+                                           ("transformer-tiny", 2)])
+def test_predicted_peak_is_measured_peak(example, batch):
+    net = load(f"{example}.net")
+    g = add_optimizer(autodiff(net.lower(batch)), "sgd", lr=0.01, momentum=0.9)
+    roles = ("loss", "output", "updates")
+    predicted = make_plan(g, roles)
+    ex = Executor(g, "numpy")
+    ex.run(example_feeds(g), roles=roles)
+    assert ex.peak_bytes == predicted.peak_bytes
+    # freeing matters: the peak is well below keeping every value of the step
+    everything = predicted.state_bytes + sum(
+        n.type.nbytes() for n in g.nodes if n.op not in ("param", "buffer"))
+    assert predicted.peak_bytes < everything
+
+
+# -- the arena --------------------------------------------------------------------------------
+def training_step(example, batch):
+    net = load(f"{example}.net")
+    return add_optimizer(autodiff(net.lower(batch)), "sgd", lr=0.01, momentum=0.9)
+
+
+ROLES = ("loss", "output", "updates")
+
+
+@pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2),
+                                           ("densenet121", 1), ("transformer-tiny", 2)])
+def test_arena_never_overlaps_live_values_and_stays_near_its_bound(example, batch):
+    g = training_step(example, batch)
+    plan = make_plan(g, ROLES)
+    born = {name: k for k, name in enumerate(plan.order)}
+    died = {name: k for k, names in enumerate(plan.frees) for name in names}
+    end = len(plan.order)
+    live = sorted((plan.offsets[v], plan.offsets[v] + plan.sizes[v], born[v], died.get(v, end), v)
+                  for v in plan.offsets)
+    # any two values whose byte ranges overlap must not be alive at the same time
+    for i, (_s1, e1, b1, d1, v1) in enumerate(live):
+        for s2, _e2, b2, d2, v2 in live[i + 1:]:
+            if s2 >= e1:
+                break
+            assert d1 < b2 or d2 < b1, f"{v1} and {v2} share bytes while both alive"
+    assert plan.arena_bytes >= plan.lower_bound_bytes
+    assert plan.arena_bytes <= 1.5 * plan.lower_bound_bytes + 64 * 1024
+
+
+@pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2)])
+def test_arena_execution_gives_the_same_step_bit_for_bit(example, batch):
+    g = training_step(example, batch)
+    feeds = example_feeds(g)
+    results = []
+    for arena in (False, True):
+        ex = Executor(g, "numpy", dtype="f64", arena=arena)
+        losses = [float(ex.run(feeds, roles=ROLES)["loss"][0]) for _ in range(2)]
+        results.append((losses, ex.state_dict(), ex.peak_bytes))
+    (l0, s0, p0), (l1, s1, p1) = results
+    assert l0 == l1
+    for k in s0:
+        np.testing.assert_array_equal(s0[k], s1[k])
+    assert p0 == p1  # the count follows the plan either way
+
+
+def test_executor_checks_values_against_the_plan():
+    g = training_step("digits-cnn", 2)
+    ex = Executor(g, "numpy")
+    plan = ex.plan(ROLES)
+    victim = next(n for n in plan.order if g[n].op == "relu")
+    plan.sizes[victim] += 4  # a plan that disagrees with what the kernel returns
+    with pytest.raises(NetdslError, match=f"%{victim} = relu.*the plan holds"):
+        ex.run(example_feeds(g), roles=ROLES)

@@ -8,7 +8,7 @@ from _toy_graphs import toy
 
 from netdsl.errors import NetdslError
 from netdsl.memory.cost import Costs
-from netdsl.memory.liveness import analyse
+from netdsl.memory.plan import make_plan
 from netdsl.memory.profiles import PROFILES, ProfileError, calibrate, get_profile, save_profile
 from netdsl.memory.search import STRATEGIES, PlanError, plan_memory
 from netdsl.memory.simulate import (
@@ -72,15 +72,15 @@ def check_schedule(prep, sim, dec):
     assert len([e for e in sim.entries if e[0] == NODE]) == n
 
 
-def test_keep_matches_liveness_without_eager_updates():
+def test_keep_matches_make_plan_without_eager_updates():
     for name, batch in NETS:
         g = example_step(name, batch)
         prep = prepare(g, eager_updates=False)
         sim = simulate(prep)
-        lv = analyse(g, ROLES)
-        assert [prep.names[p] for _, p in sim.entries] == lv.order
-        assert [t - prep.workspace for t in sim.timeline] == lv.timeline
-        assert sim.peak_bytes == lv.peak_bytes + prep.workspace
+        mp = make_plan(g, ROLES, pack_arena=False)
+        assert [prep.names[p] for _, p in sim.entries] == mp.order
+        assert sim.timeline == mp.timeline
+        assert sim.peak_bytes == mp.peak_bytes and prep.workspace == mp.workspace_bytes
 
 
 def test_eager_updates_free_gradients_at_once():

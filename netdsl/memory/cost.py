@@ -15,7 +15,7 @@ is costs nothing. The step ends when compute and both copy streams are done.
 from __future__ import annotations
 
 from netdsl.ir import registry
-from netdsl.memory.liveness import value_bytes
+from netdsl.memory.plan import value_bytes
 from netdsl.memory.profiles import Profile
 from netdsl.memory.simulate import CLONE, D2H, H2D, NODE, STATE, Prepared, Sim
 

@@ -9,7 +9,7 @@ integer positions, not on nodes. The semantics (docs/memory.md):
 1. eager updates: each parameter's update runs right after the node producing its
    gradient, so no step holds all gradients (the sources the optimizer adds, its state
    and the learning rate, are scheduled first);
-2. keep: a value lives from its producer until its last reader (netdsl/memory/liveness);
+2. keep: a value lives from its producer until its last reader (netdsl/memory/plan.py);
 3. recompute v: v is freed after its last forward reader; a clone of v's node runs right
    before the first backward node reading v, reading v's inputs resolved recursively
    (kept: as they are, offloaded: their device copy, recomputed: their own clone, made
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph
-from netdsl.memory.liveness import schedule, value_bytes
+from netdsl.memory.liveness import schedule
+from netdsl.memory.plan import value_bytes, workspace_bytes
 
 ROLES = ("loss", "output", "updates")  # what a training step computes
 KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
@@ -89,8 +90,7 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         op = ops[n.op]
         phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
         nbytes.append(value_bytes(n.type, float_dtype) if op.adds_storage(n) else 0)
-        ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
-        workspace = max(workspace, int(op.workspace(ins, n.type, n.attrs)))
+        workspace = max(workspace, workspace_bytes(g, n, float_dtype))
     wanted = {pos[w] for w in wanted_names}
     read_bwd = set()
     for k, ins in enumerate(inputs):

@@ -15,7 +15,6 @@ is costs nothing. The step ends when compute and both copy streams are done.
 from __future__ import annotations
 
 from netdsl.ir import registry
-from netdsl.memory.plan import value_bytes
 from netdsl.memory.profiles import Profile
 from netdsl.memory.simulate import CLONE, D2H, H2D, NODE, STATE, Prepared, Sim
 
@@ -29,10 +28,7 @@ class Costs:
         self.profile = profile
         self.time: list[float] = []
         self.flops: list[int] = []
-        self.full_bytes: list[int] = []  # output bytes, in-place updates included
-        full = self.full_bytes
-        for name in prep.names:
-            full.append(value_bytes(g[name].type, float_dtype))
+        full = self.full_bytes = prep.full_bytes
         for k, (name, ph) in enumerate(zip(prep.names, prep.phase)):
             n = g[name]
             if n.is_source or ph == STATE:

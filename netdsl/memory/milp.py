@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile, get_profile
-from netdsl.memory.search import Planner, _choose_prefetch
+from netdsl.memory.search import DEFAULT_PREFETCH, Planner
 from netdsl.memory.simulate import FWD, OFFLOAD, RECOMPUTE, simulate
 from netdsl.sizes import parse_size
 
@@ -59,9 +59,9 @@ def exact_plan(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-
     t0 = time.perf_counter()
     budget = parse_size(budget_bytes, "memory budget")
     profile = get_profile(profile)
-    pl = Planner(g, profile, float_dtype, prefetch or 1, None)
     if prefetch is None:
-        pl.prefetch = _choose_prefetch(pl)
+        prefetch = 1 if profile.unified else DEFAULT_PREFETCH
+    pl = Planner(g, profile, float_dtype, prefetch, None)
     prep = pl.prep
     cand = pl.cand
     nc = len(cand)

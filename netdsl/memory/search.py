@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -147,7 +148,7 @@ class Planner:
 
     def evaluate(self, dec: dict[int, str]) -> tuple[Sim, float, dict[int, str]]:
         dec = self.close(dec)
-        key = tuple(sorted(dec.items()))
+        key = (self.prefetch, tuple(sorted(dec.items())))
         if key not in self.cache:
             sim = simulate(self.prep, dec, self.prefetch)
             self.cache[key] = (sim, self.costs.step_time(sim))
@@ -271,9 +272,8 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
-    is issued (None: the one of PREFETCHES that gives offload-all the fastest predicted
-    step, a budget-independent choice); `progress(fraction)` is called as the search
-    advances."""
+    is issued (None: DEFAULT_PREFETCH, or 1 if nothing fits with it); `progress(fraction)`
+    is called as the search advances."""
     t0 = time.perf_counter()
     budget = parse_size(budget_bytes, "memory budget")
     profile = get_profile(profile)
@@ -282,9 +282,15 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
                                  or prefetch < 1):
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
+    if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
+        res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
+                          DEFAULT_PREFETCH, progress)
+        if not res.feasible:
+            res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
+                              progress)
+        res.plan_s = time.perf_counter() - t0
+        return res
     pl = Planner(g, profile, float_dtype, prefetch or 1, overrides)
-    if prefetch is None:
-        pl.prefetch = _choose_prefetch(pl)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options: list[tuple[float, int, dict[int, str], Sim]] = []
@@ -296,8 +302,10 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
 
     if strategy != "auto":
         consider(pl.baseline(strategy))
+    elif pl.peak(base_sim) <= budget:
+        consider({})  # nothing to plan: keeping everything is the fastest step
     else:
-        for s in ("none", "offload-all", "checkpoint-sqrt", "recompute-all"):
+        for s in ("none", "offload-all", "checkpoint-sqrt"):
             consider(pl.baseline(s))
         n = len(pl.cand)
         # segment plans matter most where offload is not possible (unified memory)
@@ -307,25 +315,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
                 consider(pl.segments(k))
         tick(0.3)
         ladder = pl.ladder()
-
-        def prefix(k: int) -> dict[int, str]:
-            return dict(ladder[:k])
-
-        lo, hi = 0, len(ladder)
-        sim_hi, _ = consider(prefix(hi))
-        if pl.peak(sim_hi) <= budget:
-            # the shortest prefix that fits: binary search on exact simulations
-            # (to a tolerance of 1/256 of the ladder: a prefix a little longer than the
-            # shortest still fits, and 8 simulations are saved on large graphs)
-            tol = len(ladder) // 256
-            while hi - lo > tol:
-                mid = (lo + hi) // 2
-                sim, _ = consider(prefix(mid))
-                if pl.peak(sim) <= budget:
-                    hi = mid
-                else:
-                    lo = mid + 1
-                tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
+        _shortest_prefix(pl, ladder, budget, consider, tick)
     tick(1.0)
 
     feasible = [o for o in options if o[1] <= budget]
@@ -359,20 +349,46 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     return res
 
 
-PREFETCHES = (1, 2, 4, 8)
+def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
+    """Consider the shortest prefix of the ladder whose peak fits `budget`: a search on
+    exact simulations that guesses by interpolating the peak linearly in the bytes the
+    prefix frees and falls back to bisection when a guess does not halve the interval
+    (to a tolerance of 1/256 of the ladder: a slightly longer prefix still fits)."""
+    def prefix(k: int) -> dict[int, str]:
+        return dict(ladder[:k])
+
+    cum = [0]
+    for p, _ in ladder:
+        cum.append(cum[-1] + pl.prep.bytes[p])
+    lo, hi = 0, len(ladder)
+    peak_lo = pl.peak(consider(prefix(lo))[0])
+    peak_hi = pl.peak(consider(prefix(hi))[0])
+    if peak_hi > budget or peak_lo <= budget:
+        return
+    tol = max(1, len(ladder) // 256)
+    bisect = False
+    while hi - lo > tol:
+        if bisect or peak_lo <= peak_hi or cum[hi] == cum[lo]:
+            mid = (lo + hi) // 2
+        else:
+            need = (peak_lo - budget) / (peak_lo - peak_hi) * (cum[hi] - cum[lo])
+            target = cum[lo] + need * 1.02  # aim a little past the estimate
+            mid = min(max(bisect_left(cum, target, lo, hi), lo + 1), hi - 1)
+        width = hi - lo
+        peak = pl.peak(consider(prefix(mid))[0])
+        if peak <= budget:
+            hi, peak_hi = mid, peak
+        else:
+            lo, peak_lo = mid, peak
+        bisect = (hi - lo) * 2 > width  # the guess did not halve the interval
+        tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
 
 
-def _choose_prefetch(pl: Planner) -> int:
-    if pl.profile.unified or not pl.cand:
-        return 1
-    best = None
-    for k in PREFETCHES:
-        pl.prefetch, pl.cache = k, {}
-        _, t, _ = pl.evaluate(pl.baseline("offload-all"))
-        if best is None or t < best[0] - 1e-12:
-            best = (t, k)
-    pl.cache = {}
-    return best[1]
+# How many nodes ahead of its reader a `to_device` copy is issued when the caller does
+# not say. Issuing earlier never makes the predicted step slower (the copy streams are
+# FIFO), only holds the copy a few nodes longer; if no plan fits with it, prefetch 1 is
+# tried too.
+DEFAULT_PREFETCH = 8
 
 
 def dominant(pl: Planner, sim: Sim) -> str:

@@ -24,6 +24,7 @@ integer positions, not on nodes. The semantics (docs/memory.md):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph
@@ -55,6 +56,7 @@ class Prepared:
     workspace: int  # the shared workspace region
     candidates: list[int]  # forward values a decision can apply to, in forward order
     ops: list[str] = field(default_factory=list)
+    full_bytes: list[int] = field(default_factory=list)  # every value's bytes, state too
 
     def name(self, p: int) -> str:
         return self.names[p]
@@ -72,24 +74,28 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         order = _eager(g, order)
     names = [n.name for n in order]
     pos = {name: k for k, name in enumerate(names)}
-    nbytes, inputs, phase, opnames = [], [], [], []
+    nbytes, inputs, phase, opnames, full = [], [], [], [], []
     workspace = state = 0
+    sizes: dict = {}  # bytes per type: a deep network repeats a few types many times
     for n in order:
         opnames.append(n.op)
         inputs.append(tuple(pos[i] for i in n.inputs))
+        b = sizes.get(n.type)
+        if b is None:
+            b = sizes[n.type] = value_bytes(n.type, float_dtype)
+        full.append(b)
         if n.op in STATE_OPS:
             phase.append(STATE)
-            b = value_bytes(n.type, float_dtype)
             state += b
             nbytes.append(0)
             continue
         if n.is_source:
             phase.append(SRC)
-            nbytes.append(value_bytes(n.type, float_dtype))
+            nbytes.append(b)
             continue
         op = ops[n.op]
         phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
-        nbytes.append(value_bytes(n.type, float_dtype) if op.adds_storage(n) else 0)
+        nbytes.append(b if op.adds_storage(n) else 0)
         workspace = max(workspace, workspace_bytes(g, n, float_dtype))
     wanted = {pos[w] for w in wanted_names}
     read_bwd = set()
@@ -99,7 +105,7 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
     cands = [k for k in range(len(names)) if phase[k] == FWD and k in read_bwd
              and k not in wanted and nbytes[k] > 0]
     return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
-                    opnames)
+                    opnames, full)
 
 
 def _eager(g: Graph, order: list) -> list:
@@ -181,119 +187,123 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
 
     # 2. who reads what: resolve backward/clone reads to clones and device copies
     # value ids: p (original), n + p (clone), 2n + p (device copy)
-    last = {}
-    first_dev = {}
-    last_fwd = {}
+    last = [-1] * (3 * n)
+    first_dev = [-1] * n
+    last_fwd = [-1] * n
     reads_dev: dict[int, list[int]] = {}
+    any_off = any(off)
     for i, (kind, p) in enumerate(seq):
-        resolve = kind == CLONE or phase[p] == BWD
-        for u in inputs[p]:
-            if resolve and rec[u]:
-                last[n + u] = i
-            elif resolve and off[u]:
-                last[2 * n + u] = i
-                if u not in first_dev:
-                    first_dev[u] = i
-                reads_dev.setdefault(i, []).append(u)
-            else:
+        if kind == CLONE or phase[p] == BWD:
+            for u in inputs[p]:
+                if rec[u]:
+                    last[n + u] = i
+                elif off[u]:
+                    last[2 * n + u] = i
+                    if first_dev[u] < 0:
+                        first_dev[u] = i
+                    reads_dev.setdefault(i, []).append(u)
+                else:
+                    last[u] = i
+        else:
+            for u in inputs[p]:
                 last[u] = i
-                if not resolve:
-                    last_fwd[u] = i
+                last_fwd[u] = i
 
     # 3. transfers: to_host after the last forward reader, to_device `prefetch` before
     # the first reader of the device copy
     after: dict[int, list[int]] = {}
     before: dict[int, list[int]] = {}
-    seq_index = {p: i for i, (kind, p) in enumerate(seq) if kind == NODE}
     offloaded = []
-    for p in prep.candidates:
-        if not off[p] or p not in first_dev:
-            continue
-        offloaded.append(p)
-        down = last_fwd.get(p, seq_index[p])
-        after.setdefault(down, []).append(p)
-        up = max(first_dev[p] - prefetch, down + 1)
-        before.setdefault(up, []).append(p)
+    if any_off:
+        seq_index = [0] * n
+        for i, (kind, p) in enumerate(seq):
+            if kind == NODE:
+                seq_index[p] = i
+        for p in prep.candidates:
+            if not off[p] or first_dev[p] < 0:
+                continue
+            offloaded.append(p)
+            down = last_fwd[p] if last_fwd[p] >= 0 else seq_index[p]
+            after.setdefault(down, []).append(p)
+            up = max(first_dev[p] - prefetch, down + 1)
+            before.setdefault(up, []).append(p)
 
     entries: list[tuple[int, int]] = []
-    start: dict[int, int] = {}  # value id -> entry index where it appears
-    remap: dict[int, int] = {}  # seq index -> entry index
-    host_start, host_end = {}, {}
-    for i, e in enumerate(seq):
-        for p in before.get(i, ()):
-            start[2 * n + p] = len(entries)
-            host_end[p] = len(entries)
-            entries.append((H2D, p))
-        remap[i] = len(entries)
-        kind, p = e
-        start[n + p if kind == CLONE else p] = len(entries)
-        entries.append(e)
-        for p in after.get(i, ()):
-            host_start[p] = len(entries)
-            entries.append((D2H, p))
+    started: list[tuple[int, int]] = []  # (value id, entry index where it appears)
+    remap = [0] * len(seq)  # seq index -> entry index
+    host_start: dict[int, int] = {}
+    host_end: dict[int, int] = {}
+    if any_off:
+        for i, e in enumerate(seq):
+            if i in before:
+                for p in before[i]:
+                    started.append((2 * n + p, len(entries)))
+                    host_end[p] = len(entries)
+                    entries.append((H2D, p))
+            remap[i] = len(entries)
+            kind, p = e
+            started.append((n + p if kind == CLONE else p, len(entries)))
+            entries.append(e)
+            if i in after:
+                for p in after[i]:
+                    host_start[p] = len(entries)
+                    entries.append((D2H, p))
+    else:
+        entries = seq
+        remap = range(len(seq))
+        started = [(n + p if kind == CLONE else p, i) for i, (kind, p) in enumerate(seq)]
 
     # 4. the byte count
     m = len(entries)
-    diff = [0] * (m + 1)
     nbytes = prep.bytes
-    end_all = m - 1
-
-    def _end(vid: int, p: int, s: int) -> int:
-        """One past the entry after which value `vid` is freed."""
-        if vid < n and p in prep.wanted:
-            return end_all + 1
-        if vid < n and p in host_start:
-            return host_start[p] + 1  # freed after its to_host copy
-        if vid in last:
-            return remap[last[vid]] + 1
-        return s + 1  # nobody reads it: dropped as soon as made
-
-    for vid, s in start.items():
+    wanted = prep.wanted
+    ends: list[tuple[int, int, int, int]] = []  # (value id, bytes, first, one past last)
+    for vid, s in started:
         p = vid % n if vid >= n else vid
         b = nbytes[p]
         if b == 0:
             continue
+        if vid < n and p in wanted:
+            e = m
+        elif vid < n and p in host_start:
+            e = host_start[p] + 1  # freed after its to_host copy
+        elif last[vid] >= 0:
+            e = remap[last[vid]] + 1
+        else:
+            e = s + 1  # nobody reads it: dropped as soon as made
+        ends.append((vid, b, s, e))
+    diff = [0] * (m + 1)
+    diff[0] = prep.state_bytes + prep.workspace
+    for _, b, s, e in ends:
         diff[s] += b
-        diff[_end(vid, p, s)] -= b
-    if by_kind:
-        kd = {k: [0] * (m + 1) for k in KINDS}
-        for vid, s in start.items():
-            p = vid % n if vid >= n else vid
-            b = nbytes[p]
-            if b == 0:
-                continue
-            kind = (KINDS[3] if vid >= 2 * n else KINDS[2] if vid >= n
-                    else KINDS[1] if phase[p] == BWD else KINDS[0])
-            d = kd[kind]
-            d[s] += b
-            d[_end(vid, p, s)] -= b
-    hdiff = [0] * (m + 1)
-    for p, s in host_start.items():
-        hdiff[s] += nbytes[p]
-        hdiff[host_end.get(p, end_all) + 1] -= nbytes[p]
-    base = prep.state_bytes + prep.workspace
-    timeline, host = [], []
-    cur = base
-    hcur = 0
-    peak, peak_i = base, -1
-    for i in range(m):
-        cur += diff[i]
-        hcur += hdiff[i]
-        timeline.append(cur)
-        host.append(hcur)
-        if cur > peak:
-            peak, peak_i = cur, i
+        diff[e] -= b
+    timeline = list(accumulate(diff[:m]))
+    if timeline:
+        peak = max(timeline)
+        peak_i = timeline.index(peak)
+    else:
+        peak, peak_i = diff[0], -1
+    if host_start:
+        hdiff = [0] * (m + 1)
+        for p, s in host_start.items():
+            hdiff[s] += nbytes[p]
+            hdiff[host_end.get(p, m - 1) + 1] -= nbytes[p]
+        host = list(accumulate(hdiff[:m]))
+    else:
+        host = [0] * m
     waits = {remap[i]: us for i, us in reads_dev.items()}
     sim = Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
               prep.state_bytes, prep.workspace, sum(nbytes[p] for p in offloaded),
               [p for p in range(n) if cloned[p]])
     if by_kind:
-        for k, d in kd.items():
-            acc, out = 0, []
-            for i in range(m):
-                acc += d[i]
-                out.append(acc)
-            sim.kinds[k] = out
+        kd = {k: [0] * (m + 1) for k in KINDS}
+        for vid, b, s, e in ends:
+            p = vid % n if vid >= n else vid
+            kind = (KINDS[3] if vid >= 2 * n else KINDS[2] if vid >= n
+                    else KINDS[1] if phase[p] == BWD else KINDS[0])
+            kd[kind][s] += b
+            kd[kind][e] -= b
+        sim.kinds = {k: list(accumulate(d[:m])) for k, d in kd.items()}
     return sim
 
 

@@ -17,9 +17,9 @@ Strategies:
   outputs therefore recompute and convolution/linear outputs offload). A value is only
   recomputed when no value its clone reads is recomputed too, so clones never chain. The
   values are ordered by cost per byte into one ladder, independent of the budget; the
-  plan is the shortest prefix of the ladder that fits (a binary search over exact
-  simulations), compared with the baselines and with checkpoint segment plans, the
-  fastest feasible one winning. Because the candidate set does not depend on the budget
+  plan is the shortest prefix of the ladder that fits (regula falsi over exact
+  simulations), compared with the baselines and, in unified memory, with checkpoint
+  segment plans, the fastest feasible one winning. Because the candidate set does not depend on the budget
   and a longer prefix only adds work, a larger budget never predicts a slower step.
 
 Recomputing a value also recomputes the forward values between it and the retained
@@ -309,10 +309,10 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             consider(pl.baseline(s))
         n = len(pl.cand)
         # segment plans matter most where offload is not possible (unified memory)
-        ks = (2, 3, 4, 8) if profile.unified else (2,)
-        for k in sorted({*ks, max(1, math.ceil(math.sqrt(n)))}):
-            if k < n:
-                consider(pl.segments(k))
+        if profile.unified:
+            for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
+                if k < n:
+                    consider(pl.segments(k))
         tick(0.3)
         ladder = pl.ladder()
         _shortest_prefix(pl, ladder, budget, consider, tick)
@@ -350,10 +350,10 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
 
 
 def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
-    """Consider the shortest prefix of the ladder whose peak fits `budget`: a search on
-    exact simulations that guesses by interpolating the peak linearly in the bytes the
-    prefix frees and falls back to bisection when a guess does not halve the interval
-    (to a tolerance of 1/256 of the ladder: a slightly longer prefix still fits)."""
+    """Consider the shortest prefix of the ladder whose peak fits `budget`: regula falsi
+    on exact simulations (the Illinois variant: the peak is interpolated linearly in the
+    bytes a prefix frees, and an end that stays twice has its weight halved), to a
+    tolerance of 1/256 of the ladder (a slightly longer prefix still fits)."""
     def prefix(k: int) -> dict[int, str]:
         return dict(ladder[:k])
 
@@ -361,26 +361,31 @@ def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
     for p, _ in ladder:
         cum.append(cum[-1] + pl.prep.bytes[p])
     lo, hi = 0, len(ladder)
-    peak_lo = pl.peak(consider(prefix(lo))[0])
-    peak_hi = pl.peak(consider(prefix(hi))[0])
-    if peak_hi > budget or peak_lo <= budget:
+    f_lo = pl.peak(consider(prefix(lo))[0]) - budget  # > 0: over budget
+    f_hi = pl.peak(consider(prefix(hi))[0]) - budget  # <= 0: fits
+    if f_hi > 0 or f_lo <= 0:
         return
     tol = max(1, len(ladder) // 256)
-    bisect = False
+    kept = 0  # +1: hi stayed last time, -1: lo stayed
     while hi - lo > tol:
-        if bisect or peak_lo <= peak_hi or cum[hi] == cum[lo]:
+        w_lo, w_hi = f_lo, f_hi
+        if kept == -2:
+            w_lo /= 2
+        elif kept == 2:
+            w_hi /= 2
+        if w_lo - w_hi > 0 and cum[hi] > cum[lo]:
+            x = cum[lo] + (cum[hi] - cum[lo]) * w_lo / (w_lo - w_hi)
+            mid = min(max(bisect_left(cum, x, lo, hi), lo + 1), hi - 1)
+        else:
             mid = (lo + hi) // 2
+        f = pl.peak(consider(prefix(mid))[0]) - budget
+        if f <= 0:
+            hi, f_hi = mid, f
+            kept = kept - 1 if kept < 0 else -1  # lo stayed
         else:
-            need = (peak_lo - budget) / (peak_lo - peak_hi) * (cum[hi] - cum[lo])
-            target = cum[lo] + need * 1.02  # aim a little past the estimate
-            mid = min(max(bisect_left(cum, target, lo, hi), lo + 1), hi - 1)
-        width = hi - lo
-        peak = pl.peak(consider(prefix(mid))[0])
-        if peak <= budget:
-            hi, peak_hi = mid, peak
-        else:
-            lo, peak_lo = mid, peak
-        bisect = (hi - lo) * 2 > width  # the guess did not halve the interval
+            lo, f_lo = mid, f
+            kept = kept + 1 if kept > 0 else 1  # hi stayed
+        kept = max(-2, min(2, kept))
         tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
 
 

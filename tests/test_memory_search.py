@@ -77,10 +77,11 @@ def test_keep_matches_make_plan_without_eager_updates():
         g = example_step(name, batch)
         prep = prepare(g, eager_updates=False)
         sim = simulate(prep)
-        mp = make_plan(g, ROLES, pack_arena=False)
+        mp = make_plan(g, ROLES)
         assert [prep.names[p] for _, p in sim.entries] == mp.order
         assert sim.timeline == mp.timeline
         assert sim.peak_bytes == mp.peak_bytes and prep.workspace == mp.workspace_bytes
+        assert sim.arena() == (mp.arena_bytes, mp.lower_bound_bytes)
 
 
 def test_eager_updates_free_gradients_at_once():

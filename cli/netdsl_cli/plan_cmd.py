@@ -102,6 +102,7 @@ def _print(res, batch: int, depth: int) -> None:
     from netdsl.sizes import format_decimal as fb
 
     out = console()
+    arena, bound = res.sim.arena()
     lines = [
         f"{res.network} at batch {batch} on {res.profile.name}, strategy {res.strategy}"
         f" (planned in {res.plan_s:.2f} s)",
@@ -116,6 +117,8 @@ def _print(res, batch: int, depth: int) -> None:
         f"to / from host      {fb(res.offload_bytes)} each way (host pool peak "
         f"{fb(res.host_bytes)}, prefetch {res.prefetch} nodes ahead)",
         f"recomputed          {fmt_si(res.recompute_flops, 'FLOP')}",
+        f"arena               {fb(arena)} for values alive at most {fb(bound)} at once "
+        f"({100 * (arena / bound - 1) if bound else 0:.1f}% fragmentation)",
     ]
     for ln in lines:
         out.print(Text(ln), soft_wrap=True)

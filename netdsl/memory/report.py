@@ -70,6 +70,7 @@ def decision_rows(res: PlanResult, depth: int = 2) -> list[DecisionRow]:
 
 def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = None) -> dict:
     """The `netdsl plan --json` object (docs/memory.md lists the keys)."""
+    arena, bound = res.sim.arena()
     d = {
         "network": res.network, "batch": batch, "profile": res.profile.name,
         "strategy": res.strategy, "budget_bytes": res.budget_bytes,
@@ -80,6 +81,7 @@ def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = 
         "host_bytes": res.host_bytes, "recompute_flops": res.recompute_flops,
         "state_bytes": res.state_bytes, "workspace_bytes": res.workspace_bytes,
         "prefetch": res.prefetch, "plan_s": res.plan_s,
+        "arena_bytes": arena, "lower_bound_bytes": bound,
         "min_feasible_bytes": res.min_feasible_bytes,
         "dominant": res.dominant or None,
         "decisions": {**{k: res.counts.get(k, 0) for k in DECISIONS},

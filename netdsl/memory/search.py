@@ -19,8 +19,9 @@ Strategies:
   values are ordered by cost per byte into one ladder, independent of the budget; the
   plan is the shortest prefix of the ladder that fits (regula falsi over exact
   simulations), compared with the baselines and, in unified memory, with checkpoint
-  segment plans, the fastest feasible one winning. Because the candidate set does not depend on the budget
-  and a longer prefix only adds work, a larger budget never predicts a slower step.
+  segment plans, the fastest feasible one winning. Because the candidate set does not
+  depend on the budget and a longer prefix only adds work, a larger budget never
+  predicts a slower step.
 
 Recomputing a value also recomputes the forward values between it and the retained
 values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would

@@ -149,6 +149,35 @@ class Sim:
     offload_bytes: int  # bytes copied to the host (and as many back)
     recomputed: list[int]  # values recomputed (their clones)
     kinds: dict[str, list[int]] = field(default_factory=dict)  # live bytes by KINDS
+    # device values: (value id, bytes, first entry, one past the last entry alive)
+    lifetimes: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)
+
+    def arena(self) -> tuple[int, int]:
+        """(arena bytes, lower bound): the values packed by lifetime into one block by
+        netdsl.memory.arena (first fit), against the most value bytes alive at once."""
+        from netdsl.memory.arena import pack
+        m = len(self.entries)
+        order = [str(i) for i in range(m)]
+        frees: list[list[str]] = [[] for _ in range(m)]
+        made: dict[int, list[str]] = {}
+        sizes: dict[str, int] = {}
+        for vid, b, s, e in self.lifetimes:
+            key = f"v{vid}"
+            sizes[key] = b
+            made.setdefault(s, []).append(key)
+            frees[min(e, m) - 1].append(key)
+        # pack() expects values named after the entry that makes them: one entry may
+        # make several here (a value and nothing else, in practice), so split them
+        order2, frees2 = [], []
+        for i in range(m):
+            keys = made.get(i, [])
+            for key in keys[:-1]:
+                order2.append(key)
+                frees2.append([])
+            order2.append(keys[-1] if keys else order[i])
+            frees2.append(frees[i])
+        _, size = pack(order2, frees2, sizes)
+        return size, self.peak_bytes - self.state_bytes - self.workspace
 
     @property
     def unified_peak(self) -> int:
@@ -294,7 +323,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     waits = {remap[i]: us for i, us in reads_dev.items()}
     sim = Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
               prep.state_bytes, prep.workspace, sum(nbytes[p] for p in offloaded),
-              [p for p in range(n) if cloned[p]])
+              [p for p in range(n) if cloned[p]], lifetimes=ends)
     if by_kind:
         kd = {k: [0] * (m + 1) for k in KINDS}
         for vid, b, s, e in ends:

@@ -20,6 +20,7 @@ from netdsl.memory.simulate import (
     OFFLOAD,
     RECOMPUTE,
     ROLES,
+    STATE,
     prepare,
     simulate,
 )
@@ -49,12 +50,13 @@ def check_schedule(prep, sim, dec):
     n = len(prep.names)
     made = set()
     for kind, p in sim.entries:
+        state = prep.phase[p] == STATE  # optimizer state lives in the host pool
         if kind == D2H:
-            assert p in made
+            assert ("dev", p) in made if state else p in made
             made.add(("host", p))
             continue
         if kind == H2D:
-            assert ("host", p) in made
+            assert state or ("host", p) in made
             made.add(("dev", p))
             continue
         resolve = kind == CLONE or prep.phase[p] == BWD
@@ -192,7 +194,8 @@ def test_annotations_override_the_planner():
     net = load("resnet20-cifar.net")
     g = step_graph(net.lower(2))
     base = plan_memory(g, 1, "k40-12gb")  # as small as possible: most values planned
-    planned = [k for k, d in base.decisions.items() if d != "keep"]
+    planned = [k for k, d in base.decisions.items()
+               if d != "keep" and g[k].attrs.get("role") != "optimizer_state"]
     assert planned
     name = planned[0]
     r = plan_memory(g, 1, "k40-12gb", overrides={name: "keep"})
@@ -253,3 +256,29 @@ def test_exact_program_fits_and_bounds_auto():
         if r.feasible:
             assert x.predicted_step_s <= r.predicted_step_s + 1e-12
     assert auto.feasible and auto.predicted_step_s >= x.predicted_step_s * 0.8
+
+
+def test_optimizer_state_offload_is_the_last_resort():
+    """Below what activation decisions reach, momentum buffers move to the host pool:
+    each is copied in before its update and out after it."""
+    g = example_step("resnet20-cifar", 2)
+    without = plan_memory(g, 1, "k40-12gb", offload_state=False).min_feasible_bytes
+    r = plan_memory(g, without - 1, "k40-12gb")
+    assert r.feasible and r.planned_peak_bytes < without
+    assert 0 < r.state_offloaded <= r.state_buffers
+    moved = [k for k, d in r.decisions.items() if g[k].attrs.get("role") == "optimizer_state"]
+    assert len(moved) == r.state_offloaded and all(r.decisions[k] == OFFLOAD for k in moved)
+    hosted = sum(g[k].type.nbytes() for k in moved)
+    assert r.state_bytes == r.prep.state_bytes - hosted
+    assert r.host_bytes >= hosted
+    dec = {r.prep.pos[k]: d for k, d in r.decisions.items()}
+    sim = simulate(r.prep, dec, r.prefetch)
+    check_schedule(r.prep, sim, dec)
+    for k in moved:  # in, update, out
+        p = r.prep.pos[k]
+        kinds = [e for e in sim.entries if e[1] == p or (e[0] == NODE and p in
+                                                         r.prep.inputs[e[1]])]
+        assert [e[0] for e in kinds] == [NODE, H2D, NODE, D2H]
+    # a budget activation decisions reach comfortably needs no state offload
+    top = plan_memory(g, 10**12, "k40-12gb", "none").planned_peak_bytes
+    assert plan_memory(g, (without + top) // 2, "k40-12gb").state_offloaded == 0

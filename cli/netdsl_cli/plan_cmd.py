@@ -117,6 +117,8 @@ def _print(res, batch: int, depth: int) -> None:
         f"to / from host      {fb(res.offload_bytes)} each way (host pool peak "
         f"{fb(res.host_bytes)}, prefetch {res.prefetch} nodes ahead)",
         f"recomputed          {fmt_si(res.recompute_flops, 'FLOP')}",
+        f"optimizer state     {res.state_offloaded} of {res.state_buffers} buffers in the "
+        "host pool, streamed in for their update",
         f"arena               {fb(arena)} for values alive at most {fb(bound)} at once "
         f"({100 * (arena / bound - 1) if bound else 0:.1f}% fragmentation)",
     ]

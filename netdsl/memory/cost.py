@@ -56,7 +56,7 @@ class Costs:
         t = d2h_free = h2d_free = 0.0
         host_done: dict[int, float] = {}
         ready: dict[int, float] = {}
-        times, waits, nbytes = self.time, sim.waits, self.nbytes
+        times, waits, nbytes = self.time, sim.waits, self.full_bytes
         for i, (kind, p) in enumerate(sim.entries):
             if kind == NODE or kind == CLONE:
                 us = waits.get(i)

@@ -85,6 +85,8 @@ def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = 
         "min_feasible_bytes": res.min_feasible_bytes,
         "dominant": res.dominant or None,
         "decisions": {**{k: res.counts.get(k, 0) for k in DECISIONS},
+                      "optimizer_state_offloaded": res.state_offloaded,
+                      "optimizer_state_buffers": res.state_buffers,
                       "by_layer_type": res.by_layer_type,
                       "by_block": [r.to_json() for r in decision_rows(res, depth)],
                       "values": res.decisions},

@@ -88,6 +88,8 @@ class PlanResult:
     sim: Sim | None = field(default=None, repr=False)
     baseline_sim: Sim | None = field(default=None, repr=False)
     prep: Prepared | None = field(default=None, repr=False)
+    state_offloaded: int = 0  # optimizer-state buffers kept in the host pool
+    state_buffers: int = 0  # optimizer-state buffers in all
 
     @property
     def predicted_overhead(self) -> float:
@@ -96,7 +98,7 @@ class PlanResult:
 
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
-                 overrides: dict[str, str] | None):
+                 overrides: dict[str, str] | None, offload_state: bool = True):
         self.prep = prepare(g, float_dtype=float_dtype)
         self.costs = Costs(self.prep, profile, float_dtype)
         self.profile = profile
@@ -105,6 +107,7 @@ class Planner:
         prep = self.prep
         self.cand = prep.candidates
         self.cand_set = set(self.cand)
+        self.offload_state = offload_state
         self.forced = self._forced(g, overrides or {})
         self.cache: dict[tuple, tuple[Sim, float]] = {}
 
@@ -123,8 +126,14 @@ class Planner:
                 raise PlanError(f"cannot plan %{name}: no value of that name in the "
                                 "training step")
             out[self.prep.pos[name]] = d
-        # only retained forward values can be recomputed or offloaded
-        return {p: d for p, d in out.items() if p in self.cand_set}
+        # only retained forward values can be recomputed or offloaded, and optimizer
+        # state offloaded
+        state = set(self.prep.opt_state)
+        for p, d in out.items():
+            if p in state and d == RECOMPUTE:
+                raise PlanError(f"%{self.prep.names[p]} is optimizer state: it can be kept "
+                                "or offloaded, not recomputed")
+        return {p: d for p, d in out.items() if p in self.cand_set or p in state}
 
     # -- evaluating a plan ------------------------------------------------------------
     def close(self, dec: dict[int, str]) -> dict[int, str]:
@@ -254,7 +263,12 @@ class Planner:
             elif p in off_cost:
                 items.append((off_cost[p] / prep.bytes[p], p, OFFLOAD))
         items.sort()
-        return [(p, d) for _, p, d in items]
+        out = [(p, d) for _, p, d in items]
+        if self.offload_state and not self.profile.unified:
+            # the last resort: optimizer state kept in the host pool, streamed in before
+            # its update and out after it (latest updates first: they run first)
+            out += [(p, OFFLOAD) for p in sorted(prep.opt_state, reverse=True)]
+        return out
 
     def _windows(self, first_bwd: dict[int, int]) -> dict[int, float]:
         """Compute time of the `prefetch` nodes scheduled before each first reader."""
@@ -268,13 +282,14 @@ class Planner:
 def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
                 strategy: str = "auto", float_dtype: str = "f32",
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
-                progress=None) -> PlanResult:
+                progress=None, offload_state: bool = True) -> PlanResult:
     """Plan bound training-step graph `g` into `budget_bytes` (module doc).
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
     is issued (None: DEFAULT_PREFETCH, or 1 if nothing fits with it); `progress(fraction)`
-    is called as the search advances."""
+    is called as the search advances. `offload_state=False` keeps the optimizer state on
+    the device whatever the budget."""
     t0 = time.perf_counter()
     budget = parse_size(budget_bytes, "memory budget")
     profile = get_profile(profile)
@@ -285,13 +300,13 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
     if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
         res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
-                          DEFAULT_PREFETCH, progress)
+                          DEFAULT_PREFETCH, progress, offload_state)
         if not res.feasible:
             res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
-                              progress)
+                              progress, offload_state)
         res.plan_s = time.perf_counter() - t0
         return res
-    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides)
+    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options: list[tuple[float, int, dict[int, str], Sim]] = []
@@ -328,6 +343,8 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     min_peak = min(o[1] for o in options)
     named = {prep.names[p]: d for p, d in sorted(dec.items())}
     counts = Counter(dec.values())
+    state_off = [p for p in dec if p in set(prep.opt_state)]
+    counts[OFFLOAD] -= len(state_off)
     counts[KEEP] = len(pl.cand) - sum(1 for p in dec if p in pl.cand_set)
     by_type: dict[str, dict[str, int]] = {}
     for p in pl.cand:
@@ -335,15 +352,15 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         d = dec.get(p, KEEP)
         by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
     for p, d in dec.items():
-        if p not in pl.cand_set:
+        if p not in pl.cand_set and prep.phase[p] == FWD:
             lt = pl.ops[prep.ops[p]].layer_type
             by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
     res = PlanResult(
         g.name, strategy, profile, budget, bool(feasible), named, sim.peak_bytes,
         base_sim.peak_bytes, sim.host_bytes, t, base_t, sim.offload_bytes,
-        pl.costs.recompute_flops(sim), prep.state_bytes, prep.workspace,
+        pl.costs.recompute_flops(sim), sim.state_bytes, prep.workspace,
         time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
-        min_peak, "", sim, base_sim, prep)
+        min_peak, "", sim, base_sim, prep, len(state_off), len(prep.opt_state))
     if not feasible:
         best = min(options, key=lambda o: o[1])
         res.dominant = dominant(pl, best[3])
@@ -360,7 +377,7 @@ def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
 
     cum = [0]
     for p, _ in ladder:
-        cum.append(cum[-1] + pl.prep.bytes[p])
+        cum.append(cum[-1] + pl.prep.full_bytes[p])
     lo, hi = 0, len(ladder)
     f_lo = pl.peak(consider(prefix(lo))[0]) - budget  # > 0: over budget
     f_hi = pl.peak(consider(prefix(hi))[0]) - budget  # <= 0: fits
@@ -402,19 +419,24 @@ def dominant(pl: Planner, sim: Sim) -> str:
     prep = pl.prep
     g = prep.g
     parts: Counter = Counter()
-    for name in prep.names:
+    for k, name in enumerate(prep.names):
         n = g[name]
         if n.op == "param":
-            parts["parameters"] += n.type.nbytes()
+            parts["parameters"] += prep.full_bytes[k]
         elif n.op == "buffer":
             role = "optimizer state" if n.attrs.get("role") == "optimizer_state" \
                 else "buffers"
-            parts[role] += n.type.nbytes()
+            parts[role] += prep.full_bytes[k]
     total = pl.peak(sim)
-    live = total - prep.state_bytes - prep.workspace
+    live = total - sim.state_bytes - prep.workspace
+    hosted = prep.state_bytes - sim.state_bytes
+    if hosted:
+        parts["optimizer state"] -= hosted
     at = sim.entries[sim.peak_index][1] if sim.peak_index >= 0 else None
     bits = [f"{k} {format_decimal(v)}" for k, v in parts.most_common() if v]
-    text = (f"persistent state {format_decimal(prep.state_bytes)} ({', '.join(bits)}), "
+    if hosted:
+        bits.append(f"{format_decimal(hosted)} of optimizer state in the host pool")
+    text = (f"persistent state {format_decimal(sim.state_bytes)} ({', '.join(bits)}), "
             f"workspace {format_decimal(prep.workspace)}, live values "
             f"{format_decimal(live)}")
     if at is not None:

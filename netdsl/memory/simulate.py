@@ -57,6 +57,9 @@ class Prepared:
     candidates: list[int]  # forward values a decision can apply to, in forward order
     ops: list[str] = field(default_factory=list)
     full_bytes: list[int] = field(default_factory=list)  # every value's bytes, state too
+    # optimizer-state buffers an update reads: offloading one keeps it in the host pool
+    # and streams it in before its update and out right after
+    opt_state: list[int] = field(default_factory=list)
 
     def name(self, p: int) -> str:
         return self.names[p]
@@ -104,8 +107,10 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             read_bwd.update(ins)
     cands = [k for k in range(len(names)) if phase[k] == FWD and k in read_bwd
              and k not in wanted and nbytes[k] > 0]
+    opt_state = [k for k in range(len(names)) if phase[k] == STATE and k in read_bwd
+                 and order[k].attrs.get("role") == "optimizer_state"]
     return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
-                    opnames, full)
+                    opnames, full, opt_state)
 
 
 def _eager(g: Graph, order: list) -> list:
@@ -221,6 +226,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     last_fwd = [-1] * n
     reads_dev: dict[int, list[int]] = {}
     any_off = any(off)
+    is_state = phase  # phase[p] == STATE marks persistent state
     for i, (kind, p) in enumerate(seq):
         if kind == CLONE or phase[p] == BWD:
             for u in inputs[p]:
@@ -256,6 +262,12 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
             after.setdefault(down, []).append(p)
             up = max(first_dev[p] - prefetch, down + 1)
             before.setdefault(up, []).append(p)
+        for p in prep.opt_state:  # in from the host before the update, out after it
+            if not off[p] or first_dev[p] < 0:
+                continue
+            offloaded.append(p)
+            after.setdefault(last[2 * n + p], []).append(p)
+            before.setdefault(max(first_dev[p] - prefetch, 0), []).append(p)
 
     entries: list[tuple[int, int]] = []
     started: list[tuple[int, int]] = []  # (value id, entry index where it appears)
@@ -284,25 +296,27 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
 
     # 4. the byte count
     m = len(entries)
-    nbytes = prep.bytes
+    nbytes, full = prep.bytes, prep.full_bytes
     wanted = prep.wanted
+    host_state = [p for p in offloaded if is_state[p] == STATE]
     ends: list[tuple[int, int, int, int]] = []  # (value id, bytes, first, one past last)
     for vid, s in started:
         p = vid % n if vid >= n else vid
-        b = nbytes[p]
+        b = nbytes[p] if is_state[p] != STATE else full[p] if vid >= 2 * n else 0
         if b == 0:
             continue
         if vid < n and p in wanted:
             e = m
-        elif vid < n and p in host_start:
+        elif (vid < n or is_state[p] == STATE) and p in host_start:
             e = host_start[p] + 1  # freed after its to_host copy
         elif last[vid] >= 0:
             e = remap[last[vid]] + 1
         else:
             e = s + 1  # nobody reads it: dropped as soon as made
         ends.append((vid, b, s, e))
+    device_state = prep.state_bytes - sum(full[p] for p in host_state)
     diff = [0] * (m + 1)
-    diff[0] = prep.state_bytes + prep.workspace
+    diff[0] = device_state + prep.workspace
     for _, b, s, e in ends:
         diff[s] += b
         diff[e] -= b
@@ -314,15 +328,17 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         peak, peak_i = diff[0], -1
     if host_start:
         hdiff = [0] * (m + 1)
+        hdiff[0] = sum(full[p] for p in host_state)  # host-resident all the time
         for p, s in host_start.items():
-            hdiff[s] += nbytes[p]
-            hdiff[host_end.get(p, m - 1) + 1] -= nbytes[p]
+            if is_state[p] != STATE:
+                hdiff[s] += nbytes[p]
+                hdiff[host_end.get(p, m - 1) + 1] -= nbytes[p]
         host = list(accumulate(hdiff[:m]))
     else:
         host = [0] * m
     waits = {remap[i]: us for i, us in reads_dev.items()}
     sim = Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
-              prep.state_bytes, prep.workspace, sum(nbytes[p] for p in offloaded),
+              device_state, prep.workspace, sum(full[p] for p in offloaded),
               [p for p in range(n) if cloned[p]], lifetimes=ends)
     if by_kind:
         kd = {k: [0] * (m + 1) for k in KINDS}

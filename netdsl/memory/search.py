@@ -70,7 +70,9 @@ class PlanResult:
     budget_bytes: int
     feasible: bool
     decisions: dict[str, str]  # forward value -> keep | recompute | offload (non-keep only)
-    planned_peak_bytes: int  # predicted device peak (state + live + workspace)
+    # predicted device peak (state + live + workspace; plus the host pool where host and
+    # device are one memory)
+    planned_peak_bytes: int
     baseline_peak_bytes: int  # the same step without a plan (eager updates)
     host_bytes: int  # peak of the host pool
     predicted_step_s: float
@@ -356,8 +358,8 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             lt = pl.ops[prep.ops[p]].layer_type
             by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
     res = PlanResult(
-        g.name, strategy, profile, budget, bool(feasible), named, sim.peak_bytes,
-        base_sim.peak_bytes, sim.host_bytes, t, base_t, sim.offload_bytes,
+        g.name, strategy, profile, budget, bool(feasible), named, peak,
+        pl.peak(base_sim), sim.host_bytes, t, base_t, sim.offload_bytes,
         pl.costs.recompute_flops(sim), sim.state_bytes, prep.workspace,
         time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
         min_peak, "", sim, base_sim, prep, len(state_off), len(prep.opt_state))

@@ -68,18 +68,19 @@ def exact_plan(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-
     col = {p: i for i, p in enumerate(cand)}
     rec_cost, off_cost = pl.estimates()
     base = simulate(prep, {}, pl.prefetch)
-    keep_t = np.array(base.timeline, dtype=float)  # all-keep entries are base positions
+    keep_t = np.array(base.timeline, dtype=float)  # the unplanned schedule's entries
+    at = {p: i for i, (_, p) in enumerate(base.entries)}  # position -> entry index
     first_bwd = pl.first_bwd()
     last_fwd: dict[int, int] = {}
     for k, ins in enumerate(prep.inputs):
         if prep.phase[k] == FWD:
             for u in ins:
-                last_fwd[u] = k
+                last_fwd[u] = max(last_fwd.get(u, -1), at[k])
 
     rows, cols, vals = [], [], []
     for p in cand:
         b = float(prep.bytes[p])
-        lf, fb = last_fwd.get(p, p), first_bwd[p]
+        lf, fb = last_fwd.get(p, at[p]), at[first_bwd[p]]
         for t in range(lf + 1, fb):
             rows.append(t)
             cols.append(col[p])

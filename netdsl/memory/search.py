@@ -100,7 +100,7 @@ class PlanResult:
 
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
-                 overrides: dict[str, str] | None, offload_state: bool = True):
+                 overrides: dict[str, str] | None, offload_state: bool = False):
         self.prep = prepare(g, float_dtype=float_dtype)
         self.costs = Costs(self.prep, profile, float_dtype)
         self.profile = profile
@@ -284,14 +284,15 @@ class Planner:
 def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
                 strategy: str = "auto", float_dtype: str = "f32",
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
-                progress=None, offload_state: bool = True) -> PlanResult:
+                progress=None, offload_state: bool = False) -> PlanResult:
     """Plan bound training-step graph `g` into `budget_bytes` (module doc).
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
     is issued (None: DEFAULT_PREFETCH, or 1 if nothing fits with it); `progress(fraction)`
-    is called as the search advances. `offload_state=False` keeps the optimizer state on
-    the device whatever the budget."""
+    is called as the search advances. `offload_state=True` lets the plan keep optimizer
+    state in the host pool as a last resort (predicted only: `apply_decisions` does not
+    rewrite state yet)."""
     t0 = time.perf_counter()
     budget = parse_size(budget_bytes, "memory budget")
     profile = get_profile(profile)

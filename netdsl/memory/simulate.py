@@ -3,23 +3,27 @@
 `prepare(g)` indexes a bound training-step graph once (forward + autodiff + optimizer);
 `simulate(prep, decisions)` then builds, without rewriting the graph, the schedule that
 `netdsl.memory.strategies.apply_decisions` produces for the same decisions, and counts
-its bytes with the executor's rule. The search calls it many times, so it works on
-integer positions, not on nodes. The semantics (docs/memory.md):
+its bytes with `netdsl.memory.plan.make_plan`'s rule; tests check both equal. The search
+calls it many times, so it works on integer positions, not on nodes:
 
-1. eager updates: each parameter's update runs right after the node producing its
-   gradient, so no step holds all gradients (the sources the optimizer adds, its state
-   and the learning rate, are scheduled first);
-2. keep: a value lives from its producer until its last reader (netdsl/memory/plan.py);
-3. recompute v: v is freed after its last forward reader; a clone of v's node runs right
-   before the first backward node reading v, reading v's inputs resolved recursively
-   (kept: as they are, offloaded: their device copy, recomputed: their own clone, made
-   first); every backward reader reads the clone, which lives until its last reader;
-4. offload v: a `to_host` copy runs right after v's last forward reader (v is freed after
-   it; the host copy lives in a host pool until it is copied back), and a `to_device`
-   copy `prefetch` scheduled nodes before the first reader of the device copy, which
-   lives until its last reader;
-5. device bytes = persistent state (params, buffers, optimizer state) + live values + one
-   shared workspace region, the largest `OpDef.workspace` of any scheduled node.
+1. recompute v: a clone of v runs right before v's first backward reader (or earlier,
+   where a clone that reads v is needed earlier), reading v's inputs resolved (kept: as
+   they are, offloaded: their device copy, recomputed: their clone); clones placed
+   before the same node go in forward order; every backward reader reads the clone;
+2. offload v: `to_host` right after v is made (v still dies after its last forward
+   reader; the host copy waits in the host pool) and `to_device` before the node
+   `prefetch` places ahead of where v is first needed in the original order (not before
+   the first backward node);
+3. eager updates: the optimizer's sources (and a step counter's increment) go right
+   before the first backward entry, and each update right after the last entry that
+   makes one of its inputs or reads what it overwrites, so no step holds all gradients;
+4. bytes: persistent state + one shared workspace region (the largest `OpDef.workspace`
+   of any node) + every value from its entry to its last reader (the roles' outputs to
+   the end); `to_host` copies are counted in the host pool.
+
+Beyond `apply_decisions`, an optimizer-state buffer may be offloaded too: it then lives
+in the host pool and is copied in `prefetch` entries before its update and out right
+after it (a proposal the executor does not run yet: `plan_memory(offload_state=True)`).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ class Prepared:
     """A bound training graph indexed for repeated simulation (positions, not names)."""
 
     g: Graph
-    names: list[str]  # the base schedule (eager updates applied), all decisions "keep"
+    names: list[str]  # the nodes a step runs, in graph order (before any rewrite)
     pos: dict[str, int]  # node name -> position in `names`
     bytes: list[int]  # bytes of each value (0 for state and in-place updates)
     inputs: list[tuple[int, ...]]  # input positions
@@ -60,21 +64,22 @@ class Prepared:
     # optimizer-state buffers an update reads: offloading one keeps it in the host pool
     # and streams it in before its update and out right after
     opt_state: list[int] = field(default_factory=list)
+    first_late: list[int] = field(default_factory=list)  # first backward reader, or -1
+    first_bwd: int = 0  # position of the first backward node
+    early: list[int] = field(default_factory=list)  # optimizer sources moved early
+    late_node: list[bool] = field(default_factory=list)  # phase backward (not optimizer)
+    updates: list[int] = field(default_factory=list)  # update nodes placed eagerly
+    written: dict[int, tuple[int, ...]] = field(default_factory=dict)  # update -> roots
+    root: list[int] = field(default_factory=list)  # storage a value aliases (views)
 
     def name(self, p: int) -> str:
         return self.names[p]
-
-
-def _is_update(n) -> bool:
-    return n.meta.get("phase") == "optimizer" and bool(registry.OPS[n.op].writes)
 
 
 def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             eager_updates: bool = True) -> Prepared:
     ops = registry.load_all()
     order, _, wanted_names = schedule(g, roles)
-    if eager_updates:
-        order = _eager(g, order)
     names = [n.name for n in order]
     pos = {name: k for k, name in enumerate(names)}
     nbytes, inputs, phase, opnames, full = [], [], [], [], []
@@ -109,33 +114,36 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
              and k not in wanted and nbytes[k] > 0]
     opt_state = [k for k in range(len(names)) if phase[k] == STATE and k in read_bwd
                  and order[k].attrs.get("role") == "optimizer_state"]
-    return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
-                    opnames, full, opt_state)
-
-
-def _eager(g: Graph, order: list) -> list:
-    """Move each update right after its gradient's producer; the non-state sources the
-    updates read (the learning rate) go first."""
-    grad_of = g.meta.get("grad_of", {})
-    updates_after: dict[str, list] = {}
-    moved = set()
-    for n in order:
-        if _is_update(n):
-            grads = [i for i in n.inputs if i in grad_of]
-            if grads:
-                updates_after.setdefault(grads[0], []).append(n)
-                moved.add(n.name)
-    update_inputs = {i for ns in updates_after.values() for u in ns for i in u.inputs}
-    early = [n for n in order if n.is_source and n.name in update_inputs
-             and n.meta.get("phase") == "optimizer"]
-    early_names = {n.name for n in early}
-    out = list(early)
-    for n in order:
-        if n.name in moved or n.name in early_names:
+    n_all = len(names)
+    first_late = [-1] * n_all
+    for k in range(n_all - 1, -1, -1):
+        if phase[k] == BWD:
+            for u in inputs[k]:
+                first_late[u] = k
+    first_bwd = next((k for k in range(n_all) if phase[k] == BWD), n_all)
+    late_node = [phase[k] == BWD and order[k].meta.get("phase") != "optimizer"
+                 for k in range(n_all)]
+    upd_names = set(g.outputs.get("updates", ()))
+    early, updates, written = [], [], {}
+    root = list(range(n_all))
+    for k, n in enumerate(order):
+        op = ops.get(n.op)
+        if op is not None and op.view_of is not None and op.view_of < len(n.inputs) \
+                and not op.written_inputs(n):
+            root[k] = root[inputs[k][op.view_of]]
+        if n.meta.get("phase") != "optimizer":
             continue
-        out.append(n)
-        out.extend(updates_after.get(n.name, ()))
-    return out
+        if n.is_source or (n.name in upd_names and n.op == "step_increment"
+                           and all(order[i].is_source for i in inputs[k])):
+            early.append(k)
+        elif n.name in upd_names:
+            updates.append(k)
+            written[k] = tuple(root[inputs[k][j]] for j in op.written_inputs(n))
+    if not eager_updates:
+        early, updates = [], []
+    return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
+                    opnames, full, opt_state, first_late, first_bwd, early, late_node,
+                    updates, written, root)
 
 
 @dataclass
@@ -209,95 +217,108 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         elif d == OFFLOAD:
             off[p] = True
 
-    # 1. the compute sequence: base nodes with clones made just before their first reader
-    seq: list[tuple[int, int]] = []
-    cloned = [False] * n
-    for p in range(n):
-        if phase[p] == BWD:
+    # 1. where each planned value is first needed in the backward pass: at its first
+    # backward reader, or earlier if a clone that reads it is needed earlier
+    wanted = prep.wanted
+    first_late = prep.first_late
+    need: dict[int, int] = {}
+    for p in sorted(decisions, reverse=True):
+        if p in wanted or not (rec[p] or off[p]) or phase[p] == STATE:
+            continue
+        k = first_late[p]
+        if k >= 0 and (p not in need or k < need[p]):
+            need[p] = k
+        if rec[p] and p in need:
             for u in inputs[p]:
-                if rec[u] and not cloned[u]:
-                    _materialize(u, inputs, rec, cloned, seq)
-        seq.append((NODE, p))
-
-    # 2. who reads what: resolve backward/clone reads to clones and device copies
-    # value ids: p (original), n + p (clone), 2n + p (device copy)
-    last = [-1] * (3 * n)
-    first_dev = [-1] * n
-    last_fwd = [-1] * n
-    reads_dev: dict[int, list[int]] = {}
-    any_off = any(off)
-    is_state = phase  # phase[p] == STATE marks persistent state
-    for i, (kind, p) in enumerate(seq):
-        if kind == CLONE or phase[p] == BWD:
-            for u in inputs[p]:
-                if rec[u]:
-                    last[n + u] = i
-                elif off[u]:
-                    last[2 * n + u] = i
-                    if first_dev[u] < 0:
-                        first_dev[u] = i
-                    reads_dev.setdefault(i, []).append(u)
-                else:
-                    last[u] = i
+                if (rec[u] or off[u]) and u not in wanted and phase[u] != STATE:
+                    if u not in need or need[p] < need[u]:
+                        need[u] = need[p]
+    # 2. clones and prefetches before the node where they are needed, in forward order;
+    # each to_host right after its value
+    before: dict[int, list[tuple[int, int]]] = {}
+    after: dict[int, list[tuple[int, int]]] = {}
+    offloaded: list[int] = []
+    cloned: list[int] = []
+    renamed = [0] * n  # 0: as is, 1: clone, 2: device copy
+    for p in sorted(need):
+        if rec[p]:
+            before.setdefault(need[p], []).append((CLONE, p))
+            renamed[p] = 1
+            cloned.append(p)
         else:
-            for u in inputs[p]:
-                last[u] = i
-                last_fwd[u] = i
-
-    # 3. transfers: to_host after the last forward reader, to_device `prefetch` before
-    # the first reader of the device copy
-    after: dict[int, list[int]] = {}
-    before: dict[int, list[int]] = {}
-    offloaded = []
-    if any_off:
-        seq_index = [0] * n
-        for i, (kind, p) in enumerate(seq):
-            if kind == NODE:
-                seq_index[p] = i
-        for p in prep.candidates:
-            if not off[p] or first_dev[p] < 0:
-                continue
+            after.setdefault(p, []).append((D2H, p))
+            at = max(prep.first_bwd, need[p] - prefetch)
+            before.setdefault(at, []).append((H2D, p))
+            renamed[p] = 2
             offloaded.append(p)
-            down = last_fwd[p] if last_fwd[p] >= 0 else seq_index[p]
-            after.setdefault(down, []).append(p)
-            up = max(first_dev[p] - prefetch, down + 1)
-            before.setdefault(up, []).append(p)
-        for p in prep.opt_state:  # in from the host before the update, out after it
-            if not off[p] or first_dev[p] < 0:
-                continue
-            offloaded.append(p)
-            after.setdefault(last[2 * n + p], []).append(p)
-            before.setdefault(max(first_dev[p] - prefetch, 0), []).append(p)
+    seq: list[tuple[int, int]] = []
+    for p in range(n):
+        if p in before:
+            seq.extend(before[p])
+        seq.append((NODE, p))
+        if p in after:
+            seq.extend(after[p])
 
-    entries: list[tuple[int, int]] = []
-    started: list[tuple[int, int]] = []  # (value id, entry index where it appears)
-    remap = [0] * len(seq)  # seq index -> entry index
+    # 3. eager updates
+    if prep.updates:
+        seq = _eager(prep, seq, renamed)
+    if any(off[p] for p in prep.opt_state):
+        seq = _stream_state(prep, seq, off, prefetch, offloaded)
+        for p in prep.opt_state:
+            if off[p]:
+                renamed[p] = 2  # the update reads the copy brought in for it
+
+    # 4. who reads what: value ids p (original), n + p (clone), 2n + p (device copy),
+    # 3n + p (host copy)
+    entries = seq
+    last = [-1] * (4 * n)
+    reads_dev: dict[int, list[int]] = {}
+    started: list[tuple[int, int]] = []
     host_start: dict[int, int] = {}
-    host_end: dict[int, int] = {}
-    if any_off:
-        for i, e in enumerate(seq):
-            if i in before:
-                for p in before[i]:
-                    started.append((2 * n + p, len(entries)))
-                    host_end[p] = len(entries)
-                    entries.append((H2D, p))
-            remap[i] = len(entries)
-            kind, p = e
-            started.append((n + p if kind == CLONE else p, len(entries)))
-            entries.append(e)
-            if i in after:
-                for p in after[i]:
-                    host_start[p] = len(entries)
-                    entries.append((D2H, p))
-    else:
-        entries = seq
-        remap = range(len(seq))
-        started = [(n + p if kind == CLONE else p, i) for i, (kind, p) in enumerate(seq)]
+    for i, (kind, p) in enumerate(entries):
+        if kind == NODE:
+            started.append((p, i))
+            if phase[p] == BWD:
+                for u in inputs[p]:
+                    r = renamed[u]
+                    if r == 0:
+                        last[u] = i
+                    elif r == 1:
+                        last[n + u] = i
+                    else:
+                        last[2 * n + u] = i
+                        reads_dev.setdefault(i, []).append(u)
+            else:
+                for u in inputs[p]:
+                    last[u] = i
+        elif kind == CLONE:
+            started.append((n + p, i))
+            for u in inputs[p]:
+                r = renamed[u]
+                if r == 0:
+                    last[u] = i
+                elif r == 1:
+                    last[n + u] = i
+                else:
+                    last[2 * n + u] = i
+                    reads_dev.setdefault(i, []).append(u)
+        elif kind == D2H:
+            host_start[p] = i
+            if phase[p] == STATE:
+                last[2 * n + p] = i
+            else:
+                last[p] = i
+        else:  # H2D
+            started.append((2 * n + p, i))
+            last[3 * n + p] = i
+    remap = range(len(entries))
+    host_end = {p: last[3 * n + p] for p in host_start if last[3 * n + p] >= 0}
 
     # 4. the byte count
     m = len(entries)
     nbytes, full = prep.bytes, prep.full_bytes
     wanted = prep.wanted
+    is_state = phase
     host_state = [p for p in offloaded if is_state[p] == STATE]
     ends: list[tuple[int, int, int, int]] = []  # (value id, bytes, first, one past last)
     for vid, s in started:
@@ -307,8 +328,6 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
             continue
         if vid < n and p in wanted:
             e = m
-        elif (vid < n or is_state[p] == STATE) and p in host_start:
-            e = host_start[p] + 1  # freed after its to_host copy
         elif last[vid] >= 0:
             e = remap[last[vid]] + 1
         else:
@@ -336,10 +355,9 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         host = list(accumulate(hdiff[:m]))
     else:
         host = [0] * m
-    waits = {remap[i]: us for i, us in reads_dev.items()}
-    sim = Sim(entries, timeline, host, waits, peak, peak_i, max(host, default=0),
-              device_state, prep.workspace, sum(full[p] for p in offloaded),
-              [p for p in range(n) if cloned[p]], lifetimes=ends)
+    sim = Sim(entries, timeline, host, reads_dev, peak, peak_i, max(host, default=0),
+              device_state, prep.workspace, sum(full[p] for p in offloaded), cloned,
+              lifetimes=ends)
     if by_kind:
         kd = {k: [0] * (m + 1) for k in KINDS}
         for vid, b, s, e in ends:
@@ -352,19 +370,84 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     return sim
 
 
-def _materialize(v: int, inputs, rec, cloned, seq) -> None:
-    """Append clones of v and of the recomputed values it needs, inputs first
-    (iteratively: a recompute chain can be thousands of nodes long)."""
-    stack = [(v, False)]
-    while stack:
-        u, expanded = stack.pop()
-        if cloned[u]:
+def _eager(prep: Prepared, seq: list[tuple[int, int]], renamed: list[int]
+           ) -> list[tuple[int, int]]:
+    """apply_decisions' eager updates on a schedule (see the module doc)."""
+    n = len(prep.names)
+    early = set(prep.early)
+    rest = [e for e in seq if not (e[0] == NODE and e[1] in early)]
+    first = next((i for i, (kind, p) in enumerate(rest)
+                  if kind in (CLONE, H2D) or (kind == NODE and prep.late_node[p])), None)
+    if first is None:
+        return seq
+    seq = rest[:first] + [(NODE, p) for p in prep.early] + rest[first:]
+    inputs, phase, root = prep.inputs, prep.phase, prep.root
+    where: dict[int, int] = {}  # value id -> entry index that makes it
+    readers: dict[int, list[int]] = {}  # storage root -> entries reading it
+    for i, (kind, p) in enumerate(seq):
+        if kind == NODE:
+            where[p] = i
+            resolve = phase[p] == BWD
+        elif kind == CLONE:
+            where[n + p] = i
+            resolve = True
+        elif kind == H2D:
+            where[2 * n + p] = i
             continue
-        if expanded:
-            cloned[u] = True
-            seq.append((CLONE, u))
+        else:
+            where[3 * n + p] = i
+            readers.setdefault(root[p], []).append(i)
             continue
-        stack.append((u, True))
-        for w in reversed(inputs[u]):
-            if rec[w] and not cloned[w]:
-                stack.append((w, False))
+        for u in inputs[p]:
+            r = renamed[u] if resolve else 0
+            if r == 0:
+                readers.setdefault(root[u], []).append(i)
+    moves: dict[int, int] = {}  # entry index of an update -> entry index of its anchor
+    for u in prep.updates:
+        k = where[u]
+        last = max(where[w] for w in inputs[u])
+        for r in prep.written[u]:
+            for i in readers.get(r, ()):
+                if i != k and i > last:
+                    last = i
+        if last < k:
+            moves[k] = last
+    if not moves:
+        return seq
+    after: dict[int, list[int]] = {}
+    for k in sorted(moves):
+        after.setdefault(moves[k], []).append(k)
+    out: list[tuple[int, int]] = []
+    stack: list[int] = []
+    for i in range(len(seq)):
+        if i in moves:
+            continue
+        stack.append(i)
+        while stack:
+            j = stack.pop()
+            out.append(seq[j])
+            stack.extend(reversed(after.get(j, ())))
+    return out
+
+
+def _stream_state(prep: Prepared, seq, off, prefetch: int, offloaded: list[int]):
+    """Offloaded optimizer state: copied in `prefetch` entries before its update, out
+    right after it."""
+    at = {p: i for i, (kind, p) in enumerate(seq) if kind == NODE}
+    before: dict[int, list[int]] = {}
+    after: dict[int, list[int]] = {}
+    for s in prep.opt_state:
+        if not off[s]:
+            continue
+        readers = [at[u] for u in prep.updates if s in prep.inputs[u]]
+        if not readers:
+            continue
+        offloaded.append(s)
+        before.setdefault(max(0, min(readers) - prefetch), []).append(s)
+        after.setdefault(max(readers), []).append(s)
+    out = []
+    for i, e in enumerate(seq):
+        out.extend((H2D, s) for s in before.get(i, ()))
+        out.append(e)
+        out.extend((D2H, s) for s in after.get(i, ()))
+    return out

@@ -75,3 +75,9 @@ def test_plot(tmp_path):
     r = plan("--mem", "5MB", "--plot", str(out))
     assert r.exit_code == 0, r.output
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_is_verified_by_the_rewrite():
+    r = plan("--mem", "5MB", "--json")
+    d = json.loads(r.stdout)
+    assert d["verified_peak_bytes"] == d["planned_peak_bytes"] <= 5 * 10**6

@@ -43,6 +43,9 @@ def plan(
                                        help="block levels in the decision table")] = 2,
     plot: Annotated[Path | None, typer.Option(help="draw device memory over the schedule "
                                               "into this image (needs matplotlib)")] = None,
+    offload_state: Annotated[bool, typer.Option(
+        "--offload-state", help="let the plan keep optimizer state in host memory as a "
+        "last resort (predicted only: `netdsl run` cannot execute it yet)")] = False,
     exact: Annotated[bool, typer.Option(help="also solve the exact program (SciPy HiGHS "
                                         "MILP; small networks) and report auto's gap")]
     = False,
@@ -56,12 +59,12 @@ def plan(
         net = load_network(file)
         b = batch if batch is not None else net.default_batch
         if json_output:
-            res = plan_api(net, mem, b, profile, strategy)
+            res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state)
         else:
             with Progress(TextColumn("[bold]plan"), BarColumn(), TimeElapsedColumn(),
                           console=console(stderr=True), transient=True) as bar:
                 task = bar.add_task("plan", total=1.0)
-                res = plan_api(net, mem, b, profile, strategy,
+                res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
                                progress=lambda f: bar.update(task, completed=f))
         if plot is not None:
             from netdsl.memory.plot import plot_memory
@@ -110,7 +113,10 @@ def _print(res, batch: int, depth: int) -> None:
         f"peak without a plan {fb(res.baseline_peak_bytes)}",
         f"planned peak        {fb(res.planned_peak_bytes)}"
         + ("" if res.feasible else "  (over budget)")
-        + f"  (state {fb(res.state_bytes)}, workspace {fb(res.workspace_bytes)})",
+        + f"  (state {fb(res.state_bytes)}, workspace {fb(res.workspace_bytes)})"
+        + ("" if res.verified_peak_bytes is None else
+           f"; the rewritten step's storage plan: {fb(res.verified_peak_bytes)} "
+           f"(checked in {res.verify_s:.2f} s)"),
         f"predicted step      {res.predicted_step_s:.3f} s, "
         f"{100 * res.predicted_overhead:+.1f}% against the unconstrained "
         f"{res.baseline_step_s:.3f} s",

@@ -82,6 +82,7 @@ def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = 
         "state_bytes": res.state_bytes, "workspace_bytes": res.workspace_bytes,
         "prefetch": res.prefetch, "plan_s": res.plan_s,
         "arena_bytes": arena, "lower_bound_bytes": bound,
+        "verified_peak_bytes": res.verified_peak_bytes, "verify_s": res.verify_s,
         "min_feasible_bytes": res.min_feasible_bytes,
         "dominant": res.dominant or None,
         "decisions": {**{k: res.counts.get(k, 0) for k in DECISIONS},

@@ -92,6 +92,8 @@ class PlanResult:
     prep: Prepared | None = field(default=None, repr=False)
     state_offloaded: int = 0  # optimizer-state buffers kept in the host pool
     state_buffers: int = 0  # optimizer-state buffers in all
+    verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
+    verify_s: float | None = None
 
     @property
     def predicted_overhead(self) -> float:

@@ -10,7 +10,8 @@ example's header uses: convolutions of the blocks, stem and classifier). The sea
 doubles b from 64 until a plan fails, then bisects; each probe generates the .net text,
 builds the training step and plans it (the reference for the overhead is the
 unconstrained step of the same network, predicted in the same run). Goal for auto: 5,000
-layers or more.
+layers or more. `--offload-state` lets auto keep optimizer state in the host pool as a
+last resort (the executor does not run that yet: a prediction of what it would give).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def layers(b: int) -> int:
 def probe(b: int, a, strategy: str):
     net = loads(TEMPLATE.format(b=b), file=str(ROOT / "examples" / "resnet_deep.net"))
     g = training_graph(net.lower(a.batch), net.train or TrainConfig())
-    r = plan_memory(g, a.mem, a.profile, strategy, prefetch=a.prefetch)
+    r = plan_memory(g, a.mem, a.profile, strategy, prefetch=a.prefetch,
+                    offload_state=a.offload_state)
     return r.feasible and r.predicted_overhead <= a.max_overhead, r
 
 
@@ -84,6 +86,8 @@ def main() -> None:
     ap.add_argument("--profile", default="k40-12gb")
     ap.add_argument("--max-overhead", type=float, default=0.30)
     ap.add_argument("--prefetch", type=int, default=None)
+    ap.add_argument("--offload-state", action="store_true",
+                    help="let auto keep optimizer state in the host pool (predicted only)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES[1:] + STRATEGIES[:1]))
     a = ap.parse_args()
     print(f"deepest resnet2504-family network planned into {a.mem} at batch {a.batch} on "

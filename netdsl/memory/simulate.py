@@ -311,25 +311,22 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         else:  # H2D
             started.append((2 * n + p, i))
             last[3 * n + p] = i
-    remap = range(len(entries))
     host_end = {p: last[3 * n + p] for p in host_start if last[3 * n + p] >= 0}
 
-    # 4. the byte count
+    # 5. the byte count
     m = len(entries)
     nbytes, full = prep.bytes, prep.full_bytes
-    wanted = prep.wanted
-    is_state = phase
-    host_state = [p for p in offloaded if is_state[p] == STATE]
+    host_state = [p for p in offloaded if phase[p] == STATE]
     ends: list[tuple[int, int, int, int]] = []  # (value id, bytes, first, one past last)
     for vid, s in started:
         p = vid % n if vid >= n else vid
-        b = nbytes[p] if is_state[p] != STATE else full[p] if vid >= 2 * n else 0
+        b = nbytes[p] if phase[p] != STATE else full[p] if vid >= 2 * n else 0
         if b == 0:
             continue
         if vid < n and p in wanted:
             e = m
         elif last[vid] >= 0:
-            e = remap[last[vid]] + 1
+            e = last[vid] + 1
         else:
             e = s + 1  # nobody reads it: dropped as soon as made
         ends.append((vid, b, s, e))
@@ -349,7 +346,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         hdiff = [0] * (m + 1)
         hdiff[0] = sum(full[p] for p in host_state)  # host-resident all the time
         for p, s in host_start.items():
-            if is_state[p] != STATE:
+            if phase[p] != STATE:
                 hdiff[s] += nbytes[p]
                 hdiff[host_end.get(p, m - 1) + 1] -= nbytes[p]
         host = list(accumulate(hdiff[:m]))

@@ -134,3 +134,7 @@ class CheckpointError(NetdslError):
 
 class DeviceError(NetdslError):
     pass
+
+
+class InteropError(NetdslError):
+    """A model that cannot be exported to or imported from another format (ONNX)."""

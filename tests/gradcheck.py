@@ -16,7 +16,8 @@ def op_graph(op: str, shapes: list[tuple], attrs: dict, ints: dict[int, int] | N
     """Graph `out = op(in0, in1, ...)`, loss = mean(out * r) (or `out` if it is a scalar).
 
     shapes: one shape per tensor argument. ints: {argument index: exclusive upper bound}
-    for integer arguments (labels, ids), which become `input` nodes; float arguments
+    for integer arguments (labels, ids), or "bool" for a mask; these become `input`
+    nodes. Float arguments
     become `param` nodes so that autodiff computes their gradients. `r` is an input of
     random weights, so every output element matters to the loss with its own weight.
     """
@@ -26,8 +27,10 @@ def op_graph(op: str, shapes: list[tuple], attrs: dict, ints: dict[int, int] | N
     for k, s in enumerate(shapes):
         name = f"in{k}"
         if k in ints:
-            g.add(Node(name, "input", (), TensorType(tuple(s), "i64"),
-                       {"shape": tuple(s), "dtype": "i64", "high": ints[k]}))
+            dt = "bool" if ints[k] == "bool" else "i64"
+            high = 2 if dt == "bool" else ints[k]
+            g.add(Node(name, "input", (), TensorType(tuple(s), dt),
+                       {"shape": tuple(s), "dtype": dt, "high": high}))
         else:
             g.add(Node(name, "param", (), TensorType(tuple(s), "f32"),
                        {"shape": tuple(s), "init": "normal"}))
@@ -48,21 +51,25 @@ def op_graph(op: str, shapes: list[tuple], attrs: dict, ints: dict[int, int] | N
 def random_feeds(g: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
     feeds = {}
     for n in g.by_op("input"):
-        if n.type.dtype.startswith("i"):
+        if n.type.dtype.startswith("i") or n.type.dtype == "bool":
             feeds[n.name] = rng.integers(0, n.attrs["high"], n.type.shape)
         else:
             feeds[n.name] = rng.standard_normal(n.type.shape)
     return feeds
 
 
-def randomise_params(ex: Executor, rng: np.random.Generator) -> None:
+def randomise_params(ex: Executor, rng: np.random.Generator, positive=()) -> None:
+    """Standard normal parameters; those named in `positive` (inputs of sqrt, log, a
+    pow's base) are |N(0, 1)| + 0.5."""
     for n in ex.graph.nodes:
         if n.op == "param":
-            ex.state[n.name][...] = rng.standard_normal(n.type.shape)
+            v = rng.standard_normal(n.type.shape)
+            ex.state[n.name][...] = np.abs(v) + 0.5 if n.name in positive else v
 
 
 def check_grads(g: Graph, seed: int = 0, max_elems: int = 24, eps: float = 1e-6,
-                rtol: float = 1e-4, atol: float = 1e-7) -> dict[str, np.ndarray]:
+                rtol: float = 1e-4, atol: float = 1e-7,
+                positive=()) -> dict[str, np.ndarray]:
     """Assert autodiff's gradients of `g` match central differences; returns them.
 
     At most `max_elems` elements of each parameter are probed (chosen at random), which
@@ -71,7 +78,7 @@ def check_grads(g: Graph, seed: int = 0, max_elems: int = 24, eps: float = 1e-6,
     rng = np.random.default_rng(seed)
     tg = autodiff(g)
     ex = Executor(tg, "numpy", dtype="f64", seed=seed)
-    randomise_params(ex, rng)
+    randomise_params(ex, rng, positive)
     feeds = random_feeds(tg, rng)
     res = ex.run(feeds, training=True)
     grads = {tg.meta["grad_of"][name]: v.copy() for name, v in

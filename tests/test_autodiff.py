@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _op_cases import samples
 from gradcheck import op_graph
 
 from netdsl.errors import NetdslError, SourceLoc
@@ -191,6 +192,7 @@ SAMPLES = {
     "dropout": ([(3, 4)], {"p": 0.5}, {}),
     "to_host": ([(3, 4)], {}, {}), "to_device": ([(3, 4)], {}, {}),
 }
+SAMPLES.update({k: v for k, v in samples().items() if k not in SAMPLES})
 
 
 @pytest.mark.parametrize("op", sorted(SAMPLES))
@@ -231,9 +233,9 @@ graph reg(batch=2) {
   %fc.weight = param() {shape=(1, 3), init=kaiming_uniform, fan_in=3} : f32[1, 3]
   %fc.bias = param() {shape=(1,), init=uniform_fan_in, fan_in=3} : f32[1]
   %fc = linear(%x, %fc.weight, %fc.bias) {out_features=1, bias=true} : f32[2, 1]
-  %loss = mse(%fc, %t) : f32[]
+  %loss = mse(%fc, %t) {reduction=mean} : f32[]
   %loss.grad.seed = fill() {shape=(), value=1.0, dtype=f32} : f32[]
-  %loss.grad.pred = mse_grad(%loss.grad.seed, %fc, %t) : f32[2, 1]
+  %loss.grad.pred = mse_grad(%loss.grad.seed, %fc, %t) {reduction=mean} : f32[2, 1]
   %fc.grad.weight = linear_grad_weight(%loss.grad.pred, %x) : f32[1, 3]
   %fc.grad.bias = sum_except(%loss.grad.pred) {axis=-1} : f32[1]
   %lr = input() {shape=(), dtype=f32, default=0.1, role=lr} : f32[]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _op_cases import OP_CASES
 from gradcheck import check_grads, op_graph, random_feeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -44,7 +45,8 @@ def pool_case(draw):
     p = draw(st.integers(0, k // 2))
     h, w = draw(st.integers(k, k + 3)), draw(st.integers(k, k + 3))
     return [(draw(st.integers(1, 2)), draw(st.integers(1, 2)), h, w)], \
-        {"kernel": k, "stride": s, "padding": p}
+        {"kernel": k, "stride": s, "padding": p, "ceil_mode": draw(st.booleans()),
+         "count_include_pad": draw(st.booleans())}
 
 
 @FAST
@@ -168,8 +170,16 @@ def test_transfers(s, op, seed):
     check_grads(op_graph(op, [s], {}), seed)
 
 
+@pytest.mark.parametrize("op,shapes,attrs,ints,positive", OP_CASES,
+                         ids=[f"{c[0]}-{k}" for k, c in enumerate(OP_CASES)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_op_case_grads(op, shapes, attrs, ints, positive, seed):
+    check_grads(op_graph(op, shapes, attrs, ints), seed, positive=positive)
+
+
 # Ops tested above. Dropout is random, so it is tested apart: test_dropout_mask_is_explicit.
-COVERED = {"conv2d", "maxpool", "avgpool", "relu", "leaky_relu", "gelu", "sigmoid", "tanh",
+COVERED = {c[0] for c in OP_CASES} | {
+           "conv2d", "maxpool", "avgpool", "relu", "leaky_relu", "gelu", "sigmoid", "tanh",
            "add", "sub", "mul", "scale", "mean", "softmax", "linear", "matmul", "embedding",
            "softmax_cross_entropy", "mse", "batchnorm", "layernorm", "flatten", "reshape",
            "permute", "transpose", "slice", "concat", "global_avgpool", "dropout",

@@ -80,3 +80,32 @@ def test_executor_checks_values_against_the_plan():
     plan.sizes[victim] += 4  # a plan that disagrees with what the kernel returns
     with pytest.raises(NetdslError, match=f"%{victim} = relu.*the plan holds"):
         ex.run(example_feeds(g), roles=ROLES)
+
+
+def test_a_run_over_its_budget_stops_naming_the_node():
+    g = training_step("resnet20-cifar", 2)
+    plan = make_plan(g, ROLES)
+    ex = Executor(g, "numpy", budget_bytes=plan.peak_bytes - 1)
+    with pytest.raises(NetdslError, match=r"out of the memory budget at %\S+ = \w+"):
+        ex.run(example_feeds(g), roles=ROLES)
+    assert ex.bytes_current == plan.state_bytes  # nothing leaked by the failed run
+    Executor(g, "numpy", budget_bytes=plan.peak_bytes).run(example_feeds(g), roles=ROLES)
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_the_independent_meter_agrees_with_the_plan(arena):
+    """tracemalloc (which NumPy reports its buffers to) measures what a step really
+    allocates; it stays close to the plan's value bytes, and under it in the arena, where
+    the only allocations left are kernel scratch and results not yet in their slot."""
+    g = training_step("resnet20-cifar", 8)
+    feeds = example_feeds(g)
+    ex = Executor(g, "numpy", arena=arena)
+    ex.run(feeds, roles=ROLES)  # first run: the arena block is allocated once
+    plan = ex.plan(ROLES)
+    with ex.backend.memory_meter() as meter:
+        ex.run(feeds, roles=ROLES)
+    planned = plan.peak_bytes - plan.state_bytes  # values + workspace region
+    if arena:
+        assert meter.peak_bytes < 0.35 * planned  # values are in the arena already
+    else:
+        assert 0.7 * planned < meter.peak_bytes < 1.1 * planned

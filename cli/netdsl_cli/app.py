@@ -54,6 +54,12 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
+def print_error(e: NetdslError) -> None:
+    """A user error's diagnostics on stderr (the source line highlighted on a terminal)."""
+    from netdsl_cli.diagnostics import print_error as _print
+    _print(e)
+
+
 def _internal_error(e: BaseException) -> None:
     sys.stderr.write(f"netdsl: internal error: {type(e).__name__}: {e}\n")
     if os.environ.get(DEBUG_ENV):
@@ -75,7 +81,7 @@ def guard(json_output: bool = False) -> Iterator[None]:
         if json_output:
             print_json(e.to_json())
         else:
-            sys.stderr.write(e.render().rstrip("\n") + "\n")
+            print_error(e)
         raise typer.Exit(EXIT_USER) from None
     except KeyboardInterrupt:
         sys.stderr.write("netdsl: interrupted\n")
@@ -140,7 +146,7 @@ def check(
                 if json_output:
                     results.append({"file": str(f), "ok": False, **e.to_json()})
                 else:
-                    sys.stderr.write(e.render().rstrip("\n") + "\n")
+                    print_error(e)
                 continue
             if json_output:
                 results.append({"file": str(f), "ok": True, "network": net.name,
@@ -226,9 +232,12 @@ def graph(
             sys.stdout.write(to_dot(g, fold=not unfold, depth=depth))
 
 
-# -- netdsl run -------------------------------------------------------------------------------
-# in its own module (it registers itself on `app`); imported here, after the plumbing above
-from netdsl_cli import plan_cmd, run_cmd  # noqa: E402,F401
+# -- netdsl run, export, import, fmt, lsp, report, plan, calibrate ---------------------------
+# each in its own module (it registers itself on `app`); imported here, after the plumbing above
+import netdsl_cli.fmt_cmd  # noqa: E402,F401  (the tools for .net files: fmt, lsp, report)
+import netdsl_cli.lsp_cmd  # noqa: E402,F401
+import netdsl_cli.report_cmd  # noqa: E402,F401
+from netdsl_cli import onnx_cmd, plan_cmd, run_cmd  # noqa: E402,F401
 
 
 def _version(value: bool) -> None:

@@ -35,6 +35,7 @@ class _Bar:
         self.progress = None
         self.task = None
         self.first = True
+        self.records: list[dict] = []  # every step's record, for --plot
 
     def on_start(self, info: dict) -> None:
         if self.quiet:
@@ -55,6 +56,7 @@ class _Bar:
                                            completed=info["start_step"], metrics="")
 
     def on_step(self, r: dict) -> None:
+        self.records.append(r)
         if self.quiet:
             return
         m = f"loss {r['loss']:.4f}"
@@ -101,6 +103,9 @@ def run(
     eval_every: Annotated[int | None, typer.Option(min=1, help="evaluate every K steps")] = None,
     check_numerics: Annotated[bool, typer.Option(
         help="stop at the first NaN/Inf, naming the node")] = False,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="at the end, write the training curves to this PNG (needs the plot "
+        "extra)")] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
@@ -111,6 +116,9 @@ def run(
         if steps is not None and epochs is not None:
             from netdsl.errors import NetdslError
             raise NetdslError("give --steps or --epochs, not both")
+        if plot is not None:  # before the run, not after it: matplotlib may be missing
+            from netdsl.tooling.curves import require_matplotlib
+            require_matplotlib()
         net = load_network(file)
         opts = RunOptions(steps=steps, epochs=epochs, batch=batch, lr=lr, seed=seed,
                           backend=backend, device=device, dtype=dtype,
@@ -122,8 +130,11 @@ def run(
             result = train(net, opts, bar)
         finally:
             bar.close()
+        if plot is not None:
+            from netdsl.tooling.curves import run_from_records, write_png
+            write_png([run_from_records(bar.records, result.network)], plot)
         if json_output:
-            print_json(result.to_json())
+            print_json({**result.to_json(), **({"plot": str(plot)} if plot else {})})
             return
         out = console()
         line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
@@ -134,4 +145,6 @@ def run(
         out.print(line)
         if checkpoint:
             out.print(f"checkpoint: {checkpoint / 'checkpoint.npz'}")
+        if plot is not None:
+            out.print(f"curves: {plot}")
         sys.stdout.flush()

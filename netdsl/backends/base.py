@@ -49,3 +49,8 @@ class Backend(Protocol):
 
     def copy_to_device(self, host, out=None) -> Any:
         """A device copy of a host array made by `copy_to_host` (into `out` if given)."""
+
+    def memory_meter(self) -> Any:
+        """A context manager measuring the peak bytes allocated while it is open
+        (`.peak_bytes`, `.read()`), independently of the executor's count: tracemalloc on
+        NumPy, the memory pool's high-water mark on CuPy."""

@@ -31,6 +31,36 @@ class CupyRNG:
         return self._state.random_sample(tuple(shape), dtype=np.dtype(dtype))
 
 
+class PoolMeter:
+    """Peak bytes in use in CuPy's memory pool while it runs (an allocator hook records the
+    pool's used bytes after every allocation), above what was in use when it started."""
+
+    def __init__(self, cupy):
+        self._cupy = cupy
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        pool = self._cupy.get_default_memory_pool()
+        self._base = pool.used_bytes()
+        self._hw = self._base
+
+        def malloc(size):
+            mem = pool.malloc(size)
+            self._hw = max(self._hw, pool.used_bytes())
+            return mem
+        self._cupy.cuda.set_allocator(malloc)
+        return self
+
+    def read(self) -> int:
+        self.peak_bytes = max(self.peak_bytes, self._hw - self._base)
+        return self.peak_bytes
+
+    def __exit__(self, *exc):
+        self.read()
+        self._cupy.cuda.set_allocator(self._cupy.get_default_memory_pool().malloc)
+        return False
+
+
 class CupyBackend:
     name = "cupy"
 
@@ -114,6 +144,9 @@ class CupyBackend:
             out.set(host, stream=self._copy_stream)
             self.xp.cuda.get_current_stream().wait_event(self._copy_stream.record())
         return out
+
+    def memory_meter(self) -> PoolMeter:
+        return PoolMeter(self.xp)
 
     def __repr__(self) -> str:
         return f"CupyBackend(device={self.device})"

@@ -2,8 +2,39 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 
 import numpy as np
+
+
+class TracemallocMeter:
+    """Peak bytes allocated while it runs, measured by tracemalloc (NumPy reports its array
+    buffers to it), independently of the executor's own count. `peak_bytes` is the high
+    water above what was allocated when the meter started."""
+
+    def __init__(self):
+        self._owner = False
+        self._base = 0
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+            self._owner = True
+        self._base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        return self
+
+    def read(self) -> int:
+        """The peak so far (the meter keeps running)."""
+        self.peak_bytes = max(self.peak_bytes, tracemalloc.get_traced_memory()[1] - self._base)
+        return self.peak_bytes
+
+    def __exit__(self, *exc):
+        self.read()
+        if self._owner:
+            tracemalloc.stop()
+        return False
 
 
 class NumpyRNG:
@@ -61,6 +92,9 @@ class NumpyBackend:
 
     def copy_to_device(self, host, out=None):
         return self.copy_to_host(host, out)
+
+    def memory_meter(self) -> TracemallocMeter:
+        return TracemallocMeter()
 
     def __repr__(self) -> str:
         return "NumpyBackend()"

@@ -12,7 +12,7 @@ import operator
 from dataclasses import dataclass
 
 from netdsl.errors import CallSite, Diagnostic, NetdslError, ShapeError, SourceLoc
-from netdsl.frontend import ast
+from netdsl.frontend import ast, tensor_arith
 from netdsl.frontend.annotations import check_annotations, merge_annotations
 from netdsl.frontend.modules import ModuleEnv
 from netdsl.frontend.train import pydantic_message
@@ -61,7 +61,6 @@ _ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operato
           "%": operator.mod, "**": operator.pow, "/": operator.truediv}
 _COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
             ">": operator.gt, ">=": operator.ge}
-_TENSOR_OPS = {"+": "add", "-": "sub", "*": "mul"}
 
 
 class Elaborator:
@@ -451,15 +450,7 @@ class Elaborator:
         return r
 
     def tensor_binop(self, e: ast.BinOp, a, b):
-        if isinstance(a, Tensor) and isinstance(b, Tensor) and e.op in _TENSOR_OPS:
-            return self.emit(_TENSOR_OPS[e.op], [a, b], {}, e.loc)
-        t, k = (a, b) if isinstance(a, Tensor) else (b, a)
-        if _is_num(k) and (e.op == "*" or (e.op == "/" and t is a)):
-            if e.op == "/" and k == 0:
-                raise self.error("division by zero", e.loc)
-            return self.emit("scale", [t], {"factor": float(k if e.op == "*" else 1 / k)},
-                             e.loc)
-        raise self.error(f"cannot apply `{e.op}` to {kind_of(a)} and {kind_of(b)}", e.loc)
+        return tensor_arith.binop(self, e, a, b)
 
     # -- calls ---------------------------------------------------------------------------
     def e_Call(self, e: ast.Call, frame):
@@ -578,6 +569,10 @@ class Elaborator:
             if not isinstance(v, tuple) or not all(
                     isinstance(x, int) and not isinstance(x, bool) for x in v):
                 raise bad("a tuple of integers")
+        elif a.kind in tensor_arith.EXTRA_KINDS:
+            expect = tensor_arith.check_kind(a.kind, v)
+            if expect:
+                raise bad(expect)
         elif a.kind == "shape":
             if not isinstance(v, tuple) or not all(
                     x == BATCH or isinstance(x, int) and not isinstance(x, bool) for x in v):
@@ -727,6 +722,8 @@ def _builtins(el: Elaborator) -> dict:
     def minmax(fn):
         def f(args, kw, e):
             vals = args[0] if len(args) == 1 and isinstance(args[0], tuple) else args
+            if any(isinstance(v, Tensor) for v in vals):  # element-wise on tensors
+                return tensor_arith.minmax(el, fn.__name__, vals, e)
             if not vals or not all(_is_num(v) for v in vals):
                 raise el.error(f"{fn.__name__}() takes numbers", e.loc)
             return fn(vals)

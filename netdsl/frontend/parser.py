@@ -403,6 +403,16 @@ _TOO_DEEP = ("this file nests expressions too deeply to compile (hundreds of lev
              "operators or parentheses); split them with intermediate names")
 
 
+def parse_tree(text: str, file: str = "<string>"):
+    """Lark's parse tree of `.net` source: every token as written, with its position (for
+    tools that keep the text, like the formatter). Raises NetdslError on a syntax error."""
+    register_source(file, text)
+    try:
+        return _parser().parse(text)
+    except UnexpectedInput as e:
+        raise _syntax_error(e, file, text) from None
+
+
 def parse(text: str, file: str = "<string>") -> ast.Module:
     """Parse `.net` source into an AST; raises NetdslError on a syntax error."""
     register_source(file, text)

@@ -38,4 +38,6 @@ def _param_attrs(spec: registry.ParamSpec) -> dict:
     attrs = {"shape": spec.shape, "init": spec.init}
     if spec.init in ("kaiming_normal", "kaiming_uniform", "uniform_fan_in"):
         attrs["fan_in"] = spec.fan_in  # the only inits that depend on it
+    if spec.init == "constant":
+        attrs["value"] = spec.value
     return attrs

@@ -57,9 +57,11 @@ class Arg:
 class ParamSpec:
     shape: tuple[int, ...]
     init: str  # kaiming_normal | kaiming_uniform | zeros | ones | normal | uniform_fan_in
+    #            | constant (every element `value`)
     fan_in: int = 1
     buffer: bool = False  # buffers (BN running stats) are state, not trained
     dtype: str = "f32"
+    value: float = 0.0  # for init="constant"
 
 
 def _zero(*_a, **_k) -> int:

@@ -40,7 +40,11 @@ def normalise_attrs(op: registry.OpDef, attrs: dict) -> dict:
             v = a.default
         if a.kind == "pair" and v is not None:
             v = pair(v)
-        elif a.kind in ("ints", "shape") and isinstance(v, list):
+        elif a.kind in ("ints", "shape", "axes", "floats") and isinstance(v, list):
+            v = tuple(v)
+        elif a.kind == "padding" and isinstance(v, int) and not isinstance(v, bool):
+            v = (v,) * op.extra.get("spatial", 2)  # conv padding=1 -> (1, 1)
+        elif a.kind == "padding" and isinstance(v, list):
             v = tuple(v)
         elif a.kind == "float" and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)

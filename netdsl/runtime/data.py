@@ -65,8 +65,33 @@ def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
                 hi = hi or _int_range(g, n.name) or cfg.classes or 2
                 arrays.append(rng.integers(0, hi, size=shape).astype(NUMPY_DTYPE[n.type.dtype]))
         splits.append(arrays)
+    labelled = len(ins) >= 2 and _is_label(g, ins[1].name)
+    x_t, y_t = (ins[0].type, ins[1].type) if labelled else (None, None)
+    # next-token prediction ([N, T] tokens, [N, T] labels): sequences that follow a fixed
+    # random successor table, the labels being the tokens shifted by one; a causal model
+    # learns the table
+    if labelled and not x_t.is_float and x_t.rank == 2 and y_t.shape == x_t.shape:
+        vocab = min(_int_range(g, ins[0].name) or 2, _int_range(g, ins[1].name) or 2)
+        succ = np.random.default_rng(seed + 1).permutation(vocab)
+        for arrays in splits:
+            if len(arrays[0]):
+                seq = np.empty((len(arrays[0]), x_t.shape[1] + 1), dtype=np.int64)
+                seq[:, 0] = rng.integers(0, vocab, len(arrays[0]))
+                for t in range(x_t.shape[1]):
+                    seq[:, t + 1] = succ[seq[:, t]]
+                arrays[0] = seq[:, :-1].astype(arrays[0].dtype)
+                arrays[1] = seq[:, 1:].astype(arrays[1].dtype)
+    # dense labels ([N, C, *S] images, [N, *S] labels: segmentation): the label of each
+    # position is the argmax of a fixed random projection of the channels there
+    elif labelled and x_t.is_float and x_t.rank >= 3 and y_t.shape[1:] == x_t.shape[2:]:
+        classes = _int_range(g, ins[1].name) or cfg.classes or 2
+        proj = np.random.default_rng(seed + 1).standard_normal((x_t.shape[1], classes))
+        for arrays in splits:
+            if len(arrays[0]):
+                scores = np.moveaxis(arrays[0].astype(np.float64), 1, -1) @ proj
+                arrays[1] = scores.argmax(-1).astype(arrays[1].dtype)
     # make labels learnable: argmax of a fixed random projection of the first input
-    if len(ins) >= 2 and _is_label(g, ins[1].name) and ins[0].type.is_float:
+    elif len(ins) >= 2 and _is_label(g, ins[1].name) and ins[0].type.is_float:
         classes = _int_range(g, ins[1].name) or cfg.classes or 2
         feat = int(np.prod(ins[0].type.shape[1:]))
         proj = np.random.default_rng(seed + 1).standard_normal((feat, classes))

@@ -50,6 +50,38 @@ class KernelContext:
 
     seed: int = 0
     step: int = 0
+    # storage the plan gives the node being run (arena mode; None otherwise): a kernel may
+    # write its result into `out` and return it, and takes scratch from `workspace()`
+    out: Any = None
+    scratch_block: Any = None
+    _scratch_used: int = 0
+
+    def workspace(self, shape, dtype=None, zero: bool = False):
+        """A scratch array for the running kernel: carved from the plan's shared workspace
+        region when there is one (its size is the largest `OpDef.workspace`, so a kernel
+        that asks for more than its rule declared is a bug, reported as such), else a
+        fresh array."""
+        import math
+        dtype = np.dtype(self.float_dtype if dtype is None else dtype)
+        shape = tuple(int(d) for d in shape)
+        if self.scratch_block is None:
+            xp = self.backend.xp
+            return xp.zeros(shape, dtype) if zero else xp.empty(shape, dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = self._scratch_used
+        if start + nbytes > self.scratch_block.nbytes:
+            raise NetdslError(f"internal error: {node_line(self.node)} asked for more scratch "
+                              f"memory than its op's workspace rule declares "
+                              f"({start + nbytes} > {self.scratch_block.nbytes} bytes)")
+        self._scratch_used = start + (nbytes + 255) // 256 * 256
+        arr = self.backend.view(self.scratch_block, start, shape, dtype)
+        if zero:
+            arr[...] = 0
+        return arr
+
+    def into(self, ufunc, *args):
+        """`ufunc(*args)`, written into the node's planned slot when it has one."""
+        return ufunc(*args) if self.out is None else ufunc(*args, out=self.out)
 
     def erf(self, x):
         return self.backend.erf(x)
@@ -72,7 +104,7 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     kaiming_normal: N(0, 2/fan_in) (torchvision ResNet conv init, fan_in mode, ReLU gain);
     kaiming_uniform: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's weight:
     kaiming_uniform_ with a=sqrt(5)); uniform_fan_in: the same bound (torch's bias init);
-    normal: N(0, 1) (nn.Embedding); zeros; ones.
+    normal: N(0, 1) (nn.Embedding); zeros; ones; constant (`value`, e.g. PReLU's 0.25).
     """
     shape = tuple(node.type.shape)
     init = node.attrs.get("init", "zeros")
@@ -82,6 +114,8 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
         v = np.zeros(shape)
     elif init == "ones":
         v = np.ones(shape)
+    elif init == "constant":
+        v = np.full(shape, float(node.attrs.get("value", 0.0)))
     elif init == "kaiming_normal":
         v = rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)
     elif init in ("kaiming_uniform", "uniform_fan_in"):
@@ -92,6 +126,10 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     else:
         raise NetdslError(f"unknown init `{init}` for %{node.name}", loc=node.loc)
     return v.astype(dtype)
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:,.2f} GB"
 
 
 def _where(n: Node) -> str:
@@ -109,7 +147,8 @@ class Executor:
 
     def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
                  seed: int = 0, check_numerics: bool = False,
-                 state: dict[str, Any] | None = None, arena: bool = False):
+                 state: dict[str, Any] | None = None, arena: bool = False,
+                 budget_bytes: int | None = None):
         registry.load_all()
         if dtype not in ("f32", "f64"):
             raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
@@ -125,6 +164,7 @@ class Executor:
         self.seed = seed
         self.check_numerics = check_numerics
         self.arena = arena
+        self.budget_bytes = budget_bytes  # device bytes a run may hold (None: no limit)
         self._arenas: dict[tuple[str, ...], Any] = {}
         self.host_bytes_current = 0
         self.host_peak_bytes = 0
@@ -208,6 +248,8 @@ class Executor:
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
                             seed=self.seed, step=step)
         slots = self._slots(roles, plan) if self.arena else None
+        if slots is not None:
+            ctx.scratch_block = self._workspace_block(plan)
         dev = self.backend.device
         values: dict[str, Any] = {}
         held: dict[str, int] = {}  # bytes each live value adds to the count
@@ -218,6 +260,8 @@ class Executor:
                 if n.op in STATE_OPS:
                     values[name] = self.state[name]
                 else:
+                    if slots is not None:
+                        ctx.out, ctx._scratch_used = slots.get(name), 0
                     v = (self._feed(n, feeds) if n.op == "input"
                          else self._call(n, [values[i] for i in n.inputs], ctx))
                     nb = plan.sizes.get(name)
@@ -227,9 +271,7 @@ class Executor:
                                 f"internal error: {node_line(n)} returned {v.nbytes} bytes "
                                 f"({tuple(v.shape)} {v.dtype}) but the plan holds {nb} for it")
                         if slots is not None and name in slots:
-                            slot = slots[name]
-                            self.xp.copyto(slot, v)
-                            v = slot
+                            v = self._into_slot(v, slots[name])
                         held[name] = nb
                         self._hold(name, nb, plan, +1)
                     values[name] = v
@@ -251,9 +293,33 @@ class Executor:
             self.host_bytes_current += sign * nbytes
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes_current)
         elif sign > 0:
-            self._alloc(self._dev(self.graph[name]), nbytes)
+            n = self.graph[name]
+            dev = self._dev(n)
+            self._alloc(dev, nbytes)
+            if self.budget_bytes is not None and self.bytes_by_device[dev] > self.budget_bytes:
+                raise NetdslError(
+                    f"out of the memory budget at {_where(n)}: device {dev} would hold "
+                    f"{_fmt(self.bytes_by_device[dev])}, over the {_fmt(self.budget_bytes)} "
+                    f"budget (this value is {_fmt(nbytes)}). Plan the step for this budget "
+                    f"(`netdsl plan ... --mem`), or give more memory or a smaller batch",
+                    loc=n.loc, stack=n.stack)
         else:
             self._free(self._dev(self.graph[name]), nbytes)
+
+    def _into_slot(self, v, slot):
+        """The value in its planned slot: as it is if the kernel wrote it there (no other
+        live value shares the slot's bytes), else copied in."""
+        if v is slot or (v.shape == slot.shape and v.flags.c_contiguous
+                         and self.xp.may_share_memory(v, slot)):
+            return slot
+        self.xp.copyto(slot, v)
+        return slot
+
+    def _workspace_block(self, plan: MemoryPlan):
+        key = ("workspace", plan.workspace_bytes)
+        if key not in self._arenas:
+            self._arenas[key] = self.backend.alloc(max(plan.workspace_bytes, 1))
+        return self._arenas[key]
 
     def _slots(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[str, Any]:
         """Views at each device value's planned offset in this plan's arena (one block,

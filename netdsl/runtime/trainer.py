@@ -154,8 +154,16 @@ class Trainer:
 
     def restore(self) -> None:
         arrays, header = checkpoint.load(self.opts.checkpoint)
-        checkpoint.check_compatible(str(checkpoint.path_in(self.opts.checkpoint)), header,
-                                    self.forward.name, self._state_spec())
+        where = str(checkpoint.path_in(self.opts.checkpoint))
+        if header.get("kind") == "weights":
+            # initial weights (`netdsl import`): parameters and buffers only; training
+            # starts at step 0 with fresh optimizer state, at this run's dtype
+            spec = {k: (s, header["arrays"].get(k, [None, d])[1])
+                    for k, (s, d) in self._state_spec().items() if k in self.forward}
+            checkpoint.check_compatible(where, header, self.forward.name, spec)
+            self.executor.load_state_dict(arrays, strict=False)
+            return
+        checkpoint.check_compatible(where, header, self.forward.name, self._state_spec())
         self.executor.load_state_dict(arrays)
         self.step = int(header["step"])
         self.loader.restore(header["loader"])

@@ -31,7 +31,8 @@ def _per_elem(k):
 _ACTS = (
     ("relu", 1, ("output",), ()),
     ("leaky_relu", 2, ("inputs",), (Arg("slope", "float", 0.01),)),
-    ("gelu", 20, ("inputs",), ()),  # tanh approximation-free erf form; cost is nominal
+    # exact erf form by default (torch's approximate="none"); cost is nominal
+    ("gelu", 20, ("inputs",), (Arg("approximate", "str", "none", choices=("none", "tanh")),)),
     ("sigmoid", 4, ("output",), ()),
     ("tanh", 4, ("output",), ()),
 )
@@ -67,7 +68,9 @@ def _grad_shape(op):
 
 
 for _name, _k, _extra in (("relu_grad", 1, ()), ("leaky_relu_grad", 2, (Arg("slope", "float"),)),
-                          ("gelu_grad", 12, ()), ("sigmoid_grad", 3, ()), ("tanh_grad", 3, ())):
+                          ("gelu_grad", 12, (Arg("approximate", "str", "none",
+                                                 choices=("none", "tanh")),)),
+                          ("sigmoid_grad", 3, ()), ("tanh_grad", 3, ())):
     register(OpDef(_name, (Arg("dy", "tensor"), Arg("v", "tensor")) + _extra,
                    _grad_shape(_name), "backward", flops=_per_elem(_k), differentiable=False,
                    doc=f"backward of {_name[:-5]}"))
@@ -76,13 +79,13 @@ for _name, _k, _extra in (("relu_grad", 1, ()), ("leaky_relu_grad", 2, (Arg("slo
 # -- kernels --------------------------------------------------------------------------------
 @kernel("relu")
 def _relu(xp, ins, a, ctx):
-    return xp.maximum(ins[0], 0)
+    return ctx.into(xp.maximum, ins[0], 0)
 
 
 @kernel("relu_grad")
 def _relu_grad(xp, ins, a, ctx):
     dy, y = ins
-    return dy * (y > 0)
+    return ctx.into(xp.multiply, dy, y > 0)
 
 
 @kernel("leaky_relu")
@@ -101,15 +104,25 @@ _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+
+
 @kernel("gelu")
 def _gelu(xp, ins, a, ctx):
-    x = ins[0]  # x * Phi(x), exact erf form (torch's default approximate="none")
-    return 0.5 * x * (1.0 + ctx.erf(x * _SQRT1_2))
+    x = ins[0]
+    if a["approximate"] == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        return 0.5 * x * (1.0 + xp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1.0 + ctx.erf(x * _SQRT1_2))  # x * Phi(x)
 
 
 @kernel("gelu_grad")
 def _gelu_grad(xp, ins, a, ctx):
-    dy, x = ins  # d/dx x*Phi(x) = Phi(x) + x*phi(x)
+    dy, x = ins
+    if a["approximate"] == "tanh":
+        t = xp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x))
+        dt = (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
+        return dy * (0.5 * (1.0 + t) + 0.5 * x * dt)
+    # d/dx x*Phi(x) = Phi(x) + x*phi(x)
     cdf = 0.5 * (1.0 + ctx.erf(x * _SQRT1_2))
     pdf = xp.exp(-0.5 * x * x) * _INV_SQRT_2PI
     return dy * (cdf + x * pdf)
@@ -174,7 +187,7 @@ def _leaky_rule(n, b, gy):
 
 @grad_rule("gelu")
 def _gelu_rule(n, b, gy):
-    return [b.emit("gelu_grad", [gy, n.inputs[0]])]
+    return [b.emit("gelu_grad", [gy, n.inputs[0]], {"approximate": n.attrs["approximate"]})]
 
 
 @grad_rule("sigmoid")

@@ -1,8 +1,58 @@
-"""2-d convolution (NCHW, weights OIHW)."""
+"""2-d convolution (NCHW, weights OIHW).
+
+Padding is an int or (ph, pw) (both sides alike), a 4-tuple (top, left, bottom, right)
+(ONNX's pads order: all begins, then all ends), "valid" (none) or "same" (stride 1 only;
+total d*(k-1) per dim, the odd one at the end, as torch). `explicit_padding` gives the
+(begins, ends) of any form. The kernels run on symmetric padding; the asymmetric excess is
+zero-padded onto x first (and cropped off dx).
+"""
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
 from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
+
+
+def explicit_padding(a, d: int = 2) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(begins, ends) per spatial dim of a convolution's `padding` attribute."""
+    p = a["padding"]
+    if p == "valid":
+        return (0,) * d, (0,) * d
+    if p == "same":
+        k = _dims(a["kernel"], d)
+        dil = _dims(a["dilation"], d)
+        total = tuple(di * (ki - 1) for ki, di in zip(k, dil))
+        return tuple(t // 2 for t in total), tuple(t - t // 2 for t in total)
+    t = tuple(p) if isinstance(p, (tuple, list)) else (p,)
+    if len(t) == 1:
+        t = t * d
+    if len(t) == d:
+        return tuple(t), tuple(t)
+    if len(t) == 2 * d:
+        return tuple(t[:d]), tuple(t[d:])
+    raise ShapeError(f"padding {p} needs 1, {d} or {2 * d} values, \"same\" or \"valid\"")
+
+
+def _dims(v, d):
+    t = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    return t * d if len(t) == 1 else t
+
+
+def _split(a):
+    """The symmetric part of the padding (attrs for the kernels) and the excess per side."""
+    begins, ends = explicit_padding(a)
+    sym = tuple(min(b, e) for b, e in zip(begins, ends))
+    extra = tuple(b - m for b, m in zip(begins, sym)), tuple(e - m for e, m in zip(ends, sym))
+    return {**a, "padding": sym}, extra
+
+
+def _pad_extra(xp, x, extra):
+    (bh, bw), (eh, ew) = extra
+    if not (bh or bw or eh or ew):
+        return x
+    n, c, h, w = x.shape
+    out = xp.zeros((n, c, h + bh + eh, w + bw + ew), dtype=x.dtype)
+    out[:, :, bh:bh + h, bw:bw + w] = x
+    return out
 
 
 def _geometry(x: TensorType, a):
@@ -23,15 +73,31 @@ def _shape(ins, a):
         raise ShapeError("conv2d: out_channels and groups must be positive")
     if min(pair(a["kernel"]) + pair(a["stride"]) + pair(a["dilation"])) < 1:
         raise ShapeError("conv2d: kernel, stride and dilation must be positive")
-    if min(pair(a["padding"])) < 0:
+    begins, ends = explicit_padding(a)
+    if min(begins + ends) < 0:
         raise ShapeError("conv2d: padding must not be negative")
+    if a["padding"] == "same" and pair(a["stride"]) != (1, 1):
+        raise ShapeError("conv2d: padding=\"same\" needs stride 1 (as in torch)")
     if c % g or o % g:
         raise ShapeError(f"conv2d with groups={g} needs input and output channels divisible "
                          f"by {g}, but {{x}} has {c} channels and out_channels is {o}")
-    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(x, a)
-    ho = out_size(x.shape[2], kh, sh, ph, dh, "conv2d", "height")
-    wo = out_size(x.shape[3], kw, sw, pw, dw, "conv2d", "width")
-    return TensorType((x.shape[0], o, ho, wo), x.dtype)
+    return TensorType((x.shape[0], o) + conv_out(x, a, "conv2d"), x.dtype)
+
+
+def conv_out(x: TensorType, a, op: str) -> tuple[int, int]:
+    """Output height and width of a 2-d convolution of x (any padding form)."""
+    kh, kw = pair(a["kernel"])
+    sh, sw = pair(a["stride"])
+    dh, dw = pair(a["dilation"])
+    (bh, bw), (eh, ew) = explicit_padding(a)
+    # out_size takes symmetric padding: feed it the input grown by the excess of one side
+    ho = out_size(_grow(x.shape[2], bh, eh), kh, sh, min(bh, eh), dh, op, "height")
+    wo = out_size(_grow(x.shape[3], bw, ew), kw, sw, min(bw, ew), dw, op, "width")
+    return ho, wo
+
+
+def _grow(size, b, e):
+    return size + abs(b - e) if isinstance(size, int) else size
 
 
 def _params(ins, a):
@@ -54,7 +120,8 @@ def _flops(ins, out, a):
 def _workspace(ins, out, a):
     # im2col buffer: one column of C/g*kh*kw values per output pixel; none for a 1x1/1 conv
     kh, kw = pair(a["kernel"])
-    if (kh, kw) == (1, 1) and pair(a["stride"]) == (1, 1) and pair(a["padding"]) == (0, 0):
+    if (kh, kw) == (1, 1) and pair(a["stride"]) == (1, 1) and explicit_padding(a) == \
+            ((0, 0), (0, 0)):
         return 0
     n, o, ho, wo = out.shape
     return n * ins[0].shape[1] * kh * kw * ho * wo * 4
@@ -63,14 +130,16 @@ def _workspace(ins, out, a):
 register(OpDef(
     "conv2d",
     (Arg("x", "tensor"), Arg("out_channels", "int"), Arg("kernel", "pair", 1),
-     Arg("stride", "pair", 1), Arg("padding", "pair", 0), Arg("dilation", "pair", 1),
+     Arg("stride", "pair", 1), Arg("padding", "padding", 0), Arg("dilation", "pair", 1),
      Arg("groups", "int", 1), Arg("bias", "bool", True)),
     _shape, "conv", _params, _flops, _workspace, retains=("inputs", "weight"),
-    doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]"))
+    doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
+        "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
+    extra={"spatial": 2}))
 
 
 # -- backward operators -----------------------------------------------------------------------
-_GEOM = (Arg("kernel", "pair", 1), Arg("stride", "pair", 1), Arg("padding", "pair", 0),
+_GEOM = (Arg("kernel", "pair", 1), Arg("stride", "pair", 1), Arg("padding", "padding", 0),
          Arg("dilation", "pair", 1), Arg("groups", "int", 1))
 
 
@@ -83,13 +152,15 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _flops([out], ins[0], a),
                workspace=lambda ins, out, a: _workspace([out], ins[0], a),
-               doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's"))
+               doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
+               extra={"spatial": 2}))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _flops([ins[1]], ins[0], a),
                workspace=lambda ins, out, a: _workspace([ins[1]], ins[0], a),
-               doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's"))
+               doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
+               extra={"spatial": 2}))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -183,16 +254,46 @@ def _conv_forward(xp, x, w, geom, g):
     return xp.matmul(w.reshape(g, o // g, -1), cols).reshape(n, o, ho, wo)
 
 
+def conv2d_forward(xp, x, w, a):
+    """y = conv2d(x, w) for the attributes `a` (any padding form; no bias)."""
+    a, extra = _split(a)
+    return _conv_forward(xp, _pad_extra(xp, x, extra), w, _geometry(None, a), a["groups"])
+
+
+def conv2d_grad_input(xp, dy, w, shape, a):
+    """dx of conv2d, for x of `shape`."""
+    a, ((bh, bw), (eh, ew)) = _split(a)
+    n, c, h, wd = shape
+    dx = _conv2d_gi(xp, [dy, w], {**a, "shape": (n, c, h + bh + eh, wd + bw + ew)}, None)
+    if bh or bw or eh or ew:
+        dx = xp.ascontiguousarray(dx[:, :, bh:bh + h, bw:bw + wd])
+    return dx
+
+
+def conv2d_grad_weight(xp, dy, x, shape, a):
+    a, extra = _split(a)
+    return _conv2d_gw(xp, [dy, _pad_extra(xp, x, extra)], {**a, "shape": shape}, None)
+
+
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    y = _conv_forward(xp, x, w, _geometry(None, a), a["groups"])
+    y = conv2d_forward(xp, x, w, a)
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
 
 
 @kernel("conv2d_grad_weight")
+def _conv2d_gw_kernel(xp, ins, a, ctx):
+    return conv2d_grad_weight(xp, ins[0], ins[1], tuple(a["shape"]), a)
+
+
+@kernel("conv2d_grad_input")
+def _conv2d_gi_kernel(xp, ins, a, ctx):
+    return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a)
+
+
 def _conv2d_gw(xp, ins, a, ctx):
     dy, x = ins
     n, o, ho, wo = dy.shape
@@ -227,7 +328,6 @@ def _conv2d_gw(xp, ins, a, ctx):
     return xp.matmul(dym.reshape(g, og, -1), cols.transpose(0, 2, 1)).reshape(tuple(a["shape"]))
 
 
-@kernel("conv2d_grad_input")
 def _conv2d_gi(xp, ins, a, ctx):
     dy, w = ins
     n, o, ho, wo = dy.shape

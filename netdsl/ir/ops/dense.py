@@ -2,6 +2,7 @@
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
+from netdsl.ir.ops.shape_ops import checked_indices
 from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -66,7 +67,9 @@ register(OpDef(
     "embedding", (Arg("ids", "tensor"), Arg("num", "int"), Arg("dim", "int")),
     _emb_shape, "embedding",
     lambda ins, a: {"weight": ParamSpec((a["num"], a["dim"]), "normal")},
-    retains=("inputs",), doc="look up rows of a [num, dim] table by integer id"))
+    retains=("inputs",),
+    doc="look up rows of a [num, dim] table by integer id (an id outside 0..num-1 is an "
+        "error at run time)"))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -131,12 +134,14 @@ def _matmul(xp, ins, a, ctx):
 @kernel("embedding")
 def _embedding(xp, ins, a, ctx):
     ids, w = ins
-    return xp.take(w, ids, axis=0)
+    return xp.take(w, checked_indices(xp, ids, a["num"], ctx, negative=False, what="id"),
+                   axis=0)
 
 
 @kernel("embedding_grad")
 def _embedding_grad(xp, ins, a, ctx):
     dy, ids = ins
+    ids = checked_indices(xp, ids, a["num"], ctx, negative=False, what="id")
     dw = xp.zeros((a["num"], dy.shape[-1]), dtype=dy.dtype)
     xp.add.at(dw, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))  # repeated ids accumulate
     return dw

@@ -1,8 +1,8 @@
-"""Binary element-wise arithmetic with broadcasting, scaling, and reductions.
+"""Binary element-wise arithmetic with broadcasting (add, sub, mul) and scaling.
 
 Also the generic helpers that gradient rules emit: `sum_to` (undo broadcasting),
-`sum_except` (per-channel sums, e.g. bias gradients), `fill` (constants such as the loss
-seed d(loss)/d(loss) = 1) and `mean_grad`.
+`sum_except` (per-channel sums, e.g. bias gradients) and `fill` (constants such as the loss
+seed d(loss)/d(loss) = 1, and the scalar constants of expressions like `x - 1`).
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, norm_axis
@@ -27,21 +27,6 @@ for _name, _ret in (("add", ()), ("sub", ()), ("mul", ("inputs",))):
 register(OpDef("scale", (Arg("x", "tensor"), Arg("factor", "float")),
                lambda ins, a: ins[0], "elementwise", flops=lambda ins, out, a: out.numel(),
                doc="multiply by a constant (the language's `x * 0.5`)"))
-
-
-def _mean_shape(ins, a):
-    (x,) = ins
-    ax = norm_axis(a["axis"], x.rank, "mean")
-    if ax == 0 and x.shape[0] == "N":
-        raise ShapeError("mean over the batch dimension is not supported; use a loss")
-    if a["keepdims"]:
-        return TensorType(x.shape[:ax] + (1,) + x.shape[ax + 1:], x.dtype)
-    return TensorType(x.shape[:ax] + x.shape[ax + 1:], x.dtype)
-
-
-register(OpDef("mean", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("keepdims", "bool", False)),
-               _mean_shape, "reduce", flops=lambda ins, out, a: ins[0].numel(),
-               doc="mean along one axis"))
 
 
 # -- helpers emitted by gradient rules --------------------------------------------------------
@@ -79,26 +64,10 @@ register(OpDef("fill", (Arg("shape", "shape"), Arg("value", "float", 0.0),
                differentiable=False, doc="a constant tensor (the loss seed, zero gradients)"))
 
 
-def _mean_grad_shape(ins, a):
-    (dy,) = ins
-    x = TensorType(tuple(a["shape"]), dy.dtype)
-    ax = norm_axis(a["axis"], x.rank, "mean_grad")
-    want = x.shape[:ax] + ((1,) if a["keepdims"] else ()) + x.shape[ax + 1:]
-    if dy.shape != want:
-        raise ShapeError(f"mean_grad: {{dy}} is {dy}, expected shape {want}")
-    return x
-
-
-register(OpDef("mean_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
-                             Arg("keepdims", "bool", False)),
-               _mean_grad_shape, "backward", flops=lambda ins, out, a: out.numel(),
-               differentiable=False, doc="backward of mean: spread dy evenly along the axis"))
-
-
 # -- kernels ----------------------------------------------------------------------------------
 @kernel("add")
 def _add(xp, ins, a, ctx):
-    return ins[0] + ins[1]
+    return ctx.into(xp.add, ins[0], ins[1])
 
 
 @kernel("sub")
@@ -114,11 +83,6 @@ def _mul(xp, ins, a, ctx):
 @kernel("scale")
 def _scale(xp, ins, a, ctx):
     return ins[0] * float(a["factor"])  # a Python float keeps the array's dtype
-
-
-@kernel("mean")
-def _mean(xp, ins, a, ctx):
-    return xp.mean(ins[0], axis=a["axis"], keepdims=a["keepdims"])
 
 
 def sum_to(xp, x, shape):
@@ -147,16 +111,6 @@ def _sum_except(xp, ins, a, ctx):
 @kernel("fill")
 def _fill(xp, ins, a, ctx):
     return xp.full(tuple(a["shape"]), a["value"], dtype=ctx.dtype_of(a["dtype"]))
-
-
-@kernel("mean_grad")
-def _mean_grad(xp, ins, a, ctx):
-    dy = ins[0]
-    shape = tuple(a["shape"])
-    ax = a["axis"] % len(shape)
-    if not a["keepdims"]:
-        dy = xp.expand_dims(dy, ax)
-    return xp.ascontiguousarray(xp.broadcast_to(dy * (1.0 / shape[ax]), shape))
 
 
 # -- gradient rules ---------------------------------------------------------------------------
@@ -191,9 +145,3 @@ def _mul_rule(n, b, gy):
 def _scale_rule(n, b, gy):
     return [b.emit("scale", [gy], {"factor": n.attrs["factor"]})]
 
-
-@grad_rule("mean")
-def _mean_rule(n, b, gy):
-    x = n.inputs[0]
-    return [b.emit("mean_grad", [gy], {"shape": b.type(x).shape, "axis": n.attrs["axis"],
-                                       "keepdims": n.attrs["keepdims"]})]

@@ -1,17 +1,19 @@
-"""Normalisation: batchnorm (over N and spatial dims) and layernorm (over the last dim).
+"""Normalisation: batchnorm (over N and spatial dims) and layernorm (over the dims from
+`axis` on: the last by default, ONNX LayerNormalization's `axis`).
 
 Backward recomputes the batch statistics from x instead of keeping them: both ops retain
 only their input and their scale (`weight`); the running statistics are never read.
 Batchnorm's backward is the training-mode one (gradients through the batch statistics).
 """
-from netdsl.ir.ops._util import need_float, need_rank
+from netdsl.errors import ShapeError
+from netdsl.ir.ops._util import need_float, need_rank, norm_axis
 from netdsl.ir.registry import Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
 def _bn_shape(ins, a):
     (x,) = ins
-    need_rank(x, "batchnorm", (2, 3, 4))
+    need_rank(x, "batchnorm", (2, 3, 4, 5))
     need_float(x, "batchnorm")
     return x
 
@@ -32,14 +34,20 @@ def _ln_shape(ins, a):
     need_float(x, "layernorm")
     if x.rank < 1:
         need_rank(x, "layernorm", (2, 3))
+    ax = norm_axis(a["axis"], x.rank, "layernorm")
+    if ax == 0:
+        raise ShapeError("layernorm cannot normalise over the batch dimension (axis 0)")
+    if any(not isinstance(d, int) for d in x.shape[ax:]):
+        raise ShapeError(f"layernorm needs static normalised dims, but {{x}} is {x}")
     return x
 
 
 def _ln_params(ins, a):
-    d = ins[0].shape[-1]
+    x = ins[0]
+    shape = tuple(x.shape[norm_axis(a["axis"], x.rank, "layernorm"):])
     if not a["affine"]:
         return {}
-    return {"weight": ParamSpec((d,), "ones"), "bias": ParamSpec((d,), "zeros")}
+    return {"weight": ParamSpec(shape, "ones"), "bias": ParamSpec(shape, "zeros")}
 
 
 def _bn_writes(node) -> tuple[int, ...]:
@@ -66,9 +74,11 @@ register(OpDef(
 
 register(OpDef(
     "layernorm",
-    (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("affine", "bool", True)),
+    (Arg("x", "tensor"), Arg("eps", "float", 1e-5), Arg("affine", "bool", True),
+     Arg("axis", "axis", -1)),
     _ln_shape, "norm", _ln_params, _flops, retains=("inputs", "weight"),
-    doc="layer normalisation over the last dimension"))
+    doc="layer normalisation over the dims from `axis` on (the last by default); weight "
+        "and bias have the shape of those dims"))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -76,22 +86,23 @@ def _gi_shape(ins, a):
     return TensorType(ins[1].shape, ins[0].dtype)
 
 
-def _gw_shape(axis):
-    def shape(ins, a):
-        return TensorType((ins[1].shape[axis],), ins[0].dtype)
-    return shape
+def _gw_shape(ins, a):
+    x = ins[1]
+    if "axis" in a:  # layernorm: the normalised dims
+        return TensorType(tuple(x.shape[a["axis"] % x.rank:]), ins[0].dtype)
+    return TensorType((x.shape[1],), ins[0].dtype)
 
 
-for _op, _axis in (("batchnorm", 1), ("layernorm", -1)):
+for _op, _extra in (("batchnorm", ()), ("layernorm", (Arg("axis", "axis", -1),))):
     register(OpDef(f"{_op}_grad_input",
                    (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
-                    Arg("eps", "float", 1e-5)),
+                    Arg("eps", "float", 1e-5)) + _extra,
                    _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
                    differentiable=False,
                    doc=f"dx of {_op} (batch statistics recomputed from x); weight optional"))
     register(OpDef(f"{_op}_grad_weight",
-                   (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5)),
-                   _gw_shape(_axis), "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
+                   (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5)) + _extra,
+                   _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
                    differentiable=False, doc=f"d(weight) of {_op}: sum of dy * x_hat"))
 
 
@@ -116,12 +127,13 @@ def _normalise(xp, x, axes, eps):
     return (x - mean) * inv, inv, mean, var
 
 
-def _bn_stats(xp, x3, eps):
+def _bn_stats(xp, x3, eps, out=None):
     """Per-channel mean, 1/sqrt(var + eps) and biased var of a (N, C, P) array, plus the
-    deviations x - mean as a new (N, C, P) array the caller may overwrite."""
+    deviations x - mean as a (N, C, P) array the caller may overwrite (`out` if given: the
+    node's planned slot, viewed as (N, C, P))."""
     count = x3.shape[0] * x3.shape[2]
     mean = xp.einsum("ncp->c", x3) / count
-    d = x3 - mean[:, None]
+    d = xp.subtract(x3, mean[:, None], out=None if out is None else _view3(out))
     var = xp.einsum("ncp,ncp->c", d, d) / count
     inv = 1.0 / xp.sqrt(var + eps)
     return mean, inv, var, d
@@ -141,7 +153,7 @@ def _batchnorm(xp, ins, a, ctx):
         rm, rv = (list(ins[1:3]) + [None, None])[:2]
     x3 = _view3(x)
     if ctx.training:
-        mean, inv, var, y = _bn_stats(xp, x3, a["eps"])
+        mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
         if not a.get("replay"):  # a recompute replay must not update the statistics again
             m = a["momentum"]
             count = x3.shape[0] * x3.shape[2]
@@ -178,7 +190,7 @@ def _bn_gi(xp, ins, a, ctx):
     w = ins[2] if len(ins) > 2 else None
     dy3 = _view3(dy)
     count = dy3.shape[0] * dy3.shape[2]
-    _, inv, _, dx = _bn_stats(xp, _view3(x), a["eps"])
+    _, inv, _, dx = _bn_stats(xp, _view3(x), a["eps"], ctx.out)
     sdy = xp.einsum("ncp->c", dy3)
     sdyd = xp.einsum("ncp,ncp->c", dy3, dx)
     dx *= (-(inv * inv) * sdyd / count)[:, None]
@@ -196,10 +208,17 @@ def _bn_gw(xp, ins, a, ctx):
     return xp.einsum("ncp,ncp->c", _view3(dy), d) * inv
 
 
+def _rows(x, axis):
+    """x as (rows, normalised elements): a view for contiguous x."""
+    ax = axis % x.ndim
+    return x.reshape(x.shape[:ax] + (-1,))
+
+
 @kernel("layernorm")
 def _layernorm(xp, ins, a, ctx):
     x = ins[0]
-    xhat = _normalise(xp, x, -1, a["eps"])[0]
+    ax = a["axis"] % x.ndim
+    xhat = _normalise(xp, _rows(x, ax), -1, a["eps"])[0].reshape(x.shape)
     if len(ins) > 1:
         return xhat * ins[1] + ins[2]
     return xhat
@@ -209,31 +228,43 @@ def _layernorm(xp, ins, a, ctx):
 def _ln_gi(xp, ins, a, ctx):
     dy, x = ins[0], ins[1]
     w = ins[2] if len(ins) > 2 else None
-    return _norm_grad_input(xp, dy, x, w, -1, (x.shape[-1],), a["eps"])
+    ax = a["axis"] % x.ndim
+    if w is not None:
+        dy = dy * w
+    return _norm_grad_input(xp, _rows(dy, ax), _rows(x, ax), None, -1, None,
+                            a["eps"]).reshape(x.shape)
 
 
 @kernel("layernorm_grad_weight")
 def _ln_gw(xp, ins, a, ctx):
     dy, x = ins
-    xhat = _normalise(xp, x, -1, a["eps"])[0]
-    return (dy * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    ax = a["axis"] % x.ndim
+    xhat = _normalise(xp, _rows(x, ax), -1, a["eps"])[0]
+    return (_rows(dy, ax) * xhat).reshape((-1,) + x.shape[ax:]).sum(axis=0)
 
 
 # -- gradient rules ---------------------------------------------------------------------------
-def _norm_rule(op, axis):
+def _norm_rule(op):
     def rule(n, b, gy):
         x = n.inputs[0]
         eps = {"eps": n.attrs["eps"]}
+        if op == "layernorm":
+            eps["axis"] = n.attrs["axis"]
         if not n.attrs["affine"]:
             out = [b.emit(f"{op}_grad_input", [gy, x], eps, tag="x")]
         else:
             w = n.inputs[1]
+            if op == "layernorm" and n.attrs["axis"] % n.type.rank != n.type.rank - 1:
+                # the bias gradient: dy summed over the leading (not normalised) dims
+                db = b.emit("sum_to", [gy], {"shape": b.type(w).shape}, tag="bias")
+            else:
+                db = b.emit("sum_except", [gy], {"axis": 1 if op == "batchnorm" else -1},
+                            tag="bias")
             out = [b.emit(f"{op}_grad_input", [gy, x, w], eps, tag="x"),
-                   b.emit(f"{op}_grad_weight", [gy, x], eps, tag="weight"),
-                   b.emit("sum_except", [gy], {"axis": axis}, tag="bias")]
+                   b.emit(f"{op}_grad_weight", [gy, x], eps, tag="weight"), db]
         return out + [None] * (len(n.inputs) - len(out))  # no gradients for the buffers
     return rule
 
 
-grad_rule("batchnorm")(_norm_rule("batchnorm", 1))
-grad_rule("layernorm")(_norm_rule("layernorm", -1))
+grad_rule("batchnorm")(_norm_rule("batchnorm"))
+grad_rule("layernorm")(_norm_rule("layernorm"))

@@ -1,156 +1,415 @@
-"""Pooling over NCHW tensors."""
+"""Pooling over N, C, *spatial tensors: max and average pooling in 1, 2 and 3 spatial
+dimensions (`maxpool1d`, `maxpool` (2-d), `maxpool3d`; likewise `avgpool`), with
+`ceil_mode` and, for average pooling, `count_include_pad`; global average and max pooling;
+adaptive average and max pooling to a given output size.
+
+PyTorch's conventions throughout: the stride defaults to the kernel; with `ceil_mode` the
+last window may run past the (right) padding but must start inside the input or the left
+padding; an average divides by the window's size clipped to the padded input
+(`count_include_pad=true`) or to the input itself (`false`); max pooling passes the
+gradient to the first maximum of each window.
+"""
+from __future__ import annotations
+
+import itertools
+
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
-from netdsl.ir.ops.conv import col2im_add, pad2d, windows
+from netdsl.ir.ops._util import need_float, need_rank
 from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
-def _pool_shape(op):
+def spatial(v, d: int, what: str, op: str) -> tuple[int, ...]:
+    """An int or tuple attribute as a d-tuple (an int or 1-tuple applies to every dim)."""
+    t = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    if len(t) == 1:
+        t = t * d
+    if len(t) != d:
+        raise ShapeError(f"{op}: {what} {v} needs {d} values (one per spatial dimension)")
+    return tuple(int(x) for x in t)
+
+
+def pool_out(size: int, k: int, s: int, p: int, ceil: bool) -> int:
+    """Output length of one pooled dimension (torch's pooling_output_shape, dilation 1)."""
+    span = size + 2 * p - k
+    o = (-(-span // s) if ceil else span // s) + 1
+    if ceil and (o - 1) * s >= size + p:  # the last window would start in the right padding
+        o -= 1
+    return o
+
+
+def _geom(shape, a, d, op="pool"):
+    k = spatial(a["kernel"], d, "kernel", op)
+    s = spatial(a["stride"] if a["stride"] is not None else a["kernel"], d, "stride", op)
+    p = spatial(a["padding"], d, "padding", op)
+    sizes = tuple(int(x) for x in shape[2:])
+    out = tuple(pool_out(n, ki, si, pi, a["ceil_mode"]) for n, ki, si, pi in
+                zip(sizes, k, s, p))
+    return k, s, p, sizes, out
+
+
+def _pool_shape(op, d):
     def shape(ins, a):
         (x,) = ins
-        need_rank(x, op, (4,))
+        need_rank(x, op, (d + 2,))
         need_float(x, op)
-        kh, kw = pair(a["kernel"])
-        sh, sw = pair(a["stride"] if a["stride"] is not None else a["kernel"])
-        ph, pw = pair(a["padding"])
-        if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0:
+        k = spatial(a["kernel"], d, "kernel", op)
+        s = spatial(a["stride"] if a["stride"] is not None else a["kernel"], d, "stride", op)
+        p = spatial(a["padding"], d, "padding", op)
+        if min(k + s) < 1 or min(p) < 0:
             raise ShapeError(f"{op}: kernel and stride must be positive, padding >= 0")
-        if ph > kh // 2 or pw > kw // 2:
+        if any(pi > ki // 2 for pi, ki in zip(p, k)):
             raise ShapeError(f"{op}: padding {a['padding']} is more than half the kernel "
                              f"{a['kernel']}")
-        ho = out_size(x.shape[2], kh, sh, ph, 1, op, "height")
-        wo = out_size(x.shape[3], kw, sw, pw, 1, op, "width")
-        return TensorType((x.shape[0], x.shape[1], ho, wo), x.dtype)
+        out = []
+        names = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}[d]
+        for i, (n, ki, si, pi) in enumerate(zip(x.shape[2:], k, s, p)):
+            if not isinstance(n, int):
+                raise ShapeError(f"{op}: the {names[i]} dimension must be static, got {n}")
+            o = pool_out(n, ki, si, pi, a["ceil_mode"])
+            if o < 1:
+                raise ShapeError(f"{op}: a {names[i]} of {n} is too small for kernel {ki} "
+                                 f"with padding {pi}; {{x}} would become empty")
+            out.append(o)
+        return TensorType(x.shape[:2] + tuple(out), x.dtype)
     return shape
 
 
 def _pool_flops(ins, out, a):
-    kh, kw = pair(a["kernel"])
-    return out.numel() * kh * kw
+    n = 1
+    for k in (a["kernel"] if isinstance(a["kernel"], tuple) else (a["kernel"],)):
+        n *= k
+    return out.numel() * n
 
 
-_POOL_SIG = (Arg("x", "tensor"), Arg("kernel", "pair"), Arg("stride", "pair", None),
-             Arg("padding", "pair", 0))
-# maxpool's backward recomputes the argmax from x, so it keeps x but not its output
-register(OpDef("maxpool", _POOL_SIG, _pool_shape("maxpool"), "pool", flops=_pool_flops,
-               retains=("inputs",), doc="max pooling; stride defaults to kernel",
-               extra={"default_from": {"stride": "kernel"}}))
-register(OpDef("avgpool", _POOL_SIG, _pool_shape("avgpool"), "pool", flops=_pool_flops,
-               doc="average pooling (padding counts as zeros); stride defaults to kernel",
-               extra={"default_from": {"stride": "kernel"}}))
+# name -> spatial dims; the 2-d operators keep their historical names
+_DIMS = {"": 2, "1d": 1, "3d": 3}
+_MAX_EXTRA = (Arg("ceil_mode", "bool", False),)
+_AVG_EXTRA = (Arg("ceil_mode", "bool", False), Arg("count_include_pad", "bool", True))
+for _suffix, _d in _DIMS.items():
+    _kind = "pair" if _d == 2 else "ints"
+    _sig = (Arg("x", "tensor"), Arg("kernel", _kind), Arg("stride", _kind, None),
+            Arg("padding", _kind, 0))
+    _what = {1: "1-d (N, C, L)", 2: "2-d (N, C, H, W)", 3: "3-d (N, C, D, H, W)"}[_d]
+    # maxpool's backward recomputes the argmax from x, so it keeps x but not its output
+    register(OpDef(f"maxpool{_suffix}", _sig + _MAX_EXTRA, _pool_shape(f"maxpool{_suffix}", _d),
+                   "pool", flops=_pool_flops, retains=("inputs",),
+                   doc=f"{_what} max pooling; stride defaults to kernel",
+                   extra={"default_from": {"stride": "kernel"}, "spatial": _d}))
+    register(OpDef(f"avgpool{_suffix}", _sig + _AVG_EXTRA, _pool_shape(f"avgpool{_suffix}", _d),
+                   "pool", flops=_pool_flops,
+                   doc=f"{_what} average pooling; stride defaults to kernel; padding counts "
+                       "as zeros unless count_include_pad=false",
+                   extra={"default_from": {"stride": "kernel"}, "spatial": _d}))
+    register(OpDef(f"maxpool{_suffix}_grad",
+                   (Arg("dy", "tensor"), Arg("x", "tensor")) + _sig[1:] + _MAX_EXTRA,
+                   lambda ins, a: ins[1], "backward", flops=_pool_flops, differentiable=False,
+                   doc="route dy to the first maximum of each window (argmax recomputed "
+                       "from x)", extra={"spatial": _d}))
+    register(OpDef(f"avgpool{_suffix}_grad",
+                   (Arg("dy", "tensor"), Arg("shape", "shape")) + _sig[1:] + _AVG_EXTRA,
+                   lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
+                   flops=_pool_flops, differentiable=False,
+                   doc="spread dy evenly over each window (divided as the forward divides)",
+                   extra={"spatial": _d}))
 
 
-def _gap_shape(ins, a):
-    (x,) = ins
-    need_rank(x, "global_avgpool", (4,))
-    need_float(x, "global_avgpool")
-    return TensorType((x.shape[0], x.shape[1], 1, 1), x.dtype)
+def _global_shape(op):
+    def shape(ins, a):
+        (x,) = ins
+        if x.rank < 3:
+            raise ShapeError(f"{op} expects an (N, C, spatial...) input, but {{x}} is {x}")
+        need_float(x, op)
+        return TensorType(x.shape[:2] + (1,) * (x.rank - 2), x.dtype)
+    return shape
 
 
-register(OpDef("global_avgpool", (Arg("x", "tensor"),), _gap_shape, "pool",
+register(OpDef("global_avgpool", (Arg("x", "tensor"),), _global_shape("global_avgpool"), "pool",
                flops=lambda ins, out, a: ins[0].numel(),
-               doc="mean over height and width: [N, C, H, W] -> [N, C, 1, 1]"))
+               doc="mean over every spatial dimension: [N, C, H, W] -> [N, C, 1, 1] (and "
+                   "likewise for 1-d and 3-d)"))
+register(OpDef("global_maxpool", (Arg("x", "tensor"),), _global_shape("global_maxpool"), "pool",
+               flops=lambda ins, out, a: ins[0].numel(), retains=("inputs", "output"),
+               doc="maximum over every spatial dimension: [N, C, ...] -> [N, C, 1, ...] "
+                   "(ties share the gradient)"))
 
 
-# -- backward operators -----------------------------------------------------------------------
-def _to_shape(ins, a):
-    return TensorType(tuple(a["shape"]), ins[0].dtype)
+def _adaptive_shape(op):
+    def shape(ins, a):
+        (x,) = ins
+        if x.rank < 3:
+            raise ShapeError(f"{op} expects an (N, C, spatial...) input, but {{x}} is {x}")
+        need_float(x, op)
+        out = spatial(a["output_size"], x.rank - 2, "output_size", op)
+        if min(out) < 1:
+            raise ShapeError(f"{op}: output_size must be positive, not {a['output_size']}")
+        if any(not isinstance(n, int) for n in x.shape[2:]):
+            raise ShapeError(f"{op}: the spatial dimensions of {{x}} must be static; it is {x}")
+        return TensorType(x.shape[:2] + out, x.dtype)
+    return shape
 
 
-register(OpDef("maxpool_grad", (Arg("dy", "tensor"), Arg("x", "tensor")) + _POOL_SIG[1:],
-               lambda ins, a: ins[1], "backward", flops=_pool_flops, differentiable=False,
-               doc="route dy to the first maximum of each window (argmax recomputed from x)"))
-register(OpDef("avgpool_grad", (Arg("dy", "tensor"), Arg("shape", "shape")) + _POOL_SIG[1:],
-               _to_shape, "backward", flops=_pool_flops, differentiable=False,
-               doc="spread dy evenly over each window (padding included in the count)"))
-register(OpDef("global_avgpool_grad", (Arg("dy", "tensor"), Arg("shape", "shape")), _to_shape,
+for _mode in ("avg", "max"):
+    register(OpDef(f"adaptive_{_mode}pool", (Arg("x", "tensor"), Arg("output_size", "ints")),
+                   _adaptive_shape(f"adaptive_{_mode}pool"), "pool",
+                   flops=lambda ins, out, a: ins[0].numel(),
+                   retains=("inputs",) if _mode == "max" else (),
+                   doc=f"{_mode} pooling to a given output size (one int for every spatial "
+                       "dimension, or one per dimension); bins as torch's adaptive pooling"))
+    register(OpDef(f"adaptive_{_mode}pool_grad",
+                   (Arg("dy", "tensor"), Arg("x" if _mode == "max" else "shape",
+                                             "tensor" if _mode == "max" else "shape")),
+                   (lambda ins, a: ins[1]) if _mode == "max" else
+                   (lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype)),
+                   "backward", flops=lambda ins, out, a: out.numel(), differentiable=False,
+                   doc=f"backward of adaptive_{_mode}pool"))
+register(OpDef("global_avgpool_grad", (Arg("dy", "tensor"), Arg("shape", "shape")),
+               lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype),
                "backward", flops=lambda ins, out, a: out.numel(), differentiable=False,
-               doc="spread dy evenly over height and width"))
+               doc="spread dy evenly over the spatial dimensions"))
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def _geom(x_shape, a):
-    kh, kw = pair(a["kernel"])
-    sh, sw = pair(a["stride"] if a["stride"] is not None else a["kernel"])
-    ph, pw = pair(a["padding"])
-    ho = (x_shape[2] + 2 * ph - kh) // sh + 1
-    wo = (x_shape[3] + 2 * pw - kw) // sw + 1
-    return kh, kw, sh, sw, ph, pw, ho, wo
+def _windows(xp, xpad, k, s, out):
+    """A zero-copy [N, C, *out, *k] view of the sliding windows of padded input."""
+    st = xpad.strides
+    return xp.lib.stride_tricks.as_strided(
+        xpad, xpad.shape[:2] + tuple(out) + tuple(k),
+        st[:2] + tuple(st[2 + i] * s[i] for i in range(len(k))) + st[2:])
+
+
+def _extra(sizes, k, s, p, out):
+    """Right padding beyond p that ceil_mode's last windows reach."""
+    return tuple(max(0, (o - 1) * si + ki - (n + 2 * pi))
+                 for n, ki, si, pi, o in zip(sizes, k, s, p, out))
+
+
+def _pad(xp, x, p, extra, value):
+    sizes = x.shape[2:]
+    full = x.shape[:2] + tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, extra))
+    if full == x.shape:
+        return xp.ascontiguousarray(x)
+    buf = xp.full(full, value, dtype=x.dtype)
+    buf[_inner(p, sizes)] = x
+    return buf
+
+
+def _inner(p, sizes):
+    return (slice(None), slice(None)) + tuple(slice(pi, pi + n) for pi, n in zip(p, sizes))
+
+
+def _scatter_windows(xp, dxpad, cols, k, s, out):
+    """Add cols [N, C, *out, *k] onto the padded input at their windows (windows' adjoint):
+    one strided add per kernel offset."""
+    d = len(k)
+    for off in itertools.product(*(range(ki) for ki in k)):
+        idx = (slice(None), slice(None)) + tuple(
+            slice(off[i], off[i] + s[i] * (out[i] - 1) + 1, s[i]) for i in range(d))
+        dxpad[idx] += cols[(Ellipsis,) + off]
+
+
+def _nd(a, shape):
+    return len(shape) - 2
 
 
 def _max_windows(xp, x, a):
-    kh, kw, sh, sw, ph, pw, ho, wo = _geom(x.shape, a)
-    xpad = pad2d(xp, x, ph, pw, value=-xp.inf)
-    return windows(xp, xpad, kh, kw, sh, sw, 1, 1, ho, wo)
+    k, s, p, sizes, out = _geom(x.shape, a, _nd(a, x.shape))
+    xpad = _pad(xp, x, p, _extra(sizes, k, s, p, out), -xp.inf)
+    return _windows(xp, xpad, k, s, out), (k, s, p, sizes, out)
 
 
-@kernel("maxpool")
 def _maxpool(xp, ins, a, ctx):
-    return _max_windows(xp, ins[0], a).max(axis=(4, 5))
+    win, (k, *_rest) = _max_windows(xp, ins[0], a)
+    return win.max(axis=tuple(range(-len(k), 0)))
 
 
-@kernel("maxpool_grad")
 def _maxpool_grad(xp, ins, a, ctx):
     dy, x = ins
-    kh, kw, sh, sw, ph, pw, ho, wo = _geom(x.shape, a)
-    win = _max_windows(xp, x, a)
-    n, c = x.shape[:2]
-    arg = win.reshape(n, c, ho, wo, kh * kw).argmax(axis=-1)  # first maximum, like torch
-    cols = (arg[..., None] == xp.arange(kh * kw)).astype(dy.dtype) * dy[..., None]
-    dxpad = xp.zeros((n, c, x.shape[2] + 2 * ph, x.shape[3] + 2 * pw), dtype=dy.dtype)
-    col2im_add(xp, dxpad, cols.reshape(n, c, ho, wo, kh, kw), kh, kw, sh, sw, 1, 1)
-    return xp.ascontiguousarray(dxpad[:, :, ph:ph + x.shape[2], pw:pw + x.shape[3]])
+    win, (k, s, p, sizes, out) = _max_windows(xp, x, a)
+    kk = 1
+    for ki in k:
+        kk *= ki
+    arg = win.reshape(win.shape[:-len(k)] + (kk,)).argmax(axis=-1)  # first max, like torch
+    cols = (arg[..., None] == xp.arange(kk)).astype(dy.dtype) * dy[..., None]
+    extra = _extra(sizes, k, s, p, out)
+    dxpad = xp.zeros(x.shape[:2] + tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, extra)),
+                     dtype=dy.dtype)
+    _scatter_windows(xp, dxpad, cols.reshape(cols.shape[:-1] + k), k, s, out)
+    return xp.ascontiguousarray(dxpad[_inner(p, sizes)])
 
 
-@kernel("avgpool")
+def _counts(xp, a, k, s, p, sizes, out, dtype):
+    """The divisor of every output position, [*out], as torch's avg_pool computes it."""
+    total = None
+    for n, ki, si, pi, o in zip(sizes, k, s, p, out):
+        start = xp.arange(o) * si - pi
+        end = xp.minimum(start + ki, n + pi)
+        if a["count_include_pad"]:
+            c = end - start
+        else:
+            c = xp.minimum(end, n) - xp.maximum(start, 0)
+        c = c.astype(dtype)
+        total = c if total is None else total[..., None] * c
+    return total
+
+
 def _avgpool(xp, ins, a, ctx):
     x = ins[0]
-    kh, kw, sh, sw, ph, pw, ho, wo = _geom(x.shape, a)
-    win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, 1, 1, ho, wo)
-    return win.sum(axis=(4, 5)) * (1.0 / (kh * kw))  # count_include_pad, like torch
+    k, s, p, sizes, out = _geom(x.shape, a, _nd(a, x.shape))
+    xpad = _pad(xp, x, p, _extra(sizes, k, s, p, out), 0.0)
+    total = _windows(xp, xpad, k, s, out).sum(axis=tuple(range(-len(k), 0)))
+    return total / _counts(xp, a, k, s, p, sizes, out, x.dtype)
 
 
-@kernel("avgpool_grad")
 def _avgpool_grad(xp, ins, a, ctx):
     dy = ins[0]
-    shape = tuple(a["shape"])
-    kh, kw, sh, sw, ph, pw, ho, wo = _geom(shape, a)
-    n, c, h, w = dy.shape[0], shape[1], shape[2], shape[3]
-    cols = xp.broadcast_to((dy * (1.0 / (kh * kw)))[..., None, None], (n, c, ho, wo, kh, kw))
-    dxpad = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=dy.dtype)
-    col2im_add(xp, dxpad, cols, kh, kw, sh, sw, 1, 1)
-    return xp.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + w])
+    shape = tuple(int(v) for v in a["shape"])
+    k, s, p, sizes, out = _geom(shape, a, len(shape) - 2)
+    g = dy / _counts(xp, a, k, s, p, sizes, out, dy.dtype)
+    extra = _extra(sizes, k, s, p, out)
+    dxpad = xp.zeros((dy.shape[0],) + shape[1:2] +
+                     tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, extra)), dtype=dy.dtype)
+    cols = xp.broadcast_to(g.reshape(g.shape + (1,) * len(k)), g.shape + k)
+    _scatter_windows(xp, dxpad, cols, k, s, out)
+    return xp.ascontiguousarray(dxpad[_inner(p, sizes)])
+
+
+for _suffix in _DIMS:
+    kernel(f"maxpool{_suffix}")(_maxpool)
+    kernel(f"maxpool{_suffix}_grad")(_maxpool_grad)
+    kernel(f"avgpool{_suffix}")(_avgpool)
+    kernel(f"avgpool{_suffix}_grad")(_avgpool_grad)
 
 
 @kernel("global_avgpool")
 def _gap(xp, ins, a, ctx):
-    return ins[0].mean(axis=(2, 3), keepdims=True)
+    x = ins[0]
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
 
 
 @kernel("global_avgpool_grad")
 def _gap_grad(xp, ins, a, ctx):
     dy = ins[0]
-    shape = tuple(a["shape"])
-    return xp.ascontiguousarray(xp.broadcast_to(dy * (1.0 / (shape[2] * shape[3])),
+    shape = tuple(int(d) for d in a["shape"])
+    count = 1
+    for d in shape[2:]:
+        count *= d
+    return xp.ascontiguousarray(xp.broadcast_to(dy * (1.0 / count),
                                                 (dy.shape[0],) + shape[1:]))
 
 
+@kernel("global_maxpool")
+def _gmp(xp, ins, a, ctx):
+    x = ins[0]
+    return x.max(axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+def _bins(n: int, o: int) -> list[tuple[int, int]]:
+    """torch's adaptive pooling bins: [floor(i n / o), ceil((i + 1) n / o))."""
+    return [(i * n // o, -(-(i + 1) * n // o)) for i in range(o)]
+
+
+def _cells(in_sizes, out_sizes):
+    """(output index, input box as slices) for every output cell."""
+    per_dim = [list(enumerate(_bins(n, o))) for n, o in zip(in_sizes, out_sizes)]
+    for combo in itertools.product(*per_dim):
+        yield (tuple(i for i, _ in combo),
+               tuple(slice(lo, hi) for _, (lo, hi) in combo))
+
+
+def _adaptive_matrix(xp, n, o, dtype):
+    """[o, n]: row i averages bin i (adaptive average pooling is separable)."""
+    m = xp.zeros((o, n), dtype=dtype)
+    for i, (lo, hi) in enumerate(_bins(n, o)):
+        m[i, lo:hi] = 1.0 / (hi - lo)
+    return m
+
+
+def _apply_per_axis(xp, x, mats, transpose=False):
+    """Multiply each spatial axis of x by its matrix (or the matrix's transpose)."""
+    for i, m in enumerate(mats):
+        ax = 2 + i
+        m = m.T if transpose else m
+        x = xp.moveaxis(xp.tensordot(x, m, axes=([ax], [1])), -1, ax)
+    return xp.ascontiguousarray(x)
+
+
+@kernel("adaptive_avgpool")
+def _aap(xp, ins, a, ctx):
+    x = ins[0]
+    out = spatial(a["output_size"], x.ndim - 2, "output_size", "adaptive_avgpool")
+    mats = [_adaptive_matrix(xp, n, o, x.dtype) for n, o in zip(x.shape[2:], out)]
+    return _apply_per_axis(xp, x, mats)
+
+
+@kernel("adaptive_avgpool_grad")
+def _aap_grad(xp, ins, a, ctx):
+    dy = ins[0]
+    shape = tuple(int(v) for v in a["shape"])
+    mats = [_adaptive_matrix(xp, n, o, dy.dtype) for n, o in zip(shape[2:], dy.shape[2:])]
+    return _apply_per_axis(xp, dy, mats, transpose=True)
+
+
+@kernel("adaptive_maxpool")
+def _amp(xp, ins, a, ctx):
+    x = ins[0]
+    out = spatial(a["output_size"], x.ndim - 2, "output_size", "adaptive_maxpool")
+    y = xp.empty(x.shape[:2] + out, dtype=x.dtype)
+    sp = tuple(range(2, x.ndim))
+    for idx, box in _cells(x.shape[2:], out):
+        y[(slice(None), slice(None)) + idx] = x[(slice(None), slice(None)) + box].max(axis=sp)
+    return y
+
+
+@kernel("adaptive_maxpool_grad")
+def _amp_grad(xp, ins, a, ctx):
+    dy, x = ins
+    dx = xp.zeros_like(x, dtype=dy.dtype)
+    n, c = x.shape[:2]
+    for idx, box in _cells(x.shape[2:], dy.shape[2:]):
+        sl = (slice(None), slice(None)) + box
+        part = x[sl]
+        flat = part.reshape(n, c, -1)
+        hot = (flat.argmax(axis=-1)[..., None] == xp.arange(flat.shape[-1]))  # first max
+        g = dy[(slice(None), slice(None)) + idx][..., None] * hot
+        dx[sl] += g.reshape(part.shape)
+    return dx
+
+
 # -- gradient rules ---------------------------------------------------------------------------
-def _pool_attrs(n):
-    return {k: n.attrs[k] for k in ("kernel", "stride", "padding")}
+def _attrs(n, names):
+    return {k: n.attrs[k] for k in names}
 
 
-@grad_rule("maxpool")
-def _maxpool_rule(n, b, gy):
-    return [b.emit("maxpool_grad", [gy, n.inputs[0]], _pool_attrs(n))]
-
-
-@grad_rule("avgpool")
-def _avgpool_rule(n, b, gy):
-    return [b.emit("avgpool_grad", [gy], {"shape": b.type(n.inputs[0]).shape, **_pool_attrs(n)})]
+_MAX_ATTRS = ("kernel", "stride", "padding", "ceil_mode")
+_AVG_ATTRS = _MAX_ATTRS + ("count_include_pad",)
+for _suffix in _DIMS:
+    grad_rule(f"maxpool{_suffix}")(
+        lambda n, b, gy, _s=_suffix: [b.emit(f"maxpool{_s}_grad", [gy, n.inputs[0]],
+                                             _attrs(n, _MAX_ATTRS))])
+    grad_rule(f"avgpool{_suffix}")(
+        lambda n, b, gy, _s=_suffix: [b.emit(f"avgpool{_s}_grad", [gy],
+                                             {"shape": b.type(n.inputs[0]).shape,
+                                              **_attrs(n, _AVG_ATTRS)})])
 
 
 @grad_rule("global_avgpool")
 def _gap_rule(n, b, gy):
     return [b.emit("global_avgpool_grad", [gy], {"shape": b.type(n.inputs[0]).shape})]
+
+
+@grad_rule("global_maxpool")
+def _gmp_rule(n, b, gy):
+    x = n.inputs[0]
+    return [b.emit("extremum_grad", [gy, x, n.name],
+                   {"axis": tuple(range(2, b.type(x).rank)), "keepdims": True})]
+
+
+@grad_rule("adaptive_avgpool")
+def _aap_rule(n, b, gy):
+    return [b.emit("adaptive_avgpool_grad", [gy], {"shape": b.type(n.inputs[0]).shape})]
+
+
+@grad_rule("adaptive_maxpool")
+def _amp_rule(n, b, gy):
+    return [b.emit("adaptive_maxpool_grad", [gy, n.inputs[0]])]

@@ -1,4 +1,5 @@
-"""Operators that only move data: flatten, reshape, transpose, permute, concat, slice."""
+"""Operators that only move data: flatten, reshape, transpose, permute, concat, slice,
+squeeze, unsqueeze, expand, gather."""
 
 
 from netdsl.errors import ShapeError
@@ -119,24 +120,132 @@ def _slice_shape(ins, a):
     (x,) = ins
     ax = norm_axis(a["axis"], x.rank, "slice")
     size = x.shape[ax]
-    start, stop = a["start"], a["stop"]
+    start, stop, step = a["start"], a["stop"], a["step"]
+    if step < 1:
+        raise ShapeError(f"slice: step must be positive, not {step}")
     if not isinstance(size, int) or not 0 <= start < stop <= size:
         raise ShapeError(f"slice [{start}:{stop}] along axis {a['axis']} is out of range "
                          f"for {{x}}, which is {x}")
-    return TensorType(x.shape[:ax] + (stop - start,) + x.shape[ax + 1:], x.dtype)
+    n = len(range(start, stop, step))
+    return TensorType(x.shape[:ax] + (n,) + x.shape[ax + 1:], x.dtype)
 
 
 register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"), Arg("start", "int"),
-                         Arg("stop", "int")), _slice_shape, "shape",
-               doc="x[start:stop] along one axis (`split` lowers to slices)"))
+                         Arg("stop", "int"), Arg("step", "int", 1)), _slice_shape, "shape",
+               doc="x[start:stop:step] along one axis (`split` lowers to slices)"))
 
+
+def _squeeze_shape(ins, a):
+    (x,) = ins
+    from netdsl.ir.ops.reduce import axes_of
+    axes = axes_of(a["axis"], x.rank, "squeeze")
+    for ax in axes:
+        if x.shape[ax] != 1:
+            raise ShapeError(f"squeeze: dimension {ax} of {{x}} is {x.shape[ax]}, not 1; "
+                             f"{{x}} is {x}")
+    return TensorType(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)
+
+
+register(OpDef("squeeze", (Arg("x", "tensor"), Arg("axis", "axes")), _squeeze_shape, "shape",
+               doc="remove size-1 dimensions (one axis or a tuple)"))
+
+
+def _unsqueeze_shape(ins, a):
+    (x,) = ins
+    ax = norm_axis(a["axis"], x.rank + 1, "unsqueeze")
+    if ax == 0 and x.rank and x.shape[0] == "N":
+        raise ShapeError("unsqueeze: the batch dimension N must stay first")
+    return TensorType(x.shape[:ax] + (1,) + x.shape[ax:], x.dtype)
+
+
+register(OpDef("unsqueeze", (Arg("x", "tensor"), Arg("axis", "axis")), _unsqueeze_shape,
+               "shape", doc="insert a size-1 dimension at `axis` (of the result)"))
+
+
+def _expand_shape(ins, a):
+    (x,) = ins
+    target = list(a["shape"])
+    if len(target) < x.rank:
+        raise ShapeError(f"expand: shape {tuple(target)} has fewer dimensions than {{x}}, "
+                         f"which is {x}")
+    lead = len(target) - x.rank
+    out = []
+    for i, d in enumerate(target):
+        src = x.shape[i - lead] if i >= lead else None
+        if d == -1:
+            if src is None:
+                raise ShapeError("expand: -1 is only allowed for existing dimensions")
+            d = src
+        elif src is not None and src != 1 and src != d:
+            raise ShapeError(f"expand: dimension {i - lead} of {{x}} is {src} and cannot "
+                             f"become {d}; {{x}} is {x}")
+        elif not (d == "N" or isinstance(d, int) and d >= 1):
+            raise ShapeError(f"expand: invalid size {d}")
+        out.append(d)
+    return TensorType(tuple(out), x.dtype)
+
+
+register(OpDef("expand", (Arg("x", "tensor"), Arg("shape", "shape")), _expand_shape, "shape",
+               doc="broadcast size-1 dimensions to `shape` (-1 keeps a dimension)"))
+
+
+def _gather_shape(ins, a):
+    x, idx = ins
+    if idx.dtype not in ("i32", "i64"):
+        raise ShapeError(f"gather expects integer indices, but {{index}} is {idx}")
+    ax = norm_axis(a["axis"], x.rank, "gather")
+    if ax == 0 and x.shape[0] == "N":
+        raise ShapeError("gather along the batch dimension is not supported")
+    if not isinstance(x.shape[ax], int):
+        raise ShapeError(f"gather: the axis it indexes must be static, but {{x}} is {x}")
+    if ax > 0 and idx.rank and idx.shape[0] == "N":
+        raise ShapeError(f"gather along axis {ax} takes indices without the batch "
+                         f"dimension, but {{index}} is {idx}")
+    return TensorType(x.shape[:ax] + idx.shape + x.shape[ax + 1:], x.dtype)
+
+
+register(OpDef("gather", (Arg("x", "tensor"), Arg("index", "tensor"), Arg("axis", "axis", 0)),
+               _gather_shape, "shape", flops=lambda ins, out, a: 0, retains=("input1",),
+               doc="take entries of x at integer indices along an axis (ONNX Gather; "
+                   "negative indices count from the end)"))
+
+
+def _gather_elements_shape(ins, a):
+    x, idx = ins
+    if idx.dtype not in ("i32", "i64"):
+        raise ShapeError(f"gather_elements expects integer indices, but {{index}} is {idx}")
+    ax = norm_axis(a["axis"], x.rank, "gather_elements")
+    if idx.rank != x.rank or any(idx.shape[d] != x.shape[d] for d in range(x.rank)
+                                 if d != ax):
+        raise ShapeError(f"gather_elements: {{index}} ({idx}) must have the shape of {{x}} "
+                         f"({x}) except along axis {a['axis']}")
+    if ax == 0 and x.shape[0] == "N":
+        raise ShapeError("gather_elements along the batch dimension is not supported")
+    return TensorType(idx.shape, x.dtype)
+
+
+register(OpDef("gather_elements", (Arg("x", "tensor"), Arg("index", "tensor"),
+                                   Arg("axis", "axis")),
+               _gather_elements_shape, "shape", retains=("input1",),
+               doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` "
+                   "(torch.gather, ONNX GatherElements): per-example selection"))
 
 
 # -- backward operator ------------------------------------------------------------------------
 register(OpDef("slice_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("axis", "axis"),
-                              Arg("start", "int")),
+                              Arg("start", "int"), Arg("step", "int", 1)),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
-               differentiable=False, doc="zeros of x's shape with dy placed at [start:...]"))
+               differentiable=False, doc="zeros of x's shape with dy placed at [start::step]"))
+register(OpDef("gather_elements_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),
+                                        Arg("shape", "shape"), Arg("axis", "axis")),
+               lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
+               differentiable=False, flops=lambda ins, out, a: ins[0].numel(),
+               doc="scatter-add dy into zeros of x's shape at the indices along `axis`"))
+register(OpDef("gather_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),
+                               Arg("shape", "shape"), Arg("axis", "axis", 0)),
+               lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
+               differentiable=False, flops=lambda ins, out, a: ins[0].numel(),
+               doc="scatter-add dy into zeros of x's shape at the indices"))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -169,15 +278,15 @@ def _concat(xp, ins, a, ctx):
     return xp.concatenate(ins, axis=a["axis"])
 
 
-def _index(ndim, axis, start, stop):
+def _index(ndim, axis, start, stop, step=1):
     ax = axis % ndim
-    return (slice(None),) * ax + (slice(start, stop),)
+    return (slice(None),) * ax + (slice(start, stop, step),)
 
 
 @kernel("slice")
 def _slice(xp, ins, a, ctx):
     x = ins[0]
-    return xp.ascontiguousarray(x[_index(x.ndim, a["axis"], a["start"], a["stop"])])
+    return xp.ascontiguousarray(x[_index(x.ndim, a["axis"], a["start"], a["stop"], a["step"])])
 
 
 @kernel("slice_grad")
@@ -185,8 +294,101 @@ def _slice_grad(xp, ins, a, ctx):
     dy = ins[0]
     dx = xp.zeros(tuple(int(d) for d in a["shape"]), dtype=dy.dtype)
     ax = a["axis"] % dy.ndim
-    dx[_index(dy.ndim, ax, a["start"], a["start"] + dy.shape[ax])] = dy
+    step = a["step"]
+    dx[_index(dy.ndim, ax, a["start"], a["start"] + step * (dy.shape[ax] - 1) + 1, step)] = dy
     return dx
+
+
+@kernel("squeeze")
+def _squeeze(xp, ins, a, ctx):
+    x = ins[0]
+    axes = a["axis"] if isinstance(a["axis"], tuple) else (a["axis"],)
+    # copies, not views: a view of a parameter would change under an in-place update
+    return xp.squeeze(x, axis=tuple(ax % x.ndim for ax in axes)).copy()
+
+
+@kernel("unsqueeze")
+def _unsqueeze(xp, ins, a, ctx):
+    return xp.expand_dims(ins[0], a["axis"] % (ins[0].ndim + 1)).copy()
+
+
+@kernel("expand")
+def _expand(xp, ins, a, ctx):
+    x = ins[0]
+    shape = list(a["shape"])
+    lead = len(shape) - x.ndim
+    shape = [x.shape[i - lead] if d == -1 else int(d) for i, d in enumerate(shape)]
+    return xp.ascontiguousarray(xp.broadcast_to(x, tuple(shape)))
+
+
+def checked_indices(xp, idx, size, ctx, negative=True, what="index"):
+    """Indices as non-negative int64, or a NetdslError naming the node when one lies outside
+    [-size, size) ([0, size) without `negative`): NumPy would wrap a negative index
+    silently, and CuPy reads out of bounds without a word."""
+    from netdsl.errors import NetdslError
+    idx = idx.astype(xp.int64)
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        low = -size if negative else 0
+        if lo < low or hi >= size:
+            n = ctx.node
+            raise NetdslError(
+                f"{n.op} %{n.name}: {what} {lo if lo < low else hi} is out of range; "
+                f"valid values are {low} to {size - 1} (the dimension has size {size})",
+                loc=n.loc, stack=n.stack)
+        if lo < 0:
+            idx = xp.where(idx < 0, idx + size, idx)
+    return idx
+
+
+def _element_index(xp, idx, ax):
+    """The full advanced index that `take_along_axis(x, idx, ax)` reads."""
+    out = []
+    for d, n in enumerate(idx.shape):
+        if d == ax:
+            out.append(idx)
+        else:
+            out.append(xp.arange(n).reshape((n,) + (1,) * (idx.ndim - d - 1)))
+    return tuple(out)
+
+
+@kernel("gather_elements")
+def _gather_elements(xp, ins, a, ctx):
+    x, idx = ins
+    ax = a["axis"] % x.ndim
+    return xp.take_along_axis(x, checked_indices(xp, idx, x.shape[ax], ctx), axis=ax)
+
+
+@kernel("gather_elements_grad")
+def _gather_elements_grad(xp, ins, a, ctx):
+    dy, idx = ins
+    shape = tuple(int(d) for d in a["shape"])
+    ax = a["axis"] % len(shape)
+    dx = xp.zeros(shape, dtype=dy.dtype)
+    xp.add.at(dx, _element_index(xp, checked_indices(xp, idx, shape[ax], ctx), ax), dy)
+    return dx
+
+
+@kernel("gather")
+def _gather(xp, ins, a, ctx):
+    x, idx = ins
+    ax = a["axis"] % x.ndim
+    return xp.take(x, checked_indices(xp, idx, x.shape[ax], ctx), axis=ax)
+
+
+@kernel("gather_grad")
+def _gather_grad(xp, ins, a, ctx):
+    dy, idx = ins
+    shape = tuple(int(d) for d in a["shape"])
+    ax = a["axis"] % len(shape)
+    idx = checked_indices(xp, idx, shape[ax], ctx)
+    # move the gathered axis first: dy [..., idx..., ...] -> [idx..., lead..., trail...],
+    # and scatter into a contiguous [size, lead..., trail...] array
+    k = idx.ndim
+    dyv = xp.moveaxis(dy, tuple(range(ax, ax + k)), tuple(range(k)))
+    dx = xp.zeros((shape[ax],) + shape[:ax] + shape[ax + 1:], dtype=dy.dtype)
+    xp.add.at(dx, idx, dyv)  # repeated indices accumulate
+    return xp.ascontiguousarray(xp.moveaxis(dx, 0, ax))
 
 
 # -- gradient rules ---------------------------------------------------------------------------
@@ -227,4 +429,28 @@ def _concat_rule(n, b, gy):
 @grad_rule("slice")
 def _slice_rule(n, b, gy):
     return [b.emit("slice_grad", [gy], {"shape": b.type(n.inputs[0]).shape,
-                                        "axis": n.attrs["axis"], "start": n.attrs["start"]})]
+                                        "axis": n.attrs["axis"], "start": n.attrs["start"],
+                                        "step": n.attrs["step"]})]
+
+
+grad_rule("squeeze")(_back_to_input)
+grad_rule("unsqueeze")(_back_to_input)
+
+
+@grad_rule("expand")
+def _expand_rule(n, b, gy):
+    return [b.emit("sum_to", [gy], {"shape": b.type(n.inputs[0]).shape})]
+
+
+@grad_rule("gather_elements")
+def _gather_elements_rule(n, b, gy):
+    x, idx = n.inputs
+    return [b.emit("gather_elements_grad", [gy, idx], {"shape": b.type(x).shape,
+                                                       "axis": n.attrs["axis"]}), None]
+
+
+@grad_rule("gather")
+def _gather_rule(n, b, gy):
+    x, idx = n.inputs
+    return [b.emit("gather_grad", [gy, idx], {"shape": b.type(x).shape,
+                                              "axis": n.attrs["axis"]}), None]

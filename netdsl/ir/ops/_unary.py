@@ -1,0 +1,54 @@
+"""Registering an element-wise unary operator together with its backward operator.
+
+`unary(name, f, df, reads=...)` registers `name(x, attrs...)`, whose kernel is `f(xp, x, a)`,
+and `name_grad(dy, v, attrs...)`, whose kernel is `dy * df(xp, v, a)`, where `v` is the
+forward input (reads="input") or output (reads="output"), whichever the derivative is
+cheaper from. The gradient rule passes the forward node's attributes on unchanged.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from netdsl.errors import ShapeError
+from netdsl.ir.ops._util import need_float
+from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.types import TensorType
+
+
+def _grad_shape(op):
+    def shape(ins, a):
+        dy, v = ins
+        if dy.shape != v.shape:
+            raise ShapeError(f"{op}: gradient {dy} and value {v} differ in shape")
+        return TensorType(dy.shape, dy.dtype)
+    return shape
+
+
+def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: int = 1,
+          attrs: tuple[Arg, ...] = (), layer_type: str = "activation", doc: str = "",
+          check: Callable | None = None) -> None:
+    """Register `name` and `name_grad`; `check(x_type, attrs)` may raise ShapeError."""
+    def shape(ins, a):
+        need_float(ins[0], name)
+        if check is not None:
+            check(ins[0], a)
+        return ins[0]
+
+    register(OpDef(name, (Arg("x", "tensor"),) + attrs, shape, layer_type,
+                   flops=lambda ins, out, a: flops * out.numel(),
+                   retains=("inputs",) if reads == "input" else ("output",),
+                   doc=doc or f"element-wise {name}"))
+    # the backward signature repeats the forward attributes without their defaults
+    gattrs = tuple(Arg(x.name, x.kind, x.default, x.choices) for x in attrs)
+    register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,
+                   _grad_shape(f"{name}_grad"), "backward",
+                   flops=lambda ins, out, a: (flops + 1) * out.numel(), differentiable=False,
+                   doc=f"backward of {name}: dy * {name}'(x), from the forward {reads}"))
+
+    kernel(name)(lambda xp, ins, a, ctx: f(xp, ins[0], a))
+    kernel(f"{name}_grad")(lambda xp, ins, a, ctx: ins[0] * df(xp, ins[1], a))
+
+    @grad_rule(name)
+    def _rule(n, b, gy):
+        v = n.inputs[0] if reads == "input" else n.name
+        return [b.emit(f"{name}_grad", [gy, v], {x.name: n.attrs[x.name] for x in attrs})]

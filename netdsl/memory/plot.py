@@ -8,6 +8,7 @@ from pathlib import Path
 from netdsl.errors import NetdslError
 from netdsl.memory.search import PlanResult
 from netdsl.memory.simulate import KINDS, simulate
+from netdsl.sizes import format_decimal
 
 
 def plot_memory(res: PlanResult, path: str | Path) -> None:
@@ -30,7 +31,7 @@ def plot_memory(res: PlanResult, path: str | Path) -> None:
         ax.stackplot(x, layers, labels=["state (params, buffers, optimizer)", "workspace",
                                         *KINDS], linewidth=0)
         ax.axhline(res.budget_bytes / gb, color="black", linestyle="--", label="budget")
-        ax.set_title(f"{res.network}: {title}, peak {sim.peak_bytes / gb:.2f} GB")
+        ax.set_title(f"{res.network}: {title}, peak {format_decimal(sim.peak_bytes)}")
         ax.set_xlabel("schedule step")
         ax.set_ylabel("device memory (GB)")
     axes[1].legend(loc="upper right", fontsize=8)

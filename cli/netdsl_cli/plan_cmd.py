@@ -67,7 +67,7 @@ def plan(
                 res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
                                progress=lambda f: bar.update(task, completed=f))
         if plot is not None:
-            from netdsl.memory.plot import plot_memory
+            from netdsl.tooling.memory_plot import plot_memory
             plot_memory(res, plot)
         extra = {}
         if exact:

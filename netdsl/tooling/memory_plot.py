@@ -1,6 +1,6 @@
 """`netdsl plan --plot`: device memory over the schedule, stacked by kind, unplanned
 (left) against planned (right), with the budget as a line. Needs matplotlib (the `plot`
-extra)."""
+extra); it lives with the other tools, the one layer allowed to import it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,15 +9,11 @@ from netdsl.errors import NetdslError
 from netdsl.memory.search import PlanResult
 from netdsl.memory.simulate import KINDS, simulate
 from netdsl.sizes import format_decimal
+from netdsl.tooling.curves import _pyplot
 
 
 def plot_memory(res: PlanResult, path: str | Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise NetdslError("--plot needs matplotlib: pip install 'netdsl[plot]'") from None
+    plt = _pyplot()
     prep = res.prep
     dec = {prep.pos[k]: d for k, d in res.decisions.items()}
     panels = [("without a plan", simulate(prep, {}, by_kind=True)),

@@ -431,12 +431,16 @@ def _stream_state(prep: Prepared, seq, off, prefetch: int, offloaded: list[int])
     """Offloaded optimizer state: copied in `prefetch` entries before its update, out
     right after it."""
     at = {p: i for i, (kind, p) in enumerate(seq) if kind == NODE}
+    users: dict[int, list[int]] = {}
+    for u in prep.updates:
+        for s in prep.inputs[u]:
+            users.setdefault(s, []).append(u)
     before: dict[int, list[int]] = {}
     after: dict[int, list[int]] = {}
     for s in prep.opt_state:
         if not off[s]:
             continue
-        readers = [at[u] for u in prep.updates if s in prep.inputs[u]]
+        readers = [at[u] for u in users.get(s, ())]
         if not readers:
             continue
         offloaded.append(s)

@@ -1,0 +1,449 @@
+"""The planner: decide keep / recompute / offload for every retained forward value.
+
+`plan_memory(g, budget, profile, strategy)` takes a bound training-step graph and
+returns a `PlanResult`. Every candidate plan is scored with the fast simulator
+(`simulate.py`, the same schedule `strategies.apply_decisions` builds) and the cost model
+(`cost.py`); the chosen plan is the fastest predicted one whose peak fits the budget.
+
+Strategies:
+- `none`: keep everything (the unplanned step, with eager updates);
+- `checkpoint-sqrt` (Chen et al. 2016): keep every ceil(sqrt(n))-th retained value as a
+  segment boundary and recompute the others;
+- `offload-all` (vDNN, Rhu et al. 2016): offload every retained value;
+- `recompute-all`: recompute every retained value (rebuilt from parameters and inputs);
+- `auto` (layer-adaptive, after Layup): each value gets the cheaper of recompute and
+  offload per byte it frees (recompute costs the node's time; offload the part of its
+  copy that the prefetch window cannot hide; cheap norm/activation/pool/element-wise
+  outputs therefore recompute and convolution/linear outputs offload). A value is only
+  recomputed when no value its clone reads is recomputed too, so clones never chain. The
+  values are ordered by cost per byte into one ladder, independent of the budget; the
+  plan is the shortest prefix of the ladder that fits (regula falsi over exact
+  simulations), compared with the baselines and, in unified memory, with checkpoint
+  segment plans, the fastest feasible one winning. Because the candidate set does not
+  depend on the budget and a longer prefix only adds work, a larger budget never
+  predicts a slower step.
+
+Recomputing a value also recomputes the forward values between it and the retained
+values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would
+hold them alive from the forward pass.
+"""
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left
+from collections import Counter
+from dataclasses import dataclass, field
+
+from netdsl.errors import NetdslError
+from netdsl.ir import registry
+from netdsl.ir.graph import Graph
+from netdsl.memory.cost import Costs
+from netdsl.memory.profiles import Profile, get_profile
+from netdsl.memory.simulate import (
+    BWD,
+    DECISIONS,
+    FWD,
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    Prepared,
+    Sim,
+    prepare,
+    simulate,
+)
+from netdsl.sizes import format_decimal, parse_size
+
+STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
+CHEAP_TYPES = ("norm", "activation", "pool", "elementwise", "shape", "dropout", "reduce")
+
+
+class PlanError(NetdslError):
+    pass
+
+
+@dataclass
+class PlanResult:
+    network: str
+    strategy: str
+    profile: Profile
+    budget_bytes: int
+    feasible: bool
+    decisions: dict[str, str]  # forward value -> keep | recompute | offload (non-keep only)
+    # predicted device peak (state + live + workspace; plus the host pool where host and
+    # device are one memory)
+    planned_peak_bytes: int
+    baseline_peak_bytes: int  # the same step without a plan (eager updates)
+    host_bytes: int  # peak of the host pool
+    predicted_step_s: float
+    baseline_step_s: float
+    offload_bytes: int  # bytes copied to the host (as many come back)
+    recompute_flops: int
+    state_bytes: int
+    workspace_bytes: int
+    plan_s: float
+    prefetch: int
+    counts: dict[str, int] = field(default_factory=dict)  # per decision
+    by_layer_type: dict[str, dict[str, int]] = field(default_factory=dict)
+    min_feasible_bytes: int | None = None  # the smallest budget a plan was found for
+    dominant: str = ""  # what dominates the smallest peak
+    sim: Sim | None = field(default=None, repr=False)
+    baseline_sim: Sim | None = field(default=None, repr=False)
+    prep: Prepared | None = field(default=None, repr=False)
+    state_offloaded: int = 0  # optimizer-state buffers kept in the host pool
+    state_buffers: int = 0  # optimizer-state buffers in all
+    verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
+    verify_s: float | None = None
+
+    @property
+    def predicted_overhead(self) -> float:
+        return self.predicted_step_s / self.baseline_step_s - 1 if self.baseline_step_s else 0.0
+
+
+class Planner:
+    def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
+                 overrides: dict[str, str] | None, offload_state: bool = False):
+        self.prep = prepare(g, float_dtype=float_dtype)
+        self.costs = Costs(self.prep, profile, float_dtype)
+        self.profile = profile
+        self.prefetch = prefetch
+        self.ops = registry.load_all()
+        prep = self.prep
+        self.cand = prep.candidates
+        self.cand_set = set(self.cand)
+        self.offload_state = offload_state
+        self.forced = self._forced(g, overrides or {})
+        self.cache: dict[tuple, tuple[Sim, float]] = {}
+
+    def _forced(self, g: Graph, overrides: dict[str, str]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for name, p in self.prep.pos.items():
+            n = g[name]
+            for d in DECISIONS:
+                if n.annotations.get(d):
+                    out[p] = d
+        for name, d in overrides.items():
+            if d not in DECISIONS:
+                raise PlanError(f"unknown memory decision {d!r} for %{name}: use "
+                                f"{', '.join(DECISIONS)}")
+            if name not in self.prep.pos:
+                raise PlanError(f"cannot plan %{name}: no value of that name in the "
+                                "training step")
+            out[self.prep.pos[name]] = d
+        # only retained forward values can be recomputed or offloaded, and optimizer
+        # state offloaded
+        state = set(self.prep.opt_state)
+        for p, d in out.items():
+            if p in state and d == RECOMPUTE:
+                raise PlanError(f"%{self.prep.names[p]} is optimizer state: it can be kept "
+                                "or offloaded, not recomputed")
+        return {p: d for p, d in out.items() if p in self.cand_set or p in state}
+
+    # -- evaluating a plan ------------------------------------------------------------
+    def close(self, dec: dict[int, str]) -> dict[int, str]:
+        """Add the forward values between each recomputed value and the retained values
+        its clone reads (module doc); apply the source annotations."""
+        dec = {p: d for p, d in dec.items() if d != KEEP}
+        for p, d in self.forced.items():
+            if d == KEEP:
+                dec.pop(p, None)
+            else:
+                dec[p] = d
+        prep = self.prep
+        stack = [p for p, d in dec.items() if d == RECOMPUTE]
+        while stack:
+            v = stack.pop()
+            for u in prep.inputs[v]:
+                if (prep.phase[u] == FWD and u not in self.cand_set and u not in dec
+                        and u not in prep.wanted and prep.bytes[u] > 0):
+                    dec[u] = RECOMPUTE
+                    stack.append(u)
+        return dec
+
+    def evaluate(self, dec: dict[int, str]) -> tuple[Sim, float, dict[int, str]]:
+        dec = self.close(dec)
+        key = (self.prefetch, tuple(sorted(dec.items())))
+        if key not in self.cache:
+            sim = simulate(self.prep, dec, self.prefetch)
+            self.cache[key] = (sim, self.costs.step_time(sim))
+        sim, t = self.cache[key]
+        return sim, t, dec
+
+    def peak(self, sim: Sim) -> int:
+        return sim.unified_peak if self.profile.unified else sim.peak_bytes
+
+    # -- strategies ---------------------------------------------------------------------
+    def baseline(self, strategy: str) -> dict[int, str]:
+        c = self.cand
+        if strategy == "none":
+            return {}
+        if strategy == "offload-all":
+            return {p: OFFLOAD for p in c}
+        if strategy == "recompute-all":
+            return {p: RECOMPUTE for p in c}
+        if strategy == "checkpoint-sqrt":
+            return self.segments(max(1, math.ceil(math.sqrt(len(c)))))
+        raise PlanError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
+
+    def segments(self, k: int) -> dict[int, str]:
+        """Keep every k-th retained value (in forward order), recompute the others."""
+        return {p: RECOMPUTE for i, p in enumerate(self.cand) if i % k}
+
+    def closure_inputs(self, v: int) -> set[int]:
+        """The retained values the clone of v (with its closure) reads."""
+        prep, out, seen, stack = self.prep, set(), {v}, [v]
+        while stack:
+            x = stack.pop()
+            for u in prep.inputs[x]:
+                if u in seen or prep.phase[u] != FWD:
+                    continue
+                seen.add(u)
+                if u in self.cand_set or u in prep.wanted or prep.bytes[u] == 0:
+                    out.add(u)
+                else:
+                    stack.append(u)
+        return out
+
+    def closure_time(self, v: int) -> float:
+        prep, t, seen, stack = self.prep, self.costs.time[v], {v}, [v]
+        while stack:
+            x = stack.pop()
+            for u in prep.inputs[x]:
+                if u in seen or prep.phase[u] != FWD or u in self.cand_set \
+                        or u in prep.wanted or prep.bytes[u] == 0:
+                    continue
+                seen.add(u)
+                t += self.costs.time[u]
+                stack.append(u)
+        return t
+
+    def first_bwd(self) -> dict[int, int]:
+        """Position of the first backward reader of each value."""
+        out: dict[int, int] = {}
+        for k, ins in enumerate(self.prep.inputs):
+            if self.prep.phase[k] == BWD:
+                for u in ins:
+                    out.setdefault(u, k)
+        return out
+
+    def estimates(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Predicted extra time of recomputing / offloading each candidate on its own
+        (no offload cost where host and device share memory)."""
+        prep, costs = self.prep, self.costs
+        window = self._windows(self.first_bwd())
+        rec_cost = {p: self.closure_time(p) for p in self.cand}
+        off_cost = {}
+        for p in self.cand:
+            if self.profile.unified:
+                continue
+            c = costs.copy_time(prep.bytes[p])
+            # exposed part of the prefetch, plus a little for the copy engines' load
+            off_cost[p] = max(0.0, c - window.get(p, 0.0)) + 0.05 * c
+        return rec_cost, off_cost
+
+    def ladder(self) -> list[tuple[int, str]]:
+        """(value, decision) by predicted cost per byte freed; budget-independent."""
+        prep = self.prep
+        rec_cost, off_cost = self.estimates()
+        # recompute only where no clone would read another clone (no chains)
+        mode: dict[int, str] = {}
+        reads = {p: self.closure_inputs(p) & self.cand_set for p in self.cand}
+        read_by: dict[int, set[int]] = {}
+        for p, us in reads.items():
+            for u in us:
+                read_by.setdefault(u, set()).add(p)
+        by_rec = sorted(self.cand, key=lambda p: rec_cost[p] / prep.bytes[p])
+        for p in by_rec:
+            if p in off_cost and off_cost[p] <= rec_cost[p]:
+                continue
+            if any(mode.get(u) == RECOMPUTE for u in reads[p]) or \
+                    any(mode.get(w) == RECOMPUTE for w in read_by.get(p, ())):
+                continue
+            mode[p] = RECOMPUTE
+        items = []
+        for p in self.cand:
+            if mode.get(p) == RECOMPUTE:
+                items.append((rec_cost[p] / prep.bytes[p], p, RECOMPUTE))
+            elif p in off_cost:
+                items.append((off_cost[p] / prep.bytes[p], p, OFFLOAD))
+        items.sort()
+        out = [(p, d) for _, p, d in items]
+        if self.offload_state and not self.profile.unified:
+            # the last resort: optimizer state kept in the host pool, streamed in before
+            # its update and out after it (latest updates first: they run first)
+            out += [(p, OFFLOAD) for p in sorted(prep.opt_state, reverse=True)]
+        return out
+
+    def _windows(self, first_bwd: dict[int, int]) -> dict[int, float]:
+        """Compute time of the `prefetch` nodes scheduled before each first reader."""
+        t = self.costs.time
+        out = {}
+        for p, k in first_bwd.items():
+            out[p] = sum(t[j] for j in range(max(0, k - self.prefetch), k))
+        return out
+
+
+def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
+                strategy: str = "auto", float_dtype: str = "f32",
+                overrides: dict[str, str] | None = None, prefetch: int | None = None,
+                progress=None, offload_state: bool = False) -> PlanResult:
+    """Plan bound training-step graph `g` into `budget_bytes` (module doc).
+
+    `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
+    do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
+    is issued (None: DEFAULT_PREFETCH, or 1 if nothing fits with it); `progress(fraction)`
+    is called as the search advances. `offload_state=True` lets the plan keep optimizer
+    state in the host pool as a last resort (predicted only: `apply_decisions` does not
+    rewrite state yet)."""
+    t0 = time.perf_counter()
+    budget = parse_size(budget_bytes, "memory budget")
+    profile = get_profile(profile)
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                 or prefetch < 1):
+        raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
+    if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
+        res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
+                          DEFAULT_PREFETCH, progress, offload_state)
+        if not res.feasible:
+            res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
+                              progress, offload_state)
+        res.plan_s = time.perf_counter() - t0
+        return res
+    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state)
+    tick = progress or (lambda f: None)
+    base_sim, base_t, _ = pl.evaluate({})
+    options: list[tuple[float, int, dict[int, str], Sim]] = []
+
+    def consider(dec: dict[int, str]) -> tuple[Sim, float]:
+        sim, t, closed = pl.evaluate(dec)
+        options.append((t, pl.peak(sim), closed, sim))
+        return sim, t
+
+    if strategy != "auto":
+        consider(pl.baseline(strategy))
+    elif pl.peak(base_sim) <= budget:
+        consider({})  # nothing to plan: keeping everything is the fastest step
+    else:
+        for s in ("none", "offload-all", "checkpoint-sqrt"):
+            consider(pl.baseline(s))
+        n = len(pl.cand)
+        # segment plans matter most where offload is not possible (unified memory)
+        if profile.unified:
+            for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
+                if k < n:
+                    consider(pl.segments(k))
+        tick(0.3)
+        ladder = pl.ladder()
+        _shortest_prefix(pl, ladder, budget, consider, tick)
+    tick(1.0)
+
+    feasible = [o for o in options if o[1] <= budget]
+    if feasible:
+        t, peak, dec, sim = min(feasible, key=lambda o: (o[0], len(o[2]), o[1]))
+    else:
+        t, peak, dec, sim = min(options, key=lambda o: (o[1], o[0]))
+    prep = pl.prep
+    min_peak = min(o[1] for o in options)
+    named = {prep.names[p]: d for p, d in sorted(dec.items())}
+    counts = Counter(dec.values())
+    state_off = [p for p in dec if p in set(prep.opt_state)]
+    counts[OFFLOAD] -= len(state_off)
+    counts[KEEP] = len(pl.cand) - sum(1 for p in dec if p in pl.cand_set)
+    by_type: dict[str, dict[str, int]] = {}
+    for p in pl.cand:
+        lt = pl.ops[prep.ops[p]].layer_type
+        d = dec.get(p, KEEP)
+        by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    for p, d in dec.items():
+        if p not in pl.cand_set and prep.phase[p] == FWD:
+            lt = pl.ops[prep.ops[p]].layer_type
+            by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    res = PlanResult(
+        g.name, strategy, profile, budget, bool(feasible), named, peak,
+        pl.peak(base_sim), sim.host_bytes, t, base_t, sim.offload_bytes,
+        pl.costs.recompute_flops(sim), sim.state_bytes, prep.workspace,
+        time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
+        min_peak, "", sim, base_sim, prep, len(state_off), len(prep.opt_state))
+    if not feasible:
+        best = min(options, key=lambda o: o[1])
+        res.dominant = dominant(pl, best[3])
+    return res
+
+
+def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
+    """Consider the shortest prefix of the ladder whose peak fits `budget`: regula falsi
+    on exact simulations (the Illinois variant: the peak is interpolated linearly in the
+    bytes a prefix frees, and an end that stays twice has its weight halved), to a
+    tolerance of 1/256 of the ladder (a slightly longer prefix still fits)."""
+    def prefix(k: int) -> dict[int, str]:
+        return dict(ladder[:k])
+
+    cum = [0]
+    for p, _ in ladder:
+        cum.append(cum[-1] + pl.prep.full_bytes[p])
+    lo, hi = 0, len(ladder)
+    f_lo = pl.peak(consider(prefix(lo))[0]) - budget  # > 0: over budget
+    f_hi = pl.peak(consider(prefix(hi))[0]) - budget  # <= 0: fits
+    if f_hi > 0 or f_lo <= 0:
+        return
+    tol = max(1, len(ladder) // 256)
+    kept = 0  # +1: hi stayed last time, -1: lo stayed
+    while hi - lo > tol:
+        w_lo, w_hi = f_lo, f_hi
+        if kept == -2:
+            w_lo /= 2
+        elif kept == 2:
+            w_hi /= 2
+        if w_lo - w_hi > 0 and cum[hi] > cum[lo]:
+            x = cum[lo] + (cum[hi] - cum[lo]) * w_lo / (w_lo - w_hi)
+            mid = min(max(bisect_left(cum, x, lo, hi), lo + 1), hi - 1)
+        else:
+            mid = (lo + hi) // 2
+        f = pl.peak(consider(prefix(mid))[0]) - budget
+        if f <= 0:
+            hi, f_hi = mid, f
+            kept = kept - 1 if kept < 0 else -1  # lo stayed
+        else:
+            lo, f_lo = mid, f
+            kept = kept + 1 if kept > 0 else 1  # hi stayed
+        kept = max(-2, min(2, kept))
+        tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
+
+
+# How many nodes ahead of its reader a `to_device` copy is issued when the caller does
+# not say. Issuing earlier never makes the predicted step slower (the copy streams are
+# FIFO), only holds the copy a few nodes longer; if no plan fits with it, prefetch 1 is
+# tried too.
+DEFAULT_PREFETCH = 8
+
+
+def dominant(pl: Planner, sim: Sim) -> str:
+    """What makes up the smallest peak found: state, workspace and the largest values."""
+    prep = pl.prep
+    g = prep.g
+    parts: Counter = Counter()
+    for k, name in enumerate(prep.names):
+        n = g[name]
+        if n.op == "param":
+            parts["parameters"] += prep.full_bytes[k]
+        elif n.op == "buffer":
+            role = "optimizer state" if n.attrs.get("role") == "optimizer_state" \
+                else "buffers"
+            parts[role] += prep.full_bytes[k]
+    total = pl.peak(sim)
+    live = total - sim.state_bytes - prep.workspace
+    hosted = prep.state_bytes - sim.state_bytes
+    if hosted:
+        parts["optimizer state"] -= hosted
+    at = sim.entries[sim.peak_index][1] if sim.peak_index >= 0 else None
+    bits = [f"{k} {format_decimal(v)}" for k, v in parts.most_common() if v]
+    if hosted:
+        bits.append(f"{format_decimal(hosted)} of optimizer state in the host pool")
+    text = (f"persistent state {format_decimal(sim.state_bytes)} ({', '.join(bits)}), "
+            f"workspace {format_decimal(prep.workspace)}, live values "
+            f"{format_decimal(live)}")
+    if at is not None:
+        text += f" at %{prep.names[at]}"
+    return text

@@ -1,0 +1,454 @@
+"""A fast model of a planned training step: its schedule and the device bytes it holds.
+
+`prepare(g)` indexes a bound training-step graph once (forward + autodiff + optimizer);
+`simulate(prep, decisions)` then builds, without rewriting the graph, the schedule that
+`netdsl.memory.strategies.apply_decisions` produces for the same decisions, and counts
+its bytes with `netdsl.memory.plan.make_plan`'s rule; tests check both equal. The search
+calls it many times, so it works on integer positions, not on nodes:
+
+1. recompute v: a clone of v runs right before v's first backward reader (or earlier,
+   where a clone that reads v is needed earlier), reading v's inputs resolved (kept: as
+   they are, offloaded: their device copy, recomputed: their clone); clones placed
+   before the same node go in forward order; every backward reader reads the clone;
+2. offload v: `to_host` right after v is made (v still dies after its last forward
+   reader; the host copy waits in the host pool) and `to_device` before the node
+   `prefetch` places ahead of where v is first needed in the original order (not before
+   the first backward node);
+3. eager updates: the optimizer's sources (and a step counter's increment) go right
+   before the first backward entry, and each update right after the last entry that
+   makes one of its inputs or reads what it overwrites, so no step holds all gradients;
+4. bytes: persistent state + one shared workspace region (the largest `OpDef.workspace`
+   of any node) + every value from its entry to its last reader (the roles' outputs to
+   the end); `to_host` copies are counted in the host pool.
+
+Beyond `apply_decisions`, an optimizer-state buffer may be offloaded too: it then lives
+in the host pool and is copied in `prefetch` entries before its update and out right
+after it (a proposal the executor does not run yet: `plan_memory(offload_state=True)`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from netdsl.ir import registry
+from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.memory.liveness import schedule
+from netdsl.memory.plan import value_bytes, workspace_bytes
+
+ROLES = ("loss", "output", "updates")  # what a training step computes
+KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
+DECISIONS = (KEEP, RECOMPUTE, OFFLOAD)
+
+# phases of a scheduled node
+FWD, BWD, SRC, STATE = 0, 1, 2, 3
+# kinds of schedule entries
+NODE, CLONE, D2H, H2D = 0, 1, 2, 3
+
+
+@dataclass
+class Prepared:
+    """A bound training graph indexed for repeated simulation (positions, not names)."""
+
+    g: Graph
+    names: list[str]  # the nodes a step runs, in graph order (before any rewrite)
+    pos: dict[str, int]  # node name -> position in `names`
+    bytes: list[int]  # bytes of each value (0 for state and in-place updates)
+    inputs: list[tuple[int, ...]]  # input positions
+    phase: list[int]  # FWD | BWD | SRC | STATE; optimizer updates count as BWD
+    wanted: set[int]  # held to the end of the step (the roles' outputs)
+    state_bytes: int
+    workspace: int  # the shared workspace region
+    candidates: list[int]  # forward values a decision can apply to, in forward order
+    ops: list[str] = field(default_factory=list)
+    full_bytes: list[int] = field(default_factory=list)  # every value's bytes, state too
+    # optimizer-state buffers an update reads: offloading one keeps it in the host pool
+    # and streams it in before its update and out right after
+    opt_state: list[int] = field(default_factory=list)
+    first_late: list[int] = field(default_factory=list)  # first backward reader, or -1
+    first_bwd: int = 0  # position of the first backward node
+    early: list[int] = field(default_factory=list)  # optimizer sources moved early
+    late_node: list[bool] = field(default_factory=list)  # phase backward (not optimizer)
+    updates: list[int] = field(default_factory=list)  # update nodes placed eagerly
+    written: dict[int, tuple[int, ...]] = field(default_factory=dict)  # update -> roots
+    root: list[int] = field(default_factory=list)  # storage a value aliases (views)
+
+    def name(self, p: int) -> str:
+        return self.names[p]
+
+
+def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
+            eager_updates: bool = True) -> Prepared:
+    ops = registry.load_all()
+    order, _, wanted_names = schedule(g, roles)
+    names = [n.name for n in order]
+    pos = {name: k for k, name in enumerate(names)}
+    nbytes, inputs, phase, opnames, full = [], [], [], [], []
+    workspace = state = 0
+    sizes: dict = {}  # bytes per type: a deep network repeats a few types many times
+    for n in order:
+        opnames.append(n.op)
+        inputs.append(tuple(pos[i] for i in n.inputs))
+        b = sizes.get(n.type)
+        if b is None:
+            b = sizes[n.type] = value_bytes(n.type, float_dtype)
+        full.append(b)
+        if n.op in STATE_OPS:
+            phase.append(STATE)
+            state += b
+            nbytes.append(0)
+            continue
+        if n.is_source:
+            phase.append(SRC)
+            nbytes.append(b)
+            continue
+        op = ops[n.op]
+        phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
+        nbytes.append(b if op.adds_storage(n) else 0)
+        workspace = max(workspace, workspace_bytes(g, n, float_dtype))
+    wanted = {pos[w] for w in wanted_names}
+    read_bwd = set()
+    for k, ins in enumerate(inputs):
+        if phase[k] == BWD:
+            read_bwd.update(ins)
+    cands = [k for k in range(len(names)) if phase[k] == FWD and k in read_bwd
+             and k not in wanted and nbytes[k] > 0]
+    opt_state = [k for k in range(len(names)) if phase[k] == STATE and k in read_bwd
+                 and order[k].attrs.get("role") == "optimizer_state"]
+    n_all = len(names)
+    first_late = [-1] * n_all
+    for k in range(n_all - 1, -1, -1):
+        if phase[k] == BWD:
+            for u in inputs[k]:
+                first_late[u] = k
+    first_bwd = next((k for k in range(n_all) if phase[k] == BWD), n_all)
+    late_node = [phase[k] == BWD and order[k].meta.get("phase") != "optimizer"
+                 for k in range(n_all)]
+    upd_names = set(g.outputs.get("updates", ()))
+    early, updates, written = [], [], {}
+    root = list(range(n_all))
+    for k, n in enumerate(order):
+        op = ops.get(n.op)
+        if op is not None and op.view_of is not None and op.view_of < len(n.inputs) \
+                and not op.written_inputs(n):
+            root[k] = root[inputs[k][op.view_of]]
+        if n.meta.get("phase") != "optimizer":
+            continue
+        if n.is_source or (n.name in upd_names and n.op == "step_increment"
+                           and all(order[i].is_source for i in inputs[k])):
+            early.append(k)
+        elif n.name in upd_names:
+            updates.append(k)
+            written[k] = tuple(root[inputs[k][j]] for j in op.written_inputs(n))
+    if not eager_updates:
+        early, updates = [], []
+    return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
+                    opnames, full, opt_state, first_late, first_bwd, early, late_node,
+                    updates, written, root)
+
+
+@dataclass
+class Sim:
+    """One simulated schedule: entries (kind, position) and the bytes after each."""
+
+    entries: list[tuple[int, int]]
+    timeline: list[int]  # device bytes after each entry ran (state + live + workspace)
+    host_timeline: list[int]  # bytes in the host pool after each entry
+    waits: dict[int, list[int]]  # entry index -> offloaded values whose copies it reads
+    peak_bytes: int
+    peak_index: int
+    host_bytes: int
+    state_bytes: int
+    workspace: int
+    offload_bytes: int  # bytes copied to the host (and as many back)
+    recomputed: list[int]  # values recomputed (their clones)
+    kinds: dict[str, list[int]] = field(default_factory=dict)  # live bytes by KINDS
+    # device values: (value id, bytes, first entry, one past the last entry alive)
+    lifetimes: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)
+
+    def arena(self) -> tuple[int, int]:
+        """(arena bytes, lower bound): the values packed by lifetime into one block by
+        netdsl.memory.arena (first fit), against the most value bytes alive at once."""
+        from netdsl.memory.arena import pack
+        m = len(self.entries)
+        order = [str(i) for i in range(m)]
+        frees: list[list[str]] = [[] for _ in range(m)]
+        made: dict[int, list[str]] = {}
+        sizes: dict[str, int] = {}
+        for vid, b, s, e in self.lifetimes:
+            key = f"v{vid}"
+            sizes[key] = b
+            made.setdefault(s, []).append(key)
+            frees[min(e, m) - 1].append(key)
+        # pack() expects values named after the entry that makes them: one entry may
+        # make several here (a value and nothing else, in practice), so split them
+        order2, frees2 = [], []
+        for i in range(m):
+            keys = made.get(i, [])
+            for key in keys[:-1]:
+                order2.append(key)
+                frees2.append([])
+            order2.append(keys[-1] if keys else order[i])
+            frees2.append(frees[i])
+        _, size = pack(order2, frees2, sizes)
+        return size, self.peak_bytes - self.state_bytes - self.workspace
+
+    @property
+    def unified_peak(self) -> int:
+        """The peak when host and device are one memory (the `cpu` profile)."""
+        return max((d + h for d, h in zip(self.timeline, self.host_timeline)),
+                   default=self.state_bytes + self.workspace)
+
+
+KINDS = ("forward values", "backward values", "recomputed", "prefetched")
+
+
+def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
+             prefetch: int = 1, by_kind: bool = False) -> Sim:
+    """The schedule and byte counts of `prep` under `decisions` (position -> decision;
+    positions not given are kept). `by_kind` also splits the live bytes into KINDS."""
+    decisions = decisions or {}
+    n = len(prep.names)
+    inputs, phase = prep.inputs, prep.phase
+    rec = [False] * n
+    off = [False] * n
+    for p, d in decisions.items():
+        if d == RECOMPUTE:
+            rec[p] = True
+        elif d == OFFLOAD:
+            off[p] = True
+
+    # 1. where each planned value is first needed in the backward pass: at its first
+    # backward reader, or earlier if a clone that reads it is needed earlier
+    wanted = prep.wanted
+    first_late = prep.first_late
+    need: dict[int, int] = {}
+    for p in sorted(decisions, reverse=True):
+        if p in wanted or not (rec[p] or off[p]) or phase[p] == STATE:
+            continue
+        k = first_late[p]
+        if k >= 0 and (p not in need or k < need[p]):
+            need[p] = k
+        if rec[p] and p in need:
+            for u in inputs[p]:
+                if (rec[u] or off[u]) and u not in wanted and phase[u] != STATE:
+                    if u not in need or need[p] < need[u]:
+                        need[u] = need[p]
+    # 2. clones and prefetches before the node where they are needed, in forward order;
+    # each to_host right after its value
+    before: dict[int, list[tuple[int, int]]] = {}
+    after: dict[int, list[tuple[int, int]]] = {}
+    offloaded: list[int] = []
+    cloned: list[int] = []
+    renamed = [0] * n  # 0: as is, 1: clone, 2: device copy
+    for p in sorted(need):
+        if rec[p]:
+            before.setdefault(need[p], []).append((CLONE, p))
+            renamed[p] = 1
+            cloned.append(p)
+        else:
+            after.setdefault(p, []).append((D2H, p))
+            at = max(prep.first_bwd, need[p] - prefetch)
+            before.setdefault(at, []).append((H2D, p))
+            renamed[p] = 2
+            offloaded.append(p)
+    seq: list[tuple[int, int]] = []
+    for p in range(n):
+        if p in before:
+            seq.extend(before[p])
+        seq.append((NODE, p))
+        if p in after:
+            seq.extend(after[p])
+
+    # 3. eager updates
+    if prep.updates:
+        seq = _eager(prep, seq, renamed)
+    if any(off[p] for p in prep.opt_state):
+        seq = _stream_state(prep, seq, off, prefetch, offloaded)
+        for p in prep.opt_state:
+            if off[p]:
+                renamed[p] = 2  # the update reads the copy brought in for it
+
+    # 4. who reads what: value ids p (original), n + p (clone), 2n + p (device copy),
+    # 3n + p (host copy)
+    entries = seq
+    last = [-1] * (4 * n)
+    reads_dev: dict[int, list[int]] = {}
+    started: list[tuple[int, int]] = []
+    host_start: dict[int, int] = {}
+    for i, (kind, p) in enumerate(entries):
+        if kind == NODE:
+            started.append((p, i))
+            if phase[p] == BWD:
+                for u in inputs[p]:
+                    r = renamed[u]
+                    if r == 0:
+                        last[u] = i
+                    elif r == 1:
+                        last[n + u] = i
+                    else:
+                        last[2 * n + u] = i
+                        reads_dev.setdefault(i, []).append(u)
+            else:
+                for u in inputs[p]:
+                    last[u] = i
+        elif kind == CLONE:
+            started.append((n + p, i))
+            for u in inputs[p]:
+                r = renamed[u]
+                if r == 0:
+                    last[u] = i
+                elif r == 1:
+                    last[n + u] = i
+                else:
+                    last[2 * n + u] = i
+                    reads_dev.setdefault(i, []).append(u)
+        elif kind == D2H:
+            host_start[p] = i
+            if phase[p] == STATE:
+                last[2 * n + p] = i
+            else:
+                last[p] = i
+        else:  # H2D
+            started.append((2 * n + p, i))
+            last[3 * n + p] = i
+    host_end = {p: last[3 * n + p] for p in host_start if last[3 * n + p] >= 0}
+
+    # 5. the byte count
+    m = len(entries)
+    nbytes, full = prep.bytes, prep.full_bytes
+    host_state = [p for p in offloaded if phase[p] == STATE]
+    ends: list[tuple[int, int, int, int]] = []  # (value id, bytes, first, one past last)
+    for vid, s in started:
+        p = vid % n if vid >= n else vid
+        b = nbytes[p] if phase[p] != STATE else full[p] if vid >= 2 * n else 0
+        if b == 0:
+            continue
+        if vid < n and p in wanted:
+            e = m
+        elif last[vid] >= 0:
+            e = last[vid] + 1
+        else:
+            e = s + 1  # nobody reads it: dropped as soon as made
+        ends.append((vid, b, s, e))
+    device_state = prep.state_bytes - sum(full[p] for p in host_state)
+    diff = [0] * (m + 1)
+    diff[0] = device_state + prep.workspace
+    for _, b, s, e in ends:
+        diff[s] += b
+        diff[e] -= b
+    timeline = list(accumulate(diff[:m]))
+    if timeline:
+        peak = max(timeline)
+        peak_i = timeline.index(peak)
+    else:
+        peak, peak_i = diff[0], -1
+    if host_start:
+        hdiff = [0] * (m + 1)
+        hdiff[0] = sum(full[p] for p in host_state)  # host-resident all the time
+        for p, s in host_start.items():
+            if phase[p] != STATE:
+                hdiff[s] += nbytes[p]
+                hdiff[host_end.get(p, m - 1) + 1] -= nbytes[p]
+        host = list(accumulate(hdiff[:m]))
+    else:
+        host = [0] * m
+    sim = Sim(entries, timeline, host, reads_dev, peak, peak_i, max(host, default=0),
+              device_state, prep.workspace, sum(full[p] for p in offloaded), cloned,
+              lifetimes=ends)
+    if by_kind:
+        kd = {k: [0] * (m + 1) for k in KINDS}
+        for vid, b, s, e in ends:
+            p = vid % n if vid >= n else vid
+            kind = (KINDS[3] if vid >= 2 * n else KINDS[2] if vid >= n
+                    else KINDS[1] if phase[p] == BWD else KINDS[0])
+            kd[kind][s] += b
+            kd[kind][e] -= b
+        sim.kinds = {k: list(accumulate(d[:m])) for k, d in kd.items()}
+    return sim
+
+
+def _eager(prep: Prepared, seq: list[tuple[int, int]], renamed: list[int]
+           ) -> list[tuple[int, int]]:
+    """apply_decisions' eager updates on a schedule (see the module doc)."""
+    n = len(prep.names)
+    early = set(prep.early)
+    rest = [e for e in seq if not (e[0] == NODE and e[1] in early)]
+    first = next((i for i, (kind, p) in enumerate(rest)
+                  if kind in (CLONE, H2D) or (kind == NODE and prep.late_node[p])), None)
+    if first is None:
+        return seq
+    seq = rest[:first] + [(NODE, p) for p in prep.early] + rest[first:]
+    inputs, phase, root = prep.inputs, prep.phase, prep.root
+    where: dict[int, int] = {}  # value id -> entry index that makes it
+    readers: dict[int, list[int]] = {}  # storage root -> entries reading it
+    for i, (kind, p) in enumerate(seq):
+        if kind == NODE:
+            where[p] = i
+            resolve = phase[p] == BWD
+        elif kind == CLONE:
+            where[n + p] = i
+            resolve = True
+        elif kind == H2D:
+            where[2 * n + p] = i
+            continue
+        else:
+            where[3 * n + p] = i
+            readers.setdefault(root[p], []).append(i)
+            continue
+        for u in inputs[p]:
+            r = renamed[u] if resolve else 0
+            if r == 0:
+                readers.setdefault(root[u], []).append(i)
+    moves: dict[int, int] = {}  # entry index of an update -> entry index of its anchor
+    for u in prep.updates:
+        k = where[u]
+        last = max(where[w] for w in inputs[u])
+        for r in prep.written[u]:
+            for i in readers.get(r, ()):
+                if i != k and i > last:
+                    last = i
+        if last < k:
+            moves[k] = last
+    if not moves:
+        return seq
+    after: dict[int, list[int]] = {}
+    for k in sorted(moves):
+        after.setdefault(moves[k], []).append(k)
+    out: list[tuple[int, int]] = []
+    stack: list[int] = []
+    for i in range(len(seq)):
+        if i in moves:
+            continue
+        stack.append(i)
+        while stack:
+            j = stack.pop()
+            out.append(seq[j])
+            stack.extend(reversed(after.get(j, ())))
+    return out
+
+
+def _stream_state(prep: Prepared, seq, off, prefetch: int, offloaded: list[int]):
+    """Offloaded optimizer state: copied in `prefetch` entries before its update, out
+    right after it."""
+    at = {p: i for i, (kind, p) in enumerate(seq) if kind == NODE}
+    users: dict[int, list[int]] = {}
+    for u in prep.updates:
+        for s in prep.inputs[u]:
+            users.setdefault(s, []).append(u)
+    before: dict[int, list[int]] = {}
+    after: dict[int, list[int]] = {}
+    for s in prep.opt_state:
+        if not off[s]:
+            continue
+        readers = [at[u] for u in users.get(s, ())]
+        if not readers:
+            continue
+        offloaded.append(s)
+        before.setdefault(max(0, min(readers) - prefetch), []).append(s)
+        after.setdefault(max(readers), []).append(s)
+    out = []
+    for i, e in enumerate(seq):
+        out.extend((H2D, s) for s in before.get(i, ()))
+        out.append(e)
+        out.extend((D2H, s) for s in after.get(i, ()))
+    return out

@@ -1,0 +1,37 @@
+"""Byte sizes: decimal and binary units, plain bytes, and clear errors."""
+import pytest
+
+from netdsl.errors import NetdslError
+from netdsl.sizes import SizeError, format_decimal, format_size, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("12GB", 12 * 10**9), ("300MB", 300 * 10**6), ("1.5GiB", 3 * 2**29),
+    ("512KiB", 512 * 1024), ("4096", 4096), ("4096B", 4096), ("12gb", 12 * 10**9),
+    (" 2 MiB ", 2 * 2**20), ("1KB", 1000), ("1TiB", 2**40), ("2e9", 2 * 10**9),
+    (".5GB", 5 * 10**8), (7, 7),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("12", None), ("", "cannot read"), ("GB", "cannot read"), ("-1GB", "cannot read"),
+    ("12XB", "unknown unit"), ("12G", "did you mean GB or GiB"), ("0", "positive"),
+    ("0.1B", "less than one byte"), ("1.2.3MB", "cannot read"), (0, "positive"),
+    (True, "expected a size"),
+])
+def test_bad_sizes(text, fragment):
+    if fragment is None:
+        assert parse_size(text) == 12
+        return
+    with pytest.raises(SizeError, match=fragment) as e:
+        parse_size(text, "--mem")
+    assert isinstance(e.value, NetdslError)
+    assert "--mem" in e.value.message
+
+
+def test_format():
+    assert format_size(1536) == "1.50 KiB"
+    assert format_decimal(12 * 10**9) == "12.00 GB"
+    assert format_decimal(12) == "12 B"

@@ -99,34 +99,12 @@ def plan(net: Network, mem: int | str, batch: int | None = None,
     fits). With `verify`, the decisions are applied (`memory.strategies.apply_decisions`)
     and the storage plan of the rewritten step (`memory.plan.make_plan`) gives
     `verified_peak_bytes`; were it over the budget, the search is run again with the
-    budget lowered by the excess. Raises NetdslError for bad sizes, profiles or
-    strategies."""
-    import time
-
-    from netdsl.memory.plan import make_plan
-    from netdsl.memory.search import plan_memory
-    from netdsl.memory.simulate import ROLES
-    from netdsl.memory.strategies import apply_decisions
+    budget lowered by the excess (`memory.search.plan_and_apply`). Raises NetdslError for
+    bad sizes, profiles or strategies."""
+    from netdsl.memory.search import plan_and_apply
     from netdsl.runtime.trainer import training_graph
-    from netdsl.sizes import parse_size
-    budget = parse_size(mem, "--mem")
     b = batch if batch is not None else net.default_batch
     step = training_graph(net.lower(b), net.train or TrainConfig())
-    target = budget
-    for _ in range(3):
-        res = plan_memory(step, target, profile, strategy, float_dtype, prefetch=prefetch,
-                          progress=progress, offload_state=offload_state)
-        res.budget_bytes = budget
-        res.feasible = res.feasible and res.planned_peak_bytes <= budget
-        if not verify or not res.feasible or res.state_offloaded or res.profile.unified:
-            return res
-        t0 = time.perf_counter()
-        mp = make_plan(apply_decisions(step, res.decisions, prefetch=res.prefetch), ROLES,
-                       float_dtype, pack_arena=False)
-        res.verified_peak_bytes = mp.peak_bytes
-        res.verify_s = time.perf_counter() - t0
-        if mp.peak_bytes <= budget:
-            return res
-        target -= mp.peak_bytes - budget
-    res.feasible = False
+    _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, prefetch=prefetch,
+                            progress=progress, offload_state=offload_state, verify=verify)
     return res

@@ -35,7 +35,7 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 
-from netdsl.errors import NetdslError
+from netdsl.errors import BudgetError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph
 from netdsl.memory.cost import Costs
@@ -47,6 +47,7 @@ from netdsl.memory.simulate import (
     KEEP,
     OFFLOAD,
     RECOMPUTE,
+    ROLES,
     Prepared,
     Sim,
     prepare,
@@ -370,6 +371,57 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         best = min(options, key=lambda o: o[1])
         res.dominant = dominant(pl, best[3])
     return res
+
+
+def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12gb",
+                   strategy: str = "auto", float_dtype: str = "f32", *,
+                   roles: tuple[str, ...] = ROLES, arena: bool = False,
+                   prefetch: int | None = None, progress=None, offload_state: bool = False,
+                   verify: bool = True) -> tuple[Graph | None, PlanResult]:
+    """Plan training step `step` into `mem` and check the plan against the truth: the
+    decisions are applied (`strategies.apply_decisions`) and the storage plan of the
+    rewritten step (`plan.make_plan`; with `arena`, the packed arena's size, which is what
+    an arena run really holds) gives `verified_peak_bytes`. Were it over the budget, the
+    search runs again with the budget lowered by the excess. Returns (the rewritten step,
+    the result), or (None, the result) when no plan fits (`result.feasible` is False) or
+    `verify` is off or the plan streams optimizer state (predicted only)."""
+    from netdsl.memory.plan import make_plan
+    from netdsl.memory.strategies import apply_decisions
+    budget = parse_size(mem, "--mem")
+    target = budget
+    res = None
+    for _ in range(4):
+        res = plan_memory(step, target, profile, strategy, float_dtype, prefetch=prefetch,
+                          progress=progress, offload_state=offload_state)
+        res.budget_bytes = budget
+        res.feasible = res.feasible and res.planned_peak_bytes <= budget
+        if not verify or not res.feasible or res.state_offloaded:
+            return None, res
+        t0 = time.perf_counter()
+        g = apply_decisions(step, res.decisions, prefetch=res.prefetch)
+        mp = make_plan(g, roles, float_dtype, pack_arena=arena)
+        peak = mp.arena_peak_bytes if arena else mp.peak_bytes
+        if res.profile.unified:  # host and device are one memory: the pool counts too
+            peak += mp.host_bytes if arena else mp.host_peak_bytes
+        res.verified_peak_bytes = peak
+        res.verify_s = time.perf_counter() - t0
+        if peak <= budget:
+            return g, res
+        target -= peak - budget
+    res.feasible = False
+    return None, res
+
+
+def infeasible_error(res: PlanResult) -> BudgetError:
+    """The exit-3 error for a budget no plan meets: the smallest budget that works and
+    what dominates it."""
+    need = res.min_feasible_bytes
+    return BudgetError(
+        f"no memory plan fits {format_decimal(res.budget_bytes)} for `{res.network}` "
+        f"(strategy {res.strategy}, profile {res.profile.name}): the smallest budget that "
+        f"works is about {format_decimal(need)} ({need:,} bytes), dominated by "
+        f"{res.dominant or 'the persistent state'}; give --mem at least that, a smaller "
+        "--batch, or another --strategy")
 
 
 def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:

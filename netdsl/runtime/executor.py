@@ -50,34 +50,9 @@ class KernelContext:
 
     seed: int = 0
     step: int = 0
-    # storage the plan gives the node being run (arena mode; None otherwise): a kernel may
-    # write its result into `out` and return it, and takes scratch from `workspace()`
+    # the planned slot of the node being run (arena mode; None otherwise): a kernel may
+    # write its result there (`into`) and return it, saving the copy into the slot
     out: Any = None
-    scratch_block: Any = None
-    _scratch_used: int = 0
-
-    def workspace(self, shape, dtype=None, zero: bool = False):
-        """A scratch array for the running kernel: carved from the plan's shared workspace
-        region when there is one (its size is the largest `OpDef.workspace`, so a kernel
-        that asks for more than its rule declared is a bug, reported as such), else a
-        fresh array."""
-        import math
-        dtype = np.dtype(self.float_dtype if dtype is None else dtype)
-        shape = tuple(int(d) for d in shape)
-        if self.scratch_block is None:
-            xp = self.backend.xp
-            return xp.zeros(shape, dtype) if zero else xp.empty(shape, dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        start = self._scratch_used
-        if start + nbytes > self.scratch_block.nbytes:
-            raise NetdslError(f"internal error: {node_line(self.node)} asked for more scratch "
-                              f"memory than its op's workspace rule declares "
-                              f"({start + nbytes} > {self.scratch_block.nbytes} bytes)")
-        self._scratch_used = start + (nbytes + 255) // 256 * 256
-        arr = self.backend.view(self.scratch_block, start, shape, dtype)
-        if zero:
-            arr[...] = 0
-        return arr
 
     def into(self, ufunc, *args):
         """`ufunc(*args)`, written into the node's planned slot when it has one."""
@@ -164,7 +139,7 @@ class Executor:
     def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
                  seed: int = 0, check_numerics: bool = False,
                  state: dict[str, Any] | None = None, arena: bool = False,
-                 budget_bytes: int | None = None):
+                 budget_bytes: int | None = None, budget_includes_host: bool = False):
         registry.load_all()
         if dtype not in ("f32", "f64"):
             raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
@@ -181,6 +156,7 @@ class Executor:
         self.check_numerics = check_numerics
         self.arena = arena
         self.budget_bytes = budget_bytes  # device bytes a run may hold (None: no limit)
+        self.budget_includes_host = budget_includes_host  # host and device: one memory
         self._arenas: dict[tuple[str, ...], Any] = {}
         self.host_bytes_current = 0
         self.host_peak_bytes = 0
@@ -267,12 +243,12 @@ class Executor:
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
                             seed=self.seed, step=step)
         slots = self._slots(roles, plan) if self.arena else None
-        if slots is not None:
-            ctx.scratch_block = self._workspace_block(plan)
         dev = self.backend.device
         values: dict[str, Any] = {}
         held: dict[str, int] = {}  # bytes each live value adds to the count
-        self._alloc(dev, plan.workspace_bytes)  # the shared scratch region, for the run
+        # the shared scratch region, reserved for the run (kernels take their scratch
+        # transiently, within what their workspace rules declare)
+        self._alloc(dev, plan.workspace_bytes)
         try:
             for k, name in enumerate(plan.order):
                 n = g[name]
@@ -280,7 +256,7 @@ class Executor:
                     values[name] = self.state[name]
                 else:
                     if slots is not None:
-                        ctx.out, ctx._scratch_used = slots.get(name), 0
+                        ctx.out = slots.get(name)
                     v = (self._feed(n, feeds) if n.op == "input"
                          else self._call(n, [values[i] for i in n.inputs], ctx))
                     nb = plan.sizes.get(name)
@@ -311,19 +287,26 @@ class Executor:
         if plan.space[name] == HOST:
             self.host_bytes_current += sign * nbytes
             self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes_current)
+            if sign > 0 and self.budget_includes_host:
+                self._check_budget(name, nbytes)
         elif sign > 0:
-            n = self.graph[name]
-            dev = self._dev(n)
-            self._alloc(dev, nbytes)
-            if self.budget_bytes is not None and self.bytes_by_device[dev] > self.budget_bytes:
-                raise NetdslError(
-                    f"out of the memory budget at {_where(n)}: device {dev} would hold "
-                    f"{_fmt(self.bytes_by_device[dev])}, over the {_fmt(self.budget_bytes)} "
-                    f"budget (this value is {_fmt(nbytes)}). Plan the step for this budget "
-                    f"(`netdsl plan ... --mem`), or give more memory or a smaller batch",
-                    loc=n.loc, stack=n.stack)
+            self._alloc(self._dev(self.graph[name]), nbytes)
+            self._check_budget(name, nbytes)
         else:
             self._free(self._dev(self.graph[name]), nbytes)
+
+    def _check_budget(self, name: str, nbytes: int) -> None:
+        n = self.graph[name]
+        dev = self._dev(n)
+        held = self.bytes_by_device.get(dev, 0) + (
+            self.host_bytes_current if self.budget_includes_host else 0)
+        if self.budget_bytes is not None and held > self.budget_bytes:
+            raise NetdslError(
+                f"out of the memory budget at {_where(n)}: device {dev} would hold "
+                f"{_fmt(held)}, over the {_fmt(self.budget_bytes)} budget (this value is "
+                f"{_fmt(nbytes)}). Plan the step for this budget (`netdsl run --mem` or "
+                f"`netdsl plan --mem`), or give more memory or a smaller batch",
+                loc=n.loc, stack=n.stack)
 
     def _into_slot(self, v, slot):
         """The value in its planned slot: as it is if the kernel wrote it there (no other
@@ -333,12 +316,6 @@ class Executor:
             return slot
         self.xp.copyto(slot, v)
         return slot
-
-    def _workspace_block(self, plan: MemoryPlan):
-        key = ("workspace", plan.workspace_bytes)
-        if key not in self._arenas:
-            self._arenas[key] = self.backend.alloc(max(plan.workspace_bytes, 1))
-        return self._arenas[key]
 
     def _slots(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[str, Any]:
         """Views at each device value's planned offset in this plan's arena (one block,

@@ -257,17 +257,24 @@ class Trainer:
             self.ROLES = (*Trainer.ROLES, "logits")
         backend = get_backend(opts.backend, opts.device)
         self.budget = self.mem_plan = None
+        self.budget_host = False
         if opts.mem is not None:  # plan the step into the budget, then run exactly that
-            from netdsl.memory.search import plan_and_apply
+            from netdsl.memory.search import infeasible_error, plan_and_apply
             profile = opts.profile or ("cpu" if backend.name == "numpy" else "h200")
-            self.train_graph, self.mem_plan = plan_and_apply(
+            planned, self.mem_plan = plan_and_apply(
                 self.train_graph, opts.mem, profile, opts.strategy, opts.dtype,
                 roles=self.ROLES, arena=True)
+            if planned is None:
+                raise infeasible_error(self.mem_plan)
+            self.train_graph = planned
             self.budget = self.mem_plan.budget_bytes
+            # where host and device are one memory, the host pool counts against the budget
+            self.budget_host = self.mem_plan.profile.unified
         try:  # the parameters and optimizer state are allocated here
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
                                      opts.check_numerics, arena=self.budget is not None,
-                                     budget_bytes=self.budget)
+                                     budget_bytes=self.budget,
+                                     budget_includes_host=self.budget_host)
         except MemoryError:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
@@ -486,10 +493,16 @@ class Trainer:
         return result
 
     def planned_peak_bytes(self) -> int:
-        """The step's peak as its storage plan predicts it before running (the executor's
-        count equals it: both follow one schedule and one rule)."""
-        return self.executor.plan(self.ROLES).peak_bytes if hasattr(self, "executor") else \
-            make_plan(self.train_graph, self.ROLES, self.opts.dtype, pack_arena=False).peak_bytes
+        """The step's peak as its storage plan predicts it before running. The executor's
+        count equals it (both follow one schedule and one rule); in an arena run it is the
+        state, the workspace and the packed arena, which the count stays under by the
+        arena's fragmentation."""
+        if not hasattr(self, "executor"):  # failed before the executor existed
+            return make_plan(self.train_graph, self.ROLES, self.opts.dtype,
+                             pack_arena=False).peak_bytes
+        plan = self.executor.plan(self.ROLES)
+        # an arena run holds the packed arena, not just the bytes alive at the peak
+        return plan.arena_peak_bytes if self.executor.arena else plan.peak_bytes
 
     def _plan_summary(self) -> dict | None:
         """What the memory planner decided (`run --mem`), for the log and --json."""

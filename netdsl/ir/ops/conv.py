@@ -126,14 +126,59 @@ def _flops(ins, out, a):
     return 2 * out.numel() * cg * kh * kw
 
 
-def _workspace(ins, out, a):
-    # im2col buffer: one column of C/g*kh*kw values per output pixel; none for a 1x1/1 conv
-    kh, kw = pair(a["kernel"])
-    if (kh, kw) == (1, 1) and pair(a["stride"]) == (1, 1) and explicit_padding(a) == \
-            ((0, 0), (0, 0)):
-        return 0
-    n, o, ho, wo = out.shape
-    return n * ins[0].shape[1] * kh * kw * ho * wo * 4
+def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
+    """Elements of scratch the kernel of `kind` (forward | grad_input | grad_weight) takes
+    besides its inputs and result, path by path as the kernels below allocate it: padded
+    copies, flat-shift accumulators, im2col columns. The memory plan reserves the largest
+    of these as the shared workspace region, so this must follow the kernels."""
+    sym, ((bh, bw), (eh, ew)) = _split(a)
+    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, sym)
+    n, c, h, w = x_shape
+    h, w = h + bh + eh, w + bw + ew
+    extra = n * c * h * w if (bh or bw or eh or ew) else 0  # the asymmetric pad's copy
+    g = a["groups"]
+    og, cg = o // g, c // g
+    hp, wp = h + 2 * ph, w + 2 * pw
+    ho = (hp - dh * (kh - 1) - 1) // sh + 1
+    wo = (wp - dw * (kw - 1) - 1) // sw + 1
+    pointwise = (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1)
+
+    def flat_shift(cin, cout, hp_, wp_, hout):  # _conv_forward's stride-1 path
+        return n * cin * (hp_ * wp_ + (kw - 1) * dw) + kh * kw * cout * (cin // g) \
+            + 2 * n * cout * hout * wp_
+
+    if kind == "forward":
+        if pointwise:
+            return extra
+        if (sh, sw) == (1, 1):
+            return extra + flat_shift(c, o, hp, wp, ho)
+        return extra + (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo
+    if kind == "grad_input":
+        if pointwise:
+            return extra
+        qh, qw = (kh - 1) * dh - ph, (kw - 1) * dw - pw
+        if (sh, sw) == (1, 1) and qh >= 0 and qw >= 0:  # dy convolved with the flipped w
+            return extra + c * og * kh * kw + flat_shift(o, c, ho + 2 * qh, wo + 2 * qw, h)
+        return extra + n * c * kh * kw * ho * wo + n * c * hp * wp
+    if pointwise:  # grad_weight: the per-sample products before their sum
+        return n * o * c
+    if (sh, sw) == (1, 1) and ho * wo >= 256:
+        return extra + n * c * (hp * wp + (kw - 1) * dw) + n * o * ho * wp + n * g * og * cg
+    return extra + (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo \
+        + n * o * ho * wo
+
+
+def _workspace(kind: str):
+    """The workspace rule (bytes, float32) of the conv2d kernel of `kind`."""
+    def rule(ins, out, a):
+        if kind == "forward":
+            x, o = ins[0].shape, out.shape[1]
+        elif kind == "grad_input":
+            x, o = out.shape, ins[0].shape[1]
+        else:
+            x, o = ins[1].shape, ins[0].shape[1]
+        return 4 * _scratch_elems(kind, x, o, a)
+    return rule
 
 
 register(OpDef(
@@ -142,7 +187,7 @@ register(OpDef(
      Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
      Arg("padding", "padding", 0, range=NON_NEGATIVE), Arg("dilation", "pair", 1, range=POSITIVE),
      Arg("groups", "int", 1, range=POSITIVE), Arg("bias", "bool", True)),
-    _shape, "conv", _params, _flops, _workspace, retains=("inputs", "weight"),
+    _shape, "conv", _params, _flops, _workspace("forward"), retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
     extra={"spatial": 2}))
@@ -162,14 +207,14 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                                      Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _flops([out], ins[0], a),
-               workspace=lambda ins, out, a: _workspace([out], ins[0], a),
+               workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
                extra={"spatial": 2}))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _flops([ins[1]], ins[0], a),
-               workspace=lambda ins, out, a: _workspace([ins[1]], ins[0], a),
+               workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
                extra={"spatial": 2}))
 

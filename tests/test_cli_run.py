@@ -83,3 +83,30 @@ def test_check_numerics_names_the_node(tmp_path):
     p = run("run", f, "--steps", "1", "--check-numerics")
     assert p.returncode == 1
     assert "check-numerics" in p.stderr and "blowup.net:5" in p.stderr
+
+
+def test_run_with_a_memory_budget_plans_and_measures():
+    """`run --mem`: the step is planned and run from the arena; the executor's count and
+    the plan stay under the budget, the independent measurement close to the plan."""
+    p = run("run", "examples/resnet20-cifar.net", "--batch", "16", "--steps", "2",
+            "--eval-samples", "0", "--mem", "30MB", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["budget_bytes"] == 30_000_000
+    assert r["counted_peak_bytes"] <= r["planned_peak_bytes"] <= r["budget_bytes"]
+    assert abs(r["peak_bytes"] / r["planned_peak_bytes"] - 1) < 0.05
+    plan = r["memory_plan"]
+    assert plan["strategy"] == "auto" and plan["profile"] == "cpu"
+    assert plan["decisions"]["recompute"] > 0 and plan["arena_bytes"] > 0
+    # the same step without a budget holds more
+    q = json.loads(run("run", "examples/resnet20-cifar.net", "--batch", "16", "--steps",
+                       "2", "--eval-samples", "0", "--json").stdout)
+    assert q["counted_peak_bytes"] > r["budget_bytes"] and q["final_loss"] == r["final_loss"]
+
+
+def test_an_impossible_budget_exits_3_naming_the_smallest():
+    p = run("run", "examples/resnet20-cifar.net", "--batch", "16", "--steps", "1",
+            "--mem", "5MB")
+    assert p.returncode == 3, p.stderr
+    assert "no memory plan fits 5.00 MB" in p.stderr and "smallest budget" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -43,7 +43,7 @@ class _Bar:
         if self.quiet:
             return
         for w in info.get("warnings", ()):
-            self.err.print(f"[yellow]warning:[/] {w}", highlight=False)
+            self.err.print(f"warning: {w}", style="yellow", highlight=False)
         self.total = info["total_steps"]
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
                        f"{info['backend']} ({info['device']}), batch {info['batch']}, "

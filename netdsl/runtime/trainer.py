@@ -148,6 +148,9 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []
+    if opts.mem is None and (opts.profile is not None or opts.strategy != "auto"):
+        warnings.append("--profile and --strategy have no effect without --mem (they say "
+                        "how to plan the step into a memory budget)")
     if opts.backend == "numpy" and opts.device != 0:
         warnings.append(f"--device {opts.device} has no effect with the NumPy backend (it "
                         "picks a GPU for --backend cupy)")

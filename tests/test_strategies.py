@@ -153,3 +153,33 @@ def test_bad_decisions_are_clear_errors():
     upd = g.outputs["updates"][0]
     with pytest.raises(NetdslError, match="not a forward value"):
         apply_decisions(g, {upd: "recompute"})
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optimizer_state_streamed_from_the_host_changes_no_number(kind):
+    """Momentum / Adam moments kept in the host pool, copied in before each update and
+    written back after it: three steps equal the unplanned ones bit for bit, and the
+    device holds that state only while its update runs."""
+    from netdsl.memory.strategies import is_optimizer_state
+    g = step_graph("resnet20-cifar", 2, kind=kind)
+    dec = {n.name: "offload" for n in g.nodes if is_optimizer_state(n) and n.type.shape}
+    assert dec
+    h = apply_decisions(g, {**decide(g, "recompute"), **dec})
+    feeds = example_feeds(g)
+    ref, ref_state, _ = run_steps(g, feeds, steps=3, roles=ROLES)
+    got, got_state, ex = run_steps(h, feeds, steps=3, roles=ROLES)
+    assert [float(s[0]) for s in ref] == [float(s[0]) for s in got]
+    for k in ref_state:
+        np.testing.assert_array_equal(ref_state[k], got_state[k], err_msg=k)
+    plan, base = make_plan(h, ROLES, "f64"), make_plan(g, ROLES, "f64")
+    state_bytes = sum(g[k].type.numel() * 8 for k in dec)
+    assert plan.state_bytes == base.state_bytes - state_bytes
+    assert plan.host_peak_bytes >= state_bytes and ex.host_peak_bytes == plan.host_peak_bytes
+    # each prefetch runs before its update, each write-back right after it
+    order = [n.name for n in h.nodes]
+    for n in h.nodes:
+        if n.op == "to_host_into":
+            upd = n.inputs[2]
+            between = order[order.index(upd) + 1:order.index(n.name)]
+            assert all(h[b].op == "to_host_into" for b in between)  # Adam writes back two
+            assert order.index(n.inputs[1]) < order.index(upd)

@@ -45,7 +45,7 @@ def plan(
                                               "into this image (needs matplotlib)")] = None,
     offload_state: Annotated[bool, typer.Option(
         "--offload-state", help="let the plan keep optimizer state in host memory as a "
-        "last resort (predicted only: `netdsl run` cannot execute it yet)")] = False,
+        "last resort (`netdsl run --mem --offload-state` executes it)")] = False,
     exact: Annotated[bool, typer.Option(help="also solve the exact program (SciPy HiGHS "
                                         "MILP; small networks) and report auto's gap")]
     = False,

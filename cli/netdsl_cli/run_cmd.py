@@ -149,6 +149,9 @@ def run(
         "cupy")] = None,
     strategy: Annotated[str, typer.Option(
         help="auto | none | checkpoint-sqrt | offload-all | recompute-all")] = "auto",
+    offload_state: Annotated[bool, typer.Option(
+        "--offload-state", help="with --mem: the plan may keep optimizer state in host "
+        "memory, streamed in for each update")] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
@@ -170,7 +173,7 @@ def run(
                           checkpoint_every=checkpoint_every, resume=resume,
                           eval_every=eval_every, check_numerics=check_numerics,
                           eval_samples=eval_samples, mem=mem, profile=profile,
-                          strategy=strategy)
+                          strategy=strategy, offload_state=offload_state)
         try:
             result = train(net, opts, bar)
         finally:

@@ -6,7 +6,9 @@
 - the loss, if any, is a scalar;
 - effects: no node reads a value (or a view of it) after another node overwrote that
   value in place (`OpDef.writes`); the writer's own result is the new version and may be
-  read. This is what keeps a rewrite from moving a read past an update.
+  read, and so may a node that names the writer among its inputs (it reads the value as
+  written: the optimizer-state write-back). This is what keeps a rewrite from moving a
+  read past an update.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
                 raise IRError(f"%{n.name} reads %{i}, which is not defined before it")
         for i in n.inputs:
             w = clobbered.get(root.get(i, i))
-            if w is not None and pos[i] < w[0] and w[1] != n.name:
+            if w is not None and pos[i] < w[0] and w[1] != n.name and w[1] not in n.inputs:
                 raise IRError(f"%{n.name} reads %{i} after %{w[1]} overwrote it in place")
         if n.is_source and n.inputs:
             raise IRError(f"%{n.name}: a {n.op} node takes no inputs")

@@ -4,7 +4,8 @@ byte accounting is written down. The executor follows the plan and checks each v
 against it, so what it counts is, by construction, what was predicted.
 
 The accounting rule:
-- persistent state (params, buffers, optimizer state) is held all the time;
+- persistent state (params, buffers, optimizer state) is held all the time, on the device,
+  or in the host pool for optimizer state the planner streams from the host;
 - one shared workspace region, the largest `OpDef.workspace` of the nodes run (im2col
   columns and other kernel scratch: Layup's "multi-type intermediates" reuse one region),
   is held for the whole run;
@@ -40,6 +41,10 @@ def value_bytes(t, float_dtype: str = "f32") -> int:
 
 
 def space_of(n: Node) -> str:
+    """Where a value lives: state the planner streams from the host says so in its meta;
+    otherwise the op decides (`to_host` values are in the host pool)."""
+    if n.op in STATE_OPS:
+        return n.meta.get("space", DEVICE)
     return registry.OPS[n.op].extra.get("space", DEVICE)
 
 
@@ -100,7 +105,10 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
     """The plan for `executor.run(roles=roles)` on bound graph `g` (see module doc)."""
     registry.load_all()
     order, frees, _ = schedule(g, roles)
-    state = sum(value_bytes(n.type, float_dtype) for n in g.nodes if n.op in STATE_OPS)
+    state = sum(value_bytes(n.type, float_dtype) for n in g.nodes
+                if n.op in STATE_OPS and space_of(n) == DEVICE)
+    host_state = sum(value_bytes(n.type, float_dtype) for n in g.nodes
+                     if n.op in STATE_OPS and space_of(n) == HOST)
     workspace = max((workspace_bytes(g, n, float_dtype) for n in order), default=0)
     sizes: dict[str, int] = {}
     space: dict[str, str] = {}
@@ -110,7 +118,7 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
             space[n.name] = space_of(n)
     base = state + workspace
     cur, peak, peak_at = base, base, None
-    host_cur = host_peak = 0
+    host_cur = host_peak = host_state  # optimizer state streamed from the host lives there
     timeline = []
     for k, n in enumerate(order):
         nb = sizes.get(n.name, 0)

@@ -294,8 +294,8 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
     is issued (None: DEFAULT_PREFETCH, or 1 if nothing fits with it); `progress(fraction)`
     is called as the search advances. `offload_state=True` lets the plan keep optimizer
-    state in the host pool as a last resort (predicted only: `apply_decisions` does not
-    rewrite state yet)."""
+    state in the host pool as a last resort (`apply_decisions` streams it through its
+    update)."""
     t0 = time.perf_counter()
     budget = parse_size(budget_bytes, "memory budget")
     profile = get_profile(profile)
@@ -384,7 +384,8 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     an arena run really holds) gives `verified_peak_bytes`. Were it over the budget, the
     search runs again with the budget lowered by the excess. Returns (the rewritten step,
     the result), or (None, the result) when no plan fits (`result.feasible` is False) or
-    `verify` is off or the plan streams optimizer state (predicted only)."""
+    `verify` is off. Optimizer state the plan offloads is streamed from the host
+    (`strategies.apply_decisions`, rule 5)."""
     from netdsl.memory.plan import make_plan
     from netdsl.memory.strategies import apply_decisions
     budget = parse_size(mem, "--mem")
@@ -395,7 +396,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
                           progress=progress, offload_state=offload_state)
         res.budget_bytes = budget
         res.feasible = res.feasible and res.planned_peak_bytes <= budget
-        if not verify or not res.feasible or res.state_offloaded:
+        if not verify or not res.feasible:
             return None, res
         t0 = time.perf_counter()
         g = apply_decisions(step, res.decisions, prefetch=res.prefetch)

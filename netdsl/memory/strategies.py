@@ -22,6 +22,10 @@ bytes; the planner's own simulator reproduces exactly these rules:
 4. eager updates: each parameter's update runs right after the last node that reads the
    parameter or produces its gradient, and the gradient dies there - no step holds all
    gradients at once. (The optimizer's inputs and state move before the backward pass.)
+5. offload of optimizer state (a `buffer` with role optimizer_state): the state lives in
+   the host pool between steps; `s.prefetch = to_device(s)` is placed `prefetch` nodes
+   before its update, the update reads and writes that device copy, and
+   `to_host_into(s, s.prefetch, update)` right after the update writes it back.
 
 Decisions on values no backward node reads (directly or through a clone) change nothing:
 those values die after their forward use anyway.
@@ -50,6 +54,10 @@ def replayable(n: Node) -> bool:
     return not n.is_source and (not op.written_inputs(n) or n.op == "batchnorm")
 
 
+def is_optimizer_state(n: Node) -> bool:
+    return n.op == "buffer" and n.attrs.get("role") == "optimizer_state"
+
+
 def check_decisions(g: Graph, decisions: dict[str, str]) -> None:
     for name, d in decisions.items():
         if d not in STRATEGIES:
@@ -60,6 +68,8 @@ def check_decisions(g: Graph, decisions: dict[str, str]) -> None:
                               f"`{g.name}`")
         n = g[name]
         if d == "keep":
+            continue
+        if d == "offload" and is_optimizer_state(n):
             continue
         if n.is_source or phase(n) != "forward":
             raise NetdslError(f"%{name} ({n.op}) is not a forward value; only those can be "
@@ -75,11 +85,49 @@ def apply_decisions(g: Graph, decisions: dict[str, str], *, eager_updates: bool 
     check_decisions(g, decisions)
     g = g.copy()
     g.meta["memory_decisions"] = {k: v for k, v in decisions.items() if v != "keep"}
-    _recompute_and_offload(g, decisions, prefetch)
+    _recompute_and_offload(g, {k: v for k, v in decisions.items()
+                               if not is_optimizer_state(g[k])}, prefetch)
     if eager_updates and g.outputs.get("updates"):
         _eager_updates(g)
+    state = [k for k, v in decisions.items() if v == "offload" and is_optimizer_state(g[k])]
+    if state:
+        _stream_state(g, state, prefetch)
     g.verify()
     return g
+
+
+def _stream_state(g: Graph, names: list[str], prefetch: int) -> None:
+    """Optimizer state in the host pool, streamed through its update (rule 5)."""
+    readers: dict[str, list[str]] = defaultdict(list)
+    for n in g.nodes:
+        for i in n.inputs:
+            readers[i].append(n.name)
+    order = [n.name for n in g.nodes]
+    pos = {name: k for k, name in enumerate(order)}
+    before: dict[str, list[Node]] = defaultdict(list)
+    after: dict[str, list[Node]] = defaultdict(list)
+    for s in names:
+        users = readers[s]
+        if not users:
+            continue
+        if len(users) != 1:
+            raise NetdslError(f"optimizer state %{s} is read by {len(users)} nodes; only state "
+                              "read by its one update can be streamed from the host")
+        u = g[users[0]]
+        g[s].meta["space"] = "host"
+        pf = make_node(g, g.fresh_name(f"{s}.prefetch"), "to_device", [s], like=g[s],
+                       meta={"phase": "optimizer", "state_of": s})
+        g.add(pf)  # typed against the graph; re-placed below
+        wb = make_node(g, g.fresh_name(f"{s}.writeback"), "to_host_into",
+                       [s, pf.name, u.name], like=g[s],
+                       meta={"phase": "optimizer", "state_of": s})
+        u.inputs = tuple(pf.name if i == s else i for i in u.inputs)
+        before[order[max(pos[u.name] - prefetch, pos[s] + 1)]].append(pf)
+        after[u.name].append(wb)
+        g.outputs["updates"].append(wb.name)  # a write the step must run, like the update
+    moved = {n.name for ns in before.values() for n in ns}
+    g.nodes = [n for n in g.nodes if n.name not in moved]
+    splice(g, before=before, after=after)
 
 
 def _recompute_and_offload(g: Graph, decisions: dict[str, str], prefetch: int) -> None:

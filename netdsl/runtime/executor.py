@@ -35,7 +35,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE
-from netdsl.memory.plan import HOST, MemoryPlan, make_plan
+from netdsl.memory.plan import HOST, MemoryPlan, make_plan, space_of
 
 
 @dataclass
@@ -168,13 +168,18 @@ class Executor:
         self.bytes_by_device: dict[int, int] = {}
         self.peak_by_device: dict[int, int] = {}
         self.state: dict[str, Any] = {} if state is None else state
+        on_host = {n.name for n in graph.nodes if n.op in STATE_OPS and space_of(n) == HOST}
         for n in graph.nodes:
             if n.op in STATE_OPS and n.name not in self.state:
-                self.state[n.name] = self.backend.asarray(
-                    init_value(n, self._dtype_for(n.type.dtype), seed))
-        self._state_dev = {n.name: self._dev(n) for n in graph.nodes if n.op in STATE_OPS}
+                v = self.backend.asarray(init_value(n, self._dtype_for(n.type.dtype), seed))
+                # optimizer state the plan streams from the host lives there between steps
+                self.state[n.name] = self.backend.copy_to_host(v) if n.name in on_host else v
+        self._state_dev = {n.name: self._dev(n) for n in graph.nodes
+                           if n.op in STATE_OPS and n.name not in on_host}
         for name, dev in self._state_dev.items():
             self._alloc(dev, self.state[name].nbytes)
+        self.host_bytes_current = self.host_peak_bytes = sum(
+            self.state[name].nbytes for name in on_host)
         self._plans: dict[tuple[str, ...], MemoryPlan] = {}
 
     # -- accounting --------------------------------------------------------------------------
@@ -390,7 +395,10 @@ class Executor:
             if tuple(np.shape(v)) != tuple(cur.shape):
                 raise CheckpointError(f"checkpoint entry `{k}` has shape {tuple(np.shape(v))}, "
                                       f"the graph expects {tuple(cur.shape)}")
-            cur[...] = self.backend.asarray(np.asarray(v), dtype=cur.dtype)
+            if isinstance(cur, np.ndarray):  # NumPy's, or state kept in (pinned) host memory
+                cur[...] = np.asarray(v, dtype=cur.dtype)
+            else:
+                cur[...] = self.backend.asarray(np.asarray(v), dtype=cur.dtype)
 
     def with_graph(self, graph: Graph, check_numerics: bool | None = None) -> Executor:
         """An executor for another graph (e.g. the forward graph at an evaluation batch

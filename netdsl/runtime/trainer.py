@@ -66,6 +66,7 @@ class RunOptions:
     mem: int | str | None = None
     profile: str | None = None
     strategy: str = "auto"
+    offload_state: bool = False  # let the plan keep optimizer state on the host
 
 
 @dataclass
@@ -84,6 +85,9 @@ class RunResult:
     planned_peak_bytes: int  # the storage plan's prediction, before the first step
     step_time_s: float
     counted_peak_bytes: int = 0  # the executor's own count, which follows the plan
+    # the host pool's peak (offloaded values, state streamed from the host); on NumPy the
+    # pool is the same process memory, so `peak_bytes` includes it
+    host_peak_bytes: int = 0
     budget_bytes: int | None = None  # --mem
     memory_plan: dict | None = None  # the planner's summary, with --mem
     test_accuracy: float | None = None
@@ -266,7 +270,7 @@ class Trainer:
             profile = opts.profile or ("cpu" if backend.name == "numpy" else "h200")
             planned, self.mem_plan = plan_and_apply(
                 self.train_graph, opts.mem, profile, opts.strategy, opts.dtype,
-                roles=self.ROLES, arena=True)
+                roles=self.ROLES, arena=True, offload_state=opts.offload_state)
             if planned is None:
                 raise infeasible_error(self.mem_plan)
             self.train_graph = planned
@@ -456,6 +460,7 @@ class Trainer:
             device=_device_name(be), batch=self.batch,
             planned_peak_bytes=self.planned_peak_bytes(),
             counted_peak_bytes=self.executor.peak_bytes, budget_bytes=self.budget,
+            host_peak_bytes=self.executor.host_peak_bytes,
             memory_plan=self._plan_summary(),
             step_time_s=statistics.median(steady) if steady else 0.0,
             test_accuracy=final_eval.get("test_accuracy"),

@@ -26,6 +26,26 @@ register(OpDef("to_device", (Arg("x", "tensor"),), _same, "transfer", flops=_byt
                doc="copy a host value back onto the device (prefetch)"))
 
 
+def _dst(ins, a):
+    return ins[0]
+
+
+# optimizer state kept in the host pool: the update runs on a device copy (`to_device`),
+# and `to_host_into(state, copy, update)` writes the updated copy back into the host
+# state. It reads `update` only to name the write it follows (verify: a read of a value
+# overwritten in place must name the writer).
+register(OpDef("to_host_into", (Arg("dst", "tensor"), Arg("src", "tensor"),
+                                Arg("after", "tensor")), _dst, "transfer",
+               flops=_bytes_moved, writes=(0,), view_of=0, differentiable=False,
+               extra={"space": "host"},
+               doc="copy a device value into existing host storage (state write-back)"))
+
+
+@kernel("to_host_into")
+def _to_host_into(xp, ins, a, ctx):
+    return ctx.backend.copy_to_host(ins[1], out=ins[0])
+
+
 @kernel("to_host")
 def _to_host(xp, ins, a, ctx):
     return ctx.backend.copy_to_host(ins[0])

@@ -11,7 +11,7 @@ doubles b from 64 until a plan fails, then bisects; each probe generates the .ne
 builds the training step and plans it (the reference for the overhead is the
 unconstrained step of the same network, predicted in the same run). Goal for auto: 5,000
 layers or more. `--offload-state` lets auto keep optimizer state in the host pool as a
-last resort (the executor does not run that yet: a prediction of what it would give).
+last resort (`netdsl run --mem --offload-state` executes such plans).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ net = loads(TEMPLATE.format(b=b), file="examples/deep.net")
 step = training_graph(net.lower(16), net.train or TrainConfig())
 t = time.time()
 g, res = plan_and_apply(step, "12GB", "k40-12gb", "auto", offload_state=True)
-print("layers", 3 * (6 + 32 + b + 6) + 2, "feasible", res.feasible, "planned",
-      res.planned_peak_bytes, "verified", res.verified_peak_bytes,
-      "overhead %.3f" % res.predicted_overhead, "state offloaded", res.state_offloaded,
-      "of", res.state_buffers, "time %.1f s" % (time.time() - t))
+print(f"layers {3 * (6 + 32 + b + 6) + 2} feasible {res.feasible} planned "
+      f"{res.planned_peak_bytes} verified {res.verified_peak_bytes} overhead "
+      f"{res.predicted_overhead:.3f} state offloaded {res.state_offloaded} of "
+      f"{res.state_buffers} time {time.time() - t:.1f} s")

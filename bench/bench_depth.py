@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--max-overhead", type=float, default=0.30)
     ap.add_argument("--prefetch", type=int, default=None)
     ap.add_argument("--offload-state", action="store_true",
-                    help="let auto keep optimizer state in the host pool (predicted only)")
+                    help="let auto keep optimizer state in the host pool")
     ap.add_argument("--strategies", default=",".join(STRATEGIES[1:] + STRATEGIES[:1]))
     a = ap.parse_args()
     print(f"deepest resnet2504-family network planned into {a.mem} at batch {a.batch} on "

@@ -23,7 +23,7 @@ calls it many times, so it works on integer positions, not on nodes:
 
 Beyond `apply_decisions`, an optimizer-state buffer may be offloaded too: it then lives
 in the host pool and is copied in `prefetch` entries before its update and out right
-after it (a proposal the executor does not run yet: `plan_memory(offload_state=True)`).
+after it (`plan_memory(offload_state=True)`; `apply_decisions` rule 5 carries it out).
 """
 from __future__ import annotations
 

@@ -81,3 +81,18 @@ def test_plan_is_verified_by_the_rewrite():
     r = plan("--mem", "5MB", "--json")
     d = json.loads(r.stdout)
     assert d["verified_peak_bytes"] == d["planned_peak_bytes"] <= 5 * 10**6
+
+
+def test_every_example_plans_without_an_internal_error():
+    """Every example's training step can be planned (the backward ops' cost rules run)."""
+    import netdsl
+    from netdsl.config import TrainConfig
+    from netdsl.memory.search import plan_memory
+    from netdsl.runtime.trainer import training_graph
+    for ex in sorted((ROOT / "examples").glob("*.net")):
+        if ex.name in ("resnet2504.net", "resnet152.net", "vgg16.net", "resnet1001-cifar.net"):
+            continue  # large: covered by the benches
+        net = netdsl.load(ex)
+        step = training_graph(net.lower(2), net.train or TrainConfig())
+        res = plan_memory(step, "1GB", "cpu")
+        assert res.planned_peak_bytes > 0, ex.name

@@ -295,8 +295,10 @@ def _ct_params(ins, a):
 
 
 def _ct_flops(ins, out, a):
+    # out channels from the output type: the backward ops (which reuse this rule) carry
+    # no out_channels attribute
     kh, kw = pair(a["kernel"])
-    return 2 * ins[0].numel() * (a["out_channels"] // a["groups"]) * kh * kw
+    return 2 * ins[0].numel() * (out.shape[1] // a["groups"]) * kh * kw
 
 
 _CT_GEOM = (Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),

@@ -120,10 +120,6 @@ class Graph:
         index[node.name] = node
         return node
 
-    def invalidate(self) -> None:
-        """Drop the name index (kept for old callers: edits of `nodes` now do this)."""
-        self._index = None
-
     def fresh_name(self, base: str) -> str:
         if base not in self:
             return base

@@ -276,31 +276,15 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     started: list[tuple[int, int]] = []
     host_start: dict[int, int] = {}
     for i, (kind, p) in enumerate(entries):
-        if kind == NODE:
-            started.append((p, i))
-            if phase[p] == BWD:
-                for u in inputs[p]:
-                    r = renamed[u]
-                    if r == 0:
-                        last[u] = i
-                    elif r == 1:
-                        last[n + u] = i
-                    else:
-                        last[2 * n + u] = i
-                        reads_dev.setdefault(i, []).append(u)
-            else:
-                for u in inputs[p]:
-                    last[u] = i
-        elif kind == CLONE:
-            started.append((n + p, i))
+        if kind == NODE or kind == CLONE:
+            started.append((p if kind == NODE else n + p, i))
+            # backward nodes and clones read the renamed values: the original (0), its
+            # clone (1) or its device copy (2) - value id r * n + u
+            renames = kind == CLONE or phase[p] == BWD
             for u in inputs[p]:
-                r = renamed[u]
-                if r == 0:
-                    last[u] = i
-                elif r == 1:
-                    last[n + u] = i
-                else:
-                    last[2 * n + u] = i
+                r = renamed[u] if renames else 0
+                last[r * n + u] = i
+                if r == 2:
                     reads_dev.setdefault(i, []).append(u)
         elif kind == D2H:
             host_start[p] = i

@@ -67,7 +67,6 @@ def lower_dropout(g: Graph) -> Graph:
             n.meta["lowered_from"] = "dropout"
         nodes.append(n)
     g.nodes = nodes
-    g.invalidate()
     return g
 
 
@@ -163,4 +162,3 @@ def _prune_backward(g: Graph, keep: set[str]) -> None:
         if n.name in needed:
             needed.update(n.inputs)
     g.nodes = [n for n in g.nodes if n.meta.get("phase") != "backward" or n.name in needed]
-    g.invalidate()

@@ -301,11 +301,13 @@ class Executor:
             self._free(self._dev(self.graph[name]), nbytes)
 
     def _check_budget(self, name: str, nbytes: int) -> None:
+        if self.budget_bytes is None:  # per value, per step: nothing to look up then
+            return
         n = self.graph[name]
         dev = self._dev(n)
         held = self.bytes_by_device.get(dev, 0) + (
             self.host_bytes_current if self.budget_includes_host else 0)
-        if self.budget_bytes is not None and held > self.budget_bytes:
+        if held > self.budget_bytes:
             raise NetdslError(
                 f"out of the memory budget at {_where(n)}: device {dev} would hold "
                 f"{_fmt(held)}, over the {_fmt(self.budget_bytes)} budget (this value is "

@@ -150,3 +150,15 @@ class BudgetError(NetdslError):
     and what dominates it. Exit code 3."""
 
     exit_code = 3
+
+
+class SplitError(NetdslError):
+    """A parallel split that cannot be made (more stages than layers, a batch that does not
+    divide over the devices, a device whose part does not fit its memory). Exit code 3."""
+
+    exit_code = 3
+
+
+class CommError(NetdslError):
+    """A communication failure between devices or ranks: a peer that failed, was killed
+    or did not answer in time. The message names the rank."""

@@ -146,3 +146,39 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
             else:
                 plan.host_offsets, plan.host_bytes = offsets, size
     return plan
+
+
+def device_peaks(g: Graph, plan: MemoryPlan) -> dict[int, int]:
+    """The plan's device bytes split by device (a split graph's nodes name theirs; None is
+    device 0), by the same rule as `make_plan`: each device holds its state and the
+    largest workspace of its own nodes all the time, and its values while they live."""
+    def dev(name: str) -> int:
+        d = g[name].device
+        return 0 if d is None else d
+
+    base: dict[int, int] = {}
+    for n in g.nodes:
+        if n.op in STATE_OPS and space_of(n) == DEVICE:
+            base[dev(n.name)] = base.get(dev(n.name), 0) + value_bytes(n.type, plan.float_dtype)
+    for d, w in device_workspaces(g, plan).items():
+        base[d] = base.get(d, 0) + w
+    cur, peak = dict(base), dict(base)
+    for k, name in enumerate(plan.order):
+        if plan.space.get(name) == DEVICE:
+            d = dev(name)
+            cur[d] = cur.get(d, 0) + plan.sizes[name]
+            peak[d] = max(peak.get(d, 0), cur[d])
+        for x in plan.frees[k]:
+            if plan.space.get(x) == DEVICE:
+                cur[dev(x)] -= plan.sizes[x]
+    return dict(sorted(peak.items()))
+
+
+def device_workspaces(g: Graph, plan: MemoryPlan) -> dict[int, int]:
+    """The shared workspace region of each device: the largest of its nodes' workspaces."""
+    out: dict[int, int] = {}
+    for name in plan.order:
+        n = g[name]
+        d = 0 if n.device is None else n.device
+        out[d] = max(out.get(d, 0), workspace_bytes(g, n, plan.float_dtype))
+    return out

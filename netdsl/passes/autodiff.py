@@ -37,21 +37,44 @@ from netdsl.passes.pipeline import register_pass
 class GradBuilder:
     """Emits backward nodes into a graph on behalf of one forward node at a time."""
 
-    def __init__(self, g: Graph):
+    def __init__(self, g: Graph, total=None):
         self.g = g
         self.fwd: Node | None = None  # the forward node whose gradient is being built
+        self._total = total
+        # what a rule shares with the rules of related nodes (a collective's members emit
+        # one backward collective between them)
+        self.memo: dict = {}
 
     def type(self, value: str) -> TensorType:
         return self.g[value].type
 
+    def grad_total(self, value: str) -> str | None:
+        """The whole gradient of another forward value (a collective's sibling member),
+        once every reader of it has contributed."""
+        return self._total(value)
+
     def emit(self, op_name: str, inputs: list[str], attrs: dict | None = None,
-             tag: str = "") -> str:
+             tag: str = "", device: int | None = None) -> str:
+        """Add a backward node; it sits where its forward node does unless `device`
+        says otherwise (the gradient of a `recv` is sent back from the receiver)."""
         fwd = self.fwd
         base = fwd.name if fwd is not None else "grad"
         name = self.g.fresh_name(f"{base}.grad" + (f".{tag}" if tag else ""))
+        fields = {} if device is None else {"device": device}
         self.g.add(make_node(self.g, name, op_name, inputs, attrs, like=fwd,
-                             meta={"phase": "backward", "forward": base}))
+                             meta={"phase": "backward", "forward": base}, **fields))
         return name
+
+    def emit_group(self, op_name: str, inputs: list[str], attrs: dict, names: list[str],
+                   devices: list[int | None]) -> list[str]:
+        """Add the members of one backward collective, adjacent, member k on devices[k]."""
+        base = self.fwd.name if self.fwd is not None else "grad"
+        for k, (name, dev) in enumerate(zip(names, devices, strict=True)):
+            self.g.add(make_node(self.g, name, op_name, inputs, {**attrs, "index": k},
+                                 like=self.fwd, device=dev,
+                                 meta={"phase": "backward", "forward": base,
+                                       "members": tuple(names)}))
+        return names
 
 
 def lower_dropout(g: Graph) -> Graph:
@@ -95,22 +118,27 @@ def autodiff(g: Graph) -> Graph:
             reaches.update(n.inputs)
     active = depends & reaches
 
-    b = GradBuilder(g)
-    b.fwd = g[loss]
     contribs: dict[str, list[str]] = {}
+    totals: dict[str, str | None] = {}
+
+    def total(value: str) -> str | None:
+        """The gradient of `value`: its contributions, summed with `add` nodes (once)."""
+        if value in totals:
+            return totals[value]
+        parts = contribs.pop(value, [])
+        acc = parts[0] if parts else None
+        prev, b.fwd = b.fwd, g[value]  # the sum sits with the value (on its device)
+        for p in parts[1:]:
+            acc = b.emit("add", [acc, p], tag="acc")
+        b.fwd = prev
+        totals[value] = acc
+        return acc
+
+    b = GradBuilder(g, total)
+    b.fwd = g[loss]
     seed = b.emit("fill", [], {"shape": (), "value": 1.0, "dtype": g[loss].type.dtype},
                   tag="seed")
     contribs[loss] = [seed]
-
-    def total(value: str) -> str | None:
-        """The gradient of `value`: its contributions, summed with `add` nodes."""
-        parts = contribs.pop(value, [])
-        if not parts:
-            return None
-        acc = parts[0]
-        for p in parts[1:]:
-            acc = b.emit("add", [acc, p], tag="acc")
-        return acc
 
     for n in reversed(forward):
         if n.is_source or n.name not in active:

@@ -33,9 +33,14 @@ from netdsl.backends import Backend, get_backend
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.printer import node_line
-from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE
-from netdsl.memory.plan import HOST, MemoryPlan, make_plan, space_of
+from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE, TensorType
+from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
+from netdsl.runtime.comm import Communicator, InProcess
+
+# output roles a training step computes that an evaluation (training=False) leaves out
+TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates")
 
 
 @dataclass
@@ -50,6 +55,7 @@ class KernelContext:
 
     seed: int = 0
     step: int = 0
+    comm: Any = None  # the communicator of `send`, `recv` and the collectives
     # the planned slot of the node being run (arena mode; None otherwise): a kernel may
     # write its result there (`into`) and return it, saving the copy into the slot
     out: Any = None
@@ -73,8 +79,9 @@ class KernelContext:
         return self.float_dtype if ir_dtype in FLOAT_DTYPES else NUMPY_DTYPE[ir_dtype]
 
 
-def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
-    """A host array for a param/buffer node, from its `init` attribute.
+def init_value(node: Node, dtype: str, seed: int, key: str | None = None) -> np.ndarray:
+    """A host array for a param/buffer node, from its `init` attribute, drawn from a
+    generator keyed by `seed` and `key` (the node's name by default).
 
     kaiming_normal: N(0, 2/fan_in) (torchvision ResNet conv init, fan_in mode, ReLU gain);
     kaiming_uniform: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (nn.Linear's weight:
@@ -84,7 +91,7 @@ def init_value(node: Node, dtype: str, seed: int) -> np.ndarray:
     shape = tuple(node.type.shape)
     init = node.attrs.get("init", "zeros")
     fan_in = max(int(node.attrs.get("fan_in", 1) or 1), 1)
-    rng = np.random.default_rng([seed, zlib.crc32(node.name.encode())])
+    rng = np.random.default_rng([seed, zlib.crc32((key or node.name).encode())])
     # drawn in the training dtype (f32 runs used to draw every array in f64 first, which
     # doubled the set-up peak); NumPy's generators draw f32 and f64 directly
     gen = np.dtype(dtype) if np.dtype(dtype) in (np.float32, np.float64) else np.float32
@@ -139,7 +146,8 @@ class Executor:
     def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
                  seed: int = 0, check_numerics: bool = False,
                  state: dict[str, Any] | None = None, arena: bool = False,
-                 budget_bytes: int | None = None, budget_includes_host: bool = False):
+                 budget_bytes: int | None = None, budget_includes_host: bool = False,
+                 comm: Communicator | None = None):
         registry.load_all()
         if dtype not in ("f32", "f64"):
             raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
@@ -154,6 +162,10 @@ class Executor:
         self.np_dtype = NUMPY_DTYPE[dtype]
         self.seed = seed
         self.check_numerics = check_numerics
+        # split graphs: the devices' communication, in this process unless told otherwise
+        self.comm = comm if comm is not None else InProcess(self.backend)
+        self.layout = state_layout(graph)
+        self._devices = [self.backend.device if d == 0 else d for d in devices_of(graph)]
         self.arena = arena
         self.budget_bytes = budget_bytes  # device bytes a run may hold (None: no limit)
         self.budget_includes_host = budget_includes_host  # host and device: one memory
@@ -171,7 +183,7 @@ class Executor:
         on_host = {n.name for n in graph.nodes if n.op in STATE_OPS and space_of(n) == HOST}
         for n in graph.nodes:
             if n.op in STATE_OPS and n.name not in self.state:
-                v = self.backend.asarray(init_value(n, self._dtype_for(n.type.dtype), seed))
+                v = self.backend.asarray(self._init(n, seed))
                 # optimizer state the plan streams from the host lives there between steps
                 self.state[n.name] = self.backend.copy_to_host(v) if n.name in on_host else v
         self._state_dev = {n.name: self._dev(n) for n in graph.nodes
@@ -181,6 +193,18 @@ class Executor:
         self.host_bytes_current = self.host_peak_bytes = sum(
             self.state[name].nbytes for name in on_host)
         self._plans: dict[tuple[str, ...], MemoryPlan] = {}
+
+    def _init(self, n: Node, seed: int) -> np.ndarray:
+        """Initial values of a state node. A copy made by a split pass draws what the
+        single-device original draws (keyed by the original's name), and a shard is its
+        slice of the original's values, so a split run starts where one device does."""
+        dtype = self._dtype_for(n.type.dtype)
+        shard = Shard.of(n)
+        if shard is None:
+            return init_value(n, dtype, seed, key=canonical(n.name))
+        full = init_value(n.copy(type=TensorType(shard.full, n.type.dtype)), dtype, seed,
+                          key=canonical(n.name))
+        return np.ascontiguousarray(np.take(full, range(shard.lo, shard.hi), axis=shard.axis))
 
     # -- accounting --------------------------------------------------------------------------
     @property
@@ -238,7 +262,7 @@ class Executor:
         g = self.graph
         if roles is None:
             roles = tuple(r for r in g.outputs
-                          if training or r not in ("grads", "updates"))
+                          if training or r not in TRAINING_ONLY_ROLES)
         roles = tuple(roles)
         plan = self.plan(roles)
         if step is None:
@@ -246,14 +270,15 @@ class Executor:
         if training:
             self.step = step + 1
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
-                            seed=self.seed, step=step)
+                            seed=self.seed, step=step, comm=self.comm)
         slots = self._slots(roles, plan) if self.arena else None
-        dev = self.backend.device
         values: dict[str, Any] = {}
         held: dict[str, int] = {}  # bytes each live value adds to the count
-        # the shared scratch region, reserved for the run (kernels take their scratch
-        # transiently, within what their workspace rules declare)
-        self._alloc(dev, plan.workspace_bytes)
+        # the shared scratch region of each device, reserved for the run (kernels take
+        # their scratch transiently, within what their workspace rules declare)
+        spaces = self._workspaces(roles, plan)
+        for d, w in spaces.items():
+            self._alloc(d, w)
         try:
             for k, name in enumerate(plan.order):
                 n = g[name]
@@ -280,13 +305,24 @@ class Executor:
                     nb = held.pop(dead, 0)
                     if nb:
                         self._hold(dead, nb, plan, -1)
+            self.comm.finish_step()
             return {r: [values[name] for name in g.outputs[r]] for r in roles}
         finally:
             # whatever is still held (outputs handed to the caller, or the values of a run
             # that failed) is no longer the executor's
             for name, nb in held.items():
                 self._hold(name, nb, plan, -1)
-            self._free(dev, plan.workspace_bytes)
+            for d, w in spaces.items():
+                self._free(d, w)
+
+    def _workspaces(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[int, int]:
+        if len(self._devices) == 1:  # one device: the plan's one region
+            return {self._devices[0]: plan.workspace_bytes}
+        key = ("workspaces", roles)
+        if key not in self._plans:
+            self._plans[key] = {self.backend.device if d == 0 else d: w for d, w in
+                                device_workspaces(self.graph, plan).items()}
+        return self._plans[key]
 
     def _hold(self, name: str, nbytes: int, plan: MemoryPlan, sign: int) -> None:
         if plan.space[name] == HOST:
@@ -337,8 +373,13 @@ class Executor:
         return self._arenas[roles]
 
     def _feed(self, n: Node, feeds: dict[str, Any]):
-        if n.name in feeds:
-            host = feeds[n.name]
+        # a split graph's copy of an input is fed the rows of the whole batch it holds
+        key = n.meta.get("feed_of", n.name)
+        rows = n.meta.get("rows")
+        if key in feeds:
+            host = feeds[key]
+            if rows is not None:
+                host = host[rows[0]:rows[1]]
         elif "default" in n.attrs:
             host = n.attrs["default"]
         else:
@@ -378,29 +419,55 @@ class Executor:
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Host copies of the persistent state, keyed by node name."""
-        return {name: self.backend.to_host(v) for name, v in self.state.items()}
+        """Host copies of the persistent state in the single-device layout, keyed by the
+        single-device graph's names: device 0's copy of a replica, shards joined."""
+        out = {}
+        for key, names in self.layout.items():
+            shards = [Shard.of(self.graph[x]) for x in names]
+            if shards[0] is None:
+                out[key] = self.backend.to_host(self.state[names[0]])
+                continue
+            parts = {}
+            for x, sh in zip(names, shards, strict=True):
+                parts.setdefault((sh.lo, sh.hi), x)
+            out[key] = np.concatenate([self.backend.to_host(self.state[x])
+                                       for _, x in sorted(parts.items())], axis=shards[0].axis)
+        return out
+
+    def state_spec(self) -> dict[str, tuple]:
+        """Shape and dtype of every entry of `state_dict()` (without copying)."""
+        spec = {}
+        for key, names in self.layout.items():
+            v = self.state[names[0]]
+            sh = Shard.of(self.graph[names[0]])
+            spec[key] = (tuple(sh.full) if sh else tuple(v.shape), str(v.dtype))
+        return spec
 
     def load_state_dict(self, sd: dict[str, Any], strict: bool = True) -> None:
         """Copy host arrays into the state (in place, so sharing executors see them)."""
-        missing = [k for k in self.state if k not in sd]
-        unexpected = [k for k in sd if k not in self.state]
+        missing = [k for k in self.layout if k not in sd]
+        unexpected = [k for k in sd if k not in self.layout]
         if strict and (missing or unexpected):
             parts = [f"{what} " + ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
                      for what, names in (("missing", missing), ("unexpected", unexpected))
                      if names]
             raise CheckpointError("checkpoint does not match the graph: " + "; ".join(parts))
+        spec = self.state_spec()
         for k, v in sd.items():
-            if k not in self.state:
+            if k not in self.layout:
                 continue
-            cur = self.state[k]
-            if tuple(np.shape(v)) != tuple(cur.shape):
+            if tuple(np.shape(v)) != spec[k][0]:
                 raise CheckpointError(f"checkpoint entry `{k}` has shape {tuple(np.shape(v))}, "
-                                      f"the graph expects {tuple(cur.shape)}")
-            if isinstance(cur, np.ndarray):  # NumPy's, or state kept in (pinned) host memory
-                cur[...] = np.asarray(v, dtype=cur.dtype)
-            else:
-                cur[...] = self.backend.asarray(np.asarray(v), dtype=cur.dtype)
+                                      f"the graph expects {spec[k][0]}")
+            for x in self.layout[k]:  # every replica, or each shard its slice
+                sh = Shard.of(self.graph[x])
+                part = np.asarray(v) if sh is None else np.take(
+                    np.asarray(v), range(sh.lo, sh.hi), axis=sh.axis)
+                cur = self.state[x]
+                if isinstance(cur, np.ndarray):  # NumPy's, or state in (pinned) host memory
+                    cur[...] = np.asarray(part, dtype=cur.dtype)
+                else:
+                    cur[...] = self.backend.asarray(np.asarray(part), dtype=cur.dtype)
 
     def with_graph(self, graph: Graph, check_numerics: bool | None = None) -> Executor:
         """An executor for another graph (e.g. the forward graph at an evaluation batch

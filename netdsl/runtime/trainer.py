@@ -294,8 +294,7 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def _state_spec(self) -> dict[str, tuple]:
-        sd = self.executor.state
-        return {k: (tuple(v.shape), str(v.dtype)) for k, v in sd.items()}
+        return self.executor.state_spec()
 
     def save(self) -> Path:
         header = {"network": self.forward.name, "step": self.step,

@@ -159,7 +159,12 @@ def _mask(xp, x, p, ctx):
         return xp.ones_like(x)
     if p >= 1.0:
         return xp.zeros_like(x)
-    keep = ctx.rng_for(ctx.node).random(x.shape, x.dtype) >= p
+    rows = ctx.node.meta.get("rng_rows")
+    if rows is None:
+        keep = ctx.rng_for(ctx.node).random(x.shape, x.dtype) >= p
+    else:  # a split graph's part of the batch draws its rows of the whole batch's mask
+        lo, hi, batch = rows
+        keep = ctx.rng_for(ctx.node).random((batch,) + x.shape[1:], x.dtype)[lo:hi] >= p
     return keep.astype(x.dtype) * (1.0 / (1.0 - p))
 
 

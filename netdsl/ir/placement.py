@@ -1,0 +1,85 @@
+"""Placement: which device holds a node, and how the pieces of a split graph map back to
+the single-device graph they came from.
+
+A node's `device` is a logical device (an MPI rank, a GPU, or a slot of one process's
+memory accounting); None means "wherever the run starts" and, for `input` nodes, "fed on
+every device" (the learning rate). A split pass copies the single-device graph's nodes
+onto devices; the copies follow one naming rule, `name@dK`, so every piece names its
+original:
+
+- a *replica* of state (a parameter, a buffer, optimizer state made from one) holds the
+  same values on every device; device 0's copy keeps the original name;
+- a *shard* holds a slice of the original along one axis (`meta["shard"]`);
+- every other copy (one per device and micro-batch) is an activation of one part of the
+  batch (`meta["rows"]`).
+
+`canonical(name)` undoes the naming rule (`w@d1.momentum_buffer` -> `w.momentum_buffer`),
+which is how the executor initialises a replica with the same values as the original and
+how checkpoints are written in the single-device layout, so a run saved on 4 devices
+resumes on 1.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from netdsl.ir.graph import Graph, Node
+
+_SUFFIX = re.compile(r"@(?:d\d+|m\d+)+")
+
+
+def copy_name(name: str, device: int | None = None, micro: int | None = None) -> str:
+    """The name of a copy of `name` on `device` for micro-batch `micro`."""
+    out = name
+    if micro is not None:
+        out += f"@m{micro}"
+    if device is not None:
+        out += f"@d{device}"
+    return out
+
+
+def canonical(name: str) -> str:
+    """The single-device name a copy stands for (names without copies are their own)."""
+    return _SUFFIX.sub("", name)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A slice [lo, hi) of a state tensor of shape `full` along `axis`."""
+
+    axis: int
+    lo: int
+    hi: int
+    full: tuple[int, ...]
+
+    def to_json(self) -> list:
+        return [self.axis, self.lo, self.hi, list(self.full)]
+
+    @staticmethod
+    def of(n: Node) -> Shard | None:
+        s = n.meta.get("shard")
+        if s is None:
+            return None
+        if isinstance(s, Shard):
+            return s
+        axis, lo, hi, full = s
+        return Shard(int(axis), int(lo), int(hi), tuple(full))
+
+
+def devices_of(g: Graph) -> list[int]:
+    """The devices a graph uses, in order (a graph with no placement uses device 0)."""
+    devs = sorted({n.device for n in g.nodes if n.device is not None})
+    return devs or [0]
+
+
+def state_layout(g: Graph) -> dict[str, list[str]]:
+    """For every state value of the single-device graph, the nodes of `g` that hold it:
+    one node (not split), its replicas (device 0's first), or its shards (in order)."""
+    out: dict[str, list[str]] = {}
+    for n in g.nodes:
+        if n.op in ("param", "buffer"):
+            out.setdefault(canonical(n.name), []).append(n.name)
+    for names in out.values():
+        names.sort(key=lambda x: (Shard.of(g[x]).lo if Shard.of(g[x]) else 0,
+                                  g[x].device or 0))
+    return out

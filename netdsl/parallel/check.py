@@ -1,0 +1,60 @@
+"""The structural check after a split (a split that drops or doubles a layer, or leaves a
+gradient without its update, is the silent wrong result users of pipeline frameworks
+report; this catches it before anything runs):
+
+- every compute node of the single-device forward graph is computed exactly once per
+  part (replica x micro-batch) - a synchronised batchnorm's ops count as its batchnorm;
+- every parameter copy's gradient reaches its update;
+- no node reads a value held on another device except through a communication op.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from netdsl.errors import NetdslError
+from netdsl.ir.graph import Graph
+from netdsl.ir.ops.comm import COMM_OPS
+
+
+class SplitCheckError(NetdslError):
+    """A split graph breaks a structural rule: a bug in a split pass, named by node."""
+
+
+def check(g: Graph, fwd: Graph) -> None:
+    parts = _parts(g)
+    counts: Counter = Counter()
+    for n in g.nodes:
+        if n.meta.get("phase") in ("backward", "optimizer") or n.meta.get("combined"):
+            continue
+        if n.is_source or n.op in COMM_OPS or "origin" not in n.meta:
+            continue
+        if n.meta.get("sync_bn") and n.name != n.meta["sync_bn"]:
+            continue  # the parts of a synchronised batchnorm; its final op counts
+        counts[n.meta["origin"]] += 1
+    for n in fwd.nodes:
+        if n.is_source or n.op == "dropout":
+            continue
+        if counts[n.name] != parts:
+            raise SplitCheckError(
+                f"split check: forward node %{n.name} ({n.op}) is computed "
+                f"{counts[n.name]} times, once per part ({parts}) was expected",
+                loc=n.loc, stack=n.stack)
+    updates = {n.name: n for n in g.nodes if n.name in set(g.outputs.get("updates", []))}
+    read_by_update = {i for u in updates.values() for i in u.inputs}
+    for gp in g.outputs.get("grads", []):
+        if updates and gp not in read_by_update:
+            raise SplitCheckError(f"split check: gradient %{gp} reaches no update")
+    for n in g.nodes:
+        if n.op in ("send", "recv") or n.meta.get("members") or n.device is None:
+            continue
+        for i in n.inputs:
+            src = g[i]
+            if src.device is not None and src.device != n.device:
+                raise SplitCheckError(
+                    f"split check: %{n.name} on device {n.device} reads %{i} from device "
+                    f"{src.device} without communication", loc=n.loc, stack=n.stack)
+
+
+def _parts(g: Graph) -> int:
+    s = g.meta.get("split", {})
+    return s.get("data", 1) * s.get("microbatches", 1)

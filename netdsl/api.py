@@ -108,3 +108,57 @@ def plan(net: Network, mem: int | str, batch: int | None = None,
     _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, prefetch=prefetch,
                             progress=progress, offload_state=offload_state, verify=verify)
     return res
+
+
+@dataclass
+class SplitResult:
+    """What `split` decided and predicted, and the equivalence gate's result if run."""
+
+    chosen: object  # netdsl.parallel.choose.Chosen
+    batch: int
+    gate: object | None = None  # netdsl.runtime.gate.GateResult
+
+    def to_json(self) -> dict:
+        best = self.chosen.best
+        out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
+               "spec": best.spec.describe(),
+               "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
+                                 "fits": c.fits,
+                                 "predicted_step_s": c.report.predicted_step_s,
+                                 "predicted_speedup": c.report.predicted_speedup,
+                                 "bubble": c.report.bubble,
+                                 "max_peak_bytes": max(d.peak_bytes
+                                                       for d in c.report.per_device)}
+                                for c in self.chosen.considered]}
+        if self.gate is not None:
+            out["verify"] = self.gate.to_json()
+        return out
+
+
+def split(net: Network, devices: int, strategy: str = "auto", batch: int | None = None,
+          microbatches: int | None = None, mem: int | str | None = None,
+          profile: str = "k40-12gb", interconnect: str = "pcie3", bn: str = "sync",
+          verify: bool = False, seed: int = 0, progress=None) -> SplitResult:
+    """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
+    `strategy` picks (auto: the fastest predicted that fits), its per-device table and
+    predictions; with `verify`, the equivalence gate on one batch in float64. Raises
+    SplitError (exit 3) for splits that cannot be made or do not fit."""
+    from netdsl.memory.profiles import get_profile
+    from netdsl.parallel.choose import choose
+    from netdsl.parallel.predict import get_interconnect
+    from netdsl.sizes import parse_size
+    b = batch if batch is not None else net.default_batch
+    cfg = net.train or TrainConfig()
+    budget = parse_size(mem, "--mem") if mem is not None else None
+    chosen = choose(net.graph, b, strategy, devices, cfg.optimizer.model_dump(),
+                    get_profile(profile), get_interconnect(interconnect), budget,
+                    microbatches, bn, progress=progress)
+    result = SplitResult(chosen, b)
+    if verify:
+        from netdsl.runtime.data import Loader, make_dataset
+        from netdsl.runtime.gate import verify_split
+        data = make_dataset(net.graph, cfg.data, seed)
+        feeds = dict(zip(data.input_names, Loader(data.train, b, seed).next(), strict=True))
+        result.gate = verify_split(net.graph, b, chosen.best.spec, cfg.optimizer.model_dump(),
+                                   feeds, split=chosen.best.graph, seed=seed)
+    return result

@@ -237,7 +237,7 @@ def graph(
 import netdsl_cli.fmt_cmd  # noqa: E402,F401  (the tools for .net files: fmt, lsp, report)
 import netdsl_cli.lsp_cmd  # noqa: E402,F401
 import netdsl_cli.report_cmd  # noqa: E402,F401
-from netdsl_cli import onnx_cmd, plan_cmd, run_cmd  # noqa: E402,F401
+from netdsl_cli import onnx_cmd, plan_cmd, run_cmd, split_cmd  # noqa: E402,F401
 
 
 def _version(value: bool) -> None:

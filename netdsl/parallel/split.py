@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" pass)
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import copy_name
 from netdsl.parallel.check import check
-from netdsl.parallel.gradsync import sync_gradients
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import sync_batchnorms
 from netdsl.passes.pipeline import run_pipeline
@@ -105,6 +105,8 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                              "micro-batches is not supported; use --bn local, or one "
                              "micro-batch")
         sync_batchnorms(g, copies, fwd, batch)
+    else:
+        running_stats_once(g, copies)
     root = device_of(fwd[fwd.outputs["loss"][0]], parts[0])
     combine(g, fwd, parts, copies, batch, root, gather)
     connect(g)
@@ -114,6 +116,24 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     if stage_of:
         g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
     return g
+
+
+def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
+    """Batchnorm copies normalising their own part share one device's running statistics
+    with the other parts there: only the first part's copy updates them (from its own
+    statistics); the others are replays that neither read nor write them. The step then
+    updates the statistics once, as one device does, and the copies stay in order for
+    the in-place rule of `verify`."""
+    for names in copies.values():
+        first: set[int | None] = set()
+        for x in names:
+            n = g[x]
+            if n.op != "batchnorm":
+                break
+            if n.device in first:
+                n.inputs = n.inputs[:len(n.inputs) - 2]
+                n.attrs["replay"] = True
+            first.add(n.device)
 
 
 def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,

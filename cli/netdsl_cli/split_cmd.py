@@ -1,0 +1,120 @@
+"""`netdsl split`: split a training step across devices and show, per device, what it
+computes, holds and sends, with the predicted step time, speed-up and pipeline bubble;
+`--verify` runs the equivalence gate. Exit 3 for splits that cannot be made or fit."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from netdsl_cli.app import BatchOpt, FileArg, JsonOpt, app, console, guard, load_network, print_json
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
+
+
+@app.command()
+def split(
+    file: FileArg,
+    devices: Annotated[int | None, typer.Option("--devices", "-n", min=1, help="devices to "
+                                                "split over (default: the file's "
+                                                "`parallel` declaration)")] = None,
+    strategy: Annotated[str, typer.Option(help="auto, data, pipeline or hybrid")] = "auto",
+    batch: BatchOpt = None,
+    microbatches: Annotated[int | None, typer.Option(
+        "--microbatches", "-m", min=1, help="micro-batches per step (pipelines)")] = None,
+    mem: Annotated[str | None, typer.Option(help="memory per device (12GB); default: the "
+                                            "profile's capacity")] = None,
+    profile: Annotated[str, typer.Option(help="device profile: k40-12gb, v100-16gb, "
+                                         "a100-40gb, h200, cpu, or a calibrated JSON")]
+    = "k40-12gb",
+    interconnect: Annotated[str, typer.Option(help="shm, pcie3, nvlink4, ib-hdr or "
+                                              "10gbe")] = "pcie3",
+    bn: Annotated[str, typer.Option(help="batchnorm over a split batch: sync (the "
+                                    "single-device step) or local (per device)")] = "sync",
+    verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
+                                         "one batch in float64 and compare every "
+                                         "gradient and updated value")] = False,
+    plot: Annotated[Path | None, typer.Option(help="draw the schedule (Gantt chart per "
+                                              "device) into this image")] = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Split a training step across devices: per-device work, memory and communication."""
+    from netdsl.api import split as split_api
+
+    with guard(json_output):
+        net = load_network(file)
+        n = devices if devices is not None else max(1, _declared_devices(net))
+        kw = dict(devices=n, strategy=strategy, batch=batch, microbatches=microbatches,
+                  mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify)
+        if json_output:
+            res = split_api(net, **kw)
+        else:
+            with Progress(TextColumn("[bold]split"), BarColumn(), TimeElapsedColumn(),
+                          console=console(stderr=True), transient=True) as bar:
+                task = bar.add_task("split", total=1.0)
+                res = split_api(net, progress=lambda f: bar.update(task, completed=f), **kw)
+        if plot is not None:
+            from netdsl.memory.profiles import get_profile
+            from netdsl.parallel.predict import get_interconnect, simulate
+            from netdsl.tooling.schedule_plot import plot_schedule
+            _, _, timeline = simulate(res.chosen.best.graph, get_profile(profile),
+                                      get_interconnect(interconnect))
+            plot_schedule(timeline, plot, title=f"{net.name}: {res.chosen.best.spec.describe()}")
+        if json_output:
+            print_json(res.to_json())
+        else:
+            _print(res)
+        if res.gate is not None and not res.gate.ok:
+            raise typer.Exit(1)
+
+
+def _declared_devices(net) -> int:
+    p = net.graph.parallel or {}
+    return p.get("data", 1) * p.get("pipeline", 1) * p.get("tensor", 1)
+
+
+def _print(res) -> None:
+    out = console()
+    best = res.chosen.best
+    rep = best.report
+    t = Table(title=f"{best.graph.name} on {rep.devices} device(s): {best.spec.describe()} "
+                    f"(batch {res.batch})")
+    for col in ("device", "nodes", "params", "GFLOPs", "peak memory", "sends",
+                "collectives", "sent / step"):
+        t.add_column(col, justify="right")
+    for d in rep.per_device:
+        t.add_row(str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
+                  _mb(d.peak_bytes), str(d.sends), str(d.collectives), _mb(d.comm_bytes))
+    out.print(t)
+    out.print(f"predicted step {rep.predicted_step_s * 1e3:,.1f} ms on {rep.profile} over "
+              f"{rep.interconnect} (one device: {rep.single_step_s * 1e3:,.1f} ms), "
+              f"speed-up {rep.predicted_speedup:.2f}x")
+    if rep.ideal_bubble is not None:
+        out.print(f"pipeline bubble {rep.bubble:.1%} (GPipe's (p-1)/(m+p-1) = "
+                  f"{rep.ideal_bubble:.1%})")
+    out.print(f"sent per step {_mb(rep.comm_bytes_total)} (ring lower bound "
+              f"{_mb(rep.comm_bytes_lower_bound)})")
+    if len(res.chosen.considered) > 1:
+        alt = Table(title="considered")
+        for col in ("split", "fits", "step (ms)", "speed-up", "bubble", "max peak"):
+            alt.add_column(col, justify="right")
+        for c in sorted(res.chosen.considered, key=lambda c: c.report.predicted_step_s):
+            alt.add_row(c.spec.describe() + (" *" if c is best else ""),
+                        "yes" if c.fits else "no", f"{c.report.predicted_step_s * 1e3:,.1f}",
+                        f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
+                        _mb(max(d.peak_bytes for d in c.report.per_device)))
+        out.print(alt)
+    g = res.gate
+    if g is not None:
+        verdict = "equal" if g.ok else "DIFFERENT"
+        out.print(f"verify: {verdict} to the {g.reference} within {g.rtol:g} (loss "
+                  f"{g.loss_rel:.2g}, gradients {g.grad_rel:.2g}, state {g.state_rel:.2g}; "
+                  f"largest: {g.worst or '-'}); sent "
+                  f"{_mb(sum(g.comm_bytes.values()))} as counted by the communicator (float64)")
+        if g.first_divergence:
+            out.print(f"first difference: {g.first_divergence}")

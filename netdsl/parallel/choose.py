@@ -1,0 +1,130 @@
+"""Choosing a split: the `--strategy` of `netdsl split` and `netdsl run --devices`.
+
+`data`, `pipeline` and `hybrid` are the schemes of `split.py`; `auto` builds every
+data x pipeline factorisation of the device count (with micro-batch counts 1, 2, 4 ...
+up to the batch for pipelines), predicts each one's step time and per-device peak
+(`predict.report`), drops those that do not fit a device (`--mem`, else the profile's
+capacity), and picks the fastest. The alternatives are kept, so the command can show
+what it considered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from netdsl.errors import SplitError
+from netdsl.ir.graph import Graph
+from netdsl.memory.profiles import Profile
+from netdsl.parallel.predict import Interconnect, SplitReport, report
+from netdsl.parallel.split import SplitSpec, split_step
+
+CHOICES = ("auto", "data", "pipeline", "hybrid")
+NOT_YET = ("tensor", "spatial")
+
+
+@dataclass
+class Choice:
+    spec: SplitSpec
+    graph: Graph
+    report: SplitReport
+    fits: bool
+
+
+@dataclass
+class Chosen:
+    best: Choice
+    single: Graph
+    considered: list[Choice] = field(default_factory=list)
+
+
+def candidates(strategy: str, devices: int, batch: int, microbatches: int | None,
+               declared: dict, bn: str) -> list[SplitSpec]:
+    """The specs `strategy` allows on `devices` devices."""
+    if strategy in NOT_YET:
+        raise SplitError(f"--strategy {strategy} is not available yet; use data, pipeline, "
+                         "hybrid or auto")
+    if strategy not in CHOICES:
+        raise SplitError(f"unknown --strategy `{strategy}`; choose one of "
+                         f"{', '.join(CHOICES)}")
+    if devices < 1:
+        raise SplitError(f"--devices must be at least 1, not {devices}")
+
+    def micro_for(p: int) -> list[int]:
+        if p == 1:
+            return [1]
+        if microbatches is not None:
+            return [microbatches]
+        out, m = [], 1
+        while m <= batch:
+            if m >= p or m == 1:
+                out.append(m)
+            m *= 2
+        return out or [1]
+
+    if strategy == "data":
+        return [SplitSpec(data=devices, bn=bn)]
+    if strategy == "pipeline":
+        m = microbatches if microbatches is not None else min(batch, 4 * devices)
+        return [SplitSpec(pipeline=devices, microbatches=m, bn=bn)]
+    if strategy == "hybrid":
+        d = declared.get("data", 1)
+        p = declared.get("pipeline", 1)
+        if d * p != devices or d == 1 or p == 1:
+            d, p = _hybrid_factors(devices)
+        m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
+        return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn)]
+    out = []
+    for d in range(1, devices + 1):
+        if devices % d:
+            continue
+        p = devices // d
+        for m in micro_for(p):
+            if d * m <= batch:
+                out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn))
+    return out
+
+
+def _hybrid_factors(devices: int) -> tuple[int, int]:
+    for d in range(2, devices):
+        if devices % d == 0 and devices // d > 1:
+            return d, devices // d
+    raise SplitError(f"a hybrid split needs a device count with two factors above 1 "
+                     f"(4, 6, 8 ...), not {devices}")
+
+
+def choose(fwd: Graph, batch: int, strategy: str, devices: int, optimizer: dict,
+           profile: Profile, link: Interconnect, mem: int | None = None,
+           microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),
+           float_dtype: str = "f32", progress=None) -> Chosen:
+    """Build and predict the candidates (module docstring); raise SplitError if none fits."""
+    specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn)
+    single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
+    cap = mem if mem is not None else profile.capacity_bytes
+    considered = []
+    errors = []
+    for k, spec in enumerate(specs):
+        if progress is not None:
+            progress(k / len(specs))
+        try:
+            g = split_step(fwd, batch, spec, optimizer, gather)
+        except SplitError as e:
+            if len(specs) == 1:
+                raise
+            errors.append(f"{spec.describe()}: {e.message}")
+            continue
+        rep, _ = report(g, single, profile, link, float_dtype)
+        fits = all(d.peak_bytes <= cap for d in rep.per_device)
+        considered.append(Choice(spec, g, rep, fits))
+    if progress is not None:
+        progress(1.0)
+    fitting = [c for c in considered if c.fits]
+    if not fitting:
+        if not considered:
+            raise SplitError("no split of this network works: " + "; ".join(errors))
+        worst = min(considered, key=lambda c: max(d.peak_bytes for d in c.report.per_device))
+        peak = max(worst.report.per_device, key=lambda d: d.peak_bytes)
+        raise SplitError(
+            f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
+            f"best ({worst.spec.describe()}) needs {peak.peak_bytes / 1e9:.3g} GB on device "
+            f"{peak.device}; use more devices, a smaller batch, or more memory")
+    best = min(fitting, key=lambda c: c.report.predicted_step_s)
+    return Chosen(best, single, considered)

@@ -1,0 +1,212 @@
+"""What a split step will cost, per device, before anything runs: nodes, parameters,
+FLOPs, planned peak memory (the storage plan's one accounting rule, split by device),
+bytes each device sends, and the predicted step time from a simulation of every device's
+schedule under a device profile and an interconnect profile.
+
+The simulation: each device runs its nodes in graph order, one at a time; a node starts
+when its device is free and its inputs are ready. Compute takes the roofline time of
+`memory.cost` (max of FLOPs / rate and bytes / bandwidth, plus a per-node overhead).
+A `recv` is ready a transfer time (latency + bytes / link bandwidth) after its `send`
+ran; a collective's members start together once every member's device reaches it and
+take the ring's time (2(p-1) latencies + bytes sent / bandwidth for an all-reduce). The
+bubble of a pipeline is the share of device time spent idle: 1 - busy / (devices x step);
+GPipe's ideal is (p-1)/(m+p-1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from netdsl.errors import NetdslError
+from netdsl.ir import registry
+from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.ir.ops.comm import COLLECTIVES, comm_bytes
+from netdsl.ir.placement import devices_of
+from netdsl.memory.plan import device_peaks, make_plan, value_bytes
+from netdsl.memory.profiles import Profile
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    bandwidth: float  # bytes/s, each direction, per link
+    latency_s: float
+    source: str = ""
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bandwidth": self.bandwidth, "latency_s": self.latency_s,
+                "source": self.source}
+
+
+INTERCONNECTS = {
+    # shared memory between processes of one machine (MPI's vader/CMA: a memcpy)
+    "shm": Interconnect("shm", 8e9, 2e-6, "one machine: a memory copy between processes"),
+    "pcie3": Interconnect("pcie3", 12e9, 10e-6, "PCIe 3.0 x16, ~12 GB/s achieved"),
+    "nvlink4": Interconnect("nvlink4", 300e9, 3e-6, "NVLink 4 (H100/H200), ~300 GB/s each way"),
+    "ib-hdr": Interconnect("ib-hdr", 23e9, 2e-6, "InfiniBand HDR 200 Gb/s, ~23 GB/s achieved"),
+    "10gbe": Interconnect("10gbe", 1.1e9, 30e-6, "10 Gb Ethernet, ~1.1 GB/s achieved"),
+}
+
+
+def get_interconnect(name: str) -> Interconnect:
+    if name not in INTERCONNECTS:
+        raise NetdslError(f"unknown interconnect `{name}`; choose one of "
+                          f"{', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name]
+
+
+@dataclass
+class DeviceReport:
+    device: int
+    nodes: int
+    params: int
+    flops: int
+    peak_bytes: int
+    comm_bytes: int  # sent per step (what the communicator counts)
+    sends: int
+    collectives: int
+    busy_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SplitReport:
+    strategy: str
+    devices: int
+    per_device: list[DeviceReport]
+    predicted_step_s: float
+    single_step_s: float
+    bubble: float
+    ideal_bubble: float | None
+    comm_bytes_lower_bound: int
+    profile: str
+    interconnect: str
+    detail: dict
+
+    @property
+    def comm_bytes_total(self) -> int:
+        return sum(d.comm_bytes for d in self.per_device)
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.single_step_s / self.predicted_step_s if self.predicted_step_s else 0.0
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "devices": self.devices,
+                "per_device": [d.to_json() for d in self.per_device],
+                "comm_bytes_total": self.comm_bytes_total,
+                "comm_bytes_lower_bound": self.comm_bytes_lower_bound,
+                "predicted_step_s": self.predicted_step_s,
+                "single_device_step_s": self.single_step_s,
+                "predicted_speedup": self.predicted_speedup, "bubble": self.bubble,
+                "ideal_bubble": self.ideal_bubble, "profile": self.profile,
+                "interconnect": self.interconnect, **self.detail}
+
+
+ROLES = ("loss", "output", "updates", "state_updates")
+
+
+def node_time(g: Graph, n, profile: Profile, float_dtype: str = "f32") -> tuple[float, int]:
+    """(seconds, FLOPs) of one compute node by the roofline of memory.cost."""
+    op = registry.OPS[n.op]
+    ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
+    f = int(op.flops(ins, n.type, n.attrs))
+    moved = value_bytes(n.type, float_dtype) + sum(value_bytes(t, float_dtype) for t in ins)
+    return max(f / profile.flops_per_s, moved / profile.mem_bw) + profile.op_overhead_s, f
+
+
+def simulate(g: Graph, profile: Profile, link: Interconnect,
+             float_dtype: str = "f32") -> tuple[float, dict[int, float], list[tuple]]:
+    """(step time, busy seconds per device, timeline of (device, start, end, kind, node))."""
+    registry.load_all()
+    roles = tuple(r for r in ROLES if r in g.outputs)
+    order = make_plan(g, roles, float_dtype, pack_arena=False).order
+    free: dict[int, float] = {}
+    ready: dict[str, float] = {}
+    busy: dict[int, float] = {}
+    timeline: list[tuple] = []
+    members_done: dict[tuple, tuple[float, float]] = {}
+    for name in order:
+        n = g[name]
+        d = 0 if n.device is None else n.device
+        if n.op in STATE_OPS or n.op == "input":
+            ready[name] = 0.0
+            continue
+        start = max([free.get(d, 0.0)] + [ready.get(i, 0.0) for i in n.inputs
+                                           if g[i].op != "send"])
+        if n.op == "recv":
+            start = max(start, ready.get(n.inputs[0], 0.0))
+            t = link.latency_s + value_bytes(n.type, float_dtype) / link.bandwidth
+            s0 = ready[n.inputs[0]]
+            end = max(start, s0 + t)
+            timeline.append((d, s0, s0 + t, "recv", name))
+        elif n.op == "send":
+            end = start  # the copy out runs on the link; the sender goes on
+        elif n.op in COLLECTIVES:
+            key = n.meta["members"]
+            if key not in members_done:
+                devs = n.attrs["group"]
+                begin = max([free.get(x, 0.0) for x in devs]
+                            + [ready.get(i, 0.0) for i in n.inputs])
+                p = len(devs)
+                sent = comm_bytes(n, value_bytes(g[n.inputs[n.attrs["index"]]].type,
+                                                 float_dtype))
+                steps = 2 * (p - 1) if n.op == "all_reduce" else p - 1
+                members_done[key] = (begin, begin + steps * link.latency_s
+                                     + sent / link.bandwidth)
+            start, end = members_done[key]
+            timeline.append((d, start, end, "collective", name))
+        else:
+            t, _ = node_time(g, n, profile, float_dtype)
+            end = start + t
+            busy[d] = busy.get(d, 0.0) + t
+            timeline.append((d, start, end, n.meta.get("phase", "forward"), name))
+        free[d] = end
+        ready[name] = end
+    step = max(free.values(), default=0.0)
+    return step, busy, timeline
+
+
+def report(g: Graph, single: Graph, profile: Profile, link: Interconnect,
+           float_dtype: str = "f32") -> tuple[SplitReport, list[tuple]]:
+    """The per-device table and predictions for split training graph `g`; `single` is the
+    single-device training graph it came from (for the speed-up)."""
+    roles = tuple(r for r in ROLES if r in g.outputs)
+    plan = make_plan(g, roles, float_dtype, pack_arena=False)
+    peaks = device_peaks(g, plan)
+    step, busy, timeline = simulate(g, profile, link, float_dtype)
+    single_step, _, _ = simulate(single, profile, link, float_dtype)
+    per = []
+    lower = 0
+    for d in devices_of(g):
+        nodes = [n for n in g.nodes if (n.device or 0) == d]
+        flops = 0
+        sent = sends = colls = 0
+        for n in nodes:
+            if n.is_source:
+                continue
+            op = registry.OPS[n.op]
+            ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
+            flops += int(op.flops(ins, n.type, n.attrs))
+            if n.op == "send" or n.op in COLLECTIVES:
+                mine = g[n.inputs[0] if n.op == "send" else n.inputs[n.attrs["index"]]]
+                b = comm_bytes(n, value_bytes(mine.type, float_dtype))
+                sent += b
+                sends += n.op == "send"
+                colls += n.op in COLLECTIVES
+                lower += b
+        per.append(DeviceReport(d, len(nodes), sum(n.type.numel() for n in nodes
+                                                   if n.op == "param"),
+                                flops, peaks.get(d, 0), sent, sends, colls, busy.get(d, 0.0)))
+    split = g.meta.get("split", {})
+    k, m = split.get("pipeline", 1), split.get("microbatches", 1)
+    total_busy = sum(busy.values())
+    bubble = 1.0 - total_busy / (len(per) * step) if step else 0.0
+    ideal = (k - 1) / (m + k - 1) if k > 1 else None
+    rep = SplitReport(split.get("strategy", "none"), len(per), per, step, single_step, bubble,
+                      ideal, lower, profile.name, link.name,
+                      {k_: v for k_, v in split.items() if k_ in ("data", "pipeline",
+                                                                   "microbatches", "bn",
+                                                                   "stages")})
+    return rep, timeline

@@ -1,0 +1,151 @@
+"""The equivalence gate (`netdsl split --verify`): run the split training step and the
+single-device step on the same batch from the same initial state, in float64, and
+compare the loss, every parameter's gradient and every state value after the step
+(parameters, optimizer state, batchnorm running statistics).
+
+With micro-batches (or `--bn local`) a network with batchnorm normalises each part with
+its own statistics, which is not the single-device step; the reference is then the
+single-device graph run over the same parts (gradient accumulation on one device), and
+the result says so.
+
+On a difference, both forward passes are run again keeping every value, and the first
+forward node (in the single-device order) whose parts, put back together, differ from the
+single-device value is named with its source line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from netdsl.ir.graph import Graph
+from netdsl.ir.placement import canonical
+from netdsl.parallel.split import SplitSpec, split_step
+from netdsl.runtime.executor import Executor
+
+ROLES = ("loss", "grads", "updates", "state_updates")
+
+
+@dataclass
+class GateResult:
+    ok: bool
+    rtol: float
+    loss: float
+    loss_rel: float
+    grad_rel: float  # the largest relative difference over all gradients
+    state_rel: float
+    worst: str  # the value with the largest difference
+    reference: str  # "single-device step" or "single-device step over the same parts"
+    comm_bytes: dict[int, int] = field(default_factory=dict)  # sent, as counted
+    peak_by_device: dict[int, int] = field(default_factory=dict)  # counted by the executor
+    first_divergence: str | None = None
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.abs(b).max(initial=0.0)), 1e-300)
+    return float(np.abs(a - b).max(initial=0.0)) / scale
+
+
+def _roles(g: Graph) -> tuple[str, ...]:
+    return tuple(r for r in ROLES if r in g.outputs)
+
+
+def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
+                 feeds: dict, split: Graph | None = None, seed: int = 0,
+                 rtol: float = 1e-9) -> GateResult:
+    """Compare the split step with the single-device step (module docstring). `fwd` is
+    the unbound forward graph, `feeds` one batch by input name."""
+    per_part_bn = any(n.op == "batchnorm" for n in fwd.nodes) and (
+        spec.microbatches > 1 or (spec.bn == "local" and spec.data > 1))
+    if per_part_bn:
+        ref_spec = SplitSpec(microbatches=spec.data * spec.microbatches, bn="local")
+        reference = "single-device step over the same parts (batchnorm per part)"
+    else:
+        ref_spec = SplitSpec()
+        reference = "single-device step"
+    single = split_step(fwd, batch, ref_spec, optimizer)
+    split = split if split is not None else split_step(fwd, batch, spec, optimizer)
+    e1 = Executor(single, "numpy", "f64", seed)
+    e2 = Executor(split, "numpy", "f64", seed)
+    o1 = e1.run(dict(feeds), training=True, roles=_roles(single), step=0)
+    o2 = e2.run(dict(feeds), training=True, roles=_roles(split), step=0)
+    loss1, loss2 = float(o1["loss"][0]), float(o2["loss"][0])
+    g1 = dict(zip([canonical(p.name) for p in single.params()], o1["grads"], strict=True))
+    worst, grad_rel = "", 0.0
+    for p, gv in zip(split.params(), o2["grads"], strict=True):
+        r = rel(gv, _slice_of(split, p, g1[canonical(p.name)]))
+        if r > grad_rel:
+            worst, grad_rel = f"gradient of {p.name}", r
+    s1, s2 = e1.state_dict(), e2.state_dict()
+    state_rel = 0.0
+    for k in s1:
+        r = rel(s2[k], s1[k])
+        if r > state_rel:
+            state_rel = r
+            if r > grad_rel:
+                worst = f"state {k} after the step"
+    loss_rel = abs(loss2 - loss1) / max(abs(loss1), 1e-300)
+    ok = max(loss_rel, grad_rel, state_rel) <= rtol
+    result = GateResult(ok, rtol, loss2, loss_rel, grad_rel, state_rel, worst, reference,
+                        dict(sorted(e2.comm.sent_bytes.items())), dict(e2.peak_by_device))
+    if not ok:
+        result.first_divergence = first_divergence(single, split, feeds, seed)
+    return result
+
+
+def _slice_of(split: Graph, p, full):
+    from netdsl.ir.placement import Shard
+    sh = Shard.of(p)
+    if sh is None:
+        return full
+    return np.take(full, range(sh.lo, sh.hi), axis=sh.axis)
+
+
+def _copies(g: Graph) -> dict[str, list]:
+    """The forward copies of every single-device node in a split graph, by rows."""
+    out: dict[str, list] = {}
+    for n in g.nodes:
+        o = n.meta.get("origin")
+        if (o is None or n.is_source or n.meta.get("phase") is not None
+                or n.meta.get("combined") or n.op in ("send", "recv")
+                or (n.meta.get("sync_bn") and n.name != n.meta["sync_bn"])):
+            continue
+        out.setdefault(o, []).append(n)
+    for v in out.values():
+        v.sort(key=lambda m: (m.meta.get("rows") or (0, 0))[0])
+    return out
+
+
+def first_divergence(single: Graph, split: Graph, feeds: dict, seed: int,
+                     rtol: float = 1e-9) -> str | None:
+    """The first forward node of the single-device graph whose split copies, joined by
+    rows, differ from it: '%name (op) at FILE:LINE:COL: relative difference r'."""
+    want, have = _copies(single), _copies(split)
+    origins = [o for o in want if o in have]
+
+    def values(g: Graph, copies) -> dict:
+        probe = g.copy()
+        probe.outputs["probe"] = [n.name for o in origins for n in copies[o]]
+        out = Executor(probe, "numpy", "f64", seed).run(dict(feeds), training=True,
+                                                        roles=("probe",), step=0)["probe"]
+        return dict(zip(probe.outputs["probe"], out, strict=True))
+
+    va, vb = values(single, want), values(split, have)
+
+    def joined(copies, v):
+        parts = [v[n.name] for n in copies]
+        rows = all(n.meta.get("rows") for n in copies) and len(parts) > 1
+        return np.concatenate(parts) if rows else parts[0]
+
+    for o in origins:
+        a, b = joined(want[o], va), joined(have[o], vb)
+        r = rel(b, a) if a.shape == b.shape else float("inf")
+        if r > rtol:
+            n = want[o][0]
+            where = f" at {n.loc}" if n.loc else ""
+            return f"%{o} ({n.op}){where}: relative difference {r:.3g}"
+    return None

@@ -152,6 +152,14 @@ def run(
     offload_state: Annotated[bool, typer.Option(
         "--offload-state", help="with --mem: the plan may keep optimizer state in host "
         "memory, streamed in for each update")] = False,
+    devices: Annotated[int, typer.Option(
+        "--devices", min=1, help="split the step over this many logical devices in this "
+        "process (each with its own memory accounting; see `netdsl split`)")] = 1,
+    split: Annotated[str, typer.Option(
+        "--split", help="with --devices: auto | data | pipeline | hybrid")] = "auto",
+    microbatches: Annotated[int | None, typer.Option(
+        "--microbatches", min=1, help="with --devices: micro-batches per step (pipelines)")]
+    = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
@@ -173,7 +181,8 @@ def run(
                           checkpoint_every=checkpoint_every, resume=resume,
                           eval_every=eval_every, check_numerics=check_numerics,
                           eval_samples=eval_samples, mem=mem, profile=profile,
-                          strategy=strategy, offload_state=offload_state)
+                          strategy=strategy, offload_state=offload_state, devices=devices,
+                          split=split, microbatches=microbatches)
         try:
             result = train(net, opts, bar)
         finally:

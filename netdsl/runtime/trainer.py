@@ -67,6 +67,11 @@ class RunOptions:
     profile: str | None = None
     strategy: str = "auto"
     offload_state: bool = False  # let the plan keep optimizer state on the host
+    # splitting the step over logical devices in this process (`run --devices`): the
+    # scheme (auto | data | pipeline | hybrid) and the micro-batches of a pipeline
+    devices: int = 1
+    split: str = "auto"
+    microbatches: int | None = None
 
 
 @dataclass
@@ -89,6 +94,9 @@ class RunResult:
     # pool is the same process memory, so `peak_bytes` includes it
     host_peak_bytes: int = 0
     budget_bytes: int | None = None  # --mem
+    split: str | None = None  # --devices: the split made, e.g. "data=2"
+    peak_by_device: dict[int, int] = field(default_factory=dict)  # counted, per device
+    comm_bytes_per_step: dict[int, int] = field(default_factory=dict)  # sent, counted
     memory_plan: dict | None = None  # the planner's summary, with --mem
     test_accuracy: float | None = None
     test_loss: float | None = None
@@ -149,6 +157,10 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")
+    if opts.devices > 1 and opts.mem is not None:
+        raise NetdslError("--mem and --devices cannot be combined yet: plan one device with "
+                          "--mem, or split with --devices (see `netdsl split --mem` for "
+                          "what fits each device)")
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []
@@ -256,13 +268,19 @@ class Trainer:
         else:
             self.total = self.loader.batches_per_epoch  # one epoch
         bound = forward.bind(self.batch)
-        self.train_graph = training_graph(bound, self.cfg).verify()
         self.acc = loss_labels(forward)
+        backend = get_backend(opts.backend, opts.device)
+        self.split = None
+        if opts.devices > 1:
+            self.train_graph, self.split = self._split_step(backend)
+        else:
+            self.train_graph = training_graph(bound, self.cfg).verify()
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]
             self.ROLES = (*Trainer.ROLES, "logits")
-        backend = get_backend(opts.backend, opts.device)
+        if "state_updates" in self.train_graph.outputs:  # synchronised batchnorm
+            self.ROLES = (*self.ROLES, "state_updates")
         self.budget = self.mem_plan = None
         self.budget_host = False
         if opts.mem is not None:  # plan the step into the budget, then run exactly that
@@ -291,6 +309,20 @@ class Trainer:
             {self.acc[0]} if self.acc else set())
         self.step = 0
         self.resumed_from = None
+
+    def _split_step(self, backend):
+        """The training step split over `--devices` logical devices (netdsl.parallel),
+        the trainer's logits made whole on the loss's device."""
+        from netdsl.memory.profiles import get_profile
+        from netdsl.parallel.choose import choose
+        from netdsl.parallel.predict import get_interconnect
+        opts = self.opts
+        profile = get_profile(opts.profile or ("cpu" if backend.name == "numpy" else "h200"))
+        chosen = choose(self.forward, self.batch, opts.split, opts.devices,
+                        self.cfg.optimizer.model_dump(), profile, get_interconnect("shm"),
+                        microbatches=opts.microbatches,
+                        gather=(self.acc[0],) if self.acc else ())
+        return chosen.best.graph, chosen.best.spec.describe()
 
     # -- state ---------------------------------------------------------------------------
     def _state_spec(self) -> dict[str, tuple]:
@@ -459,6 +491,9 @@ class Trainer:
             device=_device_name(be), batch=self.batch,
             planned_peak_bytes=self.planned_peak_bytes(),
             counted_peak_bytes=self.executor.peak_bytes, budget_bytes=self.budget,
+            split=self.split, peak_by_device=dict(sorted(self.executor.peak_by_device.items())),
+            comm_bytes_per_step={d: b // max(len(losses), 1) for d, b in
+                                 sorted(self.executor.comm.sent_bytes.items())},
             host_peak_bytes=self.executor.host_peak_bytes,
             memory_plan=self._plan_summary(),
             step_time_s=statistics.median(steady) if steady else 0.0,

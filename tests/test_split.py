@@ -1,0 +1,201 @@
+"""Splitting a training step across devices (netdsl.parallel): the equivalence gate for
+every scheme on a ResNet, a VGG and the transformer with 2 and 4 devices, the ring
+collectives and the bytes they send, the structural check, checkpoints in the
+single-device layout, and `netdsl split` / `run --devices` from the command line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from netdsl import api
+from netdsl.config import TrainConfig
+from netdsl.errors import SplitError
+from netdsl.ir.graph import Node
+from netdsl.ir.types import TensorType
+from netdsl.memory.profiles import get_profile
+from netdsl.parallel.check import SplitCheckError, check
+from netdsl.parallel.predict import get_interconnect, report
+from netdsl.parallel.split import SplitSpec, split_step
+from netdsl.runtime.comm import RING, InProcess
+from netdsl.runtime.data import Loader, make_dataset
+from netdsl.runtime.gate import verify_split
+from netdsl_cli.app import app
+
+ROOT = Path(__file__).resolve().parent.parent
+NETS = {"resnet20": ROOT / "examples" / "resnet20-cifar.net",
+        "vgg": ROOT / "tests" / "nets" / "vgg-small.net",
+        "transformer": ROOT / "examples" / "transformer-tiny.net"}
+BATCH = 8
+runner = CliRunner()
+
+
+def setup(name: str):
+    net = api.load(NETS[name])
+    cfg = net.train or TrainConfig()
+    data = make_dataset(net.graph, cfg.data, 0)
+    feeds = dict(zip(data.input_names, Loader(data.train, BATCH, 0).next(), strict=True))
+    return net, cfg.optimizer.model_dump(), feeds
+
+
+SPECS = {
+    "data2": SplitSpec(data=2), "data4": SplitSpec(data=4),
+    "pipeline2": SplitSpec(pipeline=2, microbatches=4),
+    "pipeline4": SplitSpec(pipeline=4, microbatches=2),
+    "hybrid4": SplitSpec(data=2, pipeline=2, microbatches=2, bn="local"),
+}
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(NETS))
+def test_split_step_equals_single_device_step(name, spec):
+    """Loss, every gradient and every value after the update agree to 1e-9 (float64)."""
+    net, opt, feeds = setup(name)
+    r = verify_split(net.graph, BATCH, SPECS[spec], opt, feeds)
+    assert r.ok, (r.worst, r.loss_rel, r.grad_rel, r.state_rel, r.first_divergence)
+    assert max(r.loss_rel, r.grad_rel, r.state_rel) <= 1e-9
+    assert r.comm_bytes and all(v > 0 for v in r.comm_bytes.values())
+
+
+def test_data_parallel_batchnorm_is_synchronised():
+    """With sync batchnorm the reference is the plain single-device step, not a
+    per-part one; local batchnorm is compared against per-part statistics."""
+    net, opt, feeds = setup("resnet20")
+    assert verify_split(net.graph, BATCH, SplitSpec(data=2), opt, feeds).reference == \
+        "single-device step"
+    local = verify_split(net.graph, BATCH, SplitSpec(data=2, bn="local"), opt, feeds)
+    assert local.ok and "same parts" in local.reference
+
+
+def test_gate_names_the_first_diverging_node():
+    net, opt, feeds = setup("resnet20")
+    g = split_step(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=2), opt)
+    victim = next(n for n in g.nodes if n.op == "batchnorm" and n.meta.get("origin")
+                  and "basic_stage[1]" in n.name)
+    victim.attrs["eps"] = 0.5  # a wrong copy: the split no longer computes the same step
+    r = verify_split(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=2), opt, feeds,
+                     split=g)
+    assert not r.ok
+    assert r.first_divergence.startswith(f"%{victim.meta['origin']} (batchnorm) at ")
+    assert "resnet.net" in r.first_divergence
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("op", sorted(RING))
+def test_ring_collectives(op, p):
+    rng = np.random.default_rng(p)
+    xs = [rng.standard_normal((5, 7)) for _ in range(p)]
+    sizes = {2: (3, 2), 3: (2, 2, 1), 4: (2, 1, 1, 1)}[p]  # parts of the 5 rows
+    attrs = {"group": tuple(range(p)), "axis": 0, "sizes": sizes}
+    comm = InProcess(type("B", (), {"xp": np})())
+    outs = RING[op](comm, xs, attrs, list(range(p)))
+    total = sum(xs)
+    cuts = np.cumsum((0,) + sizes)
+    for k, out in enumerate(outs):
+        want = {"all_reduce": total, "all_gather": np.concatenate(xs),
+                "reduce_scatter": total[cuts[k]:cuts[k + 1]]}[op]
+        np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-13)
+    sent = sum(comm.sent_bytes.values())
+    full = xs[0].nbytes
+    expect = {"all_reduce": 2 * (p - 1) * full, "all_gather": (p - 1) * p * full,
+              "reduce_scatter": (p - 1) * full}[op]
+    assert sent == expect  # what a ring moves: the bandwidth lower bound
+    if op == "all_reduce":  # replicas stay identical bit for bit
+        assert all(np.array_equal(outs[0], o) for o in outs)
+
+
+@pytest.mark.parametrize("spec", ["data4", "pipeline2"])
+def test_reported_bytes_are_what_the_communicator_sent(spec):
+    net, opt, feeds = setup("vgg")
+    g = split_step(net.graph, BATCH, SPECS[spec], opt)
+    single = split_step(net.graph, BATCH, SplitSpec(), opt)
+    rep, _ = report(g, single, get_profile("cpu"), get_interconnect("shm"), "f64")
+    r = verify_split(net.graph, BATCH, SPECS[spec], opt, feeds, split=g)
+    counted = r.comm_bytes
+    for d in rep.per_device:
+        # ring chunks differ by at most one element from the even share
+        assert abs(counted[d.device] - d.comm_bytes) <= 16 * d.collectives
+    assert rep.comm_bytes_total > 0
+
+
+def test_split_report_pipeline_bubble_and_memory():
+    net, opt, _ = setup("vgg")
+    g = split_step(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=4), opt)
+    single = split_step(net.graph, BATCH, SplitSpec(), opt)
+    rep, timeline = report(g, single, get_profile("k40-12gb"), get_interconnect("pcie3"))
+    assert rep.ideal_bubble == pytest.approx(1 / 5)
+    assert 0 < rep.bubble < 1 and rep.predicted_step_s > 0
+    # every parameter sits on exactly one stage
+    assert sum(d.params for d in rep.per_device) == sum(
+        n.type.numel() for n in single.nodes if n.op == "param")
+    assert {d for d, *_ in timeline} == {0, 1}
+
+
+def test_structural_check_catches_a_doubled_layer():
+    net, opt, _ = setup("vgg")
+    g = split_step(net.graph, BATCH, SplitSpec(data=2), opt)
+    n = next(x for x in g.nodes if x.op == "conv2d")
+    g.nodes.insert(g.nodes.index(n) + 1, n.copy(name=n.name + ".again"))
+    with pytest.raises(SplitCheckError, match="computed 3 times"):
+        check(g, net.graph)
+
+
+def test_structural_check_catches_a_read_across_devices():
+    net, opt, _ = setup("vgg")
+    g = split_step(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=2), opt)
+    a = next(x for x in g.nodes if x.device == 0 and x.op == "relu")
+    g.add(Node("stray", "relu", (a.name,), TensorType(a.type.shape, a.type.dtype), device=1))
+    with pytest.raises(SplitCheckError, match="without communication"):
+        check(g, net.graph)
+
+
+def test_impossible_splits_are_exit_3():
+    net, opt, _ = setup("vgg")
+    with pytest.raises(SplitError, match="at most"):
+        split_step(net.graph, BATCH, SplitSpec(pipeline=500), opt)
+    with pytest.raises(SplitError, match="at least one sample"):
+        split_step(net.graph, 2, SplitSpec(data=4), opt)
+    for args, words in ((["--devices", "4", "--batch", "2", "--strategy", "data"],
+                         "at least one sample"),
+                        (["--devices", "2", "--mem", "1KB"], "fits"),
+                        (["--devices", "2", "--strategy", "tensor"], "not available yet")):
+        r = runner.invoke(app, ["split", str(NETS["vgg"]), *args])
+        assert r.exit_code == 3, r.output
+        assert words in r.output and "Traceback" not in r.output
+
+
+def test_split_command_json_and_verify(tmp_path):
+    r = runner.invoke(app, ["split", str(NETS["vgg"]), "--devices", "2", "--batch", "8",
+                            "--verify", "--json", "--plot", str(tmp_path / "s.png")])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert {"devices", "strategy", "per_device", "comm_bytes_total", "predicted_step_s",
+            "predicted_speedup", "bubble", "alternatives", "verify"} <= set(d)
+    assert d["devices"] == 2 and d["verify"]["ok"]
+    assert {"params", "flops", "peak_bytes", "comm_bytes"} <= set(d["per_device"][0])
+    assert len(d["alternatives"]) > 1 and (tmp_path / "s.png").stat().st_size > 0
+    r = runner.invoke(app, ["split", str(NETS["vgg"]), "--devices", "4", "--strategy",
+                            "pipeline", "--batch", "8"])
+    assert r.exit_code == 0, r.output
+    assert "pipeline bubble" in r.stdout and "device" in r.stdout
+
+
+def test_run_on_4_devices_resumes_on_1(tmp_path):
+    net = str(ROOT / "examples" / "digits-cnn.net")
+    ck = str(tmp_path / "ck")
+    r = runner.invoke(app, ["run", net, "--devices", "4", "--split", "data", "--steps", "3",
+                            "--checkpoint", ck, "--json", "--eval-samples", "0"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["split"] == "data=4" and len(d["peak_by_device"]) == 4
+    assert all(v > 0 for v in d["comm_bytes_per_step"].values())
+    resumed = runner.invoke(app, ["run", net, "--steps", "5", "--checkpoint", ck, "--resume",
+                                  "--json", "--eval-samples", "0"])
+    straight = runner.invoke(app, ["run", net, "--steps", "5", "--json", "--eval-samples",
+                                   "0"])
+    a, b = json.loads(resumed.stdout), json.loads(straight.stdout)
+    assert a["resumed_from"] == 3
+    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-5)

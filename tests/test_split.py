@@ -9,12 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gradcheck import check_grads
 from typer.testing import CliRunner
 
 from netdsl import api
 from netdsl.config import TrainConfig
 from netdsl.errors import SplitError
-from netdsl.ir.graph import Node
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 from netdsl.memory.profiles import get_profile
 from netdsl.parallel.check import SplitCheckError, check
@@ -81,6 +83,41 @@ def test_gate_names_the_first_diverging_node():
     assert not r.ok
     assert r.first_divergence.startswith(f"%{victim.meta['origin']} (batchnorm) at ")
     assert "resnet.net" in r.first_divergence
+
+
+def comm_graph() -> Graph:
+    """Two devices: p0 and p1 all-gathered, reduce-scattered back, all-reduced, squared
+    on device 1 and sent to device 0, where the loss weighs everything."""
+    g = Graph("comm", batch=2)
+    for d in (0, 1):
+        g.add(Node(f"p{d}", "param", (), TensorType((2, 4), "f32"),
+                   {"shape": (2, 4), "init": "normal"}, device=d))
+
+    def group(op, ins, attrs, tag):
+        names = [f"{tag}{d}" for d in (0, 1)]
+        for d, name in enumerate(names):
+            g.add(make_node(g, name, op, ins, {**attrs, "group": (0, 1), "index": d},
+                            device=d, meta={"members": tuple(names)}))
+        return names
+
+    ag = group("all_gather", ["p0", "p1"], {"axis": 0}, "ag")
+    rs = group("reduce_scatter", ag, {"axis": 0, "sizes": (2, 2)}, "rs")
+    ar = group("all_reduce", rs, {}, "ar")
+    g.add(make_node(g, "sq", "mul", [ar[1], ar[1]], device=1))
+    g.add(make_node(g, "msg", "send", ["sq"], {"peer": 0, "tag": 0}, device=1))
+    g.add(make_node(g, "got", "recv", ["msg"], {"peer": 1, "tag": 0}, device=0))
+    g.add(make_node(g, "out", "add", [ar[0], "got"], device=0))
+    g.add(Node("r", "input", (), TensorType((2, 4), "f32"), {"shape": (2, 4)}, device=0))
+    g.add(make_node(g, "w", "mul", ["out", "r"], device=0))
+    g.add(make_node(g, "m0", "mean", ["w"], {"axis": 0}, device=0))
+    g.add(make_node(g, "loss", "mean", ["m0"], {"axis": 0}, device=0))
+    g.outputs = {"loss": ["loss"]}
+    return g.verify()
+
+
+def test_communication_gradients_match_finite_differences():
+    grads = check_grads(comm_graph())
+    assert set(grads) == {"p0", "p1"}
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

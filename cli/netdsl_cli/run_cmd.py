@@ -1,6 +1,9 @@
 """`netdsl run`: train a network, with a progress bar, logs and checkpoints."""
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -115,8 +118,7 @@ class _Bar:
             self.progress.stop()
 
 
-@app.command()
-def run(
+def _run(
     file: Annotated[Path, typer.Argument(help="a .net file", show_default=False)],
     steps: Annotated[int | None, typer.Option(
         min=1, help="total steps (also when resuming)")] = None,
@@ -160,6 +162,9 @@ def run(
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", min=1, help="with --devices: micro-batches per step (pipelines)")]
     = None,
+    distributed: Annotated[bool, typer.Option(
+        "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
+        "extra): each rank runs its part of the split step; rank 0 reports")] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
@@ -182,7 +187,7 @@ def run(
                           eval_every=eval_every, check_numerics=check_numerics,
                           eval_samples=eval_samples, mem=mem, profile=profile,
                           strategy=strategy, offload_state=offload_state, devices=devices,
-                          split=split, microbatches=microbatches)
+                          split=split, microbatches=microbatches, distributed=distributed)
         try:
             result = train(net, opts, bar)
         finally:
@@ -208,3 +213,26 @@ def run(
         if plot is not None:
             out.print(f"curves: {plot}")
         sys.stdout.flush()
+
+
+@app.command("run")
+@functools.wraps(_run)
+def run(**kwargs) -> None:
+    # with --distributed every rank runs this: rank 0 reports as a plain run does, the
+    # others stay quiet; a rank that fails says so, naming itself, and stops every rank
+    # (MPI_Abort), so none waits for it
+    if not kwargs["distributed"]:
+        return _run(**kwargs)
+    import netdsl.runtime.mpi as mpi
+    with guard(kwargs["json_output"]):
+        rank, _ = mpi.world()
+    quiet = rank != 0
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            _run(**{**kwargs, "json_output": kwargs["json_output"] or quiet})
+    except typer.Exit as e:
+        if e.exit_code:
+            sys.stderr.write(f"netdsl: rank {rank} failed; stopping every rank\n")
+            sys.stderr.flush()
+            mpi.abort(e.exit_code)
+        raise

@@ -107,8 +107,9 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
         sync_batchnorms(g, copies, fwd, batch)
     else:
         running_stats_once(g, copies)
-    root = device_of(fwd[fwd.outputs["loss"][0]], parts[0])
-    combine(g, fwd, parts, copies, batch, root, gather)
+    # the results are made whole on device 0 (rank 0 logs and checkpoints); for a
+    # pipeline that moves the parts' scalar losses and outputs from the last stage
+    combine(g, fwd, parts, copies, batch, 0, gather)
     connect(g)
     g.meta["split"] = {"data": spec.data, "pipeline": spec.pipeline,
                        "microbatches": micro, "bn": spec.bn, "devices": spec.devices,

@@ -44,7 +44,7 @@ class Communicator:
     def send(self, node, x) -> Any:
         raise NotImplementedError
 
-    def recv(self, node, message) -> Any:
+    def recv(self, node, message, dtype: str) -> Any:
         raise NotImplementedError
 
     def collective(self, node, inputs: list) -> Any:
@@ -71,7 +71,7 @@ class InProcess(Communicator):
         self._count(node.device or 0, x.nbytes)
         return x.copy()  # the message buffer: the sender may reuse x's storage at once
 
-    def recv(self, node, message):
+    def recv(self, node, message, dtype):
         return self._be(node.device).xp.array(message, copy=True)
 
     def collective(self, node, inputs):

@@ -40,7 +40,7 @@ from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, s
 from netdsl.runtime.comm import Communicator, InProcess
 
 # output roles a training step computes that an evaluation (training=False) leaves out
-TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates")
+TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
 
 
 @dataclass

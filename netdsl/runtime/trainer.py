@@ -72,6 +72,9 @@ class RunOptions:
     devices: int = 1
     split: str = "auto"
     microbatches: int | None = None
+    # one process per device under `mpiexec` (the MPI world's size is the device count);
+    # rank 0 logs, evaluates and writes checkpoints
+    distributed: bool = False
 
 
 @dataclass
@@ -271,6 +274,15 @@ class Trainer:
         self.acc = loss_labels(forward)
         backend = get_backend(opts.backend, opts.device)
         self.split = None
+        self.rank, comm = 0, None
+        if opts.distributed:
+            from netdsl.runtime.mpi import MPIComm, world
+            self.rank, size = world()
+            if opts.devices not in (1, size):
+                raise NetdslError(f"--devices {opts.devices} but mpiexec started {size} "
+                                  "ranks; with --distributed there is one device per rank")
+            opts.devices = size
+            comm = MPIComm(backend)
         if opts.devices > 1:
             self.train_graph, self.split = self._split_step(backend)
         else:
@@ -278,9 +290,12 @@ class Trainer:
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]
-            self.ROLES = (*Trainer.ROLES, "logits")
-        if "state_updates" in self.train_graph.outputs:  # synchronised batchnorm
-            self.ROLES = (*self.ROLES, "state_updates")
+        if opts.distributed:
+            from netdsl.parallel.project import project
+            self.full_graph = self.train_graph
+            self.train_graph = project(self.train_graph, self.rank)
+        self.ROLES = tuple(r for r in (*Trainer.ROLES, "logits", "state_updates", "comm")
+                           if r in self.train_graph.outputs)
         self.budget = self.mem_plan = None
         self.budget_host = False
         if opts.mem is not None:  # plan the step into the budget, then run exactly that
@@ -299,11 +314,18 @@ class Trainer:
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
                                      opts.check_numerics, arena=self.budget is not None,
                                      budget_bytes=self.budget,
-                                     budget_includes_host=self.budget_host)
+                                     budget_includes_host=self.budget_host, comm=comm)
         except MemoryError:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
-        self._eval_execs = {self.batch: self.executor.with_graph(bound)}
+        # evaluation runs the forward graph on the step's state; over MPI the state is
+        # spread over the ranks, so rank 0 evaluates on a gathered copy
+        self._eval_base = (Executor(bound, backend, opts.dtype, self.cfg.seed)
+                           if opts.distributed else self.executor)
+        self._eval_execs = {self.batch: self._eval_base.with_graph(bound)
+                            if not opts.distributed else self._eval_base}
+        if self.rank != 0:
+            self.cb = Callback()  # rank 0 reports
         self.stats = summarize(bound)
         self.executor.stop_if_nonfinite = set(forward.outputs.get("loss", [])) | (
             {self.acc[0]} if self.acc else set())
@@ -326,13 +348,26 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def _state_spec(self) -> dict[str, tuple]:
-        return self.executor.state_spec()
+        spec = self.executor.state_spec()
+        if self.opts.distributed:  # every rank's part: the single-device layout
+            from netdsl.runtime.mpi import merge_all
+            spec = merge_all(spec)
+        return spec
 
-    def save(self) -> Path:
+    def state_dict(self) -> dict | None:
+        """The whole state in the single-device layout (over MPI: on rank 0, else None)."""
+        sd = self.executor.state_dict()
+        if self.opts.distributed:
+            from netdsl.runtime.mpi import merge_to_root
+            sd = merge_to_root(sd)
+        return sd
+
+    def save(self) -> Path | None:
         header = {"network": self.forward.name, "step": self.step,
                   "loader": self.loader.state(), "seed": self.cfg.seed,
                   "config": json.loads(self.cfg.model_dump_json())}
-        return checkpoint.save(self.opts.checkpoint, self.executor.state_dict(), header)
+        sd = self.state_dict()  # every rank takes part in the gather; rank 0 writes
+        return checkpoint.save(self.opts.checkpoint, sd, header) if sd is not None else None
 
     def restore(self) -> None:
         arrays, header = checkpoint.load(self.opts.checkpoint)
@@ -346,7 +381,8 @@ class Trainer:
             self.executor.load_state_dict(arrays, strict=False)
             return
         checkpoint.check_compatible(where, header, self.forward.name, self._state_spec())
-        self.executor.load_state_dict(arrays)
+        # over MPI each rank takes its own part of the (complete, just checked) file
+        self.executor.load_state_dict(arrays, strict=not self.opts.distributed)
         self.step = int(header["step"])
         self.loader.restore(header["loader"])
         self.resumed_from = self.step
@@ -367,6 +403,11 @@ class Trainer:
         limit = self.eval_limit()
         if limit == 0:
             return {}
+        if self.opts.distributed:
+            sd = self.state_dict()
+            if sd is None:
+                return {}
+            self._eval_base.load_state_dict(sd, strict=False)
         test = Split([a[:limit] for a in self.data.test.arrays])
         total = -(-limit // self.batch)
         progress = getattr(self.cb, "on_eval_progress", None)
@@ -382,7 +423,7 @@ class Trainer:
                 g = self.forward.bind(n)
                 if self.acc:
                     g.outputs["logits"] = [self.acc[0]]
-                self._eval_execs[n] = self.executor.with_graph(g)
+                self._eval_execs[n] = self._eval_base.with_graph(g)
             out = self._eval_execs[n].run(self.feeds(arrays), training=False, roles=roles)
             if "loss" in out:
                 losses.append((float(be.to_host(out["loss"][0])), n))
@@ -425,7 +466,8 @@ class Trainer:
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
                 "memory_plan": self._plan_summary()}
         self.cb.on_start(info)
-        log = open(self.opts.log, "a" if self.opts.resume else "w") if self.opts.log else None
+        log = (open(self.opts.log, "a" if self.opts.resume else "w")
+               if self.opts.log and self.rank == 0 else None)
         times, losses = [], []
         last_eval: dict = {}
         train_acc = None
@@ -447,7 +489,8 @@ class Trainer:
                                             step=self.step)
                 except NonFinite as e:
                     raise self._non_finite(e, feeds, lr) from None
-                loss = float(be.to_host(out["loss"][0]))
+                # over MPI the loss (and the logits) live on rank 0
+                loss = float(be.to_host(out["loss"][0])) if "loss" in out else float("nan")
                 be.synchronize()
                 dt = time.perf_counter() - t0
                 self.step += 1
@@ -456,7 +499,7 @@ class Trainer:
                 rec = {"step": self.step, "loss": loss, "lr": lr,
                        "images_per_s": self.batch / dt, "step_time_s": dt,
                        "epoch": self.loader.epoch}
-                if labels_at is not None:
+                if labels_at is not None and "logits" in out:
                     c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2],
                                     arrays[labels_at])
                     if k:

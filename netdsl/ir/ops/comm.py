@@ -114,7 +114,9 @@ def _send(xp, ins, a, ctx):
 
 @kernel("recv")
 def _recv(xp, ins, a, ctx):
-    return ctx.comm.recv(ctx.node, ins[0] if ins else None)
+    # over MPI the message comes from another rank: the graph of this rank has no input
+    return ctx.comm.recv(ctx.node, ins[0] if ins else None,
+                         ctx.dtype_of(ctx.node.type.dtype))
 
 
 for _op in COLLECTIVES:

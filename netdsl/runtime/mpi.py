@@ -1,0 +1,157 @@
+"""The MPI communicator: one process per device, launched by `mpiexec -n N netdsl run
+FILE --distributed` (mpi4py, imported here only; the `mpi` extra brings mpi4py and the
+`mpich` wheel, whose `mpiexec` needs no system packages).
+
+Each rank runs its projection of the split graph (`parallel.project`). Sends are
+non-blocking from a copy of the value (so the sender goes on, and a pipeline whose stages
+send both ways cannot deadlock); they are completed at the end of the step. A receive and
+the ring all-reduce wait at most `timeout` seconds (NETDSL_COMM_TIMEOUT, default 60) for
+a peer, then raise a CommError that names the rank it waited for: a rank that died or
+hangs stops the others with a message instead of a hang. Values travel through host
+memory (CuPy arrays are copied to the host first; no CUDA-aware MPI is assumed).
+
+The ring all-reduce is the in-process one (`comm.RING`) seen from one rank: the same
+chunks added in the same order, so replicas stay identical bit for bit and the bytes
+counted are those sent.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from netdsl.errors import CommError
+from netdsl.runtime.comm import Communicator, chunk_bounds
+
+COLLECTIVE_TAG = 32766  # ring traffic; ordered per pair, collectives run in one order
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise CommError("--distributed needs mpi4py and an MPI library: pip install "
+                        "'netdsl[mpi]' (mpi4py and the mpich wheel, which brings mpiexec)"
+                        ) from None
+    return MPI
+
+
+def world() -> tuple[int, int]:
+    """(rank, size) of this process in MPI_COMM_WORLD."""
+    c = _mpi().COMM_WORLD
+    return c.Get_rank(), c.Get_size()
+
+
+def abort(code: int) -> None:
+    """Stop every rank (after this one has said why)."""
+    _mpi().COMM_WORLD.Abort(code)
+
+
+class MPIComm(Communicator):
+    def __init__(self, backend, timeout: float | None = None):
+        super().__init__(np)
+        self.mpi = _mpi()
+        self.c = self.mpi.COMM_WORLD
+        self.rank = self.c.Get_rank()
+        self.backend = backend
+        self.timeout = float(timeout if timeout is not None
+                             else os.environ.get("NETDSL_COMM_TIMEOUT", 60))
+        self._pending: list = []
+
+    # -- waiting with a deadline ------------------------------------------------------
+    def _wait(self, req, peer: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-5
+        while not req.Test():
+            if time.monotonic() > deadline:
+                req.Cancel()
+                raise CommError(f"rank {self.rank}: no answer from rank {peer} in "
+                                f"{self.timeout:g} s while {what}; rank {peer} failed, was "
+                                "killed or hangs (NETDSL_COMM_TIMEOUT sets the wait)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _host(self, x) -> np.ndarray:
+        return np.ascontiguousarray(self.backend.to_host(x))
+
+    # -- point to point -----------------------------------------------------------------
+    def send(self, node, x):
+        buf = self._host(x).copy()  # the message buffer: x's storage may be reused at once
+        req = self.c.Isend(buf, dest=node.attrs["peer"], tag=node.attrs["tag"])
+        self._pending.append((req, buf, node))
+        self._count(self.rank, buf.nbytes)
+        return self.backend.asarray(buf)
+
+    def recv(self, node, message, dtype):
+        out = np.empty(tuple(node.type.shape), dtype)
+        peer = node.attrs["peer"]
+        req = self.c.Irecv(out, source=peer, tag=node.attrs["tag"])
+        self._wait(req, peer, f"receiving %{node.name}")
+        return self.backend.asarray(out)
+
+    def finish_step(self) -> None:
+        for req, _, node in self._pending:
+            self._wait(req, node.attrs["peer"], f"sending %{node.name}")
+        self._pending.clear()
+
+    # -- collectives --------------------------------------------------------------------
+    def collective(self, node, inputs):
+        if node.op != "all_reduce":
+            raise CommError(f"%{node.name}: {node.op} over MPI is not supported yet")
+        group = list(node.attrs["group"])
+        me = node.attrs["index"]
+        x = self._host(inputs[0])
+        flat = x.reshape(-1).copy()
+        p = len(group)
+        if p > 1:
+            right, left = group[(me + 1) % p], group[(me - 1) % p]
+            bounds = chunk_bounds(flat.size, p)
+            what = f"all-reducing %{node.name}"
+            for s in range(p - 1):  # reduce-scatter, as comm._ring_all_reduce
+                lo, hi = bounds[(me - s) % p]
+                rlo, rhi = bounds[(me - s - 1) % p]
+                got = self._exchange(flat[lo:hi].copy(), right, left, rhi - rlo, flat.dtype,
+                                     what)
+                flat[rlo:rhi] += got
+            for s in range(p - 1):  # all-gather
+                lo, hi = bounds[(me + 1 - s) % p]
+                rlo, rhi = bounds[(me - s) % p]
+                flat[rlo:rhi] = self._exchange(flat[lo:hi].copy(), right, left, rhi - rlo,
+                                               flat.dtype, what)
+        return self.backend.asarray(flat.reshape(x.shape))
+
+    def _exchange(self, out: np.ndarray, right: int, left: int, n: int, dtype, what: str):
+        got = np.empty(n, dtype)
+        rreq = self.c.Irecv(got, source=left, tag=COLLECTIVE_TAG)
+        sreq = self.c.Isend(out, dest=right, tag=COLLECTIVE_TAG)
+        self._count(self.rank, out.nbytes)
+        self._wait(rreq, left, what)
+        self._wait(sreq, right, what)
+        return got
+
+
+def merge_all(d: dict) -> dict:
+    """Every rank's dict merged (rank order: a key held by several ranks, such as a
+    replica, keeps rank 0's value), on every rank."""
+    out: dict = {}
+    for part in _mpi().COMM_WORLD.allgather(d):
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
+def merge_to_root(d: dict) -> dict | None:
+    """Every rank's dict merged on rank 0 (None elsewhere)."""
+    parts = _mpi().COMM_WORLD.gather(d, root=0)
+    if parts is None:
+        return None
+    out: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
+def bcast(obj, root: int = 0):
+    return _mpi().COMM_WORLD.bcast(obj, root=root)

@@ -2,10 +2,11 @@
 against one process in the same session.
 
     python bench/bench_split.py split  [--net examples/resnet2504.net] [--devices 4] [--batch 16]
+        [--mem 1TB] [--strategies data,pipeline,hybrid,tensor,auto]
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_split.py mpi \
         [--net examples/resnet164-cifar.net] [--steps 3] [--split pipeline]
 
-`split` runs `netdsl split --json` for data, pipeline, hybrid and auto and prints, per
+`split` runs `netdsl split --json` for each strategy and prints, per
 strategy, the largest per-device peak, the bytes sent per step (and the ring lower bound),
 the predicted step time and speed-up, and the bubble. `mpi` trains the same steps with
 `mpiexec -n 2 netdsl run --distributed` and with one process (both cores: two BLAS
@@ -28,19 +29,26 @@ from pathlib import Path
 NETDSL = [sys.executable, "-m", "netdsl_cli"]
 
 
-def split_table(net: str, devices: int, batch: int, profile: str, link: str) -> None:
+def split_table(net: str, devices: int, batch: int, profile: str, link: str,
+                mem: str | None, strategies: list[str]) -> None:
+    extra = ["--mem", mem] if mem else []
     print(f"netdsl split {net} --devices {devices} --batch {batch} --profile {profile} "
-          f"--interconnect {link}")
+          f"--interconnect {link} {' '.join(extra)}")
     print(f"{'strategy':<10} {'split':<34} {'max peak GB':>11} {'sent/step MB':>13} "
           f"{'lower bound MB':>15} {'step s':>9} {'speed-up':>9} {'bubble':>7} {'time s':>7}")
-    for strategy in ("data", "pipeline", "hybrid", "auto"):
+    for strategy in strategies:
         t0 = time.perf_counter()
         r = subprocess.run([*NETDSL, "split", net, "--devices", str(devices), "--batch",
                             str(batch), "--strategy", strategy, "--profile", profile,
-                            "--interconnect", link, "--json"], capture_output=True, text=True)
+                            "--interconnect", link, "--json", *extra], capture_output=True,
+                           text=True)
         dt = time.perf_counter() - t0
         if r.returncode != 0:
-            print(f"{strategy:<10} exit {r.returncode}: {r.stdout.strip() or r.stderr.strip()}")
+            try:
+                why = json.loads(r.stdout)["errors"][0]["message"]
+            except (ValueError, KeyError, IndexError):
+                why = r.stderr.strip()[-300:]
+            print(f"{strategy:<10} exit {r.returncode}: {why}")
             continue
         d = json.loads(r.stdout)
         peak = max(x["peak_bytes"] for x in d["per_device"])
@@ -92,10 +100,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--split", default="pipeline")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--mem", help="memory per device (default: the profile's)")
+    ap.add_argument("--strategies", default="data,pipeline,hybrid,tensor,auto")
     a = ap.parse_args()
     if a.what == "split":
         split_table(a.net or "examples/resnet2504.net", a.devices, a.batch, a.profile,
-                    a.interconnect)
+                    a.interconnect, a.mem, a.strategies.split(","))
     else:
         mpi_vs_one(a.net or "examples/resnet164-cifar.net", a.steps, a.split, a.repeats)
 

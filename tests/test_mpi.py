@@ -40,6 +40,8 @@ def losses(log: Path) -> list[float]:
 # synchronised batchnorm is the single-device step (to f32 rounding)
 @pytest.mark.parametrize("split, rtol, same", [("pipeline", 0.0, ["--devices", "2",
                                                                   "--split", "pipeline"]),
+                                               ("tensor", 0.0, ["--devices", "2",
+                                                                "--split", "tensor"]),
                                                ("data", 1e-5, [])])
 def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"

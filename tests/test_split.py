@@ -16,6 +16,7 @@ from netdsl import api
 from netdsl.config import TrainConfig
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.placement import Shard, canonical
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 from netdsl.memory.profiles import get_profile
@@ -24,6 +25,7 @@ from netdsl.parallel.predict import get_interconnect, report
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.runtime.comm import RING, InProcess
 from netdsl.runtime.data import Loader, make_dataset
+from netdsl.runtime.executor import Executor
 from netdsl.runtime.gate import verify_split
 from netdsl_cli.app import app
 
@@ -48,6 +50,7 @@ SPECS = {
     "pipeline2": SplitSpec(pipeline=2, microbatches=4),
     "pipeline4": SplitSpec(pipeline=4, microbatches=2),
     "hybrid4": SplitSpec(data=2, pipeline=2, microbatches=2, bn="local"),
+    "tensor2": SplitSpec(tensor=2), "tensor4": SplitSpec(tensor=4),
 }
 
 
@@ -171,6 +174,22 @@ def test_split_report_pipeline_bubble_and_memory():
     assert {d for d, *_ in timeline} == {0, 1}
 
 
+def test_tensor_split_shards_state_and_checkpoints_join_them():
+    net, opt, feeds = setup("vgg")
+    g = split_step(net.graph, BATCH, SplitSpec(tensor=2), opt)
+    w = [n for n in g.nodes if canonical(n.name) == "classifier.linear.weight"]
+    assert [Shard.of(n).to_json() for n in w] == [[0, 0, 16, [32, 64]],
+                                                  [0, 16, 32, [32, 64]]]
+    assert all(n.type.shape == (16, 64) for n in w)
+    ex = Executor(g, "numpy", "f64", seed=3)
+    single = Executor(split_step(net.graph, BATCH, SplitSpec(), opt), "numpy", "f64", seed=3)
+    a, b = ex.state_dict(), single.state_dict()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    b = {k: v + 1.0 for k, v in b.items()}
+    ex.load_state_dict(b)
+    assert all(np.array_equal(ex.state_dict()[k], b[k]) for k in b)
+
+
 def test_structural_check_catches_a_doubled_layer():
     net, opt, _ = setup("vgg")
     g = split_step(net.graph, BATCH, SplitSpec(data=2), opt)
@@ -198,7 +217,7 @@ def test_impossible_splits_are_exit_3():
     for args, words in ((["--devices", "4", "--batch", "2", "--strategy", "data"],
                          "at least one sample"),
                         (["--devices", "2", "--mem", "1KB"], "fits"),
-                        (["--devices", "2", "--strategy", "tensor"], "not available yet")):
+                        (["--devices", "2", "--strategy", "spatial"], "not available yet")):
         r = runner.invoke(app, ["split", str(NETS["vgg"]), *args])
         assert r.exit_code == 3, r.output
         assert words in r.output and "Traceback" not in r.output

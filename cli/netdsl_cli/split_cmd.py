@@ -23,7 +23,7 @@ def split(
     devices: Annotated[int | None, typer.Option("--devices", "-n", min=1, help="devices to "
                                                 "split over (default: the file's "
                                                 "`parallel` declaration)")] = None,
-    strategy: Annotated[str, typer.Option(help="auto, data, pipeline or hybrid")] = "auto",
+    strategy: Annotated[str, typer.Option(help="auto, data, pipeline, hybrid or tensor")] = "auto",
     batch: BatchOpt = None,
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", "-m", min=1, help="micro-batches per step (pipelines)")] = None,

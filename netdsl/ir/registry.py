@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from netdsl.ir.graph import SOURCE_OPS
@@ -160,18 +161,20 @@ class OpDef:
         changes nothing else, so a rewrite may copy, move or drop it freely."""
         return not self.writes and not self.random
 
-    @property
+    @cached_property
     def tensor_args(self) -> tuple[Arg, ...]:
         return tuple(a for a in self.signature if a.kind in ("tensor", "tensors"))
+
+    @cached_property
+    def _variadic(self) -> bool:
+        return any(a.kind == "tensors" for a in self.signature)
 
     def n_tensor_inputs(self, n_inputs: int) -> int:
         """How many of a node's inputs are tensor arguments; the rest are its parameters
         and buffers, in the order `params()` lists them."""
-        if any(a.kind == "tensors" for a in self.signature):
-            return n_inputs
-        return len(self.tensor_args)
+        return n_inputs if self._variadic else len(self.tensor_args)
 
-    @property
+    @cached_property
     def attr_args(self) -> tuple[Arg, ...]:
         return tuple(a for a in self.signature if a.kind not in ("tensor", "tensors"))
 

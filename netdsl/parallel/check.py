@@ -3,7 +3,9 @@ gradient without its update, is the silent wrong result users of pipeline framew
 report; this catches it before anything runs):
 
 - every compute node of the single-device forward graph is computed exactly once per
-  part (replica x micro-batch) - a synchronised batchnorm's ops count as its batchnorm;
+  part (replica x micro-batch, and per device of a tensor split, where every device runs
+  the whole network) - a synchronised batchnorm's ops count as its batchnorm, a split
+  layer's shards as the layer;
 - every parameter copy's gradient reaches its update;
 - no node reads a value held on another device except through a communication op.
 """
@@ -39,10 +41,10 @@ def check(g: Graph, fwd: Graph) -> None:
                 f"split check: forward node %{n.name} ({n.op}) is computed "
                 f"{counts[n.name]} times, once per part ({parts}) was expected",
                 loc=n.loc, stack=n.stack)
-    updates = {n.name: n for n in g.nodes if n.name in set(g.outputs.get("updates", []))}
-    read_by_update = {i for u in updates.values() for i in u.inputs}
+    update_names = set(g.outputs.get("updates", []))
+    read_by_update = {i for n in g.nodes if n.name in update_names for i in n.inputs}
     for gp in g.outputs.get("grads", []):
-        if updates and gp not in read_by_update:
+        if update_names and gp not in read_by_update:
             raise SplitCheckError(f"split check: gradient %{gp} reaches no update")
     for n in g.nodes:
         if n.op in ("send", "recv") or n.meta.get("members") or n.device is None:
@@ -57,4 +59,4 @@ def check(g: Graph, fwd: Graph) -> None:
 
 def _parts(g: Graph) -> int:
     s = g.meta.get("split", {})
-    return s.get("data", 1) * s.get("microbatches", 1)
+    return s.get("data", 1) * s.get("microbatches", 1) * s.get("tensor", 1)

@@ -1,11 +1,11 @@
 """Choosing a split: the `--strategy` of `netdsl split` and `netdsl run --devices`.
 
-`data`, `pipeline` and `hybrid` are the schemes of `split.py`; `auto` builds every
-data x pipeline factorisation of the device count (with micro-batch counts 1, 2, 4 ...
-up to the batch for pipelines), predicts each one's step time and per-device peak
-(`predict.report`), drops those that do not fit a device (`--mem`, else the profile's
-capacity), and picks the fastest. The alternatives are kept, so the command can show
-what it considered.
+`data`, `pipeline`, `hybrid` and `tensor` are the schemes of `split.py`; `auto` builds
+every data x pipeline factorisation of the device count (with micro-batch counts 1, 2, 4
+... up to the batch for pipelines) and the tensor split, predicts each one's step time
+and per-device peak (`predict.report`), drops those that do not fit a device (`--mem`,
+else the profile's capacity), and picks the fastest. The alternatives are kept, so the
+command can show what it considered.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from netdsl.memory.profiles import Profile
 from netdsl.parallel.predict import Interconnect, SplitReport, report
 from netdsl.parallel.split import SplitSpec, split_step
 
-CHOICES = ("auto", "data", "pipeline", "hybrid")
-NOT_YET = ("tensor", "spatial")
+CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor")
+NOT_YET = ("spatial",)
 
 
 @dataclass
@@ -41,7 +41,7 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
     """The specs `strategy` allows on `devices` devices."""
     if strategy in NOT_YET:
         raise SplitError(f"--strategy {strategy} is not available yet; use data, pipeline, "
-                         "hybrid or auto")
+                         "hybrid, tensor or auto")
     if strategy not in CHOICES:
         raise SplitError(f"unknown --strategy `{strategy}`; choose one of "
                          f"{', '.join(CHOICES)}")
@@ -62,6 +62,8 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
 
     if strategy == "data":
         return [SplitSpec(data=devices, bn=bn)]
+    if strategy == "tensor":
+        return [SplitSpec(tensor=devices, bn=bn)]
     if strategy == "pipeline":
         m = microbatches if microbatches is not None else min(batch, 4 * devices)
         return [SplitSpec(pipeline=devices, microbatches=m, bn=bn)]
@@ -80,6 +82,8 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
         for m in micro_for(p):
             if d * m <= batch:
                 out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn))
+    if devices > 1:
+        out.append(SplitSpec(tensor=devices, bn=bn))
     return out
 
 

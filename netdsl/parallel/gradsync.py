@@ -22,7 +22,8 @@ def sync_gradients(g: Graph) -> Graph:
     grads = list(g.outputs["grads"])
     groups: dict[str, list[int]] = {}
     for k, p in enumerate(params):
-        groups.setdefault(canonical(p.name), []).append(k)
+        if "shard" not in p.meta:  # a shard's gradient is whole on its device
+            groups.setdefault(canonical(p.name), []).append(k)
     pos = {n.name: i for i, n in enumerate(g.nodes)}
     after: dict[str, list[Node]] = {}
     grad_of = dict(g.meta.get("grad_of", {}))

@@ -25,6 +25,9 @@ def project(g: Graph, rank: int) -> Graph:
         if n.op == "recv" and n.inputs[0] not in names:
             n.inputs = ()
         elif n.op in COLLECTIVES:
+            if n.op == "all_gather":  # the other members' part sizes, which it receives
+                ax = n.attrs["axis"]
+                n.meta["part_sizes"] = tuple(g[i].type.shape[ax] for i in n.inputs)
             n.inputs = (n.inputs[n.attrs["index"]],)
         elif any(i not in names for i in n.inputs):
             missing = next(i for i in n.inputs if i not in names)

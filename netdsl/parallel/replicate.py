@@ -37,6 +37,9 @@ class Part:
     micro: int | None
     lo: int
     hi: int
+    # a copy computing what another part computes (tensor parallelism: every device runs
+    # the whole batch); its results are not combined
+    mirror: bool = False
 
     @property
     def rows(self) -> int:
@@ -102,6 +105,8 @@ def copy_forward(fwd: Graph, parts: list[Part], batch: int, state_name: StateNam
                 c.meta["rows"] = (p.lo, p.hi)
             if n.op == "input":
                 c.meta["feed_of"] = n.name
+            if p.mirror:
+                c.meta["mirror"] = True
             if ops[n.op].random:  # draw the part's rows of the whole batch's numbers
                 c.meta.setdefault("rng_key", n.meta.get("rng_key", n.name))
                 c.meta["rng_rows"] = (p.lo, p.hi, batch)
@@ -179,13 +184,19 @@ def combine(g: Graph, fwd: Graph, parts: list[Part], copies: dict[str, list[str]
         g.add(n)
         return name
 
+    own = [k for k, p in enumerate(parts) if not p.mirror]
+    mine = [parts[k] for k in own]
+
+    def of(x: str) -> list[str]:
+        return [copies[x][k] for k in own]
+
     outputs: dict[str, list[str]] = {}
     for role, names in fwd.outputs.items():
-        outputs[role] = [_whole(g, fwd[x], copies[x], parts, batch, role == "loss",
-                                fetched, add) for x in names]
+        outputs[role] = [_whole(g, fwd[x], of(x), mine, batch, role == "loss", fetched, add)
+                         for x in names]
     for x in gather:
         if x not in g:
-            _whole(g, fwd[x], copies[x], parts, batch, False, fetched, add)
+            _whole(g, fwd[x], of(x), mine, batch, False, fetched, add)
     g.outputs = {**g.outputs, **outputs}  # roles a rewrite added (state_updates) stay
     return g
 

@@ -43,21 +43,26 @@ class SplitSpec:
     pipeline: int = 1
     microbatches: int = 1
     bn: str = "sync"  # sync | local
+    tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
 
     @property
     def devices(self) -> int:
-        return self.data * self.pipeline
+        return self.data * self.pipeline * self.tensor
 
     @property
     def name(self) -> str:
         if self.devices == 1:
             return "none"
+        if self.tensor > 1:
+            return "tensor"
         if self.pipeline == 1:
             return "data"
         return "pipeline" if self.data == 1 else "hybrid"
 
     def describe(self) -> str:
         parts = []
+        if self.tensor > 1:
+            parts.append(f"tensor={self.tensor}")
         if self.data > 1:
             parts.append(f"data={self.data}")
         if self.pipeline > 1:
@@ -77,6 +82,8 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     if loss.attrs.get("reduction") == "none":
         raise SplitError(f"the loss %{loss.name} is not reduced (reduction=\"none\"); a "
                          "split needs a scalar loss", )
+    if spec.tensor > 1:
+        return _tensor_forward(fwd, batch, spec, gather)
     stages = spec.pipeline
     if stages > 1:
         stage_of = stage_of or assign_stages(fwd, stages)
@@ -116,6 +123,24 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                        "strategy": spec.name}
     if stage_of:
         g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
+    return g
+
+
+def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
+    """Every device a copy of the whole batch; the chosen layers split by channels."""
+    from netdsl.parallel.tensor import split_layers
+    if spec.data > 1 or spec.pipeline > 1:
+        raise SplitError("a tensor split does not combine with data or pipeline splits yet")
+    parts = [Part(t, None, 0, batch, mirror=t > 0) for t in range(spec.tensor)]
+    g, copies = copy_forward(
+        fwd, parts, batch, lambda n, p: n.name if not p.device else copy_name(n.name, p.device))
+    running_stats_once(g, copies)  # every device's batchnorm sees the whole batch
+    split_layers(g, copies, fwd, spec.tensor)
+    combine(g, fwd, parts, copies, batch, 0, gather)
+    connect(g)
+    g.meta["split"] = {"data": 1, "pipeline": 1, "microbatches": 1, "tensor": spec.tensor,
+                       "bn": spec.bn, "devices": spec.devices, "strategy": "tensor",
+                       "layers": len(g.meta.get("tensor_layers", []))}
     return g
 
 

@@ -37,7 +37,9 @@ def _state(g: Graph, name: str, like: Node, shape=None, dtype=None) -> str:
                {"shape": tuple(shape), "init": "zeros", "fan_in": 1, "dtype": t.dtype,
                 "role": "optimizer_state"},
                loc=like.loc, stack=like.stack, scope=like.scope, device=like.device,
-               meta={"phase": "optimizer"}))
+               # the state of a parameter's shard is the same shard of the state
+               meta={"phase": "optimizer", **({"shard": like.meta["shard"]}
+                                              if "shard" in like.meta else {})}))
     return name
 
 

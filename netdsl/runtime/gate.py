@@ -23,7 +23,7 @@ from netdsl.ir.placement import canonical
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.runtime.executor import Executor
 
-ROLES = ("loss", "grads", "updates", "state_updates")
+ROLES = ("loss", "output", "grads", "updates", "state_updates")  # what a step computes
 
 
 @dataclass
@@ -112,6 +112,7 @@ def _copies(g: Graph) -> dict[str, list]:
         o = n.meta.get("origin")
         if (o is None or n.is_source or n.meta.get("phase") is not None
                 or n.meta.get("combined") or n.op in ("send", "recv")
+                or n.meta.get("mirror") or n.meta.get("tensor_shard")
                 or (n.meta.get("sync_bn") and n.name != n.meta["sync_bn"])):
             continue
         out.setdefault(o, []).append(n)

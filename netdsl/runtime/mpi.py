@@ -10,7 +10,7 @@ a peer, then raise a CommError that names the rank it waited for: a rank that di
 hangs stops the others with a message instead of a hang. Values travel through host
 memory (CuPy arrays are copied to the host first; no CUDA-aware MPI is assumed).
 
-The ring all-reduce is the in-process one (`comm.RING`) seen from one rank: the same
+The ring algorithms are the in-process ones (`comm.RING`) seen from one rank: the same
 chunks added in the same order, so replicas stay identical bit for bit and the bytes
 counted are those sent.
 """
@@ -97,8 +97,10 @@ class MPIComm(Communicator):
 
     # -- collectives --------------------------------------------------------------------
     def collective(self, node, inputs):
-        if node.op != "all_reduce":
-            raise CommError(f"%{node.name}: {node.op} over MPI is not supported yet")
+        if node.op == "all_gather":
+            return self._all_gather(node, self._host(inputs[0]))
+        if node.op == "reduce_scatter":
+            return self._reduce_scatter(node, self._host(inputs[0]))
         group = list(node.attrs["group"])
         me = node.attrs["index"]
         x = self._host(inputs[0])
@@ -121,8 +123,43 @@ class MPIComm(Communicator):
                                                flat.dtype, what)
         return self.backend.asarray(flat.reshape(x.shape))
 
-    def _exchange(self, out: np.ndarray, right: int, left: int, n: int, dtype, what: str):
-        got = np.empty(n, dtype)
+    def _ring(self, node):
+        group = list(node.attrs["group"])
+        me, p = node.attrs["index"], len(group)
+        return me, p, group[(me + 1) % p], group[(me - 1) % p]
+
+    @staticmethod
+    def _part_shape(x, ax: int, size: int) -> tuple[int, ...]:
+        return x.shape[:ax] + (size,) + x.shape[ax + 1:]
+
+    def _all_gather(self, node, x):
+        """Each rank passes on the part it got last step (comm._ring_all_gather)."""
+        me, p, right, left = self._ring(node)
+        ax = node.attrs["axis"] % x.ndim
+        sizes = node.meta["part_sizes"]
+        have = {me: np.ascontiguousarray(x)}
+        for s in range(p - 1):
+            k, want = (me - s) % p, (me - s - 1) % p
+            got = self._exchange(have[k], right, left, self._part_shape(x, ax, sizes[want]),
+                                 x.dtype, f"gathering %{node.name}")
+            have[want] = got
+        return self.backend.asarray(np.concatenate([have[k] for k in range(p)], axis=ax))
+
+    def _reduce_scatter(self, node, x):
+        """Running sums passed round the ring (comm._ring_reduce_scatter)."""
+        me, p, right, left = self._ring(node)
+        ax = node.attrs["axis"] % x.ndim
+        cuts = np.cumsum((0,) + tuple(node.attrs["sizes"]))
+        acc = [np.ascontiguousarray(np.take(x, range(cuts[k], cuts[k + 1]), axis=ax))
+               for k in range(p)]
+        for s in range(p - 1):
+            k, want = (me - s - 1) % p, (me - s - 2) % p
+            acc[want] += self._exchange(acc[k], right, left, acc[want].shape, x.dtype,
+                                        f"reduce-scattering %{node.name}")
+        return self.backend.asarray(acc[me])
+
+    def _exchange(self, out: np.ndarray, right: int, left: int, shape, dtype, what: str):
+        got = np.empty(shape, dtype)
         rreq = self.c.Irecv(got, source=left, tag=COLLECTIVE_TAG)
         sreq = self.c.Isend(out, dest=right, tag=COLLECTIVE_TAG)
         self._count(self.rank, out.nbytes)

@@ -161,9 +161,10 @@ def _collective_rule(transpose: str):
             names = [b.g.fresh_name(f"{m}.grad.{transpose}") for m in members]
             b.emit_group(transpose, gys, attrs, names, [b.g[m].device for m in members])
             b.memo[key] = names
-        out = [None] * len(n.inputs)
-        out[n.attrs["index"]] = b.memo[key][n.attrs["index"]]
-        return out
+            # input j's whole gradient is backward member j: given once, by the first
+            # member whose rule runs (a member no reader differentiates is skipped)
+            return list(names)
+        return [None] * len(n.inputs)
     return rule
 
 

@@ -138,7 +138,8 @@ class SplitResult:
 def split(net: Network, devices: int, strategy: str = "auto", batch: int | None = None,
           microbatches: int | None = None, mem: int | str | None = None,
           profile: str = "k40-12gb", interconnect: str = "pcie3", bn: str = "sync",
-          verify: bool = False, seed: int = 0, progress=None) -> SplitResult:
+          verify: bool = False, seed: int = 0, progress=None,
+          schedule: str | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions; with `verify`, the equivalence gate on one batch in float64. Raises
@@ -152,7 +153,7 @@ def split(net: Network, devices: int, strategy: str = "auto", batch: int | None 
     budget = parse_size(mem, "--mem") if mem is not None else None
     chosen = choose(net.graph, b, strategy, devices, cfg.optimizer.model_dump(),
                     get_profile(profile), get_interconnect(interconnect), budget,
-                    microbatches, bn, progress=progress)
+                    microbatches, bn, progress=progress, schedule=schedule)
     result = SplitResult(chosen, b)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset

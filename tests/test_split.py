@@ -51,6 +51,7 @@ SPECS = {
     "pipeline4": SplitSpec(pipeline=4, microbatches=2),
     "hybrid4": SplitSpec(data=2, pipeline=2, microbatches=2, bn="local"),
     "tensor2": SplitSpec(tensor=2), "tensor4": SplitSpec(tensor=4),
+    "1f1b4": SplitSpec(pipeline=4, microbatches=8, schedule="1f1b"),
 }
 
 
@@ -188,6 +189,33 @@ def test_tensor_split_shards_state_and_checkpoints_join_them():
     b = {k: v + 1.0 for k, v in b.items()}
     ex.load_state_dict(b)
     assert all(np.array_equal(ex.state_dict()[k], b[k]) for k in b)
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    net, opt, _ = setup("resnet20")
+    single = split_step(net.graph, 16, SplitSpec(), opt)
+    peaks, bubbles = {}, {}
+    for sched in ("gpipe", "1f1b"):
+        g = split_step(net.graph, 16, SplitSpec(pipeline=2, microbatches=8, schedule=sched),
+                       opt)
+        rep, _ = report(g, single, get_profile("k40-12gb"), get_interconnect("pcie3"))
+        peaks[sched] = max(d.peak_bytes for d in rep.per_device)
+        bubbles[sched] = rep.bubble
+        # each stage runs its micro-batches in the schedule's order
+        first = [n.name for n in g.nodes if n.device == 0 and n.op == "conv2d"][:3]
+        assert first == ["cifar_stem.conv2d@m0", "basic_stage.basic.conv2d@m0",
+                         "basic_stage.basic.conv2d_1@m0"], first
+    assert peaks["1f1b"] < 0.7 * peaks["gpipe"]
+    assert abs(bubbles["1f1b"] - bubbles["gpipe"]) < 0.1
+
+
+def test_structural_check_catches_collective_members_apart():
+    net, opt, _ = setup("vgg")
+    g = split_step(net.graph, BATCH, SplitSpec(data=2), opt)
+    k = next(i for i, n in enumerate(g.nodes) if n.op == "all_reduce")
+    g.nodes.insert(k, g.nodes.pop(k - 1))  # a node between the two members
+    with pytest.raises(SplitCheckError, match="side by side"):
+        check(g, net.graph)
 
 
 def test_structural_check_catches_a_doubled_layer():

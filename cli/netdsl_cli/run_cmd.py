@@ -162,6 +162,8 @@ def _run(
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", min=1, help="with --devices: micro-batches per step (pipelines)")]
     = None,
+    schedule: Annotated[str | None, typer.Option(
+        "--schedule", help="with --devices: a pipeline's order, gpipe or 1f1b")] = None,
     distributed: Annotated[bool, typer.Option(
         "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
         "extra): each rank runs its part of the split step; rank 0 reports")] = False,
@@ -187,7 +189,8 @@ def _run(
                           eval_every=eval_every, check_numerics=check_numerics,
                           eval_samples=eval_samples, mem=mem, profile=profile,
                           strategy=strategy, offload_state=offload_state, devices=devices,
-                          split=split, microbatches=microbatches, distributed=distributed)
+                          split=split, microbatches=microbatches, distributed=distributed,
+                          schedule=schedule)
         try:
             result = train(net, opts, bar)
         finally:

@@ -36,6 +36,8 @@ def split(
                                               "10gbe")] = "pcie3",
     bn: Annotated[str, typer.Option(help="batchnorm over a split batch: sync (the "
                                     "single-device step) or local (per device)")] = "sync",
+    schedule: Annotated[str | None, typer.Option(
+        help="a pipeline's order: gpipe or 1f1b (default: the file's, else gpipe)")] = None,
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
                                          "one batch in float64 and compare every "
                                          "gradient and updated value")] = False,
@@ -50,7 +52,8 @@ def split(
         net = load_network(file)
         n = devices if devices is not None else max(1, _declared_devices(net))
         kw = dict(devices=n, strategy=strategy, batch=batch, microbatches=microbatches,
-                  mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify)
+                  mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
+                  schedule=schedule)
         if json_output:
             res = split_api(net, **kw)
         else:
@@ -95,8 +98,8 @@ def _print(res) -> None:
               f"{rep.interconnect} (one device: {rep.single_step_s * 1e3:,.1f} ms), "
               f"speed-up {rep.predicted_speedup:.2f}x")
     if rep.ideal_bubble is not None:
-        out.print(f"pipeline bubble {rep.bubble:.1%} (GPipe's (p-1)/(m+p-1) = "
-                  f"{rep.ideal_bubble:.1%})")
+        out.print(f"pipeline bubble {rep.bubble:.1%} ({best.graph.meta['split']['schedule']}"
+                  f"; GPipe's (p-1)/(m+p-1) = {rep.ideal_bubble:.1%})")
     out.print(f"sent per step {_mb(rep.comm_bytes_total)} (ring lower bound "
               f"{_mb(rep.comm_bytes_lower_bound)})")
     if len(res.chosen.considered) > 1:

@@ -7,7 +7,9 @@ report; this catches it before anything runs):
   the whole network) - a synchronised batchnorm's ops count as its batchnorm, a split
   layer's shards as the layer;
 - every parameter copy's gradient reaches its update;
-- no node reads a value held on another device except through a communication op.
+- no node reads a value held on another device except through a communication op;
+- a collective's members sit side by side in the node order (every rank then enters its
+  collectives in one order, which is what keeps MPI runs from deadlocking).
 """
 from __future__ import annotations
 
@@ -55,6 +57,16 @@ def check(g: Graph, fwd: Graph) -> None:
                 raise SplitCheckError(
                     f"split check: %{n.name} on device {n.device} reads %{i} from device "
                     f"{src.device} without communication", loc=n.loc, stack=n.stack)
+
+
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    for n in g.nodes:
+        members = n.meta.get("members")
+        if members and n.name == members[0]:
+            at = sorted(pos[m] for m in members)
+            if at[-1] - at[0] != len(members) - 1:
+                raise SplitCheckError(f"split check: the members of collective %{n.name} "
+                                      "are not side by side in the node order")
 
 
 def _parts(g: Graph) -> int:

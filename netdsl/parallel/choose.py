@@ -37,8 +37,12 @@ class Chosen:
 
 
 def candidates(strategy: str, devices: int, batch: int, microbatches: int | None,
-               declared: dict, bn: str) -> list[SplitSpec]:
-    """The specs `strategy` allows on `devices` devices."""
+               declared: dict, bn: str, schedule: str | None = None) -> list[SplitSpec]:
+    """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
+    else the file's `parallel { schedule = ... }`, else GPipe's)."""
+    sched = schedule or declared.get("schedule", "gpipe")
+    if sched not in ("gpipe", "1f1b"):
+        raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
     if strategy in NOT_YET:
         raise SplitError(f"--strategy {strategy} is not available yet; use data, pipeline, "
                          "hybrid, tensor or auto")
@@ -66,14 +70,14 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
         return [SplitSpec(tensor=devices, bn=bn)]
     if strategy == "pipeline":
         m = microbatches if microbatches is not None else min(batch, 4 * devices)
-        return [SplitSpec(pipeline=devices, microbatches=m, bn=bn)]
+        return [SplitSpec(pipeline=devices, microbatches=m, bn=bn, schedule=sched)]
     if strategy == "hybrid":
         d = declared.get("data", 1)
         p = declared.get("pipeline", 1)
         if d * p != devices or d == 1 or p == 1:
             d, p = _hybrid_factors(devices)
         m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
-        return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn)]
+        return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
     out = []
     for d in range(1, devices + 1):
         if devices % d:
@@ -81,7 +85,8 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
         p = devices // d
         for m in micro_for(p):
             if d * m <= batch:
-                out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn))
+                out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn,
+                                     schedule=sched))
     if devices > 1:
         out.append(SplitSpec(tensor=devices, bn=bn))
     return out
@@ -98,9 +103,10 @@ def _hybrid_factors(devices: int) -> tuple[int, int]:
 def choose(fwd: Graph, batch: int, strategy: str, devices: int, optimizer: dict,
            profile: Profile, link: Interconnect, mem: int | None = None,
            microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),
-           float_dtype: str = "f32", progress=None) -> Chosen:
+           float_dtype: str = "f32", progress=None, schedule: str | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits."""
-    specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn)
+    specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
+                       schedule)
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     cap = mem if mem is not None else profile.capacity_bytes
     considered = []
@@ -109,7 +115,7 @@ def choose(fwd: Graph, batch: int, strategy: str, devices: int, optimizer: dict,
         if progress is not None:
             progress(k / len(specs))
         try:
-            g = split_step(fwd, batch, spec, optimizer, gather)
+            g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
         except SplitError as e:
             if len(specs) == 1:
                 raise

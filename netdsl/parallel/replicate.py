@@ -176,7 +176,13 @@ def combine(g: Graph, fwd: Graph, parts: list[Part], copies: dict[str, list[str]
     links = Links(g)
 
     def fetched(names: list[str]) -> list[str]:
-        return [links.fetch(x, root)[1] for x in names]  # the pairs go at the end
+        out = []
+        for x in names:  # the pairs go at the end
+            new, name = links.fetch(x, root)
+            for m in new:
+                m.meta["combined"] = True
+            out.append(name)
+        return out
 
     def add(name: str, op: str, inputs: list[str], attrs: dict, like: Node) -> str:
         n = make_node(g, name, op, inputs, attrs, like=like, device=root,

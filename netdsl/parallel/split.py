@@ -9,8 +9,8 @@ with its communication, comes from the gradient rules):
 - **pipeline** (`pipeline=P, microbatches=M`): the layer sequence cut into P stages of
   balanced predicted time (`@stage(k)` pins a node), each on its own device, the batch cut
   into M micro-batches that flow through the stages; the state of a stage stays on it.
-  GPipe order: every device runs its micro-batches' forward parts in order, then their
-  backward parts in reverse order.
+  GPipe order (every device runs its micro-batches' forward parts in order, then their
+  backward parts in reverse order) or 1F1B (`schedule="1f1b"`): `order.order_micro_batches`.
 - hybrids: `data=D, pipeline=P` uses D x P devices, replica r's stage s on r * P + s.
 
 After autodiff, the gradients of replicated parameters are all-reduced
@@ -27,7 +27,10 @@ from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import copy_name
+from netdsl.memory.profiles import Profile
 from netdsl.parallel.check import check
+from netdsl.parallel.order import order_micro_batches
+from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import sync_batchnorms
 from netdsl.passes.pipeline import run_pipeline
@@ -44,6 +47,7 @@ class SplitSpec:
     microbatches: int = 1
     bn: str = "sync"  # sync | local
     tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
+    schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
 
     @property
     def devices(self) -> int:
@@ -66,12 +70,14 @@ class SplitSpec:
         if self.data > 1:
             parts.append(f"data={self.data}")
         if self.pipeline > 1:
-            parts.append(f"pipeline={self.pipeline}, microbatches={self.microbatches}")
+            parts.append(f"pipeline={self.pipeline}, microbatches={self.microbatches}"
+                         + (", 1f1b" if self.schedule == "1f1b" else ""))
         return ", ".join(parts) or "one device"
 
 
 def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...] = (),
-                  stage_of: dict[str, int] | None = None) -> Graph:
+                  stage_of: dict[str, int] | None = None,
+                  profile: Profile | None = None) -> Graph:
     """The split forward graph (module docstring); `fwd` is unbound (batch `N`)."""
     if spec.bn not in ("sync", "local"):
         raise SplitError(f"--bn must be sync or local, not {spec.bn!r}")
@@ -86,7 +92,8 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
         return _tensor_forward(fwd, batch, spec, gather)
     stages = spec.pipeline
     if stages > 1:
-        stage_of = stage_of or assign_stages(fwd, stages)
+        stage_of = stage_of or assign_stages(
+            fwd, stages, profile, max(1, batch // (spec.data * spec.microbatches)))
     micro = spec.microbatches
     rows = batch_rows(batch, spec.data * micro, "parts (devices x micro-batches)")
     parts = []
@@ -144,6 +151,18 @@ def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, 
     return g
 
 
+def defer_results(g: Graph) -> Graph:
+    """Move the nodes that only make the step's results whole on device 0 (the parts'
+    losses and outputs sent there and joined) to the end of the step: the backward pass
+    does not read them (its seed is a constant), and run where autodiff left them they
+    would make device 0 wait for the last part's forward before it sends any gradient."""
+    late = [n for n in g.nodes if n.meta.get("combined") and n.meta.get("phase") is None]
+    if late:
+        names = {n.name for n in late}
+        g.nodes = [n for n in g.nodes if n.name not in names] + late
+    return g
+
+
 def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
     """Batchnorm copies normalising their own part share one device's running statistics
     with the other parts there: only the first part's copy updates them (from its own
@@ -163,30 +182,41 @@ def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
 
 
 def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
-               gather: tuple[str, ...] = (), stage_of: dict[str, int] | None = None) -> Graph:
+               gather: tuple[str, ...] = (), stage_of: dict[str, int] | None = None,
+               profile: Profile | None = None) -> Graph:
     """The split training step: split forward, autodiff, gradient all-reduce, optimizer,
-    then the structural check."""
-    g = split_forward(fwd, batch, spec, gather, stage_of)
+    then the structural check. `profile` prices nodes for balancing pipeline stages."""
+    g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
     g = run_pipeline(g, ["autodiff", "sync_gradients", ("optimizer", {"kind": kind, **opt})])
+    g = defer_results(g).verify()
+    if spec.schedule not in ("gpipe", "1f1b"):
+        raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
+    g = order_micro_batches(g, spec.schedule).verify()
+    g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g
 
 
-def assign_stages(fwd: Graph, stages: int) -> dict[str, int]:
+def assign_stages(fwd: Graph, stages: int, profile: Profile | None = None,
+                  batch: int = 1) -> dict[str, int]:
     """A stage for every forward node: the node sequence cut into `stages` contiguous runs
-    of about equal predicted cost (forward FLOPs plus bytes touched, the roofline's two
-    terms on a machine balanced at 10 FLOPs per byte), `@stage(k)` annotations pinned.
-    Sources go with their first reader."""
+    of about equal predicted time (the roofline of `predict.node_time` under `profile`,
+    per-node overhead included, at the micro-batch size `batch`; without a profile, FLOPs
+    plus 10 x bytes touched), `@stage(k)` annotations pinned. Sources go with their first
+    reader."""
     ops = registry.load_all()
-    bound = fwd.bind(1)
+    bound = fwd.bind(batch)
     compute = [n for n in bound.nodes if not n.is_source]
     if stages > len(compute):
         raise SplitError(f"cannot cut network `{fwd.name}` into {stages} pipeline stages: it "
                          f"has {len(compute)} operators; use at most {len(compute)} stages")
     cost = []
     for n in compute:
+        if profile is not None:
+            cost.append(node_time(bound, n, profile)[0])
+            continue
         op = ops[n.op]
         ins = [bound[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
         moved = n.type.nbytes() + sum(t.nbytes() for t in ins)
@@ -213,9 +243,11 @@ def assign_stages(fwd: Graph, stages: int) -> dict[str, int]:
     return stage
 
 
-def _balanced_cuts(cost: list[int], k: int) -> list[int]:
+def _balanced_cuts(cost: list[float], k: int) -> list[int]:
     """Indices where stages 1..k-1 start, minimising the largest stage's cost (binary
     search on the bottleneck, greedy fill: the classic linear-partition solution)."""
+    scale = 1e12 / max(sum(cost), 1e-300)  # integer costs for an exact search
+    cost = [max(1, round(c * scale)) for c in cost]
     lo, hi = max(cost), sum(cost)
 
     def cuts_for(limit: int) -> list[int] | None:

@@ -72,6 +72,7 @@ class RunOptions:
     devices: int = 1
     split: str = "auto"
     microbatches: int | None = None
+    schedule: str | None = None  # a pipeline's order: gpipe | 1f1b (None: the file's)
     # one process per device under `mpiexec` (the MPI world's size is the device count);
     # rank 0 logs, evaluates and writes checkpoints
     distributed: bool = False
@@ -342,7 +343,7 @@ class Trainer:
         profile = get_profile(opts.profile or ("cpu" if backend.name == "numpy" else "h200"))
         chosen = choose(self.forward, self.batch, opts.split, opts.devices,
                         self.cfg.optimizer.model_dump(), profile, get_interconnect("shm"),
-                        microbatches=opts.microbatches,
+                        microbatches=opts.microbatches, schedule=opts.schedule,
                         gather=(self.acc[0],) if self.acc else ())
         return chosen.best.graph, chosen.best.spec.describe()
 

@@ -66,6 +66,18 @@ class Shard:
         return Shard(int(axis), int(lo), int(hi), tuple(full))
 
 
+def even_parts(n: int, p: int) -> list[tuple[int, int]]:
+    """`p` contiguous ranges [lo, hi) covering 0..n, sizes differing by at most one (the
+    first n % p one larger): batch rows per part, channels per shard, ring chunks."""
+    q, r = divmod(n, p)
+    out, lo = [], 0
+    for k in range(p):
+        hi = lo + q + (1 if k < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
 def devices_of(g: Graph) -> list[int]:
     """The devices a graph uses, in order (a graph with no placement uses device 0)."""
     devs = sorted({n.device for n in g.nodes if n.device is not None})

@@ -37,9 +37,11 @@ class Chosen:
 
 
 def candidates(strategy: str, devices: int, batch: int, microbatches: int | None,
-               declared: dict, bn: str, schedule: str | None = None) -> list[SplitSpec]:
+               declared: dict, bn: str, schedule: str | None = None,
+               has_bn: bool = False) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
-    else the file's `parallel { schedule = ... }`, else GPipe's)."""
+    else the file's `parallel { schedule = ... }`, else GPipe's). Batchnorm synchronised
+    over replicas takes one micro-batch (`has_bn`: the network has batchnorm)."""
     sched = schedule or declared.get("schedule", "gpipe")
     if sched not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
@@ -76,7 +78,8 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
         p = declared.get("pipeline", 1)
         if d * p != devices or d == 1 or p == 1:
             d, p = _hybrid_factors(devices)
-        m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
+        m = microbatches or declared.get("microbatches") or (
+            1 if has_bn and bn == "sync" else min(batch // d or 1, 4 * p))
         return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
     out = []
     for d in range(1, devices + 1):
@@ -84,7 +87,7 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
             continue
         p = devices // d
         for m in micro_for(p):
-            if d * m <= batch:
+            if d * m <= batch and not (d > 1 and m > 1 and has_bn and bn == "sync"):
                 out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn,
                                      schedule=sched))
     if devices > 1:
@@ -106,7 +109,7 @@ def choose(fwd: Graph, batch: int, strategy: str, devices: int, optimizer: dict,
            float_dtype: str = "f32", progress=None, schedule: str | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
-                       schedule)
+                       schedule, any(n.op == "batchnorm" for n in fwd.nodes))
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     cap = mem if mem is not None else profile.capacity_bytes
     considered = []

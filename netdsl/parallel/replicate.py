@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
-from netdsl.ir.placement import copy_name
+from netdsl.ir.placement import copy_name, even_parts
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import BATCH
 
@@ -51,13 +51,7 @@ def batch_rows(batch: int, ways: int, what: str) -> list[tuple[int, int]]:
     if ways > batch:
         raise SplitError(f"cannot split a batch of {batch} into {ways} {what}: each needs at "
                          f"least one sample; use --batch {ways} or more, or fewer {what}")
-    q, r = divmod(batch, ways)
-    out, lo = [], 0
-    for k in range(ways):
-        hi = lo + q + (1 if k < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    return even_parts(batch, ways)
 
 
 def batch_dependent(n: Node) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.placement import even_parts
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 
@@ -42,16 +43,6 @@ def chosen_layers(fwd: Graph, ways: int) -> list[str]:
             and n.attrs[SPLITTABLE[n.op][0]] >= ways and n.attrs.get("groups", 1) == 1]
 
 
-def _bounds(n: int, ways: int) -> list[tuple[int, int]]:
-    q, r = divmod(n, ways)
-    out, lo = [], 0
-    for k in range(ways):
-        hi = lo + q + (1 if k < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
 def _shard_state(g: Graph, name: str, lo: int, hi: int) -> None:
     """Make state node `name` (a replica of a weight or bias) rows [lo, hi) of it."""
     n = g[name]
@@ -73,7 +64,7 @@ def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) 
     for orig in layers:
         names = copies[orig]
         attr, axis = SPLITTABLE[fwd[orig].op]
-        parts = _bounds(fwd[orig].attrs[attr], ways)
+        parts = even_parts(fwd[orig].attrs[attr], ways)
         shards = []
         for name, (lo, hi) in zip(names, parts, strict=True):
             n = g[name]

@@ -19,16 +19,7 @@ from typing import Any
 
 import numpy as np
 
-
-def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
-    """p contiguous parts of n elements, sizes differing by at most one."""
-    q, r = divmod(n, p)
-    out, lo = [], 0
-    for k in range(p):
-        hi = lo + q + (1 if k < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+from netdsl.ir.placement import even_parts
 
 
 class Communicator:
@@ -93,7 +84,7 @@ def _ring_all_reduce(comm: Communicator, inputs, attrs, devices):
     bufs = [x.reshape(-1).copy() for x in inputs]
     if p == 1:
         return [bufs[0].reshape(shape)]
-    bounds = chunk_bounds(bufs[0].size, p)
+    bounds = even_parts(bufs[0].size, p)
     item = bufs[0].itemsize
     # reduce-scatter: at step s rank r sends chunk (r - s) mod p to rank r + 1, which adds
     # it to its own; after p - 1 steps rank r holds the full sum of chunk (r + 1) mod p

@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from netdsl.errors import CommError
-from netdsl.runtime.comm import Communicator, chunk_bounds
+from netdsl.ir.placement import even_parts
+from netdsl.runtime.comm import Communicator
 
 COLLECTIVE_TAG = 32766  # ring traffic; ordered per pair, collectives run in one order
 
@@ -108,7 +109,7 @@ class MPIComm(Communicator):
         p = len(group)
         if p > 1:
             right, left = group[(me + 1) % p], group[(me - 1) % p]
-            bounds = chunk_bounds(flat.size, p)
+            bounds = even_parts(flat.size, p)
             what = f"all-reducing %{node.name}"
             for s in range(p - 1):  # reduce-scatter, as comm._ring_all_reduce
                 lo, hi = bounds[(me - s) % p]

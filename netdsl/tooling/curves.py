@@ -107,6 +107,16 @@ def _pyplot():
     return plt
 
 
+def save_figure(plt, fig, path, dpi: int = 110) -> None:
+    """Write `fig` to `path` (an unwritable path is a NetdslError) and close it."""
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise NetdslError(f"--plot: cannot write {path}: {e}") from None
+    finally:
+        plt.close(fig)
+
+
 def require_matplotlib() -> None:
     """Fail now, before a long run, when the plot could not be drawn at its end."""
     _pyplot()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from netdsl.errors import NetdslError
 from netdsl.memory.search import PlanResult
 from netdsl.memory.simulate import KINDS, simulate
 from netdsl.sizes import format_decimal
-from netdsl.tooling.curves import _pyplot
+from netdsl.tooling.curves import _pyplot, save_figure
 
 
 def plot_memory(res: PlanResult, path: str | Path) -> None:
@@ -32,9 +31,4 @@ def plot_memory(res: PlanResult, path: str | Path) -> None:
         ax.set_ylabel("device memory (GB)")
     axes[1].legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise NetdslError(f"--plot: cannot write {path}: {e}") from None
-    finally:
-        plt.close(fig)
+    save_figure(plt, fig, path)

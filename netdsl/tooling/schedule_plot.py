@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from netdsl.errors import NetdslError
-from netdsl.tooling.curves import _pyplot
+from netdsl.tooling.curves import _pyplot, save_figure
 
 COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
            "recv": "#c44e52", "collective": "#8172b3"}
@@ -35,9 +34,4 @@ def plot_schedule(timeline: list[tuple], path: str | Path, title: str = "") -> N
         seen.setdefault(lab, h)
     ax.legend(seen.values(), seen.keys(), loc="upper right", fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise NetdslError(f"--plot: cannot write {path}: {e}") from None
-    finally:
-        plt.close(fig)
+    save_figure(plt, fig, path)

@@ -1,11 +1,13 @@
 """Gradient synchronisation: after autodiff, the copies of a replicated parameter (one
 per device) each hold the gradient of the whole loss with respect to their copy, i.e. of
 their device's share of the loss (the combined loss weights each part by its rows); their
-sum is the parameter's gradient. `sync_gradients` sums them with an `all_reduce` over the
-devices holding copies, placed right after the last copy's gradient is made, so on a real
-interconnect the reduction of the last layers' gradients overlaps the backward pass of
-the first layers (PyTorch DDP and Horovod reduce in the same order). Each device's
-optimizer update then reads the summed gradient, so the copies stay identical.
+sum is the parameter's gradient. `sync_gradients` sums them with `all_reduce`s over the
+devices holding copies, in buckets (PyTorch DDP's): the gradients are taken in the order
+backward makes them, flattened and joined up to about 25 MB per device, and each bucket
+is reduced right after its last gradient is made, so on a real interconnect the
+reduction of the last layers' gradients overlaps the backward pass of the first layers.
+Each device's optimizer update then reads the summed gradient, so the copies stay
+identical.
 """
 from __future__ import annotations
 
@@ -14,10 +16,15 @@ from netdsl.ir.placement import canonical
 from netdsl.ir.rewrite import make_node, splice
 from netdsl.passes.pipeline import register_pass
 
+BUCKET_BYTES = 25 * 10**6  # PyTorch DDP's default bucket (bucket_cap_mb=25)
+
 
 @register_pass("sync_gradients")
-def sync_gradients(g: Graph) -> Graph:
-    """All-reduce the gradients of parameters replicated over several devices."""
+def sync_gradients(g: Graph, bucket_bytes: int = BUCKET_BYTES) -> Graph:
+    """All-reduce the gradients of parameters replicated over several devices, in buckets
+    of about `bucket_bytes` per device (gradients flattened and joined, so a network of
+    thousands of small parameters makes a few hundred collectives, not thousands; 0: one
+    collective per parameter), each right after its last gradient is made."""
     params = [n for n in g.nodes if n.op == "param"]
     grads = list(g.outputs["grads"])
     groups: dict[str, list[int]] = {}
@@ -25,29 +32,79 @@ def sync_gradients(g: Graph) -> Graph:
         if "shard" not in p.meta:  # a shard's gradient is whole on its device
             groups.setdefault(canonical(p.name), []).append(k)
     pos = {n.name: i for i, n in enumerate(g.nodes)}
+    ready = []
+    for key, idx in groups.items():
+        devices = tuple(params[k].device for k in idx)
+        if len(idx) >= 2 and len(set(devices)) >= 2:
+            ready.append((max(pos[grads[k]] for k in idx), key, idx, devices))
+    ready.sort()
+    buckets: list[list[tuple]] = []
+    size = 0
+    for item in ready:
+        _, key, idx, devices = item
+        nbytes = g[grads[idx[0]]].type.nbytes()
+        last = buckets[-1][-1] if buckets else None
+        if (last is None or last[3] != devices or size + nbytes > bucket_bytes
+                or g[grads[last[2][0]]].type.dtype != g[grads[idx[0]]].type.dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += nbytes
     after: dict[str, list[Node]] = {}
     grad_of = dict(g.meta.get("grad_of", {}))
-    for key, idx in groups.items():
-        devices = [params[k].device for k in idx]
-        if len(idx) < 2 or len(set(devices)) < 2:
-            continue
-        ins = [grads[k] for k in idx]
-        anchor = max(ins, key=lambda x: pos[x])
-        names = [g.fresh_name(f"{key}.grad.all_reduce@d{params[k].device}") for k in idx]
-        members = []
-        for j, (k, name) in enumerate(zip(idx, names, strict=True)):
-            m = make_node(g, name, "all_reduce", ins, {"group": tuple(devices), "index": j},
-                          like=g[ins[j]], device=params[k].device,
-                          meta={"phase": "backward", "forward": params[k].name,
-                                "members": tuple(names), "grad_sync": key})
-            g.add(m)
-            members.append(m)
-            grad_of.pop(grads[k], None)
-            grads[k] = name
-            grad_of[name] = params[k].name
-        after.setdefault(anchor, []).extend(members)
+    for b, bucket in enumerate(buckets):
+        anchor = max((grads[k] for _, _, idx, _ in bucket for k in idx), key=lambda x: pos[x])
+        new = _reduce_bucket(g, b, bucket, params, grads, grad_of)
+        after.setdefault(anchor, []).extend(new)
     g.nodes = [n for n in g.nodes if n.meta.get("grad_sync") is None]
     splice(g, after=after)
     g.outputs["grads"] = grads
     g.meta["grad_of"] = grad_of
     return g
+
+
+def _reduce_bucket(g: Graph, b: int, bucket: list[tuple], params, grads, grad_of) -> list[Node]:
+    """The nodes of one bucket, added to `g` (moved into place by the caller): per device
+    the flattened gradients joined, the all-reduce members side by side, then per
+    parameter its slice in its shape. `grads` and `grad_of` are updated."""
+    devices = bucket[0][3]
+    made: list[Node] = []
+
+    def add(name, op, ins, attrs, like, device, **meta):
+        m = make_node(g, g.fresh_name(name), op, ins, attrs, like=like, device=device,
+                      meta={"phase": "backward", "grad_sync": f"bucket{b}", **meta})
+        g.add(m)
+        made.append(m)
+        return m.name
+
+    joined = []
+    for j, dev in enumerate(devices):
+        flats = [add(f"{key}.grad.flat@d{dev}", "reshape", [grads[idx[j]]], {"shape": (-1,)},
+                     g[grads[idx[j]]], dev) for _, key, idx, _ in bucket]
+        joined.append(flats[0] if len(flats) == 1 else add(
+            f"grad_bucket{b}@d{dev}", "concat", flats, {"axis": 0}, g[grads[bucket[0][2][j]]],
+            dev))
+    names = [g.fresh_name(f"grad_bucket{b}.all_reduce@d{dev}") for dev in devices]
+    for j, (dev, name) in enumerate(zip(devices, names, strict=True)):
+        m = make_node(g, name, "all_reduce", joined, {"group": devices, "index": j},
+                      like=g[joined[j]], device=dev,
+                      meta={"phase": "backward", "members": tuple(names),
+                            "grad_sync": f"bucket{b}"})
+        g.add(m)
+        made.append(m)
+    for j, dev in enumerate(devices):
+        lo = 0
+        for _, key, idx, _ in bucket:
+            k = idx[j]
+            p = params[k]
+            n = p.type.numel()
+            part = names[j] if len(bucket) == 1 else add(
+                f"{key}.grad.part@d{dev}", "slice", [names[j]],
+                {"axis": 0, "start": lo, "stop": lo + n, "step": 1}, p, dev)
+            lo += n
+            whole = add(f"{key}.grad.all_reduce@d{dev}", "reshape", [part],
+                        {"shape": tuple(p.type.shape)}, p, dev, forward=p.name)
+            grad_of.pop(grads[k], None)
+            grads[k] = whole
+            grad_of[whole] = p.name
+    return made

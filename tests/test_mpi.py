@@ -83,3 +83,31 @@ def test_a_peer_that_never_answers_is_an_error_naming_it():
     n = Node("x.recv", "recv", (), TensorType((4,), "f32"), {"peer": 0, "tag": 7}, device=0)
     with pytest.raises(CommError, match="no answer from rank 0 in 0.3 s"):
         comm.recv(n, None, "float32")
+
+
+def test_a_killed_rank_stops_the_others(tmp_path):
+    """Rank 1 killed mid-run: mpiexec stops within 60 s with a non-zero exit, no hang."""
+    import signal
+    import time
+    log = tmp_path / "marker-run.jsonl"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "netdsl_cli", "run", NET, "--steps",
+           "100000", "--eval-samples", "0", "--log", str(log), "--split", "data",
+           "--distributed"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and log.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ranks = subprocess.run(["pgrep", "-f", str(log)], capture_output=True,
+                               text=True).stdout.split()
+        ranks = [int(p) for p in ranks if int(p) != proc.pid]
+        assert ranks, "no rank processes found"
+        os.kill(max(ranks), signal.SIGKILL)
+        start = time.monotonic()
+        code = proc.wait(timeout=60)
+        assert code != 0 and time.monotonic() - start < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -135,14 +135,15 @@ class SplitResult:
         return out
 
 
-def split(net: Network, devices: int, strategy: str = "auto", batch: int | None = None,
+def split(net: Network, devices: int, strategy: str | None = None, batch: int | None = None,
           microbatches: int | None = None, mem: int | str | None = None,
           profile: str = "k40-12gb", interconnect: str = "pcie3", bn: str = "sync",
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
-    predictions; with `verify`, the equivalence gate on one batch in float64. Raises
+    predictions (strategy None: the file's `parallel { }`, else auto); with `verify`, the
+    equivalence gate on one batch in float64. Raises
     SplitError (exit 3) for splits that cannot be made or do not fit."""
     from netdsl.memory.profiles import get_profile
     from netdsl.parallel.choose import choose

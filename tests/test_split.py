@@ -267,6 +267,23 @@ def test_split_command_json_and_verify(tmp_path):
     assert "pipeline bubble" in r.stdout and "device" in r.stdout
 
 
+def test_the_files_parallel_declaration_and_stage_pins():
+    r = runner.invoke(app, ["split", str(ROOT / "tests" / "nets" / "vgg-par.net"), "--batch",
+                            "8", "--verify", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["spec"] == "data=2, pipeline=2, microbatches=2, 1f1b" and d["verify"]["ok"]
+    assert len(d["alternatives"]) == 1  # what the file declares, nothing else tried
+    net = api.load(ROOT / "tests" / "nets" / "vgg-par.net")
+    g = split_step(net.graph, 8, SplitSpec(data=2, pipeline=2, microbatches=2),
+                   TrainConfig().optimizer.model_dump())
+    stage = {n.meta["origin"]: n.device % 2 for n in g.nodes
+             if n.meta.get("origin") and n.meta.get("phase") is None and not n.is_source
+             and n.op not in ("send", "recv") and not n.meta.get("combined")}
+    assert all(s == 1 for o, s in stage.items() if o.startswith("classifier"))
+    assert stage["features.conv_stack.conv2d"] == 0
+
+
 def test_run_on_4_devices_resumes_on_1(tmp_path):
     net = str(ROOT / "examples" / "digits-cnn.net")
     ck = str(tmp_path / "ck")

@@ -157,8 +157,9 @@ def _run(
     devices: Annotated[int, typer.Option(
         "--devices", min=1, help="split the step over this many logical devices in this "
         "process (each with its own memory accounting; see `netdsl split`)")] = 1,
-    split: Annotated[str, typer.Option(
-        "--split", help="with --devices: auto | data | pipeline | hybrid | tensor")] = "auto",
+    split: Annotated[str | None, typer.Option(
+        "--split", help="with --devices: auto | data | pipeline | hybrid | tensor (default: "
+        "the file's `parallel` declaration, else auto)")] = None,
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", min=1, help="with --devices: micro-batches per step (pipelines)")]
     = None,

@@ -23,7 +23,9 @@ def split(
     devices: Annotated[int | None, typer.Option("--devices", "-n", min=1, help="devices to "
                                                 "split over (default: the file's "
                                                 "`parallel` declaration)")] = None,
-    strategy: Annotated[str, typer.Option(help="auto, data, pipeline, hybrid or tensor")] = "auto",
+    strategy: Annotated[str | None, typer.Option(
+        help="auto, data, pipeline, hybrid or tensor (default: the file's `parallel` "
+        "declaration when it has one for these devices, else auto)")] = None,
     batch: BatchOpt = None,
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", "-m", min=1, help="micro-batches per step (pipelines)")] = None,

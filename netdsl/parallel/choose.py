@@ -36,7 +36,7 @@ class Chosen:
     considered: list[Choice] = field(default_factory=list)
 
 
-def candidates(strategy: str, devices: int, batch: int, microbatches: int | None,
+def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
                declared: dict, bn: str, schedule: str | None = None,
                has_bn: bool = False) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
@@ -45,6 +45,12 @@ def candidates(strategy: str, devices: int, batch: int, microbatches: int | None
     sched = schedule or declared.get("schedule", "gpipe")
     if sched not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
+    if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
+        d, p, t = (declared.get(k, 1) for k in ("data", "pipeline", "tensor"))
+        if d * p * t == devices and devices > 1:
+            return [SplitSpec(data=d, pipeline=p, tensor=t, bn=bn, schedule=sched,
+                              microbatches=microbatches or declared.get("microbatches", 1))]
+        strategy = "auto"
     if strategy in NOT_YET:
         raise SplitError(f"--strategy {strategy} is not available yet; use data, pipeline, "
                          "hybrid, tensor or auto")
@@ -103,7 +109,7 @@ def _hybrid_factors(devices: int) -> tuple[int, int]:
                      f"(4, 6, 8 ...), not {devices}")
 
 
-def choose(fwd: Graph, batch: int, strategy: str, devices: int, optimizer: dict,
+def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
            profile: Profile, link: Interconnect, mem: int | None = None,
            microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),
            float_dtype: str = "f32", progress=None, schedule: str | None = None) -> Chosen:

@@ -70,7 +70,7 @@ class RunOptions:
     # splitting the step over logical devices in this process (`run --devices`): the
     # scheme (auto | data | pipeline | hybrid) and the micro-batches of a pipeline
     devices: int = 1
-    split: str = "auto"
+    split: str | None = None  # None: the file's `parallel { }`, else auto
     microbatches: int | None = None
     schedule: str | None = None  # a pipeline's order: gpipe | 1f1b (None: the file's)
     # one process per device under `mpiexec` (the MPI world's size is the device count);

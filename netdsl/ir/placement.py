@@ -44,6 +44,38 @@ def canonical(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a value lives: a logical device (an MPI rank; None: wherever the run starts,
+    or, for an `input`, fed on every device) and a memory space ("device", or "host" for
+    the host pool of offloaded values and host-streamed optimizer state)."""
+
+    device: int | None
+    space: str = "device"
+
+    @staticmethod
+    def of(n: Node) -> Placement:
+        from netdsl.ir import registry
+        if n.op in ("param", "buffer"):
+            space = n.meta.get("space", "device")
+        else:
+            space = registry.get(n.op).extra.get("space", "device")
+        return Placement(n.device, space)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A `@shard(dim, ways)` annotation, read once: split along `dim` in `ways` parts."""
+
+    dim: str
+    ways: int
+
+    @staticmethod
+    def of(n: Node) -> ShardSpec | None:
+        s = n.annotations.get("shard")
+        return None if s is None else ShardSpec(str(s[0]), int(s[1]))
+
+
+@dataclass(frozen=True)
 class Shard:
     """A slice [lo, hi) of a state tensor of shape `full` along `axis`."""
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.placement import Placement
 from netdsl.ir.types import DTYPES, FLOAT_DTYPES
 from netdsl.memory.arena import pack
 from netdsl.memory.liveness import schedule
@@ -42,10 +43,9 @@ def value_bytes(t, float_dtype: str = "f32") -> int:
 
 def space_of(n: Node) -> str:
     """Where a value lives: state the planner streams from the host says so in its meta;
-    otherwise the op decides (`to_host` values are in the host pool)."""
-    if n.op in STATE_OPS:
-        return n.meta.get("space", DEVICE)
-    return registry.OPS[n.op].extra.get("space", DEVICE)
+    otherwise the op decides (`to_host` values are in the host pool). See
+    `ir.placement.Placement`, which pairs it with the device."""
+    return Placement.of(n).space
 
 
 def takes_storage(n: Node) -> bool:

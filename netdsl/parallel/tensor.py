@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.placement import even_parts
+from netdsl.ir.placement import ShardSpec, even_parts
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 
@@ -27,9 +27,9 @@ SPLITTABLE = {"linear": ("out_features", -1), "conv2d": ("out_channels", 1)}
 
 def chosen_layers(fwd: Graph, ways: int) -> list[str]:
     """The forward nodes to split (module docstring)."""
-    marked = [n for n in fwd.nodes if "shard" in n.annotations]
+    marked = [n for n in fwd.nodes if ShardSpec.of(n) is not None]
     for n in marked:
-        dim, k = n.annotations["shard"]
+        dim, k = ShardSpec.of(n).dim, ShardSpec.of(n).ways
         where = f" ({n.loc})" if n.loc else ""
         if n.op not in SPLITTABLE or dim not in ("channels", "features"):
             raise SplitError(f"@shard({dim}, {k}) on %{n.name}{where}: only linear and conv2d "

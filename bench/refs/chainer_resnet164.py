@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 import warnings
@@ -83,9 +84,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)  # set through OPENBLAS_NUM_THREADS
+    ap.add_argument("--blocks", type=int, default=18, help="per stage: 18 ResNet-164, 111 -1001")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    model = ResNet164()
+    model = ResNet164(a.blocks)
     opt = chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
@@ -109,6 +111,7 @@ def main() -> None:
         "framework": f"Chainer {chainer.__version__} (NumPy {np.__version__})",
         "params": int(sum(p.size for p in model.params())),
         "times": times, "cpu_times": cpus, "median_s": statistics.median(times), "losses": losses,
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threadpools": threads_info()}))
 
 

@@ -1,11 +1,15 @@
-"""netdsl's own training step on examples/resnet164-cifar.net, for bench_step.py.
+"""netdsl's own training step on one network file, for bench_step.py.
 
-    /work/venv/bin/python bench/refs/netdsl_resnet164.py --batch 16 --steps 5 [--profile]
+    .venv/bin/python bench/refs/netdsl_step.py --file examples/resnet164-cifar.net \
+        --batch 16 --steps 5 [--profile]
 
 Builds the run exactly as `netdsl run` does (Trainer: forward graph bound to the batch,
 autodiff, SGD with momentum; synthetic data; the file's schedule) and times the same call
 that Trainer.fit times - `executor.run(feeds, training=True, roles=Trainer.ROLES)` plus
-reading the loss - without fit's logging and final evaluation. With --profile, one more
+reading the loss - without fit's logging and final evaluation. Besides the times it
+reports the step's FLOPs (the registry's counts over the training graph, forward and
+backward and update: `summarize(train_graph)`), the process's peak RSS and the executor's
+own peak. With --profile, one more
 step runs under cProfile and the report gives the kernels (registry ops' kernel
 functions) by cumulative time and the functions by own time.
 Prints one JSON line.
@@ -16,6 +20,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +29,7 @@ import numpy as np
 
 import netdsl
 from netdsl.ir import registry
+from netdsl.ir.stats import summarize
 from netdsl.runtime.schedule import lr_at
 from netdsl.runtime.trainer import RunOptions, Trainer
 
@@ -106,7 +112,7 @@ def op_times(tr: Trainer) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--file", default=str(ROOT / "examples" / "resnet164-cifar.net"))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=None, help="default: the file's")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
@@ -132,7 +138,10 @@ def main() -> None:
            "params": tr.stats.params, "times": times, "cpu_times": cpus,
            "median_s": statistics.median(times),
            "losses": losses, "build_s": build_s, "peak_bytes": tr.executor.peak_bytes,
-           "expected_bytes": tr.planned_peak_bytes(), "threadpools": threads_info()}
+           "expected_bytes": tr.planned_peak_bytes(), "batch": tr.batch,
+           "step_flops": summarize(tr.train_graph).flops_forward,
+           "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "threadpools": threads_info()}
     if a.profile:
         res["op_times"] = op_times(tr)
         prof = cProfile.Profile()

@@ -33,7 +33,10 @@ GFLOP/s are the step's FLOPs (netdsl's registry counts over the training graph, 
 network for every framework) over the step time; the float32 GEMM rate (a 2048^3 product
 in NumPy and in torch, the best of both) is measured in the same run, before the first
 network, and each GFLOP/s figure is also given as a share of it. The parameter counts of
-all frameworks are checked to agree. With --profile, a cProfile and per-op times of one
+all frameworks are checked to agree. With --baseline REV, netdsl as of git revision REV
+(its netdsl/, stdlib/ and grammar/ exported to bench/.baseline/REV, git-ignored) runs as one more
+framework in the same rotation, so a change is measured against its base under the same
+load; the last column is then against it too. With --profile, a cProfile and per-op times of one
 netdsl step of the first network follow the table.
 
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set (this machine sets them for old OpenBLAS
@@ -151,6 +154,19 @@ def gemm_rate(cmds: dict, threads: int) -> dict:
     return rates
 
 
+def export_revision(rev: str) -> Path:
+    """netdsl/, stdlib/ and grammar/ as of git revision `rev`, under bench/.baseline/ (reused)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    dest = BENCH / ".baseline" / sha
+    if not (dest / "netdsl" / "__init__.py").exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha, "netdsl", "stdlib", "grammar"], cwd=ROOT,
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return dest
+
+
 def commands(net: str, fw: str, a, pythons: dict) -> tuple[list, dict] | None:
     file, batch, blocks = NETWORKS[net]
     batch = a.batch or batch
@@ -159,6 +175,10 @@ def commands(net: str, fw: str, a, pythons: dict) -> tuple[list, dict] | None:
     if fw == "netdsl":
         return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
                  *common], child_env(a.threads))
+    if fw.startswith("netdsl@"):
+        return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
+                 "--src", pythons[fw], "--label", fw.split("@", 1)[1], *common],
+                child_env(a.threads))
     if fw == "PyTorch":
         return ([pythons[fw], REFS / "torch_step.py", "--net", net, *common],
                 child_env(a.threads))
@@ -204,6 +224,8 @@ def main(argv=None) -> int:
                     help="run only these (repeatable)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile and per-op times of one netdsl step of the first network")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also run netdsl as of this git revision, in the same rotation")
     ap.add_argument("--setup-only", action="store_true", help="make the venvs and stop")
     ap.add_argument("--json-out", help="also write every figure to this JSON file")
     a = ap.parse_args(argv)
@@ -221,11 +243,15 @@ def main(argv=None) -> int:
         log(f"WARNING: {pinned} is set: OpenBLAS is pinned to that kernel; unset both with "
             "`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` for the benchmark command")
     pythons = {fw: ensure_venv(fw) for fw in frameworks if fw != "netdsl"}
+    if a.baseline:
+        src = export_revision(a.baseline)
+        frameworks.insert(1, f"netdsl@{src.name}")
+        pythons[frameworks[1]] = src
     if a.setup_only:
         return 0
 
     t_start = time.perf_counter()
-    rates = gemm_rate({fw: [py] for fw, py in pythons.items()}, a.threads)
+    rates = gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"}, a.threads)
     gemm = max(r["gflops"] for r in rates.values())
     log("[gemm] " + ", ".join(f"{r['library']} {r['gflops']:.0f} GFLOP/s"
                               for r in rates.values()))

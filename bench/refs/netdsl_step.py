@@ -22,16 +22,29 @@ import json
 import pstats
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-import netdsl
-from netdsl.ir import registry
-from netdsl.ir.stats import summarize
-from netdsl.runtime.schedule import lr_at
-from netdsl.runtime.trainer import RunOptions, Trainer
+def _use_source(argv: list[str]) -> None:
+    """--src DIR: import netdsl and its stdlib from DIR (another revision's files, which
+    bench_step.py --baseline exports) instead of this checkout's editable install."""
+    if "--src" in argv:
+        src = argv[argv.index("--src") + 1]
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not getattr(f, "__module__", "").startswith("__editable__")]
+        sys.path.insert(0, src)
+
+
+_use_source(sys.argv)
+import numpy as np  # noqa: E402
+
+import netdsl  # noqa: E402
+from netdsl.ir import registry  # noqa: E402
+from netdsl.ir.stats import summarize  # noqa: E402
+from netdsl.runtime.schedule import lr_at  # noqa: E402
+from netdsl.runtime.trainer import RunOptions, Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,6 +131,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--label", default="", help="shown after `netdsl` in the report")
+    ap.add_argument("--src", help="import netdsl from this directory (see _use_source)")
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     threadpool_limits(a.threads)
@@ -134,7 +149,8 @@ def main() -> None:
             times.append(dt)
             cpus.append(cpu)
             losses.append(loss)
-    res = {"framework": f"netdsl {getattr(netdsl, '__version__', '')} (NumPy {np.__version__})",
+    label = f" @{a.label}" if a.label else ""
+    res = {"framework": f"netdsl{label} (NumPy {np.__version__})",
            "params": tr.stats.params, "times": times, "cpu_times": cpus,
            "median_s": statistics.median(times),
            "losses": losses, "build_s": build_s, "peak_bytes": tr.executor.peak_bytes,

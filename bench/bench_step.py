@@ -32,7 +32,8 @@ framework's high-water mark is its own); netdsl also reports its executor's own 
 GFLOP/s are the step's FLOPs (netdsl's registry counts over the training graph, the same
 network for every framework) over the step time; the float32 GEMM rate (a 2048^3 product
 in NumPy and in torch, the best of both) is measured in the same run, before the first
-network, and each GFLOP/s figure is also given as a share of it. The parameter counts of
+network and again after the last (the higher of the two counts), and each GFLOP/s
+figure is also given as a share of it. The parameter counts of
 all frameworks are checked to agree. With --baseline REV, netdsl as of git revision REV
 (its netdsl/, stdlib/ and grammar/ exported to bench/.baseline/REV, git-ignored) runs as one more
 framework in the same rotation, so a change is measured against its base under the same
@@ -273,6 +274,13 @@ def main(argv=None) -> int:
             raise SystemExit(f"{net}: parameter counts disagree: {counts}")
         table[net] = {"summary": summary, "runs": runs}
 
+    # once more after the networks: on a shared machine the quieter of the two is the rate
+    for fw, r in gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"},
+                           a.threads).items():
+        if r["gflops"] > rates[fw]["gflops"]:
+            rates[fw] = r
+    gemm = max(r["gflops"] for r in rates.values())
+
     prof = None
     if a.profile and "netdsl" in frameworks:
         file, batch, _ = NETWORKS[nets[0]]
@@ -288,7 +296,7 @@ def main(argv=None) -> int:
           f"per framework, taking turns; compared: the median of the quietest round; whole "
           f"run {elapsed:.0f} s")
     print(f"OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: {pinned or 'unset'}")
-    print("float32 GEMM rate (2048^3, best of 5): " + ", ".join(
+    print("float32 GEMM rate (2048^3, best of 5, before and after the networks): " + ", ".join(
         f"{r['library']} {r['gflops']:.0f} GFLOP/s" for r in rates.values())
         + f"; % GEMM below is of {gemm:.0f}")
     print()

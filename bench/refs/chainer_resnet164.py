@@ -3,7 +3,8 @@
     SETUPTOOLS_USE_DISTUTILS=stdlib bench/.venvs/chainer/bin/python \
         bench/refs/chainer_resnet164.py --batch 16 --steps 5
 
-The same network as examples/resnet164-cifar.net and refs/torch_resnet164.py (see there);
+The same network as examples/resnet164-cifar.net (--blocks 18) or resnet1001-cifar.net
+(--blocks 111) and PreactResNet in refs/torch_models.py (see there);
 MomentumSGD lr 0.1, momentum 0.9, with a WeightDecay(1e-4) hook. Chainer runs on NumPy
 (im2col + tensordot convolutions), so it is the closest peer of netdsl's NumPy backend.
 Prints one JSON line: parameter count, per-step seconds (after warm-up), thread info.

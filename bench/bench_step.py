@@ -29,6 +29,8 @@ rounds, so load from other processes hits them alike. The figure compared is the
 of each framework's quietest round (the lowest round median: on a shared machine other
 processes come and go). Every process reports its peak RSS (ru_maxrss, so each
 framework's high-water mark is its own); netdsl also reports its executor's own peak.
+CPU s/step (the process's CPU time per step, the best round's median) is shown too: with
+--threads 1 it is steadier than wall time when other processes share the cores.
 GFLOP/s are the step's FLOPs (netdsl's registry counts over the training graph, the same
 network for every framework) over the step time; the float32 GEMM rate (a 2048^3 product
 in NumPy and in torch, the best of both) is measured in the same run, before the first
@@ -301,8 +303,8 @@ def main(argv=None) -> int:
         + f"; % GEMM below is of {gemm:.0f}")
     print()
     print("| network | batch | framework | ms/step | images/s | GFLOP/s | % GEMM | "
-          "peak RSS MB | netdsl peak MB | netdsl / this |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "peak RSS MB | netdsl peak MB | CPU s/step | netdsl / this |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for net, t in table.items():
         summ = t["summary"]
         nd = summ.get("netdsl")
@@ -314,7 +316,7 @@ def main(argv=None) -> int:
             print(f"| {net} | {batch} | {s['framework']} | {1000 * s['median_s']:.1f} | "
                   f"{batch / s['median_s']:.1f} | {f'{gf:.1f}' if gf else '-'} | "
                   f"{f'{100 * gf / gemm:.1f}' if gf else '-'} | {mb(s['rss_peak_bytes'])} | "
-                  f"{mb(s.get('peak_bytes'))} | {ratio} |")
+                  f"{mb(s.get('peak_bytes'))} | {s['cpu_median_s']:.3f} | {ratio} |")
     print()
     for net, t in table.items():
         for fw, s in t["summary"].items():

@@ -1,29 +1,46 @@
-"""One ResNet-164 training step: netdsl vs PyTorch vs Chainer, in the same run (issue 3).
+"""One training step per network: netdsl vs PyTorch (and Chainer) in the same run (issue 8).
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE /work/venv/bin/python bench/bench_step.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/bench_step.py \
+        --nets resnet164,digits-cnn,transformer-tiny        # or --nets all
 
-The network is examples/resnet164-cifar.net (CIFAR pre-activation bottleneck ResNet-164,
-1,703,258 parameters), batch 16 of 32x32x3 inputs, 10 classes, softmax cross-entropy and
-SGD with momentum 0.9 (weight decay 1e-4). The same network is written as a small
-reference program for each framework under bench/refs/:
+Networks (--nets, comma-separated, or `all`): the example files below at the batch given,
+each with its file's optimizer, one full step (forward, backward, optimizer update):
 
-  netdsl   refs/netdsl_resnet164.py   this checkout, run with this interpreter
-  PyTorch  refs/torch_resnet164.py    nn.Module, torch==2.13.0 (CPU wheel), bench/.venvs/torch
-  Chainer  refs/chainer_resnet164.py  chainer.Chain, chainer==7.8.1 on numpy<2,
-                                      bench/.venvs/chainer
+  resnet164         examples/resnet164-cifar.net   batch 16, 32x32        (Chainer too)
+  resnet50          examples/resnet50.net          batch 16, 224x224
+  resnet1001        examples/resnet1001-cifar.net  batch 16, 32x32        (Chainer too)
+  digits-cnn        examples/digits-cnn.net        batch 32, 8x8
+  transformer-tiny  examples/transformer-tiny.net  batch 32, 32 tokens
+  vgg16             examples/vgg16.net             batch 8, 224x224
+
+Each framework has a small reference program under bench/refs/ and its own process:
+
+  netdsl   refs/netdsl_step.py      this checkout, run with this interpreter
+  PyTorch  refs/torch_step.py       refs/torch_models.py; torch==2.13.0 (CPU), bench/.venvs/torch
+  Chainer  refs/chainer_resnet164.py  chainer==7.8.1 on numpy<2, bench/.venvs/chainer
+                                    (the pre-activation ResNets only)
 
 The references live in their own virtual environments (git-ignored, never project
 dependencies); they are created on first use and reused after that (--setup-only makes
 them and stops). Each reference runs as a subprocess with the same thread count
 (--threads, default 2: OMP/OPENBLAS/MKL_NUM_THREADS and the framework's own setting),
-does --warmup steps, then times --steps steps of forward + backward + SGD update; the
-frameworks take turns for --rounds rounds, so load from other processes hits all three
-alike. The figure compared is the median of each framework's quietest round (the lowest
-round median: on a shared machine other processes come and go, and a BLAS thread team
-that loses a core slows 3-10x); the min, the median over all timed steps and CPU seconds
-per step are shown too. It checks that all three count the same parameters, then runs
-`netdsl run FILE --steps 3 --batch 16 --json` (the CLI figures) and a cProfile of one
-netdsl step (top kernels), unless --no-cli / --no-profile.
+does --warmup steps, then times --steps steps; the frameworks take turns for --rounds
+rounds, so load from other processes hits them alike. The figure compared is the median
+of each framework's quietest round (the lowest round median: on a shared machine other
+processes come and go). Every process reports its peak RSS (ru_maxrss, so each
+framework's high-water mark is its own); netdsl also reports its executor's own peak.
+CPU s/step (the process's CPU time per step, the best round's median) is shown too: with
+--threads 1 it is steadier than wall time when other processes share the cores.
+GFLOP/s are the step's FLOPs (netdsl's registry counts over the training graph, the same
+network for every framework) over the step time; the float32 GEMM rate (a 2048^3 product
+in NumPy and in torch, the best of both) is measured in the same run, before the first
+network and again after the last (the higher of the two counts), and each GFLOP/s
+figure is also given as a share of it. The parameter counts of
+all frameworks are checked to agree. With --baseline REV, netdsl as of git revision REV
+(its netdsl/, stdlib/ and grammar/ exported to bench/.baseline/REV, git-ignored) runs as one more
+framework in the same rotation, so a change is measured against its base under the same
+load; the last column is then against it too. With --profile, a cProfile and per-op times of one
+netdsl step of the first network follow the table.
 
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set (this machine sets them for old OpenBLAS
 builds), pin OpenBLAS to a slower kernel: unset both in the benchmark command only, as
@@ -44,8 +61,16 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 VENVS = BENCH / ".venvs"
 REFS = BENCH / "refs"
-NET = ROOT / "examples" / "resnet164-cifar.net"
-PARAMS = 1_703_258
+
+# name -> (example file, batch, Chainer's --blocks or None when it has no reference)
+NETWORKS = {
+    "resnet164": ("resnet164-cifar.net", 16, 18),
+    "resnet50": ("resnet50.net", 16, None),
+    "resnet1001": ("resnet1001-cifar.net", 16, 111),
+    "digits-cnn": ("digits-cnn.net", 32, None),
+    "transformer-tiny": ("transformer-tiny.net", 32, None),
+    "vgg16": ("vgg16.net", 8, None),
+}
 
 # name -> (venv, check that the venv is complete, pip installs in order, extra env)
 REFERENCES = {
@@ -120,9 +145,79 @@ def kernel_of(res: dict) -> str:
                      f" x{p['num_threads']}".replace("  ", " ") for p in pools)
 
 
+def gemm_rate(cmds: dict, threads: int) -> dict:
+    """The float32 GEMM rate of NumPy's BLAS (this interpreter) and of torch, if run."""
+    rates = {}
+    for fw, py in (("netdsl", sys.executable), ("PyTorch", cmds.get("PyTorch", [None])[0])):
+        if py is None:
+            continue
+        cmd = [py, REFS / "gemm_rate.py", "--threads", threads] + (["--torch"] if
+                                                                  fw == "PyTorch" else [])
+        rates[fw] = run_json(cmd, child_env(threads), timeout=300)
+    return rates
+
+
+def export_revision(rev: str) -> Path:
+    """netdsl/, stdlib/ and grammar/ as of git revision `rev`, under bench/.baseline/ (reused)."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    dest = BENCH / ".baseline" / sha
+    if not (dest / "netdsl" / "__init__.py").exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", sha, "netdsl", "stdlib", "grammar"], cwd=ROOT,
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    return dest
+
+
+def commands(net: str, fw: str, a, pythons: dict) -> tuple[list, dict] | None:
+    file, batch, blocks = NETWORKS[net]
+    batch = a.batch or batch
+    common = ["--batch", batch, "--steps", a.steps, "--warmup", a.warmup,
+              "--threads", a.threads]
+    if fw == "netdsl":
+        return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
+                 *common], child_env(a.threads))
+    if fw.startswith("netdsl@"):
+        return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
+                 "--src", pythons[fw], "--label", fw.split("@", 1)[1], *common],
+                child_env(a.threads))
+    if fw == "PyTorch":
+        return ([pythons[fw], REFS / "torch_step.py", "--net", net, *common],
+                child_env(a.threads))
+    if blocks is None:
+        return None
+    return ([pythons[fw], REFS / "chainer_resnet164.py", "--blocks", blocks, *common],
+            child_env(a.threads, REFERENCES[fw][3]))
+
+
+def summarise(rs: list[dict]) -> dict:
+    times = [t for res in rs for t in res["times"]]
+    # other processes come and go on a shared machine: each round's median, and the
+    # figure compared is the quietest round's (all steps' median and min shown too)
+    best = min(rs, key=lambda res: res["median_s"])
+    out = {"framework": rs[0]["framework"], "params": rs[0]["params"],
+           "median_s": best["median_s"], "all_median_s": statistics.median(times),
+           "min_s": min(times), "round_medians": [res["median_s"] for res in rs],
+           "best_load": best["load"], "cpu_median_s": statistics.median(best["cpu_times"]),
+           "rss_peak_bytes": max(res["rss_peak_bytes"] for res in rs),
+           "steps": len(times), "kernel": kernel_of(rs[0]), "losses": rs[0]["losses"]}
+    for k in ("peak_bytes", "expected_bytes", "cpu_capability", "mkldnn", "step_flops",
+              "batch"):
+        if k in rs[0]:
+            out[k] = rs[0][k]
+    return out
+
+
+def mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--nets", default="resnet164",
+                    help=f"comma-separated, or `all`: {', '.join(NETWORKS)} (default resnet164)")
+    ap.add_argument("--batch", type=int, default=None, help="override every network's batch")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2,
@@ -130,129 +225,113 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", choices=("netdsl", "PyTorch", "Chainer"), action="append",
                     help="run only these (repeatable)")
-    ap.add_argument("--no-cli", action="store_true", help="skip the `netdsl run` figures")
-    ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of netdsl")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile and per-op times of one netdsl step of the first network")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also run netdsl as of this git revision, in the same rotation")
     ap.add_argument("--setup-only", action="store_true", help="make the venvs and stop")
     ap.add_argument("--json-out", help="also write every figure to this JSON file")
     a = ap.parse_args(argv)
     frameworks = a.only or ["netdsl", "PyTorch", "Chainer"]
+    nets = list(NETWORKS) if a.nets == "all" else [n.strip() for n in a.nets.split(",")]
+    unknown = [n for n in nets if n not in NETWORKS]
+    if unknown:
+        ap.error(f"unknown network(s) {unknown}: choose from {', '.join(NETWORKS)} or all")
+    if "Chainer" in frameworks and all(NETWORKS[n][2] is None for n in nets):
+        frameworks.remove("Chainer")
 
     pinned = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
               if k in os.environ}
     if pinned:
         log(f"WARNING: {pinned} is set: OpenBLAS is pinned to that kernel; unset both with "
             "`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` for the benchmark command")
-
-    cmds: dict[str, tuple[list, dict]] = {}
-    args = ["--batch", a.batch, "--steps", a.steps, "--warmup", a.warmup,
-            "--threads", a.threads]
-    for fw in frameworks:
-        if fw == "netdsl":
-            cmds[fw] = ([sys.executable, REFS / "netdsl_resnet164.py", "--file", NET, *args],
-                        child_env(a.threads))
-        else:
-            py = ensure_venv(fw)
-            name = REFERENCES[fw][0]
-            cmds[fw] = ([py, REFS / f"{name}_resnet164.py", *args],
-                        child_env(a.threads, REFERENCES[fw][3]))
+    pythons = {fw: ensure_venv(fw) for fw in frameworks if fw != "netdsl"}
+    if a.baseline:
+        src = export_revision(a.baseline)
+        frameworks.insert(1, f"netdsl@{src.name}")
+        pythons[frameworks[1]] = src
     if a.setup_only:
         return 0
 
     t_start = time.perf_counter()
-    runs: dict[str, list[dict]] = {fw: [] for fw in frameworks}
-    for r in range(a.rounds):
-        for fw in frameworks:
-            cmd, env = cmds[fw]
-            res = run_json(cmd, env, timeout=900)
-            runs[fw].append(res)
-            log(f"[round {r + 1}/{a.rounds}] {fw:8s} median {res['median_s']:.3f} s/step "
-                f"(steps {', '.join(f'{t:.2f}' for t in res['times'])}; "
-                f"load {res['load'][0]:.1f}->{res['load'][1]:.1f})")
+    rates = gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"}, a.threads)
+    gemm = max(r["gflops"] for r in rates.values())
+    log("[gemm] " + ", ".join(f"{r['library']} {r['gflops']:.0f} GFLOP/s"
+                              for r in rates.values()))
+    table: dict[str, dict] = {}
+    for net in nets:
+        cmds = {fw: c for fw in frameworks if (c := commands(net, fw, a, pythons))}
+        runs: dict[str, list[dict]] = {fw: [] for fw in cmds}
+        for r in range(a.rounds):
+            for fw, (cmd, env) in cmds.items():
+                res = run_json(cmd, env, timeout=1800)
+                runs[fw].append(res)
+                log(f"[{net} round {r + 1}/{a.rounds}] {fw:8s} median {res['median_s']:.3f} "
+                    f"s/step (steps {', '.join(f'{t:.2f}' for t in res['times'])}; load "
+                    f"{res['load'][0]:.1f}->{res['load'][1]:.1f}; RSS "
+                    f"{mb(res['rss_peak_bytes'])} MB)")
+        summary = {fw: summarise(rs) for fw, rs in runs.items()}
+        counts = {fw: s["params"] for fw, s in summary.items()}
+        if len(set(counts.values())) > 1:
+            raise SystemExit(f"{net}: parameter counts disagree: {counts}")
+        table[net] = {"summary": summary, "runs": runs}
 
-    summary = {}
-    for fw, rs in runs.items():
-        times = [t for res in rs for t in res["times"]]
-        cpus = [t for res in rs for t in res.get("cpu_times", [])]
-        # other processes come and go on a shared machine: each round's median, and the
-        # figure compared is the quietest round's (all steps' median and min shown too)
-        best = min(rs, key=lambda res: res["median_s"])
-        summary[fw] = {"framework": rs[0]["framework"], "params": rs[0]["params"],
-                       "median_s": best["median_s"], "all_median_s": statistics.median(times),
-                       "min_s": min(times), "round_medians": [res["median_s"] for res in rs],
-                       "best_load": best["load"],
-                       "cpu_median_s": statistics.median(best["cpu_times"]) if cpus else None,
-                       "steps": len(times), "kernel": kernel_of(rs[0]),
-                       "losses": rs[0]["losses"]}
-        for k in ("peak_bytes", "expected_bytes", "cpu_capability", "mkldnn"):
-            if k in rs[0]:
-                summary[fw][k] = rs[0][k]
-
-    bad = {fw: s["params"] for fw, s in summary.items() if s["params"] != PARAMS}
-    if bad:
-        raise SystemExit(f"parameter counts disagree: expected {PARAMS:,}, got {bad}")
-
-    cli = None
-    if not a.no_cli and "netdsl" in frameworks:
-        netdsl_bin = Path(sys.executable).with_name("netdsl")
-        cmd = [netdsl_bin, "run", NET.relative_to(ROOT), "--steps", "3", "--batch",
-               str(a.batch), "--json"]
-        t0 = time.perf_counter()
-        r = subprocess.run([str(c) for c in cmd], env=child_env(a.threads), cwd=ROOT,
-                           capture_output=True, text=True, timeout=900)
-        if r.returncode:
-            raise SystemExit(f"`netdsl run` failed ({r.returncode}):\n{r.stderr[-4000:]}")
-        cli = json.loads(r.stdout)
-        cli["wall_s"] = time.perf_counter() - t0
-        log(f"[cli] netdsl run: step_time_s {cli['step_time_s']:.3f}, images_per_s "
-            f"{cli['images_per_s']:.2f}, peak_bytes {cli['peak_bytes']:,}")
+    # once more after the networks: on a shared machine the quieter of the two is the rate
+    for fw, r in gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"},
+                           a.threads).items():
+        if r["gflops"] > rates[fw]["gflops"]:
+            rates[fw] = r
+    gemm = max(r["gflops"] for r in rates.values())
 
     prof = None
-    if not a.no_profile and "netdsl" in frameworks:
-        cmd = [sys.executable, REFS / "netdsl_resnet164.py", "--file", NET, "--batch",
-               a.batch, "--steps", 1, "--warmup", 1, "--threads", a.threads, "--profile",
-               "--top", 5]
-        prof = run_json(cmd, child_env(a.threads), timeout=900)
+    if a.profile and "netdsl" in frameworks:
+        file, batch, _ = NETWORKS[nets[0]]
+        cmd = [sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
+               "--batch", a.batch or batch, "--steps", 1, "--warmup", 1, "--threads",
+               a.threads, "--profile", "--top", 8]
+        prof = run_json(cmd, child_env(a.threads), timeout=1800)
     elapsed = time.perf_counter() - t_start
 
     # -- report ------------------------------------------------------------------------------
-    print(f"ResNet-164 (CIFAR pre-activation bottleneck) training step, batch {a.batch}, "
-          f"32x32x3, 10 classes, SGD momentum; {a.threads} threads each")
-    print(f"{a.rounds} rounds x ({a.warmup} warm-up + {a.steps} timed steps) per framework; "
-          f"compared: the median of the quietest round; whole run {elapsed:.0f} s")
+    print(f"One training step (forward, backward, the file's optimizer update); {a.threads} "
+          f"threads each; {a.rounds} rounds x ({a.warmup} warm-up + {a.steps} timed steps) "
+          f"per framework, taking turns; compared: the median of the quietest round; whole "
+          f"run {elapsed:.0f} s")
     print(f"OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: {pinned or 'unset'}")
-    counts = ", ".join(f"{fw} {s['params']:,}" for fw, s in summary.items())
-    print(f"parameters: {counts} (expected {PARAMS:,}: agree)")
+    print("float32 GEMM rate (2048^3, best of 5, before and after the networks): " + ", ".join(
+        f"{r['library']} {r['gflops']:.0f} GFLOP/s" for r in rates.values())
+        + f"; % GEMM below is of {gemm:.0f}")
     print()
-    nd = summary.get("netdsl")
-    print("| framework | s/step (best round median) | min | all steps median | "
-          "CPU s/step | netdsl / this |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for s in summary.values():
-        ratio = f"{nd['median_s'] / s['median_s']:.2f}x" if nd else "-"
-        cpu = f"{s['cpu_median_s']:.3f}" if s["cpu_median_s"] is not None else "-"
-        print(f"| {s['framework']} | {s['median_s']:.3f} | {s['min_s']:.3f} | "
-              f"{s['all_median_s']:.3f} | {cpu} | {ratio} |")
+    print("| network | batch | framework | ms/step | images/s | GFLOP/s | % GEMM | "
+          "peak RSS MB | netdsl peak MB | CPU s/step | netdsl / this |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for net, t in table.items():
+        summ = t["summary"]
+        nd = summ.get("netdsl")
+        flops = nd["step_flops"] if nd else None
+        for s in summ.values():
+            batch = a.batch or NETWORKS[net][1]
+            gf = flops / s["median_s"] / 1e9 if flops else None
+            ratio = f"{nd['median_s'] / s['median_s']:.2f}" if nd else "-"
+            print(f"| {net} | {batch} | {s['framework']} | {1000 * s['median_s']:.1f} | "
+                  f"{batch / s['median_s']:.1f} | {f'{gf:.1f}' if gf else '-'} | "
+                  f"{f'{100 * gf / gemm:.1f}' if gf else '-'} | {mb(s['rss_peak_bytes'])} | "
+                  f"{mb(s.get('peak_bytes'))} | {s['cpu_median_s']:.3f} | {ratio} |")
     print()
-    for fw, s in summary.items():
-        print(f"round medians {fw}: {', '.join(f'{m:.3f}' for m in s['round_medians'])} s"
-              f" (load average in the best round {s['best_load'][0]:.1f}->"
-              f"{s['best_load'][1]:.1f})")
+    for net, t in table.items():
+        for fw, s in t["summary"].items():
+            print(f"{net} {fw}: round medians {', '.join(f'{m:.3f}' for m in s['round_medians'])}"
+                  f" s, min {s['min_s']:.3f}, CPU {s['cpu_median_s']:.3f} s/step, load "
+                  f"{s['best_load'][0]:.1f}->{s['best_load'][1]:.1f}; params {s['params']:,}"
+                  + (f"; step {s['step_flops'] / 1e9:.2f} GFLOP" if "step_flops" in s else ""))
     print()
-    for fw, s in summary.items():
-        print(f"BLAS/threads {fw}: {s['kernel']}"
-              + (f"; torch cpu capability {s['cpu_capability']}, mkldnn {s['mkldnn']}"
-                 if "cpu_capability" in s else ""))
-    if nd:
-        print(f"netdsl step peak_bytes {nd['peak_bytes']:,} (predicted {nd['expected_bytes']:,})")
-    if cli:
-        print(f"\nnetdsl run {NET.relative_to(ROOT)} --steps 3 --batch {a.batch} --json:")
-        print("  " + ", ".join(f"{k} {cli[k]}" for k in
-                                ("steps", "step_time_s", "images_per_s", "peak_bytes",
-                                 "expected_bytes", "params", "final_loss")))
+    kernels = {fw: s["kernel"] for t in table.values() for fw, s in t["summary"].items()}
+    for fw, k in kernels.items():
+        print(f"BLAS/threads {fw}: {k}")
     if prof:
         p = prof["profile"]
-        print(f"\ncProfile of one netdsl step: {p['profiled_total_s']:.2f} s profiled "
-              f"(step {prof['times'][0]:.2f} s unprofiled just before); kernels by "
+        print(f"\ncProfile of one netdsl step of {nets[0]}: {p['profiled_total_s']:.2f} s "
+              f"profiled (step {prof['times'][0]:.2f} s unprofiled just before); kernels by "
               "cumulative time:")
         for k in p["kernels"]:
             print(f"  {k['cum_s']:7.3f} s {100 * k['cum_s'] / p['profiled_total_s']:5.1f}%  "
@@ -261,14 +340,14 @@ def main(argv=None) -> int:
         for f in p["functions_by_self_time"]:
             print(f"  {f['self_s']:7.3f} s {100 * f['self_s'] / p['profiled_total_s']:5.1f}%  "
                   f"{f['function']} x{f['calls']}")
-        print("wall time per op, one step, no profiler (top 8):")
+        print("wall time per op, one step, no profiler (top 12):")
         tot = sum(r[2] for r in prof["op_times"])
-        for op, calls, s in prof["op_times"][:8]:
-            print(f"  {s:7.3f} s {100 * s / tot:5.1f}%  {op} x{calls}")
+        for op, calls, sec in prof["op_times"][:12]:
+            print(f"  {sec:7.3f} s {100 * sec / tot:5.1f}%  {op} x{calls}")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(
-            {"summary": summary, "runs": runs, "cli": cli, "profile": prof,
-             "pinned_env": pinned, "elapsed_s": elapsed}, indent=1))
+            {"table": table, "gemm": rates, "profile": prof, "pinned_env": pinned,
+             "elapsed_s": elapsed}, indent=1))
     return 0
 
 

@@ -183,3 +183,40 @@ def test_optimizer_state_streamed_from_the_host_changes_no_number(kind):
             between = order[order.index(upd) + 1:order.index(n.name)]
             assert all(h[b].op == "to_host_into" for b in between)  # Adam writes back two
             assert order.index(n.inputs[1]) < order.index(upd)
+
+
+POINTWISE = """
+network pointwise {
+    input x: f32[N, 8, 6, 6]
+    input y: i64[N]
+    h = relu(batchnorm(conv2d(x, 16, kernel=1, bias=false)))
+    h = conv2d(h, 8, kernel=1) + x
+    h = conv2d(relu(batchnorm(h, affine=false)), 4, kernel=1, padding=(0, 0, 1, 1))
+    logits = linear(flatten(h), 3)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+"""
+
+
+@pytest.mark.parametrize("example,batch", [("resnet20-cifar", 2), ("pointwise", 3)])
+def test_arena_step_matches_the_plain_step_bit_for_bit(example, batch):
+    """Kernels that write into their planned slot (1x1 convolutions and their input
+    gradients, batchnorm and its input gradient) give what they return without a slot."""
+    if example == "pointwise":
+        import netdsl
+        g = add_optimizer(autodiff(netdsl.loads(POINTWISE).lower(batch)), "sgd", lr=0.05,
+                          momentum=0.9)
+    else:
+        g = step_graph(example, batch)
+    feeds = example_feeds(g)
+    plain = run_steps(g, feeds)
+    ex = Executor(g, "numpy", dtype="f64", seed=7, arena=True)
+    arena = []
+    for _ in range(2):
+        r = ex.run(feeds, roles=WITH_GRADS)
+        arena.append([np.array(v) for k in ("loss", "grads") for v in r[k]])
+    for a, b in zip(plain[0], arena):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    for k, v in plain[1].items():
+        assert np.array_equal(v, ex.state_dict()[k]), k

@@ -3,7 +3,8 @@
     SETUPTOOLS_USE_DISTUTILS=stdlib bench/.venvs/chainer/bin/python \
         bench/refs/chainer_resnet164.py --batch 16 --steps 5
 
-The same network as examples/resnet164-cifar.net and refs/torch_resnet164.py (see there);
+The same network as examples/resnet164-cifar.net (--blocks 18) or resnet1001-cifar.net
+(--blocks 111) and PreactResNet in refs/torch_models.py (see there);
 MomentumSGD lr 0.1, momentum 0.9, with a WeightDecay(1e-4) hook. Chainer runs on NumPy
 (im2col + tensordot convolutions), so it is the closest peer of netdsl's NumPy backend.
 Prints one JSON line: parameter count, per-step seconds (after warm-up), thread info.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 import warnings
@@ -83,9 +85,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)  # set through OPENBLAS_NUM_THREADS
+    ap.add_argument("--blocks", type=int, default=18, help="per stage: 18 ResNet-164, 111 -1001")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    model = ResNet164()
+    model = ResNet164(a.blocks)
     opt = chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.9)
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
@@ -109,6 +112,7 @@ def main() -> None:
         "framework": f"Chainer {chainer.__version__} (NumPy {np.__version__})",
         "params": int(sum(p.size for p in model.params())),
         "times": times, "cpu_times": cpus, "median_s": statistics.median(times), "losses": losses,
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threadpools": threads_info()}))
 
 

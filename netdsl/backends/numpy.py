@@ -6,6 +6,8 @@ import tracemalloc
 
 import numpy as np
 
+from netdsl.backends.erf import erf as erf_arrays
+
 
 class TracemallocMeter:
     """Peak bytes allocated while it runs, measured by tracemalloc (NumPy reports its array
@@ -54,7 +56,7 @@ class NumpyBackend:
         self.device = device  # there is one host; the index only labels memory accounting
         try:
             from scipy.special import erf
-        except ImportError:  # SciPy is optional: fall back to math.erf element by element
+        except ImportError:  # SciPy is optional: a vectorised series / continued fraction
             erf = None
         self._erf = erf
 
@@ -73,7 +75,7 @@ class NumpyBackend:
     def erf(self, x):
         if self._erf is not None:
             return self._erf(x)
-        return np.vectorize(math.erf, otypes=[x.dtype])(x)
+        return erf_arrays(np, x)
 
     # -- storage: host and device are the same memory here, but the copies are real ----------
     def alloc(self, nbytes: int):

@@ -279,13 +279,16 @@ def _flat_padded(xp, x, ph, pw, extra):
     return buf
 
 
-def _conv_forward(xp, x, w, geom, g):
+def _conv_forward(xp, x, w, geom, g, out=None):
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, o = x.shape[0], w.shape[0]
     ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
-        return xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1)).reshape(n, o, ho, wo)
+        # one GEMM per image (folding the batch into one GEMM needs two transposing copies
+        # in NCHW, which cost more than they save: docs/benchmarks.md), straight into `out`
+        return xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1),
+                         out=_flat_out(out, n, o)).reshape(n, o, ho, wo)
     if (sh, sw) == (1, 1):
         # flat shift: one batched GEMM per kernel offset against a strided slice of the
         # flattened padded x, accumulated in place; no im2col buffer (kh*kw times the input)
@@ -310,18 +313,28 @@ def _conv_forward(xp, x, w, geom, g):
     return xp.matmul(w.reshape(g, o // g, -1), cols).reshape(n, o, ho, wo)
 
 
-def conv2d_forward(xp, x, w, a):
-    """y = conv2d(x, w) for the attributes `a` (any padding form; no bias)."""
+def _flat_out(out, n, c):
+    """The node's planned slot (arena runs; None otherwise) as the [N, C, H*W] array a
+    batched GEMM writes into."""
+    return None if out is None else out.reshape(n, c, -1)
+
+
+def conv2d_forward(xp, x, w, a, out=None):
+    """y = conv2d(x, w) for the attributes `a` (any padding form; no bias); a 1x1
+    convolution writes into `out` (the node's planned slot) when given."""
     a, extra = _split(a)
-    return _conv_forward(xp, _pad_extra(xp, x, extra), w, _geometry(None, a), a["groups"])
+    return _conv_forward(xp, _pad_extra(xp, x, extra), w, _geometry(None, a), a["groups"],
+                         out)
 
 
-def conv2d_grad_input(xp, dy, w, shape, a):
-    """dx of conv2d, for x of `shape`."""
+def conv2d_grad_input(xp, dy, w, shape, a, out=None):
+    """dx of conv2d, for x of `shape`; a 1x1 convolution's writes into `out` if given."""
     a, ((bh, bw), (eh, ew)) = _split(a)
     n, c, h, wd = shape
-    dx = _conv2d_gi(xp, [dy, w], {**a, "shape": (n, c, h + bh + eh, wd + bw + ew)}, None)
-    if bh or bw or eh or ew:
+    grown = bool(bh or bw or eh or ew)  # dx is cropped from a larger one: not into `out`
+    dx = _conv2d_gi(xp, [dy, w], {**a, "shape": (n, c, h + bh + eh, wd + bw + ew)},
+                    None if grown else out)
+    if grown:
         dx = xp.ascontiguousarray(dx[:, :, bh:bh + h, bw:bw + wd])
     return dx
 
@@ -334,7 +347,7 @@ def conv2d_grad_weight(xp, dy, x, shape, a):
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    y = conv2d_forward(xp, x, w, a)
+    y = conv2d_forward(xp, x, w, a, ctx.out)
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
@@ -347,7 +360,8 @@ def _conv2d_gw_kernel(xp, ins, a, ctx):
 
 @kernel("conv2d_grad_input")
 def _conv2d_gi_kernel(xp, ins, a, ctx):
-    return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a)
+    return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a,
+                             ctx.out)
 
 
 def _conv2d_gw(xp, ins, a, ctx):
@@ -384,7 +398,7 @@ def _conv2d_gw(xp, ins, a, ctx):
     return xp.matmul(dym.reshape(g, og, -1), cols.transpose(0, 2, 1)).reshape(tuple(a["shape"]))
 
 
-def _conv2d_gi(xp, ins, a, ctx):
+def _conv2d_gi(xp, ins, a, out):
     dy, w = ins
     n, o, ho, wo = dy.shape
     g = a["groups"]
@@ -392,7 +406,8 @@ def _conv2d_gi(xp, ins, a, ctx):
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
     if _is_pointwise(a):
-        return xp.matmul(w.reshape(o, -1).T, dy.reshape(n, o, -1)).reshape(n, c, h, wd)
+        return xp.matmul(w.reshape(o, -1).T, dy.reshape(n, o, -1),
+                         out=_flat_out(out, n, c)).reshape(n, c, h, wd)
     qh, qw = (kh - 1) * dh - ph, (kw - 1) * dw - pw
     if (sh, sw) == (1, 1) and qh >= 0 and qw >= 0:
         # stride 1: dx is dy convolved with the flipped kernel, in/out channels swapped

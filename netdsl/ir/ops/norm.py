@@ -3,7 +3,10 @@
 
 Backward recomputes the batch statistics from x instead of keeping them: both ops retain
 only their input and their scale (`weight`); the running statistics are never read.
-Batchnorm's backward is the training-mode one (gradients through the batch statistics).
+Batchnorm's backward is the training-mode one (gradients through the batch statistics):
+one `batchnorm_grad_stats` pass computes the batch mean and 1/std with the two
+per-channel sums of the backward (the weight and bias gradients), and
+`batchnorm_grad_from_stats` makes dx from them without recomputing anything.
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, norm_axis
@@ -112,6 +115,39 @@ for _op, _extra in (("batchnorm", ()), ("layernorm", (Arg("axis", "axis", -1),))
                    differentiable=False, doc=f"d(weight) of {_op}: sum of dy * x_hat"))
 
 
+# Batchnorm's backward as the gradient rule emits it: the statistics pass, then dx and the
+# affine gradients from its rows (batchnorm_grad_input/_weight above stay for other users)
+STAT_ROWS = ("weight", "bias", "mean", "inv")  # rows of batchnorm_grad_stats' result
+
+
+def _stats_shape(ins, a):
+    dy, x = ins
+    need_rank(x, "batchnorm_grad_stats", (2, 3, 4, 5))
+    return TensorType((len(STAT_ROWS), x.shape[1]), dy.dtype)
+
+
+register(OpDef("batchnorm_grad_stats",
+               (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0)),
+               _stats_shape, "backward", flops=lambda ins, out, a: 7 * ins[1].numel(),
+               # the deviations x - mean (one array of x's size) besides the result
+               workspace=lambda ins, out, a: 4 * ins[1].numel(), differentiable=False,
+               doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
+                   "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std"))
+register(OpDef("batchnorm_grad_from_stats",
+               (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("stats", "tensor"),
+                Arg("weight", "tensor", None)),
+               lambda ins, a: TensorType(ins[1].shape, ins[0].dtype), "backward",
+               flops=lambda ins, out, a: 8 * out.numel(), differentiable=False,
+               doc="dx of batchnorm from batchnorm_grad_stats' rows (nothing recomputed); "
+                   "weight optional"))
+register(OpDef("batchnorm_grad_affine",
+               (Arg("stats", "tensor"), Arg("row", "int", range=Range(0, 1))),
+               lambda ins, a: TensorType((ins[0].shape[1],), ins[0].dtype), "backward",
+               differentiable=False,
+               doc="batchnorm's weight (row 0) or bias (row 1) gradient out of "
+                   "batchnorm_grad_stats' result"))
+
+
 # -- kernels ----------------------------------------------------------------------------------
 # Batchnorm works on a (N, C, P) view of x (P = the product of the spatial dims; a view, no
 # copy, for a contiguous x): the per-channel sums are einsum reductions over axes 0 and 2
@@ -214,6 +250,40 @@ def _bn_gw(xp, ins, a, ctx):
     return xp.einsum("ncp,ncp->c", _view3(dy), d) * inv
 
 
+@kernel("batchnorm_grad_stats")
+def _bn_grad_stats(xp, ins, a, ctx):
+    dy3, x3 = _view3(ins[0]), _view3(ins[1])
+    mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
+    out = xp.empty((len(STAT_ROWS), x3.shape[1]), dtype=dy3.dtype)
+    out[0] = xp.einsum("ncp,ncp->c", dy3, d) * inv
+    out[1] = xp.einsum("ncp->c", dy3)
+    out[2] = mean
+    out[3] = inv
+    return out
+
+
+@kernel("batchnorm_grad_from_stats")
+def _bn_grad_from_stats(xp, ins, a, ctx):
+    # dx = w * inv * (dy - sum(dy) / M - (x - mean) * inv * sum(dy * x_hat) / M): as
+    # _bn_gi, with the sums (sum(dy * x_hat) = inv * sum(dy * (x - mean))) already known
+    dy, x, st = ins[0], ins[1], ins[2]
+    w = ins[3] if len(ins) > 3 else None
+    dy3 = _view3(dy)
+    count = dy3.shape[0] * dy3.shape[2]
+    gw, sdy, mean, inv = st[0], st[1], st[2], st[3]
+    dx = xp.subtract(_view3(x), mean[:, None], out=None if ctx.out is None else _view3(ctx.out))
+    dx *= (-inv * gw / count)[:, None]
+    dx += (-sdy / count)[:, None]
+    dx += dy3
+    dx *= (inv if w is None else inv * w)[:, None]
+    return dx.reshape(x.shape)
+
+
+@kernel("batchnorm_grad_affine")
+def _bn_grad_affine(xp, ins, a, ctx):
+    return ins[0][a["row"]].copy()
+
+
 def _rows(x, axis):
     """x as (rows, normalised elements): a view for contiguous x."""
     ax = axis % x.ndim
@@ -256,16 +326,23 @@ def _norm_rule(op):
         eps = {"eps": n.attrs["eps"]}
         if op == "layernorm":
             eps["axis"] = n.attrs["axis"]
-        if not n.attrs["affine"]:
+        if op == "batchnorm":
+            st = b.emit("batchnorm_grad_stats", [gy, x], eps, tag="stats")
+            if not n.attrs["affine"]:
+                out = [b.emit("batchnorm_grad_from_stats", [gy, x, st], tag="x")]
+            else:
+                out = [b.emit("batchnorm_grad_from_stats", [gy, x, st, n.inputs[1]], tag="x"),
+                       b.emit("batchnorm_grad_affine", [st], {"row": 0}, tag="weight"),
+                       b.emit("batchnorm_grad_affine", [st], {"row": 1}, tag="bias")]
+        elif not n.attrs["affine"]:
             out = [b.emit(f"{op}_grad_input", [gy, x], eps, tag="x")]
         else:
             w = n.inputs[1]
-            if op == "layernorm" and n.attrs["axis"] % n.type.rank != n.type.rank - 1:
+            if n.attrs["axis"] % n.type.rank != n.type.rank - 1:
                 # the bias gradient: dy summed over the leading (not normalised) dims
                 db = b.emit("sum_to", [gy], {"shape": b.type(w).shape}, tag="bias")
             else:
-                db = b.emit("sum_except", [gy], {"axis": 1 if op == "batchnorm" else -1},
-                            tag="bias")
+                db = b.emit("sum_except", [gy], {"axis": -1}, tag="bias")
             out = [b.emit(f"{op}_grad_input", [gy, x, w], eps, tag="x"),
                    b.emit(f"{op}_grad_weight", [gy, x], eps, tag="weight"), db]
         return out + [None] * (len(n.inputs) - len(out))  # no gradients for the buffers

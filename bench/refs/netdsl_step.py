@@ -1,11 +1,15 @@
-"""netdsl's own training step on examples/resnet164-cifar.net, for bench_step.py.
+"""netdsl's own training step on one network file, for bench_step.py.
 
-    /work/venv/bin/python bench/refs/netdsl_resnet164.py --batch 16 --steps 5 [--profile]
+    .venv/bin/python bench/refs/netdsl_step.py --file examples/resnet164-cifar.net \
+        --batch 16 --steps 5 [--profile]
 
 Builds the run exactly as `netdsl run` does (Trainer: forward graph bound to the batch,
 autodiff, SGD with momentum; synthetic data; the file's schedule) and times the same call
 that Trainer.fit times - `executor.run(feeds, training=True, roles=Trainer.ROLES)` plus
-reading the loss - without fit's logging and final evaluation. With --profile, one more
+reading the loss - without fit's logging and final evaluation. Besides the times it
+reports the step's FLOPs (the registry's counts over the training graph, forward and
+backward and update: `summarize(train_graph)`), the process's peak RSS and the executor's
+own peak. With --profile, one more
 step runs under cProfile and the report gives the kernels (registry ops' kernel
 functions) by cumulative time and the functions by own time.
 Prints one JSON line.
@@ -16,16 +20,31 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-import netdsl
-from netdsl.ir import registry
-from netdsl.runtime.schedule import lr_at
-from netdsl.runtime.trainer import RunOptions, Trainer
+def _use_source(argv: list[str]) -> None:
+    """--src DIR: import netdsl and its stdlib from DIR (another revision's files, which
+    bench_step.py --baseline exports) instead of this checkout's editable install."""
+    if "--src" in argv:
+        src = argv[argv.index("--src") + 1]
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not getattr(f, "__module__", "").startswith("__editable__")]
+        sys.path.insert(0, src)
+
+
+_use_source(sys.argv)
+import numpy as np  # noqa: E402
+
+import netdsl  # noqa: E402
+from netdsl.ir import registry  # noqa: E402
+from netdsl.ir.stats import summarize  # noqa: E402
+from netdsl.runtime.schedule import lr_at  # noqa: E402
+from netdsl.runtime.trainer import RunOptions, Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,12 +125,14 @@ def op_times(tr: Trainer) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--file", default=str(ROOT / "examples" / "resnet164-cifar.net"))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=None, help="default: the file's")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--label", default="", help="shown after `netdsl` in the report")
+    ap.add_argument("--src", help="import netdsl from this directory (see _use_source)")
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     threadpool_limits(a.threads)
@@ -128,11 +149,15 @@ def main() -> None:
             times.append(dt)
             cpus.append(cpu)
             losses.append(loss)
-    res = {"framework": f"netdsl {getattr(netdsl, '__version__', '')} (NumPy {np.__version__})",
+    label = f" @{a.label}" if a.label else ""
+    res = {"framework": f"netdsl{label} (NumPy {np.__version__})",
            "params": tr.stats.params, "times": times, "cpu_times": cpus,
            "median_s": statistics.median(times),
            "losses": losses, "build_s": build_s, "peak_bytes": tr.executor.peak_bytes,
-           "expected_bytes": tr.planned_peak_bytes(), "threadpools": threads_info()}
+           "expected_bytes": tr.planned_peak_bytes(), "batch": tr.batch,
+           "step_flops": summarize(tr.train_graph).flops_forward,
+           "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "threadpools": threads_info()}
     if a.profile:
         res["op_times"] = op_times(tr)
         prof = cProfile.Profile()

@@ -160,20 +160,32 @@ class OpDef:
         changes nothing else, so a rewrite may copy, move or drop it freely."""
         return not self.writes and not self.random
 
+    # The three below run several times per node the front end adds; they are computed
+    # once per signature (an OpDef's signature is not changed after registration, but a
+    # new one is noticed: the cache is keyed by it).
+    def _split(self) -> tuple[tuple[Arg, ...], tuple[Arg, ...], bool]:
+        cached = self.__dict__.get("_split_cache")
+        if cached is None or cached[0] is not self.signature:
+            sig = self.signature
+            cached = (sig, tuple(a for a in sig if a.kind in ("tensor", "tensors")),
+                      tuple(a for a in sig if a.kind not in ("tensor", "tensors")),
+                      any(a.kind == "tensors" for a in sig))
+            self.__dict__["_split_cache"] = cached
+        return cached[1:]
+
     @property
     def tensor_args(self) -> tuple[Arg, ...]:
-        return tuple(a for a in self.signature if a.kind in ("tensor", "tensors"))
+        return self._split()[0]
 
     def n_tensor_inputs(self, n_inputs: int) -> int:
         """How many of a node's inputs are tensor arguments; the rest are its parameters
         and buffers, in the order `params()` lists them."""
-        if any(a.kind == "tensors" for a in self.signature):
-            return n_inputs
-        return len(self.tensor_args)
+        tensor_args, _, variadic = self._split()
+        return n_inputs if variadic else len(tensor_args)
 
     @property
     def attr_args(self) -> tuple[Arg, ...]:
-        return tuple(a for a in self.signature if a.kind not in ("tensor", "tensors"))
+        return self._split()[1]
 
 
 OPS: dict[str, OpDef] = {}

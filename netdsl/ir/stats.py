@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 
 from netdsl.ir import registry
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.printer import fmt_attrs
 from netdsl.ir.types import TensorType
@@ -257,6 +258,11 @@ def summarize(g: Graph) -> Summary:
     """Statistics of `g`, which must be bound to an integer batch (`Graph.bind`)."""
     if not isinstance(g.batch, int):
         raise ValueError(f"graph {g.name} has the symbolic batch {g.batch!r}; bind it first")
+    with gc_paused():
+        return _summarize(g)
+
+
+def _summarize(g: Graph) -> Summary:
     ops = registry.load_all()
     types: dict[str, TensorType] = {}
     kinds: dict[str, str] = {}

@@ -47,6 +47,7 @@ def check_seconds(path: Path, src: str | None) -> tuple[float, float, str]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "netdsl_cli", "check", str(path)], env=env,
+                         cwd=path.parent,  # not this folder: `-m` would import its netdsl
                          capture_output=True, text=True, check=True).stdout
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
             for size, p in files:
                 wall, cpu, out = check_seconds(p, src)
                 ref = ref or (wall / size, cpu / size)
-                nodes = out.rsplit(",", 1)[-1].strip()
+                nodes = out.rsplit(", ", 1)[-1].strip()
                 print(f"  {size:6.2f} MB, {nodes:>16}: {wall:7.2f} s wall, {cpu:7.2f} s CPU; "
                       f"per MB {wall / size:5.2f} s wall ({wall / size / ref[0]:.2f}x the "
                       f"smallest), {cpu / size:5.2f} s CPU ({cpu / size / ref[1]:.2f}x)")

@@ -135,9 +135,9 @@ class Graph:
         return len(self.nodes)
 
     def add(self, node: Node) -> Node:
-        if node.name in self:
-            raise ValueError(f"duplicate node name {node.name!r}")
         index = self._idx()
+        if node.name in index:
+            raise ValueError(f"duplicate node name {node.name!r}")
         list.append(self.nodes, node)  # appending keeps the index valid: extend it
         index[node.name] = node
         return node

@@ -180,8 +180,11 @@ class OpDef:
     def n_tensor_inputs(self, n_inputs: int) -> int:
         """How many of a node's inputs are tensor arguments; the rest are its parameters
         and buffers, in the order `params()` lists them."""
-        tensor_args, _, variadic = self._split()
-        return n_inputs if variadic else len(tensor_args)
+        cached = self.__dict__.get("_split_cache")
+        if cached is None or cached[0] is not self.signature:
+            self._split()
+            cached = self.__dict__["_split_cache"]
+        return n_inputs if cached[3] else len(cached[1])
 
     @property
     def attr_args(self) -> tuple[Arg, ...]:

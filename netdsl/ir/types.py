@@ -34,7 +34,10 @@ class TensorType:
 
     @property
     def symbolic(self) -> bool:
-        return any(not isinstance(d, int) for d in self.shape)
+        for d in self.shape:  # a loop, not any(): this runs for every node, several times
+            if not isinstance(d, int):
+                return True
+        return False
 
     def bind(self, batch: int) -> TensorType:
         if not self.symbolic:

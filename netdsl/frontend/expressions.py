@@ -34,6 +34,9 @@ _COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operat
             ">": operator.gt, ">=": operator.ge}
 
 
+_METHODS: dict = {}  # (evaluator class, AST node class) -> its e_ method
+
+
 class Expressions:
     # -- values --------------------------------------------------------------------------
     def tensor_value(self, e: ast.Expr, frame: Frame, what: str):
@@ -66,8 +69,12 @@ class Expressions:
         raise self.error(msg, loc)
 
     def expr(self, e: ast.Expr, frame: Frame):
-        m = getattr(self, "e_" + type(e).__name__)
-        return m(e, frame)
+        # one dict lookup per expression node (a name built and looked up per node was a
+        # tenth of elaborating a big file); methods are found on the class, once per type
+        m = _METHODS.get((type(self), type(e)))
+        if m is None:
+            m = _METHODS[type(self), type(e)] = getattr(type(self), "e_" + type(e).__name__)
+        return m(self, e, frame)
 
     def e_Name(self, e: ast.Name, frame):
         return self.lookup(e.id, e.loc, frame)

@@ -145,6 +145,8 @@ class OpDef:
     def written_inputs(self, node) -> tuple[int, ...]:
         """Indices into `node.inputs` that running `node` overwrites in place."""
         w = self.writes
+        if not w:  # most ops: nothing written
+            return ()
         idx = w(node) if callable(w) else w
         return tuple(i for i in idx if i < len(node.inputs))  # optional inputs may be absent
 

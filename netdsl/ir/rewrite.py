@@ -85,6 +85,8 @@ def _check_float_dtypes(op: registry.OpDef, in_types) -> None:
     """The dtype rule: an operator's floating-point tensor arguments share one dtype. There
     is no implicit promotion (PyTorch's f32 @ f64 is an error too); a mix is a mistake
     in the program, reported here for every operator rather than in each shape rule."""
+    if len(in_types) < 2:  # nothing to disagree with
+        return
     floats = [(i, t) for i, t in enumerate(in_types[:op.n_tensor_inputs(len(in_types))])
               if t.is_float]
     for i, t in floats[1:]:

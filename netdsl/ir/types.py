@@ -55,7 +55,9 @@ class TensorType:
 
     def size_error(self) -> str | None:
         """Why this type cannot exist (its bytes, with N = 1, do not fit in 64 bits)."""
-        n = math.prod(d for d in self.shape if isinstance(d, int))
+        shape = self.shape
+        n = math.prod(d for d in shape if isinstance(d, int)) if self.symbolic else \
+            math.prod(shape)
         if n * DTYPES.get(self.dtype, 1) > INT_MAX:
             return (f"a tensor {self} would hold {n:.3g} elements, more than any memory "
                     "(at most 2**63 bytes)")

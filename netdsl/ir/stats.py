@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from netdsl.ir import registry
 from netdsl.ir.bulk import gc_paused
-from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.graph import SOURCE_OPS, STATE_OPS, Graph, Node
 from netdsl.ir.printer import fmt_attrs
 from netdsl.ir.types import TensorType
 
@@ -252,6 +252,28 @@ def _block_name(n: Node, level: int) -> str:
     if len(n.stack) == len(n.scope) and level < len(n.stack):
         return n.stack[level].block
     return "block"
+
+
+@dataclass(frozen=True)
+class Counts:
+    params: int  # trainable parameter elements
+    nodes: int  # operator nodes (not inputs, parameters or buffers)
+    convs: int
+
+
+def counts(g: Graph) -> Counts:
+    """What `netdsl check` reports, as `summarize` counts it, from the graph as it is (a
+    symbolic batch is fine: none of these depend on it). Cheap: `summarize` of a big file
+    costs a copy of the graph to bind the batch and every node's FLOPs."""
+    params = nodes = convs = 0
+    for n in g.nodes:
+        op = n.op
+        if op == "param":
+            params += n.type.numel(1)
+        elif op not in SOURCE_OPS:
+            nodes += 1
+            convs += op == "conv2d"
+    return Counts(params, nodes, convs)
 
 
 def summarize(g: Graph) -> Summary:

@@ -69,7 +69,7 @@ def make_node(g: Graph, name: str, op_name: str, inputs: Iterable[str], attrs: d
     """
     op = registry.get(op_name)
     inputs = tuple(inputs)
-    attrs = normalise_attrs(op, dict(attrs or {}))
+    attrs = normalise_attrs(op, attrs or {})  # reads them; returns a new dict
     in_types = [g[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
     _check_float_dtypes(op, in_types)
     out_type = op.shape(in_types, attrs)

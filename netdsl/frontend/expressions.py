@@ -34,7 +34,7 @@ _COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operat
             ">": operator.gt, ">=": operator.ge}
 
 
-_METHODS: dict = {}  # (evaluator class, AST node class) -> its e_ method
+_METHOD_NAMES: dict = {}  # AST node class -> the name of the method that evaluates it
 
 
 class Expressions:
@@ -69,12 +69,12 @@ class Expressions:
         raise self.error(msg, loc)
 
     def expr(self, e: ast.Expr, frame: Frame):
-        # one dict lookup per expression node (a name built and looked up per node was a
-        # tenth of elaborating a big file); methods are found on the class, once per type
-        m = _METHODS.get((type(self), type(e)))
-        if m is None:
-            m = _METHODS[type(self), type(e)] = getattr(type(self), "e_" + type(e).__name__)
-        return m(self, e, frame)
+        # the method's name is built once per AST class, not once per node (that was a
+        # tenth of elaborating a big file)
+        name = _METHOD_NAMES.get(type(e))
+        if name is None:
+            name = _METHOD_NAMES[type(e)] = "e_" + type(e).__name__
+        return getattr(self, name)(e, frame)
 
     def e_Name(self, e: ast.Name, frame):
         return self.lookup(e.id, e.loc, frame)

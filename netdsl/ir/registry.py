@@ -171,7 +171,9 @@ class OpDef:
             sig = self.signature
             cached = (sig, tuple(a for a in sig if a.kind in ("tensor", "tensors")),
                       tuple(a for a in sig if a.kind not in ("tensor", "tensors")),
-                      any(a.kind == "tensors" for a in sig))
+                      any(a.kind == "tensors" for a in sig),
+                      tuple(a.name for a in sig),
+                      next((a.name for a in sig if a.kind == "tensors"), None))
             self.__dict__["_split_cache"] = cached
         return cached[1:]
 
@@ -191,6 +193,16 @@ class OpDef:
     @property
     def attr_args(self) -> tuple[Arg, ...]:
         return self._split()[1]
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        """The names of all arguments, in signature order."""
+        return self._split()[3]
+
+    @property
+    def variadic_arg(self) -> str | None:
+        """The name of the `tensors` argument that takes any number of tensors, if any."""
+        return self._split()[4]
 
 
 OPS: dict[str, OpDef] = {}

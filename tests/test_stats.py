@@ -13,6 +13,7 @@ from netdsl.ir.dot import to_dot
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.stats import (
     GroupItem,
+    counts,
     fmt_bytes,
     fmt_si,
     group_tree,
@@ -44,6 +45,18 @@ def test_totals_counted_by_hand():
     assert s.workspace_peak == 4 * (2 * 3 * (10 * 10 + 2) + 9 * 4 * 3 + 2 * 2 * 4 * 8 * 10)
     n = s.per_node["stem.bn"]
     assert (n.params, n.buffers, n.flops, n.out_bytes) == (8, 8, bn, 2048)
+
+
+@pytest.mark.parametrize("name", ["resnet50.net", "densenet121.net", "gpt-tiny.net",
+                                  "unet-small.net", "digits-cnn.net"])
+def test_counts_of_check_agree_with_summarize(name):
+    # `netdsl check` prints these from the symbolic graph, without binding it
+    from _examples import load
+    g = load(name).graph
+    s = summarize(g.bind(1))
+    c = counts(g)
+    assert (c.params, c.nodes, c.convs) == (s.params, s.nodes, s.convs)
+    assert c.params > 0 and c.nodes > 0
 
 
 def test_json_keys_and_batch_scaling():

@@ -51,8 +51,7 @@ class ArgumentBinding:
 
     def call_op(self, name: str, args, kwargs, e: ast.Call):
         op = registry.get(name)
-        names = [a.name for a in op.signature]
-        variadic = next((a.name for a in op.signature if a.kind == "tensors"), None)
+        names, variadic = op.arg_names, op.variadic_arg
         locs: dict = {}
         # `weight=emb.weight`: a keyword that is not an argument but names one of the
         # op's parameters, given a parameter tensor, ties that parameter (checked in add_op)

@@ -313,7 +313,8 @@ class Elaborator(Expressions, ArgumentBinding):
         shared = shared or {}
         try:
             node = add_op(self.g, name, op, [t.node for t in tensors], attrs,
-                          shared={k: n for k, (n, _) in shared.items()}, loc=loc,
+                          shared={k: n for k, (n, _) in shared.items()} if shared else None,
+                          loc=loc,
                           stack=tuple(self.stack), scope=tuple(self.scope),
                           annotations=dict(self.anns[-1]))
         except ShapeError as ex:

@@ -34,6 +34,9 @@ _COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operat
             ">": operator.gt, ">=": operator.ge}
 
 
+_METHOD_NAMES: dict = {}  # AST node class -> the name of the method that evaluates it
+
+
 class Expressions:
     # -- values --------------------------------------------------------------------------
     def tensor_value(self, e: ast.Expr, frame: Frame, what: str):
@@ -66,8 +69,12 @@ class Expressions:
         raise self.error(msg, loc)
 
     def expr(self, e: ast.Expr, frame: Frame):
-        m = getattr(self, "e_" + type(e).__name__)
-        return m(e, frame)
+        # the method's name is built once per AST class, not once per node (that was a
+        # tenth of elaborating a big file)
+        name = _METHOD_NAMES.get(type(e))
+        if name is None:
+            name = _METHOD_NAMES[type(e)] = "e_" + type(e).__name__
+        return getattr(self, name)(e, frame)
 
     def e_Name(self, e: ast.Name, frame):
         return self.lookup(e.id, e.loc, frame)

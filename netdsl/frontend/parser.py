@@ -11,6 +11,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from netdsl.errors import NetdslError, SourceLoc, register_source
 from netdsl.frontend import ast
 from netdsl.frontend.deep import MAX_NESTING
+from netdsl.frontend.descent import parse_items
 from netdsl.frontend.resources import grammar_text
 from netdsl.ir.registry import INT_MAX
 
@@ -497,13 +498,23 @@ def parse(text: str, file: str = "<string>") -> ast.Module:
     """Parse `.net` source into an AST; raises NetdslError on a syntax error."""
     text = text.removeprefix("\ufeff")  # a byte-order mark (from an editor) is not code
     register_source(file, text)
+    # the hand-written parser takes programs without errors, fast; Lark's takes the rest
+    # and reports every error (see frontend/descent.py)
+    items = parse_items(text, file)
+    if items is None:
+        items = lark_items(text, file)
+    return _module(items, file)
+
+
+def lark_items(text: str, file: str) -> list:
+    """The top-level items of `text` by the Lark parser and the tree-to-AST transformer."""
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, file, text) from None
     _check_nesting(tree, file)
     try:
-        items = _transform(_ToAst(file), tree)
+        return _transform(_ToAst(file), tree)
     except RecursionError:  # the transformer recurses once per nesting level
         raise NetdslError(_TOO_DEEP, SourceLoc(file, 1, 1)) from None
     except Exception as e:  # lark wraps errors raised in callbacks
@@ -513,6 +524,9 @@ def parse(text: str, file: str = "<string>") -> ast.Module:
         if isinstance(inner, RecursionError):
             raise NetdslError(_TOO_DEEP, SourceLoc(file, 1, 1)) from None
         raise
+
+
+def _module(items: list, file: str) -> ast.Module:
     imports = tuple(i for i in items if isinstance(i, ast.Import))
     blocks = tuple(i for i in items if isinstance(i, ast.BlockDef))
     nets = tuple(i for i in items if isinstance(i, ast.NetworkDef))

@@ -26,6 +26,9 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
     # the node first: make_node checks the shape rule, the dtype rule and the sizes
     node = make_node(g, name, op_name, inputs, attrs, **node_fields)
     specs = op.params([g[i].type for i in inputs], node.attrs)
+    if not specs and not shared:  # most ops own no parameters: nothing more to add
+        node.inputs = tuple(inputs)
+        return g.add(node)
     for t in [TensorType(s.shape, s.dtype) for s in specs.values()]:
         if (why := t.size_error()) is not None:
             raise ShapeError(f"{op.name}: {why}")

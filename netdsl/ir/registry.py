@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from netdsl.ir.graph import SOURCE_OPS
@@ -146,6 +145,8 @@ class OpDef:
     def written_inputs(self, node) -> tuple[int, ...]:
         """Indices into `node.inputs` that running `node` overwrites in place."""
         w = self.writes
+        if not w:  # most ops: nothing written
+            return ()
         idx = w(node) if callable(w) else w
         return tuple(i for i in idx if i < len(node.inputs))  # optional inputs may be absent
 
@@ -161,22 +162,47 @@ class OpDef:
         changes nothing else, so a rewrite may copy, move or drop it freely."""
         return not self.writes and not self.random
 
-    @cached_property
-    def tensor_args(self) -> tuple[Arg, ...]:
-        return tuple(a for a in self.signature if a.kind in ("tensor", "tensors"))
+    # The three below run several times per node the front end adds; they are computed
+    # once per signature (an OpDef's signature is not changed after registration, but a
+    # new one is noticed: the cache is keyed by it).
+    def _split(self) -> tuple[tuple[Arg, ...], tuple[Arg, ...], bool]:
+        cached = self.__dict__.get("_split_cache")
+        if cached is None or cached[0] is not self.signature:
+            sig = self.signature
+            cached = (sig, tuple(a for a in sig if a.kind in ("tensor", "tensors")),
+                      tuple(a for a in sig if a.kind not in ("tensor", "tensors")),
+                      any(a.kind == "tensors" for a in sig),
+                      tuple(a.name for a in sig),
+                      next((a.name for a in sig if a.kind == "tensors"), None))
+            self.__dict__["_split_cache"] = cached
+        return cached[1:]
 
-    @cached_property
-    def _variadic(self) -> bool:
-        return any(a.kind == "tensors" for a in self.signature)
+    @property
+    def tensor_args(self) -> tuple[Arg, ...]:
+        return self._split()[0]
 
     def n_tensor_inputs(self, n_inputs: int) -> int:
         """How many of a node's inputs are tensor arguments; the rest are its parameters
         and buffers, in the order `params()` lists them."""
-        return n_inputs if self._variadic else len(self.tensor_args)
+        cached = self.__dict__.get("_split_cache")
+        if cached is None or cached[0] is not self.signature:
+            self._split()
+            cached = self.__dict__["_split_cache"]
+        return n_inputs if cached[3] else len(cached[1])
 
-    @cached_property
+    @property
     def attr_args(self) -> tuple[Arg, ...]:
-        return tuple(a for a in self.signature if a.kind not in ("tensor", "tensors"))
+        return self._split()[1]
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        """The names of all arguments, in signature order."""
+        return self._split()[3]
+
+    @property
+    def variadic_arg(self) -> str | None:
+        """The name of the `tensors` argument that takes any number of tensors, if any."""
+        return self._split()[4]
 
 
 OPS: dict[str, OpDef] = {}

@@ -69,7 +69,7 @@ def make_node(g: Graph, name: str, op_name: str, inputs: Iterable[str], attrs: d
     """
     op = registry.get(op_name)
     inputs = tuple(inputs)
-    attrs = normalise_attrs(op, dict(attrs or {}))
+    attrs = normalise_attrs(op, attrs or {})  # reads them; returns a new dict
     in_types = [g[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
     _check_float_dtypes(op, in_types)
     out_type = op.shape(in_types, attrs)
@@ -85,6 +85,8 @@ def _check_float_dtypes(op: registry.OpDef, in_types) -> None:
     """The dtype rule: an operator's floating-point tensor arguments share one dtype. There
     is no implicit promotion (PyTorch's f32 @ f64 is an error too); a mix is a mistake
     in the program, reported here for every operator rather than in each shape rule."""
+    if len(in_types) < 2:  # nothing to disagree with
+        return
     floats = [(i, t) for i, t in enumerate(in_types[:op.n_tensor_inputs(len(in_types))])
               if t.is_float]
     for i, t in floats[1:]:

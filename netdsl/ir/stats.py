@@ -31,7 +31,8 @@ import re
 from dataclasses import dataclass, field
 
 from netdsl.ir import registry
-from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.bulk import gc_paused
+from netdsl.ir.graph import SOURCE_OPS, STATE_OPS, Graph, Node
 from netdsl.ir.printer import fmt_attrs
 from netdsl.ir.types import TensorType
 
@@ -253,10 +254,37 @@ def _block_name(n: Node, level: int) -> str:
     return "block"
 
 
+@dataclass(frozen=True)
+class Counts:
+    params: int  # trainable parameter elements
+    nodes: int  # operator nodes (not inputs, parameters or buffers)
+    convs: int
+
+
+def counts(g: Graph) -> Counts:
+    """What `netdsl check` reports, as `summarize` counts it, from the graph as it is (a
+    symbolic batch is fine: none of these depend on it). Cheap: `summarize` of a big file
+    costs a copy of the graph to bind the batch and every node's FLOPs."""
+    params = nodes = convs = 0
+    for n in g.nodes:
+        op = n.op
+        if op == "param":
+            params += n.type.numel(1)
+        elif op not in SOURCE_OPS:
+            nodes += 1
+            convs += op == "conv2d"
+    return Counts(params, nodes, convs)
+
+
 def summarize(g: Graph) -> Summary:
     """Statistics of `g`, which must be bound to an integer batch (`Graph.bind`)."""
     if not isinstance(g.batch, int):
         raise ValueError(f"graph {g.name} has the symbolic batch {g.batch!r}; bind it first")
+    with gc_paused():
+        return _summarize(g)
+
+
+def _summarize(g: Graph) -> Summary:
     ops = registry.load_all()
     types: dict[str, TensorType] = {}
     kinds: dict[str, str] = {}

@@ -34,7 +34,10 @@ class TensorType:
 
     @property
     def symbolic(self) -> bool:
-        return any(not isinstance(d, int) for d in self.shape)
+        for d in self.shape:  # a loop, not any(): this runs for every node, several times
+            if not isinstance(d, int):
+                return True
+        return False
 
     def bind(self, batch: int) -> TensorType:
         if not self.symbolic:
@@ -52,7 +55,9 @@ class TensorType:
 
     def size_error(self) -> str | None:
         """Why this type cannot exist (its bytes, with N = 1, do not fit in 64 bits)."""
-        n = math.prod(d for d in self.shape if isinstance(d, int))
+        shape = self.shape
+        n = math.prod(d for d in shape if isinstance(d, int)) if self.symbolic else \
+            math.prod(shape)
         if n * DTYPES.get(self.dtype, 1) > INT_MAX:
             return (f"a tensor {self} would hold {n:.3g} elements, more than any memory "
                     "(at most 2**63 bytes)")

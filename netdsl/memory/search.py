@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from netdsl.errors import BudgetError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph
+from netdsl.memory.checkpoint import chain_plan, cut_points, decisions_of, units
 from netdsl.memory.cost import Costs
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
@@ -335,6 +336,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
+            _chain_plans(pl, budget, consider)
         tick(0.3)
         ladder = pl.ladder()
         _shortest_prefix(pl, ladder, budget, consider, tick)
@@ -463,6 +465,48 @@ def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
             kept = kept + 1 if kept > 0 else 1  # hi stayed
         kept = max(-2, min(2, kept))
         tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
+
+
+def _chain_plans(pl: Planner, budget: int, consider) -> None:
+    """Consider checkpoint plans on the forward pass's cut points (`checkpoint.py`): the
+    one with the fewest bytes the model allows (the floor, for the error when nothing
+    fits), and the fastest whose exact simulation fits `budget`: the model's limit starts
+    at the budget less the state and workspace and moves by the simulated excess or slack
+    (a few rounds)."""
+    us = units(pl, cut_points(pl))
+    if len(us) < 2:
+        return
+    fixed = pl.prep.state_bytes + pl.prep.workspace
+    # the smallest limit the model finds a plan for: doubling from the largest unit, then
+    # bisection (the dynamic program is quick at small limits)
+    hi = max(u.held + u.temp for u in us)
+    while chain_plan(us, hi) is None:
+        hi *= 2
+    lo = hi // 2
+    while hi - lo > max(1, hi // 256):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if chain_plan(us, mid) is not None else (mid, hi)
+    floor = chain_plan(us, hi)
+    if floor is not None:
+        consider(decisions_of(us, floor))
+    limit, best = budget - fixed, None
+    for _ in range(4):
+        if limit < hi:
+            break
+        plan = chain_plan(us, limit)
+        if plan is None:
+            break
+        sim, _ = consider(decisions_of(us, plan))
+        excess = pl.peak(sim) - budget
+        if excess > 0:
+            limit -= excess
+        elif best is not None and limit <= best:
+            break
+        else:
+            best = limit
+            if -excess < budget // 200:  # within half a percent: close enough
+                break
+            limit -= excess
 
 
 # How many nodes ahead of its reader a `to_device` copy is issued when the caller does

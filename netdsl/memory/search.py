@@ -410,7 +410,8 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         res.verify_s = time.perf_counter() - t0
         if peak <= budget:
             return g, res
-        target -= peak - budget
+        # below the plan just found, by the excess: the same target could find it again
+        target = min(target, res.planned_peak_bytes) - (peak - budget)
     res.feasible = False
     return None, res
 

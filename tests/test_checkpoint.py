@@ -11,7 +11,18 @@ import numpy as np
 import pytest
 from _examples import example_feeds, load
 
-from netdsl.memory.checkpoint import Unit, chain_plan, cut_points, decisions_of, units
+from netdsl.memory.checkpoint import (
+    KEPT,
+    PART,
+    RECOMPUTED,
+    Unit,
+    chain_plan,
+    cut_points,
+    decisions_of,
+    grain_of,
+    model_peak,
+    units,
+)
 from netdsl.memory.plan import make_plan
 from netdsl.memory.profiles import get_profile
 from netdsl.memory.search import Planner, plan_memory
@@ -40,7 +51,7 @@ def floor_plan(pl):
     """The checkpoint plan with the fewest bytes the model allows."""
     us = units(pl, cut_points(pl))
     limit = max(u.held + u.temp for u in us)
-    while (plan := chain_plan(us, limit)) is None:
+    while (plan := chain_plan(us, limit, grain_of(us))) is None:
         limit = limit * 5 // 4
     return pl.close(decisions_of(us, plan))
 
@@ -66,41 +77,47 @@ def test_cuts_are_the_values_the_forward_pass_narrows_to():
 
 
 def plan_time(us, plan):
-    return sum(sum(u.time for u in us[a:b + 1]) - us[b].cut_time for a, b, rec in plan if rec)
+    t = 0.0
+    for a, b, mode in plan:
+        if mode == RECOMPUTED:
+            t += sum(u.time for u in us[a:b + 1]) - us[b].cut_time
+        elif mode == PART:
+            t += us[a].part_time
+    return t
 
 
 def model_fits(us, plan, limit):
-    stored = 0
-    for a, b, rec in plan:
-        seg = us[a:b + 1]
-        if stored + sum(u.held for u in seg) + max(u.temp for u in seg) > limit:
-            return False
-        stored += us[b].cut_bytes if rec else sum(u.held for u in seg)
-    return True
+    return model_peak(us, plan) <= limit
 
 
-def all_plans(m):
-    """Every split of m units into segments, each kept whole or recomputed."""
+def all_plans(us):
+    """Every split of the units into segments: recomputed, or one unit kept or part-kept."""
+    m = len(us)
     for cuts in itertools.product((False, True), repeat=m - 1):
         bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [m]
         segs = list(zip(bounds, bounds[1:]))
-        for modes in itertools.product((False, True), repeat=len(segs)):
-            yield [(a, b - 1, rec) for (a, b), rec in zip(segs, modes)]
+        options = [[RECOMPUTED] if b - a > 1 else
+                   [RECOMPUTED, KEPT] + ([PART] if us[a].cheap else []) for a, b in segs]
+        for modes in itertools.product(*options):
+            yield [(a, b - 1, mode) for (a, b), mode in zip(segs, modes)]
 
 
 def test_the_dynamic_program_is_optimal_under_its_model():
     rnd = random.Random(4)
-    for _ in range(60):
+    for _ in range(80):
         m = rnd.randint(1, 6)
         us = []
         for i in range(m):
             held = rnd.randint(2, 12)
             cut = rnd.randint(1, held)
             t = rnd.uniform(1, 5)
-            us.append(Unit([i], i, held, cut, t, rnd.uniform(0, t / 2), rnd.randint(0, 4)))
+            u = Unit([i], i, held, cut, t, rnd.uniform(0, t / 2), rnd.randint(0, 4))
+            if rnd.random() < 0.5:
+                u.cheap, u.part_bytes, u.part_time = [i], rnd.randint(cut, held), rnd.uniform(0, t)
+            us.append(u)
         limit = rnd.randint(5, 40)
-        plans = [p for p in all_plans(m) if model_fits(us, p, limit)]
-        got = chain_plan(us, limit, levels=limit)  # one byte per level: no rounding
+        plans = [p for p in all_plans(us) if model_fits(us, p, limit)]
+        got = chain_plan(us, limit, 1)  # counted in bytes: no rounding
         if not plans:
             assert got is None
             continue

@@ -8,26 +8,31 @@ value that is not a cut (a ReLU inside a residual block) cuts nothing: the resid
 stream still runs around it, so the segment to rebuild is as long as before.
 
 The forward pass is split at its cuts into *units*; a plan is a sequence of segments of
-units, each either
+units, each
 
-- recomputed: only the cut at its end is kept; in the backward pass all its retained
-  values are rebuilt at once (clones before its first backward reader), or
-- kept: all its retained values stay from the forward pass (nothing recomputed).
+- recomputed (`RECOMPUTED`): only the cut at its end is kept; in the backward pass all its
+  retained values are rebuilt at once (clones before its first backward reader);
+- kept (`KEPT`, one unit): all its retained values stay from the forward pass;
+- or part-kept (`PART`, one unit): its cut and its *dear* values (those whose rebuild
+  costs more time per byte than the unit's average: convolution outputs) stay, the cheap
+  ones (norm, activation outputs) are rebuilt from them.
 
 While a segment's backward pass runs the device holds what earlier segments stored (their
-end cuts, or all of a kept segment) plus the segment's own retained values and the
-backward pass's temporaries. `chain_plan` minimises the recomputation time (the cost
-model's time of the clones) subject to that bound, by dynamic programming over units and
-the bytes stored so far; the search scores its result with the exact
+end cuts, or the values a kept or part-kept unit keeps) plus the segment's own retained
+values and the backward pass's temporaries. `chain_plan` minimises the recomputation time
+(the cost model's time of the clones) subject to that bound, by dynamic programming over
+units and the bytes stored so far; the search scores its result with the exact
 simulator, which is the truth (the model leaves out small values and the forward pass).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from netdsl.memory.simulate import FWD, RECOMPUTE
+
+RECOMPUTED, KEPT, PART = 0, 1, 2  # segment modes (module doc)
 
 
 @dataclass
@@ -39,6 +44,9 @@ class Unit:
     time: float  # predicted time of recomputing all of it
     cut_time: float  # ... of which its end cut's own clone
     temp: int  # backward temporaries estimate: three of its largest values
+    cheap: list[int] = field(default_factory=list)  # what a part-kept unit rebuilds
+    part_bytes: int = 0  # what a part-kept unit keeps (its cut and dear values)
+    part_time: float = 0.0  # predicted time of rebuilding its cheap values
 
 
 def cut_points(pl) -> list[int]:
@@ -88,7 +96,15 @@ def _unit(pl, cands: list[int], cut: int) -> Unit:
     others = set(pl.close({p: RECOMPUTE for p in cands if p != cut}))
     cut_time = sum(t[p] for p in only_cut if p not in others)
     b = [prep.bytes[p] for p in cands]
-    return Unit(cands, cut, sum(b), prep.bytes[cut], time, cut_time, 3 * max(b))
+    held = sum(b)
+    u = Unit(cands, cut, held, prep.bytes[cut], time, cut_time, 3 * max(b))
+    # dear: rebuilding costs more per byte than the unit's average
+    cheap = [p for p in cands if p != cut and pl.closure_time(p) * held <= time * prep.bytes[p]]
+    if cheap and len(cheap) < len(cands) - 1:
+        u.cheap = cheap
+        u.part_bytes = held - sum(prep.bytes[p] for p in cheap)
+        u.part_time = sum(t[p] for p in pl.close({p: RECOMPUTE for p in cheap}))
+    return u
 
 
 def segments_every(pl, cuts: list[int], k: int) -> dict[int, str]:
@@ -97,34 +113,49 @@ def segments_every(pl, cuts: list[int], k: int) -> dict[int, str]:
     return {p: RECOMPUTE for p in pl.cand if p not in kept}
 
 
-def decisions_of(us: list[Unit], plan: list[tuple[int, int, bool]]) -> dict[int, str]:
-    """Decisions of a plan given as segments (first unit, last unit, recomputed)."""
+def decisions_of(us: list[Unit], plan: list[tuple[int, int, int]]) -> dict[int, str]:
+    """Decisions of a plan given as segments (first unit, last unit, mode)."""
     dec: dict[int, str] = {}
-    for a, b, rec in plan:
-        if not rec:
-            continue
-        for u in us[a:b + 1]:
-            for p in u.cands:
-                if p != us[b].cut:
-                    dec[p] = RECOMPUTE
+    for a, b, mode in plan:
+        if mode == PART:
+            dec.update((p, RECOMPUTE) for p in us[a].cheap)
+        elif mode == RECOMPUTED:
+            for u in us[a:b + 1]:
+                dec.update((p, RECOMPUTE) for p in u.cands if p != us[b].cut)
     return dec
 
 
-def chain_plan(us: list[Unit], limit: int, levels: int = 1024
-               ) -> list[tuple[int, int, bool]] | None:
+def grain_of(us: list[Unit]) -> int:
+    """The step in which `chain_plan` counts stored bytes: fixed per network, so that a
+    larger limit only ever admits more plans (a larger budget is never slower)."""
+    return max(1, sum(u.held for u in us) // 8192)
+
+
+def model_peak(us: list[Unit], plan: list[tuple[int, int, int]]) -> int:
+    """The most bytes the model says a plan holds in any segment's backward pass."""
+    stored = peak = 0
+    for a, b, mode in plan:
+        seg = us[a:b + 1]
+        peak = max(peak, stored + sum(u.held for u in seg) + max(u.temp for u in seg))
+        stored += (us[b].cut_bytes if mode == RECOMPUTED else us[a].held if mode == KEPT
+                   else us[a].part_bytes)
+    return peak
+
+
+def chain_plan(us: list[Unit], limit: int, grain: int
+               ) -> list[tuple[int, int, int]] | None:
     """The fastest plan (module doc) whose modelled backward-pass bytes stay within
-    `limit` at every segment: segments (first unit, last unit, recomputed), or None when
-    no plan fits. Stored bytes are counted in `limit / levels` steps, rounded up; the
-    least time for each (units done, stored bytes) is a NumPy row."""
+    `limit` at every segment: segments (first unit, last unit, mode), or None when no
+    plan fits. Stored bytes are counted in steps of `grain` bytes, rounded up; the least
+    time for each (units done, stored bytes) is a NumPy row."""
     m = len(us)
     if not m or limit <= 0:
         return None
-    grain = max(1, limit // levels)
     q = limit // grain
     best = np.full((m + 1, q + 1), np.inf)
     best[0, 0] = 0.0
     came = np.full((m + 1, q + 1), -1, dtype=np.int32)  # the unit the segment began at
-    kept = np.zeros((m + 1, q + 1), dtype=bool)  # ... and whether it is kept whole
+    modes = np.zeros((m + 1, q + 1), dtype=np.int8)  # ... and its mode
     for i in range(m):
         row = best[i]
         finite = np.flatnonzero(np.isfinite(row))
@@ -132,8 +163,11 @@ def chain_plan(us: list[Unit], limit: int, levels: int = 1024
             return None
         reach = finite[-1] + 1
         u = us[i]
-        _relax(best, came, kept, i, i + 1, row, reach, (limit - u.held - u.temp) // grain,
-               _up(u.held, grain), 0.0, True)
+        top = (limit - u.held - u.temp) // grain
+        _relax(best, came, modes, i, i + 1, row, reach, top, _up(u.held, grain), 0.0, KEPT)
+        if u.cheap:
+            _relax(best, came, modes, i, i + 1, row, reach, top, _up(u.part_bytes, grain),
+                   u.part_time, PART)
         held = temp = 0
         rt = 0.0
         for j in range(i, m):  # recompute units i..j, keep j's cut
@@ -143,23 +177,25 @@ def chain_plan(us: list[Unit], limit: int, levels: int = 1024
             top = (limit - held - temp) // grain
             if top < 0:
                 break
-            _relax(best, came, kept, i, j + 1, row, reach, top,
-                   _up(us[j].cut_bytes, grain), rt - us[j].cut_time, False)
+            _relax(best, came, modes, i, j + 1, row, reach, top,
+                   _up(us[j].cut_bytes, grain), rt - us[j].cut_time, RECOMPUTED)
     if not np.isfinite(best[m]).any():
         return None
     s = int(np.argmin(best[m]))
     plan = []
     k = m
     while k:
-        i, whole = int(came[k, s]), bool(kept[k, s])
-        s -= _up(us[k - 1].held if whole else us[k - 1].cut_bytes, grain)
-        plan.append((i, k - 1, not whole))
+        i, mode = int(came[k, s]), int(modes[k, s])
+        u = us[k - 1]
+        s -= _up(u.held if mode == KEPT else u.part_bytes if mode == PART else u.cut_bytes,
+                 grain)
+        plan.append((i, k - 1, mode))
         k = i
     return plan[::-1]
 
 
-def _relax(best, came, kept, i: int, k: int, row, reach: int, top: int, shift: int,
-           cost: float, whole: bool) -> None:
+def _relax(best, came, modes, i: int, k: int, row, reach: int, top: int, shift: int,
+           cost: float, mode: int) -> None:
     """Offer row i's entries with stored bytes <= top, stored + shift after the segment,
     to row k at `cost` more."""
     n = min(top + 1, reach, best.shape[1] - shift)
@@ -171,7 +207,7 @@ def _relax(best, came, kept, i: int, k: int, row, reach: int, top: int, shift: i
     if better.any():
         tgt[better] = cand[better]
         came[k, shift:shift + n][better] = i
-        kept[k, shift:shift + n][better] = whole
+        modes[k, shift:shift + n][better] = mode
 
 
 def _up(b: int, grain: int) -> int:

@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 from netdsl.errors import BudgetError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph
-from netdsl.memory.checkpoint import chain_plan, cut_points, decisions_of, units
+from netdsl.memory.checkpoint import (
+    chain_plan,
+    cut_points,
+    decisions_of,
+    grain_of,
+    model_peak,
+    units,
+)
 from netdsl.memory.cost import Costs
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
@@ -332,11 +339,12 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             consider(pl.baseline(s))
         n = len(pl.cand)
         # segment plans matter most where offload is not possible (unified memory)
-        if profile.unified:
+        # where offload is not possible (unified memory): checkpoint plans on the cut
+        # points, or (no cuts) every k-th retained value kept
+        if profile.unified and not _chain_plans(pl, budget, consider):
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
-            _chain_plans(pl, budget, consider)
         tick(0.3)
         ladder = pl.ladder()
         _shortest_prefix(pl, ladder, budget, consider, tick)
@@ -468,46 +476,40 @@ def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
         tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
 
 
-def _chain_plans(pl: Planner, budget: int, consider) -> None:
+def _chain_plans(pl: Planner, budget: int, consider) -> bool:
     """Consider checkpoint plans on the forward pass's cut points (`checkpoint.py`): the
     one with the fewest bytes the model allows (the floor, for the error when nothing
-    fits), and the fastest whose exact simulation fits `budget`: the model's limit starts
-    at the budget less the state and workspace and moves by the simulated excess or slack
-    (a few rounds)."""
+    fits), a few reference plans between the floor and three times its limit, and the
+    fastest plan the model fits into the budget less the state, the workspace and the
+    model's largest error on the references. All but the last do not depend on the
+    budget, and the last only gains plans as the budget grows, so a larger budget never
+    predicts a slower step. False when the forward pass has no cuts to plan on."""
     us = units(pl, cut_points(pl))
     if len(us) < 2:
-        return
+        return False
+    grain = grain_of(us)
     fixed = pl.prep.state_bytes + pl.prep.workspace
     # the smallest limit the model finds a plan for: doubling from the largest unit, then
     # bisection (the dynamic program is quick at small limits)
     hi = max(u.held + u.temp for u in us)
-    while chain_plan(us, hi) is None:
+    while chain_plan(us, hi, grain) is None:
         hi *= 2
     lo = hi // 2
-    while hi - lo > max(1, hi // 256):
+    while hi - lo > max(grain, hi // 256):
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if chain_plan(us, mid) is not None else (mid, hi)
-    floor = chain_plan(us, hi)
-    if floor is not None:
-        consider(decisions_of(us, floor))
-    limit, best = budget - fixed, None
-    for _ in range(4):
-        if limit < hi:
-            break
-        plan = chain_plan(us, limit)
-        if plan is None:
-            break
+        lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
+    # references from the floor to three times its limit (or keeping everything)
+    top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
+    error = 0
+    for k in range(4):
+        limit = int(hi * (top / hi) ** (k / 3)) if top > hi else hi
+        plan = chain_plan(us, limit, grain)
         sim, _ = consider(decisions_of(us, plan))
-        excess = pl.peak(sim) - budget
-        if excess > 0:
-            limit -= excess
-        elif best is not None and limit <= best:
-            break
-        else:
-            best = limit
-            if -excess < budget // 200:  # within half a percent: close enough
-                break
-            limit -= excess
+        error = max(error, pl.peak(sim) - fixed - model_peak(us, plan))
+    plan = chain_plan(us, budget - fixed - error, grain)
+    if plan is not None:
+        consider(decisions_of(us, plan))
+    return True
 
 
 # How many nodes ahead of its reader a `to_device` copy is issued when the caller does

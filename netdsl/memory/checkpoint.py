@@ -37,7 +37,7 @@ RECOMPUTED, KEPT, PART = 0, 1, 2  # segment modes (module doc)
 
 @dataclass
 class Unit:
-    cands: list[int]  # retained values in this unit (positions), its end cut last
+    cands: list[int]  # retained values in this unit (positions), in forward order
     cut: int  # the cut that ends it
     held: int  # bytes of its retained values, all alive while its backward pass runs
     cut_bytes: int
@@ -105,12 +105,6 @@ def _unit(pl, cands: list[int], cut: int) -> Unit:
         u.part_bytes = held - sum(prep.bytes[p] for p in cheap)
         u.part_time = sum(t[p] for p in pl.close({p: RECOMPUTE for p in cheap}))
     return u
-
-
-def segments_every(pl, cuts: list[int], k: int) -> dict[int, str]:
-    """Keep every k-th cut, recompute every other retained value."""
-    kept = set(cuts[k - 1::k])
-    return {p: RECOMPUTE for p in pl.cand if p not in kept}
 
 
 def decisions_of(us: list[Unit], plan: list[tuple[int, int, int]]) -> dict[int, str]:

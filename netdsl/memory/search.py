@@ -19,9 +19,10 @@ Strategies:
   values are ordered by cost per byte into one ladder, independent of the budget; the
   plan is the shortest prefix of the ladder that fits (regula falsi over exact
   simulations), compared with the baselines and, in unified memory, with checkpoint
-  segment plans, the fastest feasible one winning. Because the candidate set does not
-  depend on the budget and a longer prefix only adds work, a larger budget never
-  predicts a slower step.
+  plans on the forward pass's cut points (`checkpoint.py`), the fastest feasible one
+  winning. Because the ladder does not depend on the budget, a longer prefix only adds
+  work and a checkpoint plan for a larger budget is chosen from more plans, a larger
+  budget never predicts a slower step.
 
 Recomputing a value also recomputes the forward values between it and the retained
 values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would
@@ -338,7 +339,6 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         for s in ("none", "offload-all", "checkpoint-sqrt"):
             consider(pl.baseline(s))
         n = len(pl.cand)
-        # segment plans matter most where offload is not possible (unified memory)
         # where offload is not possible (unified memory): checkpoint plans on the cut
         # points, or (no cuts) every k-th retained value kept
         if profile.unified and not _chain_plans(pl, budget, consider):
@@ -489,12 +489,12 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
         return False
     grain = grain_of(us)
     fixed = pl.prep.state_bytes + pl.prep.workspace
-    # the smallest limit the model finds a plan for: doubling from the largest unit, then
-    # bisection (the dynamic program is quick at small limits)
-    hi = max(u.held + u.temp for u in us)
+    # the smallest limit the model finds a plan for (none is below the largest unit):
+    # doubling, then bisection (the dynamic program is quick at small limits)
+    lo = max(u.held + u.temp for u in us) - 1
+    hi = lo + 1
     while chain_plan(us, hi, grain) is None:
-        hi *= 2
-    lo = hi // 2
+        lo, hi = hi, 2 * hi
     while hi - lo > max(grain, hi // 256):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)

@@ -15,6 +15,11 @@ The accounting rule:
   under-states. Values made by host-space ops (`to_host`) are held in the host pool, not
   on the device.
 
+In an arena run a node also holds, outside the arena, its scratch and, while the executor
+copies it into its slot, a result its kernel allocated itself (not every kernel writes
+into its slot): `transient_bytes`, the largest workspace plus device result of any node,
+replaces the workspace region in `arena_peak_bytes`.
+
 Device values are packed into one arena per device: an offset for each value such that
 values alive at the same time never overlap (first fit over the schedule, as tinygrad's
 memory planner does), reported against the lower bound, the largest sum of bytes alive at
@@ -81,6 +86,8 @@ class MemoryPlan:
     host_offsets: dict[str, int] = field(default_factory=dict)  # host pool slots
     host_bytes: int = 0  # the host pool's size
     float_dtype: str = "f32"
+    # the most one node holds outside the arena in an arena run: scratch + its own result
+    transient_bytes: int = 0
 
     @property
     def lower_bound_bytes(self) -> int:
@@ -89,14 +96,17 @@ class MemoryPlan:
 
     @property
     def arena_peak_bytes(self) -> int:
-        """Device bytes when values live in the packed arena: state + workspace + arena."""
-        return self.state_bytes + self.workspace_bytes + self.arena_bytes
+        """Device bytes when values live in the packed arena: state + the largest
+        transient (scratch and a result not yet in its slot) + arena."""
+        return self.state_bytes + max(self.workspace_bytes, self.transient_bytes) \
+            + self.arena_bytes
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "state_bytes": self.state_bytes,
                 "workspace_bytes": self.workspace_bytes, "arena_bytes": self.arena_bytes,
                 "arena_lower_bound_bytes": self.lower_bound_bytes,
-                "host_bytes": self.host_bytes, "host_peak_bytes": self.host_peak_bytes,
+                "transient_bytes": self.transient_bytes, "host_bytes": self.host_bytes,
+                "host_peak_bytes": self.host_peak_bytes,
                 "peak_at": self.peak_at, "nodes": len(self.order)}
 
 
@@ -109,13 +119,18 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
                 if n.op in STATE_OPS and space_of(n) == DEVICE)
     host_state = sum(value_bytes(n.type, float_dtype) for n in g.nodes
                      if n.op in STATE_OPS and space_of(n) == HOST)
-    workspace = max((workspace_bytes(g, n, float_dtype) for n in order), default=0)
+    workspace = transient = 0
     sizes: dict[str, int] = {}
     space: dict[str, str] = {}
     for n in order:
+        w = workspace_bytes(g, n, float_dtype)
+        workspace = max(workspace, w)
         if takes_storage(n):
             sizes[n.name] = value_bytes(n.type, float_dtype)
             space[n.name] = space_of(n)
+            if space[n.name] == DEVICE:
+                w += sizes[n.name]
+        transient = max(transient, w)
     base = state + workspace
     cur, peak, peak_at = base, base, None
     host_cur = host_peak = host_state  # optimizer state streamed from the host lives there
@@ -136,7 +151,8 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
             else:
                 cur -= sizes.get(name, 0)
     plan = MemoryPlan([n.name for n in order], frees, sizes, space, state, workspace, peak,
-                      peak_at, timeline, host_peak, float_dtype=float_dtype)
+                      peak_at, timeline, host_peak, float_dtype=float_dtype,
+                      transient_bytes=transient)
     if pack_arena:
         for where in (DEVICE, HOST):
             offsets, size = pack(plan.order, plan.frees,

@@ -19,9 +19,10 @@ Strategies:
   values are ordered by cost per byte into one ladder, independent of the budget; the
   plan is the shortest prefix of the ladder that fits (regula falsi over exact
   simulations), compared with the baselines and, in unified memory, with checkpoint
-  segment plans, the fastest feasible one winning. Because the candidate set does not
-  depend on the budget and a longer prefix only adds work, a larger budget never
-  predicts a slower step.
+  plans on the forward pass's cut points (`checkpoint.py`), the fastest feasible one
+  winning. Because the ladder does not depend on the budget, a longer prefix only adds
+  work and a checkpoint plan for a larger budget is chosen from more plans, a larger
+  budget never predicts a slower step.
 
 Recomputing a value also recomputes the forward values between it and the retained
 values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would
@@ -38,6 +39,14 @@ from dataclasses import dataclass, field
 from netdsl.errors import BudgetError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph
+from netdsl.memory.checkpoint import (
+    chain_plan,
+    cut_points,
+    decisions_of,
+    grain_of,
+    model_peak,
+    units,
+)
 from netdsl.memory.cost import Costs
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
@@ -330,8 +339,9 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         for s in ("none", "offload-all", "checkpoint-sqrt"):
             consider(pl.baseline(s))
         n = len(pl.cand)
-        # segment plans matter most where offload is not possible (unified memory)
-        if profile.unified:
+        # where offload is not possible (unified memory): checkpoint plans on the cut
+        # points, or (no cuts) every k-th retained value kept
+        if profile.unified and not _chain_plans(pl, budget, consider):
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
@@ -408,7 +418,8 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         res.verify_s = time.perf_counter() - t0
         if peak <= budget:
             return g, res
-        target -= peak - budget
+        # below the plan just found, by the excess: the same target could find it again
+        target = min(target, res.planned_peak_bytes) - (peak - budget)
     res.feasible = False
     return None, res
 
@@ -463,6 +474,42 @@ def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
             kept = kept + 1 if kept > 0 else 1  # hi stayed
         kept = max(-2, min(2, kept))
         tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
+
+
+def _chain_plans(pl: Planner, budget: int, consider) -> bool:
+    """Consider checkpoint plans on the forward pass's cut points (`checkpoint.py`): the
+    one with the fewest bytes the model allows (the floor, for the error when nothing
+    fits), a few reference plans between the floor and three times its limit, and the
+    fastest plan the model fits into the budget less the state, the workspace and the
+    model's largest error on the references. All but the last do not depend on the
+    budget, and the last only gains plans as the budget grows, so a larger budget never
+    predicts a slower step. False when the forward pass has no cuts to plan on."""
+    us = units(pl, cut_points(pl))
+    if len(us) < 2:
+        return False
+    grain = grain_of(us)
+    fixed = pl.prep.state_bytes + pl.prep.workspace
+    # the smallest limit the model finds a plan for (none is below the largest unit):
+    # doubling, then bisection (the dynamic program is quick at small limits)
+    lo = max(u.held + u.temp for u in us) - 1
+    hi = lo + 1
+    while chain_plan(us, hi, grain) is None:
+        lo, hi = hi, 2 * hi
+    while hi - lo > max(grain, hi // 256):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
+    # references from the floor to three times its limit (or keeping everything)
+    top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
+    error = 0
+    for k in range(4):
+        limit = int(hi * (top / hi) ** (k / 3)) if top > hi else hi
+        plan = chain_plan(us, limit, grain)
+        sim, _ = consider(decisions_of(us, plan))
+        error = max(error, pl.peak(sim) - fixed - model_peak(us, plan))
+    plan = chain_plan(us, budget - fixed - error, grain)
+    if plan is not None:
+        consider(decisions_of(us, plan))
+    return True
 
 
 # How many nodes ahead of its reader a `to_device` copy is issued when the caller does

@@ -1,0 +1,208 @@
+"""Checkpoint plans on the forward pass's cut points (Chen et al. 2016, done on the graph).
+
+A *cut* is a retained forward value that every later forward value depends on only
+through it: when it is made, no other forward value made before it is still read by a
+later forward node (a residual block's output; a chain's every value). Keeping a cut and
+recomputing the values after it therefore rebuilds them from the cut alone. Keeping a
+value that is not a cut (a ReLU inside a residual block) cuts nothing: the residual
+stream still runs around it, so the segment to rebuild is as long as before.
+
+The forward pass is split at its cuts into *units*; a plan is a sequence of segments of
+units, each
+
+- recomputed (`RECOMPUTED`): only the cut at its end is kept; in the backward pass all its
+  retained values are rebuilt at once (clones before its first backward reader);
+- kept (`KEPT`, one unit): all its retained values stay from the forward pass;
+- or part-kept (`PART`, one unit): its cut and its *dear* values (those whose rebuild
+  costs more time per byte than the unit's average: convolution outputs) stay, the cheap
+  ones (norm, activation outputs) are rebuilt from them.
+
+While a segment's backward pass runs the device holds what earlier segments stored (their
+end cuts, or the values a kept or part-kept unit keeps) plus the segment's own retained
+values and the backward pass's temporaries. `chain_plan` minimises the recomputation time
+(the cost model's time of the clones) subject to that bound, by dynamic programming over
+units and the bytes stored so far; the search scores its result with the exact
+simulator, which is the truth (the model leaves out small values and the forward pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from netdsl.memory.simulate import FWD, RECOMPUTE
+
+RECOMPUTED, KEPT, PART = 0, 1, 2  # segment modes (module doc)
+
+
+@dataclass
+class Unit:
+    cands: list[int]  # retained values in this unit (positions), in forward order
+    cut: int  # the cut that ends it
+    held: int  # bytes of its retained values, all alive while its backward pass runs
+    cut_bytes: int
+    time: float  # predicted time of recomputing all of it
+    cut_time: float  # ... of which its end cut's own clone
+    temp: int  # backward temporaries estimate: three of its largest values
+    cheap: list[int] = field(default_factory=list)  # what a part-kept unit rebuilds
+    part_bytes: int = 0  # what a part-kept unit keeps (its cut and dear values)
+    part_time: float = 0.0  # predicted time of rebuilding its cheap values
+
+
+def cut_points(pl) -> list[int]:
+    """The retained forward values that are cuts (module doc), in forward order."""
+    prep = pl.prep
+    n = len(prep.names)
+    last = [-1] * n  # last forward reader of each forward value
+    for k in range(n):
+        if prep.phase[k] == FWD:
+            for u in prep.inputs[k]:
+                if prep.phase[u] == FWD and k > last[u]:
+                    last[u] = k
+    cuts, reach = [], -1
+    for k in range(n):
+        if prep.phase[k] != FWD:
+            continue
+        if reach <= k and k in pl.cand_set:
+            cuts.append(k)
+        reach = max(reach, last[k])
+    return cuts
+
+
+def units(pl, cuts: list[int]) -> list[Unit]:
+    """The units between consecutive cuts; candidates after the last cut join the last
+    unit (the network's head)."""
+    out: list[Unit] = []
+    ci = 0
+    cur: list[int] = []
+    for p in pl.cand:
+        cur.append(p)
+        if ci < len(cuts) and p == cuts[ci]:
+            out.append(_unit(pl, cur, p))
+            cur, ci = [], ci + 1
+    if cur and out:
+        last = out[-1]
+        out[-1] = _unit(pl, last.cands + cur, last.cut)
+    elif cur:
+        out.append(_unit(pl, cur, cur[-1]))
+    return out
+
+
+def _unit(pl, cands: list[int], cut: int) -> Unit:
+    prep, t = pl.prep, pl.costs.time
+    clones = pl.close({p: RECOMPUTE for p in cands})
+    time = sum(t[p] for p in clones)
+    only_cut = pl.close({cut: RECOMPUTE})
+    others = set(pl.close({p: RECOMPUTE for p in cands if p != cut}))
+    cut_time = sum(t[p] for p in only_cut if p not in others)
+    b = [prep.bytes[p] for p in cands]
+    held = sum(b)
+    u = Unit(cands, cut, held, prep.bytes[cut], time, cut_time, 3 * max(b))
+    # dear: rebuilding costs more per byte than the unit's average
+    cheap = [p for p in cands if p != cut and pl.closure_time(p) * held <= time * prep.bytes[p]]
+    if cheap and len(cheap) < len(cands) - 1:
+        u.cheap = cheap
+        u.part_bytes = held - sum(prep.bytes[p] for p in cheap)
+        u.part_time = sum(t[p] for p in pl.close({p: RECOMPUTE for p in cheap}))
+    return u
+
+
+def decisions_of(us: list[Unit], plan: list[tuple[int, int, int]]) -> dict[int, str]:
+    """Decisions of a plan given as segments (first unit, last unit, mode)."""
+    dec: dict[int, str] = {}
+    for a, b, mode in plan:
+        if mode == PART:
+            dec.update((p, RECOMPUTE) for p in us[a].cheap)
+        elif mode == RECOMPUTED:
+            for u in us[a:b + 1]:
+                dec.update((p, RECOMPUTE) for p in u.cands if p != us[b].cut)
+    return dec
+
+
+def grain_of(us: list[Unit]) -> int:
+    """The step in which `chain_plan` counts stored bytes: fixed per network, so that a
+    larger limit only ever admits more plans (a larger budget is never slower)."""
+    return max(1, sum(u.held for u in us) // 8192)
+
+
+def model_peak(us: list[Unit], plan: list[tuple[int, int, int]]) -> int:
+    """The most bytes the model says a plan holds in any segment's backward pass."""
+    stored = peak = 0
+    for a, b, mode in plan:
+        seg = us[a:b + 1]
+        peak = max(peak, stored + sum(u.held for u in seg) + max(u.temp for u in seg))
+        stored += (us[b].cut_bytes if mode == RECOMPUTED else us[a].held if mode == KEPT
+                   else us[a].part_bytes)
+    return peak
+
+
+def chain_plan(us: list[Unit], limit: int, grain: int
+               ) -> list[tuple[int, int, int]] | None:
+    """The fastest plan (module doc) whose modelled backward-pass bytes stay within
+    `limit` at every segment: segments (first unit, last unit, mode), or None when no
+    plan fits. Stored bytes are counted in steps of `grain` bytes, rounded up; the least
+    time for each (units done, stored bytes) is a NumPy row."""
+    m = len(us)
+    if not m or limit <= 0:
+        return None
+    q = limit // grain
+    best = np.full((m + 1, q + 1), np.inf)
+    best[0, 0] = 0.0
+    came = np.full((m + 1, q + 1), -1, dtype=np.int32)  # the unit the segment began at
+    modes = np.zeros((m + 1, q + 1), dtype=np.int8)  # ... and its mode
+    for i in range(m):
+        row = best[i]
+        finite = np.flatnonzero(np.isfinite(row))
+        if not len(finite):
+            return None
+        reach = finite[-1] + 1
+        u = us[i]
+        top = (limit - u.held - u.temp) // grain
+        _relax(best, came, modes, i, i + 1, row, reach, top, _up(u.held, grain), 0.0, KEPT)
+        if u.cheap:
+            _relax(best, came, modes, i, i + 1, row, reach, top, _up(u.part_bytes, grain),
+                   u.part_time, PART)
+        held = temp = 0
+        rt = 0.0
+        for j in range(i, m):  # recompute units i..j, keep j's cut
+            held += us[j].held
+            temp = max(temp, us[j].temp)
+            rt += us[j].time
+            top = (limit - held - temp) // grain
+            if top < 0:
+                break
+            _relax(best, came, modes, i, j + 1, row, reach, top,
+                   _up(us[j].cut_bytes, grain), rt - us[j].cut_time, RECOMPUTED)
+    if not np.isfinite(best[m]).any():
+        return None
+    s = int(np.argmin(best[m]))
+    plan = []
+    k = m
+    while k:
+        i, mode = int(came[k, s]), int(modes[k, s])
+        u = us[k - 1]
+        s -= _up(u.held if mode == KEPT else u.part_bytes if mode == PART else u.cut_bytes,
+                 grain)
+        plan.append((i, k - 1, mode))
+        k = i
+    return plan[::-1]
+
+
+def _relax(best, came, modes, i: int, k: int, row, reach: int, top: int, shift: int,
+           cost: float, mode: int) -> None:
+    """Offer row i's entries with stored bytes <= top, stored + shift after the segment,
+    to row k at `cost` more."""
+    n = min(top + 1, reach, best.shape[1] - shift)
+    if n <= 0:
+        return
+    cand = row[:n] + cost
+    tgt = best[k, shift:shift + n]
+    better = cand < tgt
+    if better.any():
+        tgt[better] = cand[better]
+        came[k, shift:shift + n][better] = i
+        modes[k, shift:shift + n][better] = mode
+
+
+def _up(b: int, grain: int) -> int:
+    return -(-b // grain)

@@ -4,7 +4,7 @@ against one process in the same session.
     python bench/bench_split.py split  [--net examples/resnet2504.net] [--devices 4] [--batch 16]
         [--mem 1TB] [--strategies data,pipeline,hybrid,tensor,auto]
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_split.py mpi \
-        [--net examples/resnet164-cifar.net] [--steps 3] [--split pipeline]
+        [--net examples/resnet164-cifar.net] [--steps 3] [--split pipeline] [--microbatches M]
 
 `split` runs `netdsl split --json` for each strategy and prints, per
 strategy, the largest per-device peak, the bytes sent per step (and the ring lower bound),
@@ -66,7 +66,8 @@ def run_log(cmd: list[str], log: Path) -> tuple[list[float], list[float]]:
     return [x["loss"] for x in recs], [x["step_time_s"] for x in recs]
 
 
-def mpi_vs_one(net: str, steps: int, split: str, repeats: int) -> None:
+def mpi_vs_one(net: str, steps: int, split: str, repeats: int,
+               microbatches: int | None) -> None:
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
     tmp = Path(tempfile.mkdtemp())
     common = ["run", net, "--steps", str(steps), "--eval-samples", "0"]
@@ -74,13 +75,17 @@ def mpi_vs_one(net: str, steps: int, split: str, repeats: int) -> None:
     for k in range(repeats):
         a, b = tmp / f"one{k}.jsonl", tmp / f"two{k}.jsonl"
         one_l, t1 = run_log([*NETDSL, *common, "--log", str(a)], a)
-        two_l, t2 = run_log([mpiexec, "-n", "2", *NETDSL, *common, "--log", str(b),
-                             "--distributed", "--split", split], b)
+        # one BLAS thread per rank: two ranks on two cores (more would oversubscribe them)
+        micro = ["--microbatches", str(microbatches)] if microbatches else []
+        two_l, t2 = run_log([mpiexec, "-n", "2", "-genv", "OPENBLAS_NUM_THREADS", "1",
+                             *NETDSL, *common, "--log", str(b), "--distributed", "--split",
+                             split, *micro], b)
         one_t += t1[1:]  # the first step warms up
         two_t += t2[1:]
     worst = max(abs(x - y) / abs(x) for x, y in zip(one_l, two_l, strict=True))
-    print(f"{net}, {steps} steps, {split} over 2 MPI ranks against one process "
-          f"(OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')})")
+    print(f"{net}, {steps} steps, {split} (microbatches {microbatches or 'default'}) over "
+          f"2 MPI ranks (1 BLAS thread each) against one process (default threads; "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')})")
     for s, (x, y) in enumerate(zip(one_l, two_l, strict=True), start=1):
         print(f"  step {s}: one process {x:.7f}   2 ranks {y:.7f}")
     print(f"  largest relative loss difference {worst:.2e}")
@@ -99,6 +104,7 @@ def main() -> None:
     ap.add_argument("--interconnect", default="pcie3")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--split", default="pipeline")
+    ap.add_argument("--microbatches", type=int)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mem", help="memory per device (default: the profile's)")
     ap.add_argument("--strategies", default="data,pipeline,hybrid,tensor,auto")
@@ -107,7 +113,8 @@ def main() -> None:
         split_table(a.net or "examples/resnet2504.net", a.devices, a.batch, a.profile,
                     a.interconnect, a.mem, a.strategies.split(","))
     else:
-        mpi_vs_one(a.net or "examples/resnet164-cifar.net", a.steps, a.split, a.repeats)
+        mpi_vs_one(a.net or "examples/resnet164-cifar.net", a.steps, a.split, a.repeats,
+                   a.microbatches)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
     else the file's `parallel { schedule = ... }`, else GPipe's). Batchnorm synchronised
     over replicas takes one micro-batch (`has_bn`: the network has batchnorm)."""
-    sched = schedule or declared.get("schedule", "gpipe")
+    # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
+    sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
+                                                     else "gpipe")
     if sched not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
@@ -51,6 +53,7 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             return [SplitSpec(data=d, pipeline=p, tensor=t, bn=bn, schedule=sched,
                               microbatches=microbatches or declared.get("microbatches", 1))]
         strategy = "auto"
+        sched = schedule or declared.get("schedule") or "1f1b"
     if strategy in NOT_YET:
         raise SplitError(f"--strategy {strategy} is not available yet; use data, pipeline, "
                          "hybrid, tensor or auto")

@@ -67,6 +67,7 @@ class MPIComm(Communicator):
         while not req.Test():
             if time.monotonic() > deadline:
                 req.Cancel()
+                req.Wait()  # a cancelled request completes at once; this frees it
                 raise CommError(f"rank {self.rank}: no answer from rank {peer} in "
                                 f"{self.timeout:g} s while {what}; rank {peer} failed, was "
                                 "killed or hangs (NETDSL_COMM_TIMEOUT sets the wait)")

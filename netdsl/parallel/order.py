@@ -38,6 +38,40 @@ def _tasks(stage: int, stages: int, micro: int, schedule: str) -> dict[tuple[str
     return {t: k for k, t in enumerate(seq)}
 
 
+def _is_sum(n) -> bool:
+    return n.op == "add" and n.meta.get("phase") == "backward" and ".grad.acc" in n.name
+
+
+def _sum_in_schedule_order(g: Graph, key: dict, readers: dict) -> None:
+    """A gradient summed over micro-batches is a chain of `add`s that autodiff built in
+    reverse order of the forward; re-chain each so that it adds the parts in the order
+    the schedule makes them, and give every link the priority of its later input: each
+    part is added (and freed) as soon as it exists, instead of every micro-batch's
+    gradient of a stage's parameters staying alive until the last one."""
+    for head in [n for n in g.nodes if _is_sum(n) and not _is_sum(g[n.inputs[0]])]:
+        chain = [head]
+        while True:
+            nxt = [r for r in readers[chain[-1].name] if _is_sum(g[r])
+                   and g[r].inputs[0] == chain[-1].name]
+            if len(nxt) != 1:
+                break
+            chain.append(g[nxt[0]])
+        parts = [head.inputs[0]] + [a.inputs[1] for a in chain]
+        if any(p not in key for p in parts):
+            continue
+        parts.sort(key=lambda p: key[p])
+        prev = parts[0]
+        for a, part in zip(chain, parts[1:], strict=True):
+            old = set(a.inputs)
+            a.inputs = (prev, part)
+            for i in old - set(a.inputs):
+                readers[i].remove(a.name)
+            for i in set(a.inputs) - old:
+                readers[i].append(a.name)
+            key[a.name] = max(key[prev], key[part])
+            prev = a.name
+
+
 def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
     split = g.meta.get("split", {})
     stages, micro = split.get("pipeline", 1), split.get("microbatches", 1)
@@ -66,6 +100,7 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
     for n in g.nodes:
         for i in n.inputs:
             readers[i].append(n.name)
+    _sum_in_schedule_order(g, key, readers)
     for n in reversed(g.nodes):  # unkeyed nodes: their earliest reader's priority
         if n.name not in key:
             key[n.name] = min((key[r] for r in readers[n.name]), default=inf)

@@ -13,6 +13,7 @@ layer prints nothing.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import warnings
@@ -187,7 +188,8 @@ def preflight(opts: RunOptions) -> None:
                               "directory to hold checkpoint.npz")
         try:
             d.mkdir(parents=True, exist_ok=True)
-            probe = d / ".netdsl-write-test"
+            # one probe per process: the ranks of an MPI run check the same folder at once
+            probe = d / f".netdsl-write-test-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:

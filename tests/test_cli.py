@@ -193,6 +193,20 @@ def test_help_runs_without_front_end():
         assert cmd in r.stdout
 
 
+def test_check_process_exits_with_its_code_and_output(tmp_path):
+    """`netdsl check` ends its process without freeing the checked graphs (os._exit): the
+    output is all there and the exit code is the command's."""
+    good = Path(__file__).resolve().parent.parent / "examples" / "digits-mlp.net"
+    bad = tmp_path / "bad.net"
+    bad.write_text("network broken {\n    input x: f32[N, 4]\n    output relu(y)\n}\n")
+    for files, want in (([good], 0), ([good, bad], 1)):
+        r = subprocess.run([sys.executable, "-m", "netdsl_cli", "check", *map(str, files)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == want, r.stderr
+        assert r.stdout.startswith(f"{good}: ok") and r.stdout.endswith("\n")
+        assert ("bad.net:3:" in r.stderr) == (want == 1)
+
+
 # -- with the real front end -------------------------------------------------------------
 
 def _real_api():

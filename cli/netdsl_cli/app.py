@@ -13,6 +13,7 @@ in `netdsl.api` or the layers under it.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -145,6 +146,11 @@ def check(
                 with gc_paused():
                     net = load_network(f)
                     s = counts(net.lower())  # the symbolic graph: no copy
+                    # ... nor afterwards (a full collection walks the whole graph again),
+                    # and the graph is kept to the end: freeing it object by object took
+                    # longer than the process's exit (see main)
+                    gc.freeze()
+                    _LARGE.append(net)
             except NetdslError as e:
                 failed = True
                 if json_output:
@@ -283,7 +289,18 @@ def main(argv: list[str] | None = None) -> None:
         else:  # escaped every guard: still a bug, still no traceback
             _internal_error(e)
             code = EXIT_INTERNAL
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
+    code = code if isinstance(code, int) else EXIT_OK
+    if _LARGE and argv is None:  # the `netdsl` process itself, not a test calling main()
+        # a checked graph of millions of objects: let the OS take the memory back at once
+        # (Python would free them one by one); nothing is left to write but the streams
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+# graphs kept alive to the end of the process (`check` on big files: see main)
+_LARGE: list = []
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from threads import threads_info  # (this folder)
+
 
 def _use_source(argv: list[str]) -> None:
     """--src DIR: import netdsl and its stdlib from DIR (another revision's files, which
@@ -47,12 +49,6 @@ from netdsl.runtime.schedule import lr_at  # noqa: E402
 from netdsl.runtime.trainer import RunOptions, Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def threads_info() -> list:
-    from threadpoolctl import threadpool_info
-    return [{k: i.get(k) for k in ("internal_api", "architecture", "num_threads", "version")}
-            for i in threadpool_info()]
 
 
 def one_step(tr: Trainer) -> tuple[float, float, float]:

@@ -21,16 +21,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from threads import threads_info  # noqa: E402  (this folder)
 from torch_models import NETWORKS  # noqa: E402
-
-
-def threads_info() -> list:
-    try:
-        from threadpoolctl import threadpool_info
-        return [{k: i.get(k) for k in ("internal_api", "architecture", "num_threads",
-                                       "version")} for i in threadpool_info()]
-    except ImportError:
-        return []
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from bisect import bisect_right
 from netdsl.errors import SourceLoc
 from netdsl.frontend import ast
 from netdsl.frontend.deep import MAX_NESTING
+from netdsl.frontend.strings import unescape
 from netdsl.ir.registry import INT_MAX
 
 
@@ -46,7 +47,6 @@ _TRAILER = re.compile(_SKIP)
 _COMP = frozenset(("==", "!=", "<=", ">=", "<", ">"))
 _MUL = frozenset(("*", "//", "/", "%"))
 _ADD = frozenset(("+", "-"))
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
 _END = "$END"
 
 
@@ -521,22 +521,7 @@ def _annotate(stmt: ast.Stmt, anns: tuple) -> ast.Stmt:
 
 
 def _unescape(literal: str) -> str:
-    body = literal[1:-1]
-    if "\\" not in body:
-        return body
-    out, i = [], 0
-    while i < len(body):
-        ch = body[i]
-        if ch == "\\":
-            nxt = body[i + 1]
-            if nxt not in _ESCAPES:  # "unknown escape": Lark's path says where
-                raise GiveUp
-            out.append(_ESCAPES[nxt])
-            i += 2
-        else:
-            out.append(ch)
-            i += 1
-    return "".join(out)
+    return unescape(literal, lambda i, ch: GiveUp())  # Lark's path says where and why
 
 
 # parse trees deeper than this go to Lark's path, which refuses them past MAX_NESTING at

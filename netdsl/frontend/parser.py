@@ -13,6 +13,7 @@ from netdsl.frontend import ast
 from netdsl.frontend.deep import MAX_NESTING
 from netdsl.frontend.descent import parse_items
 from netdsl.frontend.resources import grammar_text
+from netdsl.frontend.strings import unescape
 from netdsl.ir.registry import INT_MAX
 
 # Keywords are reserved words. The contextual lexer only tries the terminals the parser can
@@ -207,26 +208,12 @@ def _syntax_error(e: UnexpectedInput, file: str, text: str) -> NetdslError:
     return NetdslError(f"syntax error: {msg}", SourceLoc(file, line, col))
 
 
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
-
-
 def _unescape(tok: Token, file: str) -> str:
-    """The value of a string literal. Only \\\\ \\" \\n \\t are escapes; anything else is an
-    error. (`unicode_escape` crashed on `"\\N"` and mangled non-ASCII text.)"""
-    body, out, i = str(tok)[1:-1], [], 0
-    while i < len(body):
-        ch = body[i]
-        if ch == "\\":
-            nxt = body[i + 1]  # the STRING terminal never ends in a lone backslash
-            if nxt not in _ESCAPES:
-                raise NetdslError(f"unknown escape `\\{nxt}` in a string (use \\\\, \\\", \\n "
-                                  "or \\t)", SourceLoc(file, tok.line, tok.column + 1 + i))
-            out.append(_ESCAPES[nxt])
-            i += 2
-        else:
-            out.append(ch)
-            i += 1
-    return "".join(out)
+    """The value of a string literal; an unknown escape is an error at its column."""
+    def unknown(i: int, ch: str) -> Exception:
+        return NetdslError(f"unknown escape `\\{ch}` in a string (use \\\\, \\\", \\n "
+                           "or \\t)", SourceLoc(file, tok.line, tok.column + 1 + i))
+    return unescape(str(tok), unknown)
 
 
 def _loc(file, meta) -> SourceLoc:

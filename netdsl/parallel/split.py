@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" pass)
 from netdsl.errors import SplitError
 from netdsl.ir import registry
-from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.graph import Graph, Node
 from netdsl.ir.placement import copy_name
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.check import check
@@ -285,7 +285,3 @@ def stages_summary(fwd: Graph, stage_of: dict[str, int], stages: int) -> list[di
         out.append({"stage": s, "nodes": len(nodes), "first": first.name,
                     "last": last.name, "first_loc": str(first.loc) if first.loc else None})
     return out
-
-
-def forward_nodes(g: Graph) -> list[Node]:
-    return [n for n in g.nodes if n.op not in STATE_OPS]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from netdsl.ir.graph import Graph
-from netdsl.ir.placement import canonical
+from netdsl.ir.placement import Shard, canonical
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.runtime.executor import Executor
 
@@ -77,7 +77,7 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g1 = dict(zip([canonical(p.name) for p in single.params()], o1["grads"], strict=True))
     worst, grad_rel = "", 0.0
     for p, gv in zip(split.params(), o2["grads"], strict=True):
-        r = rel(gv, _slice_of(split, p, g1[canonical(p.name)]))
+        r = rel(gv, _slice_of(p, g1[canonical(p.name)]))
         if r > grad_rel:
             worst, grad_rel = f"gradient of {p.name}", r
     s1, s2 = e1.state_dict(), e2.state_dict()
@@ -97,8 +97,8 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     return result
 
 
-def _slice_of(split: Graph, p, full):
-    from netdsl.ir.placement import Shard
+def _slice_of(p, full):
+    """The part of a single-device value that split parameter `p` holds (a shard's rows)."""
     sh = Shard.of(p)
     if sh is None:
         return full

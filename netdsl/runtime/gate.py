@@ -36,9 +36,10 @@ class GateResult:
     state_rel: float
     worst: str  # the value with the largest difference
     reference: str  # "single-device step" or "single-device step over the same parts"
-    comm_bytes: dict[int, int] = field(default_factory=dict)  # sent, as counted
+    comm_bytes: dict[int, int] = field(default_factory=dict)  # sent, as counted (float64)
     peak_by_device: dict[int, int] = field(default_factory=dict)  # counted by the executor
     first_divergence: str | None = None
+    dtype: str = "f64"  # the gate runs both steps in float64: bytes are float64 bytes
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

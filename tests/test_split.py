@@ -21,7 +21,7 @@ from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 from netdsl.memory.profiles import get_profile
 from netdsl.parallel.check import SplitCheckError, check
-from netdsl.parallel.predict import get_interconnect, report
+from netdsl.parallel.predict import get_interconnect, report, step_time
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.runtime.comm import RING, InProcess
 from netdsl.runtime.data import Loader, make_dataset
@@ -153,7 +153,8 @@ def test_reported_bytes_are_what_the_communicator_sent(spec):
     net, opt, feeds = setup("vgg")
     g = split_step(net.graph, BATCH, SPECS[spec], opt)
     single = split_step(net.graph, BATCH, SplitSpec(), opt)
-    rep, _ = report(g, single, get_profile("cpu"), get_interconnect("shm"), "f64")
+    rep, _ = report(g, step_time(single, get_profile("cpu"), get_interconnect("shm"), "f64"),
+                    get_profile("cpu"), get_interconnect("shm"), "f64")
     r = verify_split(net.graph, BATCH, SPECS[spec], opt, feeds, split=g)
     counted = r.comm_bytes
     for d in rep.per_device:
@@ -166,7 +167,8 @@ def test_split_report_pipeline_bubble_and_memory():
     net, opt, _ = setup("vgg")
     g = split_step(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=4), opt)
     single = split_step(net.graph, BATCH, SplitSpec(), opt)
-    rep, timeline = report(g, single, get_profile("k40-12gb"), get_interconnect("pcie3"))
+    k40, pcie = get_profile("k40-12gb"), get_interconnect("pcie3")
+    rep, timeline = report(g, step_time(single, k40, pcie), k40, pcie)
     assert rep.ideal_bubble == pytest.approx(1 / 5)
     assert 0 < rep.bubble < 1 and rep.predicted_step_s > 0
     # every parameter sits on exactly one stage
@@ -198,7 +200,8 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     for sched in ("gpipe", "1f1b"):
         g = split_step(net.graph, 16, SplitSpec(pipeline=2, microbatches=8, schedule=sched),
                        opt)
-        rep, _ = report(g, single, get_profile("k40-12gb"), get_interconnect("pcie3"))
+        k40, pcie = get_profile("k40-12gb"), get_interconnect("pcie3")
+        rep, _ = report(g, step_time(single, k40, pcie), k40, pcie)
         peaks[sched] = max(d.peak_bytes for d in rep.per_device)
         bubbles[sched] = rep.bubble
         # each stage runs its micro-batches in the schedule's order

@@ -49,10 +49,11 @@ def split(
 ) -> None:
     """Split a training step across devices: per-device work, memory and communication."""
     from netdsl.api import split as split_api
+    from netdsl.config import ParallelConfig
 
     with guard(json_output):
         net = load_network(file)
-        n = devices if devices is not None else max(1, _declared_devices(net))
+        n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
         kw = dict(devices=n, strategy=strategy, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
                   schedule=schedule)
@@ -76,11 +77,6 @@ def split(
             _print(res)
         if res.gate is not None and not res.gate.ok:
             raise typer.Exit(1)
-
-
-def _declared_devices(net) -> int:
-    p = net.graph.parallel or {}
-    return p.get("data", 1) * p.get("pipeline", 1) * p.get("tensor", 1)
 
 
 def _print(res) -> None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from netdsl.config import ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
-from netdsl.parallel.predict import Interconnect, SplitReport, report
+from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
 from netdsl.parallel.split import SplitSpec, split_step
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor")
@@ -49,7 +50,7 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
         d, p, t = (declared.get(k, 1) for k in ("data", "pipeline", "tensor"))
-        if d * p * t == devices and devices > 1:
+        if ParallelConfig(**declared).devices == devices > 1:
             return [SplitSpec(data=d, pipeline=p, tensor=t, bn=bn, schedule=sched,
                               microbatches=microbatches or declared.get("microbatches", 1))]
         strategy = "auto"
@@ -120,6 +121,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes))
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
+    single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
     cap = mem if mem is not None else profile.capacity_bytes
     considered = []
     errors = []
@@ -133,7 +135,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
                 raise
             errors.append(f"{spec.describe()}: {e.message}")
             continue
-        rep, _ = report(g, single, profile, link, float_dtype)
+        rep, _ = report(g, single_step, profile, link, float_dtype)
         fits = all(d.peak_bytes <= cap for d in rep.per_device)
         considered.append(Choice(spec, g, rep, fits))
     if progress is not None:

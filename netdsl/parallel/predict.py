@@ -116,12 +116,13 @@ def node_time(g: Graph, n, profile: Profile, float_dtype: str = "f32") -> tuple[
     return max(f / profile.flops_per_s, moved / profile.mem_bw) + profile.op_overhead_s, f
 
 
-def simulate(g: Graph, profile: Profile, link: Interconnect,
-             float_dtype: str = "f32") -> tuple[float, dict[int, float], list[tuple]]:
-    """(step time, busy seconds per device, timeline of (device, start, end, kind, node))."""
+def simulate(g: Graph, profile: Profile, link: Interconnect, float_dtype: str = "f32",
+             order: list[str] | None = None) -> tuple[float, dict[int, float], list[tuple]]:
+    """(step time, busy seconds per device, timeline of (device, start, end, kind, node)),
+    running the nodes in `order` (default: the storage plan's)."""
     registry.load_all()
-    roles = tuple(r for r in ROLES if r in g.outputs)
-    order = make_plan(g, roles, float_dtype, pack_arena=False).order
+    if order is None:
+        order = make_plan(g, _roles(g), float_dtype, pack_arena=False).order
     free: dict[int, float] = {}
     ready: dict[str, float] = {}
     busy: dict[int, float] = {}
@@ -168,15 +169,22 @@ def simulate(g: Graph, profile: Profile, link: Interconnect,
     return step, busy, timeline
 
 
-def report(g: Graph, single: Graph, profile: Profile, link: Interconnect,
+def step_time(g: Graph, profile: Profile, link: Interconnect, float_dtype: str = "f32") -> float:
+    """The predicted time of one step of `g` (the single-device step, for a speed-up)."""
+    return simulate(g, profile, link, float_dtype)[0]
+
+
+def _roles(g: Graph) -> tuple[str, ...]:
+    return tuple(r for r in ROLES if r in g.outputs)
+
+
+def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
            float_dtype: str = "f32") -> tuple[SplitReport, list[tuple]]:
-    """The per-device table and predictions for split training graph `g`; `single` is the
-    single-device training graph it came from (for the speed-up)."""
-    roles = tuple(r for r in ROLES if r in g.outputs)
-    plan = make_plan(g, roles, float_dtype, pack_arena=False)
+    """The per-device table and predictions for split training graph `g`; `single_step`
+    is the predicted step of the single-device graph it came from (`step_time`)."""
+    plan = make_plan(g, _roles(g), float_dtype, pack_arena=False)
     peaks = device_peaks(g, plan)
-    step, busy, timeline = simulate(g, profile, link, float_dtype)
-    single_step, _, _ = simulate(single, profile, link, float_dtype)
+    step, busy, timeline = simulate(g, profile, link, float_dtype, plan.order)
     per = []
     lower = 0
     for d in devices_of(g):

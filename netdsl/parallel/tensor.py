@@ -60,47 +60,31 @@ def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) 
     if not layers:
         raise SplitError(f"network `{fwd.name}` has no linear or conv2d layer with {ways} or "
                          "more output channels to split")
+    # each layer's copies (side by side) are replaced where they stand by the shards and
+    # then the gather's members, which take the copies' names: every reader of a copy
+    # reads the whole output
     rewrite: dict[str, list[Node]] = {}
     for orig in layers:
         names = copies[orig]
         attr, axis = SPLITTABLE[fwd[orig].op]
-        parts = even_parts(fwd[orig].attrs[attr], ways)
         shards = []
-        for name, (lo, hi) in zip(names, parts, strict=True):
+        for name, (lo, hi) in zip(names, even_parts(fwd[orig].attrs[attr], ways), strict=True):
             n = g[name]
             for state in n.inputs[1:]:  # weight, bias: this device's rows
                 if "shard" not in g[state].meta:
                     _shard_state(g, state, lo, hi)
             s = make_node(g, f"{name}.shard", n.op, n.inputs, {**n.attrs, attr: hi - lo},
                           like=n, meta={**n.meta, "tensor_shard": orig})
-            g.add(s)
+            g.add(s)  # `make_node` reads its inputs' types from the graph
             shards.append(s)
         devices = tuple(g[x].device for x in names)
-        members = []
-        for t, name in enumerate(names):
-            n = g[name]
-            members.append(make_node(g, f"{name}.gather", "all_gather",
-                                     [s.name for s in shards],
-                                     {"group": devices, "index": t, "axis": axis}, like=n,
-                                     meta={**n.meta, "members": tuple(f"{x}.gather"
-                                                                      for x in names)}))
+        members = [make_node(g, name, "all_gather", [s.name for s in shards],
+                             {"group": devices, "index": t, "axis": axis}, like=g[name],
+                             meta={**g[name].meta, "members": tuple(names)})
+                   for t, name in enumerate(names)]
         rewrite[names[0]] = shards + members
-        for name in names[1:]:
-            rewrite[name] = []
-    # the gathers take the layers' names, so every reader reads the whole output
-    out: list[Node] = []
-    for n in g.nodes:
-        if n.name in rewrite:
-            for m in rewrite[n.name]:
-                if m.op == "all_gather":
-                    m.name = m.name.removesuffix(".gather")
-                    m.meta["members"] = tuple(x.removesuffix(".gather")
-                                              for x in m.meta["members"])
-                out.append(m)
-        elif n.name.endswith(".shard") and n.meta.get("tensor_shard"):
-            continue  # added at the end by `make_node`'s caller: placed above instead
-        else:
-            out.append(n)
-    g.nodes = out
+        rewrite.update({name: [] for name in names[1:]})
+        rewrite.update({s.name: [] for s in shards})  # placed with the first copy
+    g.nodes = [m for n in g.nodes for m in rewrite.get(n.name, [n])]
     g.meta.setdefault("tensor_layers", layers)
     return g

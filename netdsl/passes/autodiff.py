@@ -131,6 +131,7 @@ def autodiff(g: Graph) -> Graph:
         prev, b.fwd = b.fwd, g[value]  # the sum sits with the value (on its device)
         for p in parts[1:]:
             acc = b.emit("add", [acc, p], tag="acc")
+            g[acc].meta["sums_gradient_of"] = value  # (a pipeline re-chains these sums)
         b.fwd = prev
         totals[value] = acc
         return acc

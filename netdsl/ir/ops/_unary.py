@@ -9,19 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float
+from netdsl.ir.ops._util import grad_shape, need_float
 from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
-from netdsl.ir.types import TensorType
-
-
-def _grad_shape(op):
-    def shape(ins, a):
-        dy, v = ins
-        if dy.shape != v.shape:
-            raise ShapeError(f"{op}: gradient {dy} and value {v} differ in shape")
-        return TensorType(dy.shape, dy.dtype)
-    return shape
 
 
 def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: int = 1,
@@ -41,7 +30,7 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     # the backward signature repeats the forward attributes without their defaults
     gattrs = tuple(Arg(x.name, x.kind, x.default, x.choices) for x in attrs)
     register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,
-                   _grad_shape(f"{name}_grad"), "backward",
+                   grad_shape(f"{name}_grad"), "backward",
                    flops=lambda ins, out, a: (flops + 1) * out.numel(), differentiable=False,
                    doc=f"backward of {name}: dy * {name}'(x), from the forward {reads}"))
 

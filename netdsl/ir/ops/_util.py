@@ -59,3 +59,14 @@ def out_size(size: Dim, k: int, s: int, p: int, d: int, op: str, what: str) -> i
         raise ShapeError(f"{op}: a {what} of {size} is too small for kernel {k} "
                          f"(dilation {d}) with padding {p}; {{x}} would become empty")
     return o
+
+
+def grad_shape(op: str):
+    """The shape rule of an elementwise backward op `op(dy, v)`: dy and the forward value
+    (input or output) it pairs with have one shape, which dx has."""
+    def shape(ins, a):
+        dy, v = ins
+        if dy.shape != v.shape:
+            raise ShapeError(f"{op}: gradient {dy} and value {v} differ in shape")
+        return TensorType(dy.shape, dy.dtype)
+    return shape

@@ -11,9 +11,8 @@ reads only the mask. A forward-only graph keeps the fused `dropout` kernel.
 import math
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float
+from netdsl.ir.ops._util import grad_shape, need_float
 from netdsl.ir.registry import PROBABILITY, Arg, OpDef, grad_rule, kernel, register
-from netdsl.ir.types import TensorType
 
 
 def _same(op):
@@ -60,21 +59,12 @@ register(OpDef(
 
 
 # -- backward operators: (dy, y) or (dy, x) -> dx -------------------------------------------
-def _grad_shape(op):
-    def shape(ins, a):
-        dy, v = ins
-        if dy.shape != v.shape:
-            raise ShapeError(f"{op}: gradient {dy} and value {v} differ in shape")
-        return TensorType(dy.shape, dy.dtype)
-    return shape
-
-
 for _name, _k, _extra in (("relu_grad", 1, ()), ("leaky_relu_grad", 2, (Arg("slope", "float"),)),
                           ("gelu_grad", 12, (Arg("approximate", "str", "none",
                                                  choices=("none", "tanh")),)),
                           ("sigmoid_grad", 3, ()), ("tanh_grad", 3, ())):
     register(OpDef(_name, (Arg("dy", "tensor"), Arg("v", "tensor")) + _extra,
-                   _grad_shape(_name), "backward", flops=_per_elem(_k), differentiable=False,
+                   grad_shape(_name), "backward", flops=_per_elem(_k), differentiable=False,
                    doc=f"backward of {_name[:-5]}"))
 
 

@@ -95,28 +95,25 @@ def _gi_shape(ins, a):
 
 
 def _gw_shape(ins, a):
-    x = ins[1]
-    if "axis" in a:  # layernorm: the normalised dims
-        return TensorType(tuple(x.shape[a["axis"] % x.rank:]), ins[0].dtype)
-    return TensorType((x.shape[1],), ins[0].dtype)
+    x = ins[1]  # the weight has the normalised dims
+    return TensorType(tuple(x.shape[a["axis"] % x.rank:]), ins[0].dtype)
 
 
-for _op, _extra in (("batchnorm", ()), ("layernorm", (Arg("axis", "axis", -1),))):
-    register(OpDef(f"{_op}_grad_input",
-                   (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
-                    Arg("eps", "float", 1e-5, range=GT0)) + _extra,
-                   _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
-                   differentiable=False,
-                   doc=f"dx of {_op} (batch statistics recomputed from x); weight optional"))
-    register(OpDef(f"{_op}_grad_weight",
-                   (Arg("dy", "tensor"), Arg("x", "tensor"),
-                    Arg("eps", "float", 1e-5, range=GT0)) + _extra,
-                   _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
-                   differentiable=False, doc=f"d(weight) of {_op}: sum of dy * x_hat"))
+# layernorm's backward (batchnorm's is the statistics pass below)
+register(OpDef("layernorm_grad_input",
+               (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
+                Arg("eps", "float", 1e-5, range=GT0), Arg("axis", "axis", -1)),
+               _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
+               differentiable=False,
+               doc="dx of layernorm (statistics recomputed from x); weight optional"))
+register(OpDef("layernorm_grad_weight",
+               (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
+                Arg("axis", "axis", -1)),
+               _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
+               differentiable=False, doc="d(weight) of layernorm: sum of dy * x_hat"))
 
 
-# Batchnorm's backward as the gradient rule emits it: the statistics pass, then dx and the
-# affine gradients from its rows (batchnorm_grad_input/_weight above stay for other users)
+# Batchnorm's backward: one statistics pass, then dx and the affine gradients from its rows
 STAT_ROWS = ("weight", "bias", "mean", "inv")  # rows of batchnorm_grad_stats' result
 
 
@@ -222,32 +219,6 @@ def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
     dxhat = dy if w is None else dy * w.reshape(wshape)
     return inv * (dxhat - dxhat.mean(axis=axes, keepdims=True)
                   - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
-
-
-@kernel("batchnorm_grad_input")
-def _bn_gi(xp, ins, a, ctx):
-    # dx = w * inv * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) * inv;
-    # with d = x - mean: dx = w * inv * (d * (-inv^2 * sum(dy * d) / M) - sum(dy) / M + dy)
-    dy, x = ins[0], ins[1]
-    w = ins[2] if len(ins) > 2 else None
-    dy3 = _view3(dy)
-    count = dy3.shape[0] * dy3.shape[2]
-    _, inv, _, dx = _bn_stats(xp, _view3(x), a["eps"], ctx.out)
-    sdy = xp.einsum("ncp->c", dy3)
-    sdyd = xp.einsum("ncp,ncp->c", dy3, dx)
-    dx *= (-(inv * inv) * sdyd / count)[:, None]
-    dx += (-sdy / count)[:, None]
-    dx += dy3
-    dx *= (inv if w is None else inv * w)[:, None]
-    return dx.reshape(x.shape)
-
-
-@kernel("batchnorm_grad_weight")
-def _bn_gw(xp, ins, a, ctx):
-    # sum(dy * xhat) = inv * sum(dy * (x - mean)) per channel
-    dy, x = ins
-    _, inv, _, d = _bn_stats(xp, _view3(x), a["eps"])
-    return xp.einsum("ncp,ncp->c", _view3(dy), d) * inv
 
 
 @kernel("batchnorm_grad_stats")

@@ -111,3 +111,16 @@ def test_a_killed_rank_stops_the_others(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_rank_0_evaluates_on_the_gathered_state():
+    """A pipeline holds half the parameters on each rank: rank 0 gathers them to evaluate,
+    and gets the held-out accuracy of one process (one micro-batch: the same numbers)."""
+    one = netdsl("--steps", "5", "--json")
+    two = netdsl("--steps", "5", "--json", "--split", "pipeline", "--microbatches", "1",
+                 ranks=2)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    assert b["test_accuracy"] is not None
+    assert (b["final_loss"], b["test_accuracy"]) == (a["final_loss"], a["test_accuracy"])

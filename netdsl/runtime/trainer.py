@@ -322,11 +322,9 @@ class Trainer:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
         # evaluation runs the forward graph on the step's state; over MPI the state is
-        # spread over the ranks, so rank 0 evaluates on a gathered copy
-        self._eval_base = (Executor(bound, backend, opts.dtype, self.cfg.seed)
-                           if opts.distributed else self.executor)
-        self._eval_execs = {self.batch: self._eval_base.with_graph(bound)
-                            if not opts.distributed else self._eval_base}
+        # spread over the ranks, so rank 0 evaluates on a gathered copy (made on first use)
+        self._eval_base = self.executor if not opts.distributed else None
+        self._eval_execs: dict[int, Executor] = {}
         if self.rank != 0:
             self.cb = Callback()  # rank 0 reports
         self.stats = summarize(bound)
@@ -410,19 +408,23 @@ class Trainer:
             sd = self.state_dict()
             if sd is None:
                 return {}
+            if self._eval_base is None:
+                self._eval_base = Executor(self.forward.bind(self.batch),
+                                           self.executor.backend, self.opts.dtype,
+                                           self.cfg.seed)
             self._eval_base.load_state_dict(sd, strict=False)
         test = Split([a[:limit] for a in self.data.test.arrays])
         total = -(-limit // self.batch)
         progress = getattr(self.cb, "on_eval_progress", None)
         losses, correct, seen = [], 0, 0
         roles = tuple(r for r in ("output", "loss", "logits") if r in
-                      self._eval_execs[self.batch].graph.outputs)
+                      self.forward.outputs or (r == "logits" and self.acc))
         be = self.executor.backend
         for k, arrays in enumerate(batches(test, self.batch)):
             if progress is not None:
                 progress(k, total)
             n = len(arrays[0])
-            if n not in self._eval_execs:  # the last, partial batch gets its own binding
+            if n not in self._eval_execs:  # a binding per batch size (the last may be short)
                 g = self.forward.bind(n)
                 if self.acc:
                     g.outputs["logits"] = [self.acc[0]]

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--mem", help="memory per device (default: the profile's)")
-    ap.add_argument("--strategies", default="data,pipeline,hybrid,tensor,auto")
+    ap.add_argument("--strategies", default="data,pipeline,hybrid,tensor,spatial,auto")
     a = ap.parse_args()
     if a.what == "split":
         split_table(a.net or "examples/resnet2504.net", a.devices, a.batch, a.profile,

@@ -118,17 +118,19 @@ class TrainConfig(_Strict):
 
 
 class ParallelConfig(_Strict):
-    """The network-level `parallel { }` declaration; devices = data x pipeline x tensor."""
+    """The network-level `parallel { }` declaration; devices = data x pipeline x tensor x
+    spatial."""
 
     data: int = Field(1, ge=1, le=INT_MAX)
     pipeline: int = Field(1, ge=1, le=INT_MAX)
     microbatches: int = Field(1, ge=1, le=INT_MAX)
     tensor: int = Field(1, ge=1, le=INT_MAX)
+    spatial: int = Field(1, ge=1, le=INT_MAX)
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
 
     @property
     def devices(self) -> int:
-        return self.data * self.pipeline * self.tensor
+        return self.data * self.pipeline * self.tensor * self.spatial
 
     @model_validator(mode="after")
     def _microbatches(self):

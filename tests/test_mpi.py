@@ -42,6 +42,8 @@ def losses(log: Path) -> list[float]:
                                                                   "--split", "pipeline"]),
                                                ("tensor", 0.0, ["--devices", "2",
                                                                 "--split", "tensor"]),
+                                               ("spatial", 0.0, ["--devices", "2",
+                                                                 "--split", "spatial"]),
                                                ("data", 1e-5, [])])
 def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"

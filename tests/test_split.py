@@ -247,8 +247,7 @@ def test_impossible_splits_are_exit_3():
         split_step(net.graph, 2, SplitSpec(data=4), opt)
     for args, words in ((["--devices", "4", "--batch", "2", "--strategy", "data"],
                          "at least one sample"),
-                        (["--devices", "2", "--mem", "1KB"], "fits"),
-                        (["--devices", "2", "--strategy", "spatial"], "not available yet")):
+                        (["--devices", "2", "--mem", "1KB"], "fits")):
         r = runner.invoke(app, ["split", str(NETS["vgg"]), *args])
         assert r.exit_code == 3, r.output
         assert words in r.output and "Traceback" not in r.output

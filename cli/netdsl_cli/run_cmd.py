@@ -158,7 +158,8 @@ def _run(
         "--devices", min=1, help="split the step over this many logical devices in this "
         "process (each with its own memory accounting; see `netdsl split`)")] = 1,
     split: Annotated[str | None, typer.Option(
-        "--split", help="with --devices: auto | data | pipeline | hybrid | tensor (default: "
+        "--split", help="with --devices: auto | data | pipeline | hybrid | tensor | spatial "
+        "(default: "
         "the file's `parallel` declaration, else auto)")] = None,
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", min=1, help="with --devices: micro-batches per step (pipelines)")]

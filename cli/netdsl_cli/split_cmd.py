@@ -24,7 +24,7 @@ def split(
                                                 "split over (default: the file's "
                                                 "`parallel` declaration)")] = None,
     strategy: Annotated[str | None, typer.Option(
-        help="auto, data, pipeline, hybrid or tensor (default: the file's `parallel` "
+        help="auto, data, pipeline, hybrid, tensor or spatial (default: the file's `parallel` "
         "declaration when it has one for these devices, else auto)")] = None,
     batch: BatchOpt = None,
     microbatches: Annotated[int | None, typer.Option(

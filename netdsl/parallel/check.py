@@ -35,13 +35,15 @@ def check(g: Graph, fwd: Graph) -> None:
         if n.meta.get("sync_bn") and n.name != n.meta["sync_bn"]:
             continue  # the parts of a synchronised batchnorm; its final op counts
         counts[n.meta["origin"]] += 1
+    strips = set(g.meta.get("spatial_layers", ()))
     for n in fwd.nodes:
         if n.is_source or n.op == "dropout":
             continue
-        if counts[n.name] != parts:
+        want = parts * g.meta["split"].get("spatial", 1) if n.name in strips else parts
+        if counts[n.name] != want:
             raise SplitCheckError(
                 f"split check: forward node %{n.name} ({n.op}) is computed "
-                f"{counts[n.name]} times, once per part ({parts}) was expected",
+                f"{counts[n.name]} times, once per part ({want}) was expected",
                 loc=n.loc, stack=n.stack)
     update_names = set(g.outputs.get("updates", []))
     read_by_update = {i for n in g.nodes if n.name in update_names for i in n.inputs}

@@ -1,8 +1,9 @@
 """Choosing a split: the `--strategy` of `netdsl split` and `netdsl run --devices`.
 
-`data`, `pipeline`, `hybrid` and `tensor` are the schemes of `split.py`; `auto` builds
-every data x pipeline factorisation of the device count (with micro-batch counts 1, 2, 4
-... up to the batch for pipelines) and the tensor split, predicts each one's step time
+`data`, `pipeline`, `hybrid`, `tensor` and `spatial` are the schemes of `split.py`; `auto`
+builds every data x pipeline factorisation of the device count (with micro-batch counts 1,
+2, 4 ... up to the batch for pipelines), the tensor split and (for a network with
+convolutions) the spatial split, predicts each one's step time
 and per-device peak (`predict.report`), drops those that do not fit a device (`--mem`,
 else the profile's capacity), and picks the fastest. The alternatives are kept, so the
 command can show what it considered.
@@ -18,8 +19,7 @@ from netdsl.memory.profiles import Profile
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
 from netdsl.parallel.split import SplitSpec, split_step
 
-CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor")
-NOT_YET = ("spatial",)
+CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 
 
 @dataclass
@@ -39,25 +39,23 @@ class Chosen:
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
                declared: dict, bn: str, schedule: str | None = None,
-               has_bn: bool = False) -> list[SplitSpec]:
+               has_bn: bool = False, has_conv: bool = False) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
     else the file's `parallel { schedule = ... }`, else GPipe's). Batchnorm synchronised
-    over replicas takes one micro-batch (`has_bn`: the network has batchnorm)."""
+    over replicas takes one micro-batch (`has_bn`: the network has batchnorm; `has_conv`:
+    it has 2-d convolutions, which a spatial split cuts)."""
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
                                                      else "gpipe")
     if sched not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
-        d, p, t = (declared.get(k, 1) for k in ("data", "pipeline", "tensor"))
+        d, p, t, s = (declared.get(k, 1) for k in ("data", "pipeline", "tensor", "spatial"))
         if ParallelConfig(**declared).devices == devices > 1:
-            return [SplitSpec(data=d, pipeline=p, tensor=t, bn=bn, schedule=sched,
+            return [SplitSpec(data=d, pipeline=p, tensor=t, spatial=s, bn=bn, schedule=sched,
                               microbatches=microbatches or declared.get("microbatches", 1))]
         strategy = "auto"
         sched = schedule or declared.get("schedule") or "1f1b"
-    if strategy in NOT_YET:
-        raise SplitError(f"--strategy {strategy} is not available yet; use data, pipeline, "
-                         "hybrid, tensor or auto")
     if strategy not in CHOICES:
         raise SplitError(f"unknown --strategy `{strategy}`; choose one of "
                          f"{', '.join(CHOICES)}")
@@ -80,6 +78,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         return [SplitSpec(data=devices, bn=bn)]
     if strategy == "tensor":
         return [SplitSpec(tensor=devices, bn=bn)]
+    if strategy == "spatial":
+        return [SplitSpec(spatial=devices, bn=bn)]
     if strategy == "pipeline":
         m = microbatches if microbatches is not None else min(batch, 4 * devices)
         return [SplitSpec(pipeline=devices, microbatches=m, bn=bn, schedule=sched)]
@@ -102,6 +102,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
                                      schedule=sched))
     if devices > 1:
         out.append(SplitSpec(tensor=devices, bn=bn))
+    if devices > 1 and has_conv:
+        out.append(SplitSpec(spatial=devices, bn=bn))
     return out
 
 
@@ -119,7 +121,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            float_dtype: str = "f32", progress=None, schedule: str | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
-                       schedule, any(n.op == "batchnorm" for n in fwd.nodes))
+                       schedule, any(n.op == "batchnorm" for n in fwd.nodes),
+                       any(n.op == "conv2d" for n in fwd.nodes))
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
     cap = mem if mem is not None else profile.capacity_bytes

@@ -12,6 +12,9 @@ with its communication, comes from the gradient rules):
   GPipe order (every device runs its micro-batches' forward parts in order, then their
   backward parts in reverse order) or 1F1B (`schedule="1f1b"`): `order.order_micro_batches`.
 - hybrids: `data=D, pipeline=P` uses D x P devices, replica r's stage s on r * P + s.
+- **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels.
+- **spatial** (`spatial=S`, `spatial.py`): the image height split into S strips, with halo
+  exchange for convolutions and pooling; the head runs on device 0.
 
 After autodiff, the gradients of replicated parameters are all-reduced
 (`gradsync.sync_gradients`), then the optimizer adds each device's updates. `check.check`
@@ -35,7 +38,7 @@ from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_f
 from netdsl.parallel.syncbn import sync_batchnorms
 from netdsl.passes.pipeline import run_pipeline
 
-STRATEGIES = ("data", "pipeline", "hybrid", "none")
+STRATEGIES = ("data", "pipeline", "hybrid", "tensor", "spatial", "none")
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,11 @@ class SplitSpec:
     bn: str = "sync"  # sync | local
     tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
     schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
+    spatial: int = 1  # strips of the image height (alone)
 
     @property
     def devices(self) -> int:
-        return self.data * self.pipeline * self.tensor
+        return self.data * self.pipeline * self.tensor * self.spatial
 
     @property
     def name(self) -> str:
@@ -59,6 +63,8 @@ class SplitSpec:
             return "none"
         if self.tensor > 1:
             return "tensor"
+        if self.spatial > 1:
+            return "spatial"
         if self.pipeline == 1:
             return "data"
         return "pipeline" if self.data == 1 else "hybrid"
@@ -67,6 +73,8 @@ class SplitSpec:
         parts = []
         if self.tensor > 1:
             parts.append(f"tensor={self.tensor}")
+        if self.spatial > 1:
+            parts.append(f"spatial={self.spatial}")
         if self.data > 1:
             parts.append(f"data={self.data}")
         if self.pipeline > 1:
@@ -90,6 +98,8 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                          "split needs a scalar loss", )
     if spec.tensor > 1:
         return _tensor_forward(fwd, batch, spec, gather)
+    if spec.spatial > 1:
+        return _spatial_forward(fwd, batch, spec, gather)
     stages = spec.pipeline
     if stages > 1:
         stage_of = stage_of or assign_stages(
@@ -148,6 +158,25 @@ def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, 
     g.meta["split"] = {"data": 1, "pipeline": 1, "microbatches": 1, "tensor": spec.tensor,
                        "bn": spec.bn, "devices": spec.devices, "strategy": "tensor",
                        "layers": len(g.meta.get("tensor_layers", []))}
+    return g
+
+
+def _spatial_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
+    """Every device a strip of each image's rows through the trunk; the head on device 0."""
+    from netdsl.parallel.spatial import spatial_forward
+    if spec.data > 1 or spec.pipeline > 1 or spec.tensor > 1:
+        raise SplitError("a spatial split does not combine with data, pipeline or tensor "
+                         "splits yet")
+    if spec.bn != "sync":
+        raise SplitError("a spatial split always synchronises batchnorm over the strips "
+                         "(statistics per strip would depend on where the image is cut); "
+                         "drop --bn local")
+    g, strips = spatial_forward(fwd, batch, spec.spatial, gather)
+    sync_batchnorms(g, strips, fwd, batch)
+    connect(g)
+    g.meta["split"] = {"data": 1, "pipeline": 1, "microbatches": 1, "spatial": spec.spatial,
+                       "bn": spec.bn, "devices": spec.devices, "strategy": "spatial",
+                       "layers": len(strips)}
     return g
 
 

@@ -17,14 +17,19 @@ synchronised batchnorm would have.
 """
 from __future__ import annotations
 
+import math
+
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.rewrite import make_node
 
 
 def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: int) -> Graph:
-    """Rewrite every training-mode batchnorm whose copies sit on more than one device."""
-    groups = [names for orig, names in copies.items() if fwd[orig].op == "batchnorm"
-              and len({g[x].device for x in names}) > 1]
+    """Rewrite every training-mode batchnorm whose copies sit on more than one device.
+    The statistics count the whole batch over the single-device node's spatial size (a
+    data split's copies hold all of it; a spatial split's hold strips)."""
+    origs = [orig for orig, names in copies.items() if fwd[orig].op == "batchnorm"
+             and len({g[x].device for x in names}) > 1]
+    groups = [copies[orig] for orig in origs]
     if not groups:
         return g
     index = {x: k for k, names in enumerate(groups) for x in names}
@@ -40,7 +45,8 @@ def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: i
         pending.setdefault(k, []).append(n)
         if len(pending[k]) == len(groups[k]) and k not in done:
             done.add(k)
-            new, ups = _rewrite(g, pending.pop(k), batch)
+            count = batch * math.prod(fwd[origs[k]].type.shape[2:])
+            new, ups = _rewrite(g, pending.pop(k), count)
             out.extend(new)
             updates.extend(ups)
     g.nodes = out
@@ -48,16 +54,12 @@ def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: i
     return g
 
 
-def _rewrite(g: Graph, bns: list[Node], batch: int) -> tuple[list[Node], list[str]]:
+def _rewrite(g: Graph, bns: list[Node], count: int) -> tuple[list[Node], list[str]]:
     """The synchronised copies of one batchnorm's per-device copies (node-major order,
-    each collective's members side by side)."""
+    each collective's members side by side); `count` values per channel in all."""
     first = bns[0]
     shape = first.type.shape
     c = shape[1]
-    spatial = 1
-    for d in shape[2:]:
-        spatial *= d
-    count = batch * spatial
     bshape = (1, c) + (1,) * (len(shape) - 2)
     affine = first.attrs["affine"]
     eps, momentum = first.attrs["eps"], first.attrs["momentum"]

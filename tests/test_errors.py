@@ -168,7 +168,7 @@ CASES = [
     # -- parallel ------------------------------------------------------------------------
     ("parallel-unknown", net("parallel { pipelines = 2 }\noutput x"),
      "`parallel` has no setting `pipelines`; it has data, pipeline, microbatches, tensor, "
-     "schedule", 4, 16),
+     "spatial, schedule", 4, 16),
     ("parallel-zero", net("parallel { data = 0 }\noutput x"),
      "invalid parallel declaration: `data` must be at least 1, not 0", 4, 16),
     ("parallel-string", net('parallel { data = "two" }\noutput x'),

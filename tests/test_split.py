@@ -302,3 +302,22 @@ def test_run_on_4_devices_resumes_on_1(tmp_path):
     a, b = json.loads(resumed.stdout), json.loads(straight.stdout)
     assert a["resumed_from"] == 3
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-5)
+
+
+def test_tensor_split_pairs_layers_megatron_style():
+    """linear -> gelu -> linear: the first split by output, the second by input columns,
+    one all-reduce in place of a gather and a reduce-scatter each way (fewer collectives
+    and bytes); the gate above covers the numbers (tensor2/tensor4 on the transformer)."""
+    net, opt, _ = setup("transformer")
+    g = split_step(net.graph, BATCH, SplitSpec(tensor=2), opt)
+    ff = "encoder.encoder_layer.feed_forward"
+    assert [ff + ".linear", ff + ".linear_1"] in g.meta["tensor_pairs"]
+    w = [n for n in g.nodes if canonical(n.name) == ff + ".linear_1.weight"]
+    assert [Shard.of(n).to_json() for n in w] == [[1, 0, 128, [64, 256]],
+                                                  [1, 128, 256, [64, 256]]]
+    bias = [n for n in g.nodes if canonical(n.name) == ff + ".linear_1.bias"]
+    assert [n.device for n in bias] == [0]  # added once, before the sum
+    reduced = [n for n in g.nodes if n.op == "all_reduce" and n.meta.get("phase") is None]
+    assert {canonical(n.name) for n in reduced} >= {ff + ".linear_1"}
+    gathers = {canonical(n.name) for n in g.nodes if n.op == "all_gather"}
+    assert ff + ".linear" not in gathers and ff + ".linear_1" not in gathers

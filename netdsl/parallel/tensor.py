@@ -13,6 +13,15 @@ the single-device step.
 Which layers: those annotated `@shard(channels, k)` or `@shard(features, k)` (k must be
 the device count), else every linear and ungrouped conv2d with at least as many output
 channels as devices.
+
+**Pairs** (Megatron-LM's column and row splits): where a chosen layer A feeds a chosen
+layer B of the same kind through element-wise activations only (a transformer's
+feed-forward `linear -> gelu -> linear`, a conv -> relu -> conv), A's output is not
+gathered: the activations run on each device's channels, and B is split by *input*
+channels (its weight's columns), so each device computes a partial B(x) over its
+channels and one `all_reduce` sums them (B's bias added once, on device 0). A pair then
+needs one collective forward (the all-reduce) and one backward (the all-reduce of the
+output gradient), against two gathers and two reduce-scatters unpaired.
 """
 from __future__ import annotations
 
@@ -43,15 +52,46 @@ def chosen_layers(fwd: Graph, ways: int) -> list[str]:
             and n.attrs[SPLITTABLE[n.op][0]] >= ways and n.attrs.get("groups", 1) == 1]
 
 
-def _shard_state(g: Graph, name: str, lo: int, hi: int) -> None:
-    """Make state node `name` (a replica of a weight or bias) rows [lo, hi) of it."""
+PAIR_THROUGH = ("relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "elu", "relu6",
+                "hardswish", "mish", "softplus", "selu")  # per-channel, parameter-free
+
+
+def pairs(fwd: Graph, layers: list[str]) -> list[tuple[str, list[str], str]]:
+    """(A, activations between, B) for every chosen layer A whose only reader chain is
+    element-wise activations ending at chosen layer B's input (module docstring)."""
+    chosen = set(layers)
+    readers = fwd.consumers()
+    out, used = [], set()
+    for a in layers:
+        chain, x = [], a
+        while True:
+            rs = readers.get(x, [])
+            if len(rs) != 1 or any(x in v for v in fwd.outputs.values()):
+                break
+            r = fwd[rs[0]]
+            if r.op in PAIR_THROUGH and r.inputs == (x,):
+                chain.append(r.name)
+                x = r.name
+                continue
+            if (r.name in chosen and r.op == fwd[a].op and r.inputs[0] == x
+                    and x not in r.inputs[1:] and a not in used and r.name not in used
+                    and r.attrs.get("groups", 1) == 1):
+                out.append((a, chain, r.name))
+                used.update((a, r.name))
+            break
+    return out
+
+
+def _shard_state(g: Graph, name: str, lo: int, hi: int, axis: int = 0) -> None:
+    """Make state node `name` (a replica of a weight or bias) [lo, hi) of it along
+    `axis` (rows: output channels; columns: input channels)."""
     n = g[name]
     full = tuple(n.type.shape)
-    shape = (hi - lo,) + full[1:]
+    shape = full[:axis] + (hi - lo,) + full[axis + 1:]
     n.type = TensorType(shape, n.type.dtype)
     if "shape" in n.attrs:
         n.attrs["shape"] = shape
-    n.meta["shard"] = (0, lo, hi, full)
+    n.meta["shard"] = (axis, lo, hi, full)
 
 
 def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) -> Graph:
@@ -64,7 +104,13 @@ def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) 
     # then the gather's members, which take the copies' names: every reader of a copy
     # reads the whole output
     rewrite: dict[str, list[Node]] = {}
+    paired = pairs(fwd, layers)
+    for a, chain, b in paired:
+        _split_pair(g, copies, fwd, a, chain, b, ways, rewrite)
+    in_pairs = {x for a, _, b in paired for x in (a, b)}
     for orig in layers:
+        if orig in in_pairs:
+            continue
         names = copies[orig]
         attr, axis = SPLITTABLE[fwd[orig].op]
         shards = []
@@ -87,4 +133,56 @@ def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) 
         rewrite.update({s.name: [] for s in shards})  # placed with the first copy
     g.nodes = [m for n in g.nodes for m in rewrite.get(n.name, [n])]
     g.meta.setdefault("tensor_layers", layers)
+    g.meta.setdefault("tensor_pairs", [[a, b] for a, _, b in paired])
     return g
+
+
+def _split_pair(g: Graph, copies: dict[str, list[str]], fwd: Graph, a: str,
+                chain: list[str], b: str, ways: int, rewrite: dict[str, list[Node]]) -> None:
+    """Column-split `a`, run `chain` on the shards, row-split `b` and all-reduce it
+    (module docstring); the new nodes go where `a`'s first copy stands, the all-reduce's
+    members (under `b`'s copies' names) where `b`'s first copy stands."""
+    attr, axis = SPLITTABLE[fwd[a].op]
+    parts = even_parts(fwd[a].attrs[attr], ways)
+    placed: list[Node] = []
+    last = []
+    for t, (name, (lo, hi)) in enumerate(zip(copies[a], parts, strict=True)):
+        n = g[name]
+        for state in n.inputs[1:]:
+            if "shard" not in g[state].meta:
+                _shard_state(g, state, lo, hi)
+        s = make_node(g, f"{name}.shard", n.op, n.inputs, {**n.attrs, attr: hi - lo},
+                      like=n, meta={**n.meta, "tensor_shard": a})
+        g.add(s)
+        placed.append(s)
+        x = s.name
+        for c in chain:  # the activations, on this device's channels
+            cn = g[copies[c][t]]
+            m = make_node(g, f"{cn.name}.shard", cn.op, [x], cn.attrs, like=cn,
+                          meta={**cn.meta, "tensor_shard": c})
+            g.add(m)
+            placed.append(m)
+            x = m.name
+        bn = g[copies[b][t]]
+        w = bn.inputs[1]
+        if "shard" not in g[w].meta:
+            _shard_state(g, w, lo, hi, axis=1)  # the weight's input columns
+        keep_bias = t == 0 and len(bn.inputs) > 2
+        ins = [x, w] + ([bn.inputs[2]] if keep_bias else [])
+        p = make_node(g, f"{bn.name}.partial", bn.op, ins,
+                      {**bn.attrs, "bias": keep_bias}, like=bn,
+                      meta={**bn.meta, "tensor_shard": b})
+        g.add(p)
+        last.append(p)
+    dropped = {i for t, name in enumerate(copies[b]) if t > 0 for i in g[name].inputs[2:]}
+    names = copies[b]
+    devices = tuple(g[x].device for x in names)
+    members = [make_node(g, name, "all_reduce", [p.name for p in last],
+                         {"group": devices, "index": t}, like=g[name],
+                         meta={**g[name].meta, "members": tuple(names)})
+               for t, name in enumerate(names)]
+    rewrite[copies[a][0]] = placed
+    rewrite[names[0]] = last + members
+    for x in copies[a][1:] + names[1:] + [n for c in chain for n in copies[c]] + \
+            [n.name for n in placed + last] + sorted(dropped):
+        rewrite.setdefault(x, [])

@@ -51,6 +51,7 @@ SPECS = {
     "pipeline4": SplitSpec(pipeline=4, microbatches=2),
     "hybrid4": SplitSpec(data=2, pipeline=2, microbatches=2, bn="local"),
     "tensor2": SplitSpec(tensor=2), "tensor4": SplitSpec(tensor=4),
+    "data2-tensor2": SplitSpec(data=2, tensor=2),
     "1f1b4": SplitSpec(pipeline=4, microbatches=8, schedule="1f1b"),
 }
 
@@ -321,3 +322,23 @@ def test_tensor_split_pairs_layers_megatron_style():
     assert {canonical(n.name) for n in reduced} >= {ff + ".linear_1"}
     gathers = {canonical(n.name) for n in g.nodes if n.op == "all_gather"}
     assert ff + ".linear" not in gathers and ff + ".linear_1" not in gathers
+
+
+def test_data_by_tensor_hybrid_reduces_each_shard_over_the_replicas():
+    """parallel { data = 2; tensor = 2 }: replica r's rank t on device 2r + t; a shard's
+    gradient is all-reduced between the two devices holding that shard; the state joins
+    the shards in the single-device layout (the gate covers the numbers)."""
+    net, opt, _ = setup("transformer")
+    g = split_step(net.graph, BATCH, SplitSpec(data=2, tensor=2), opt)
+    assert g.meta["split"]["strategy"] == "hybrid"
+    w = "encoder.encoder_layer.feed_forward.linear.weight"
+    shards = {n.name: (n.device, Shard.of(n).lo) for n in g.nodes
+              if n.op == "param" and canonical(n.name) == w}
+    assert sorted(shards.values()) == [(0, 0), (1, 128), (2, 0), (3, 128)]
+    groups = [n.attrs["group"] for n in g.nodes if n.op == "all_reduce"
+              and n.meta.get("grad_sync") and n.meta["members"][0] == n.name]
+    assert (0, 2) in groups and (1, 3) in groups
+    ex = Executor(g, "numpy", "f64", seed=3)
+    single = Executor(split_step(net.graph, BATCH, SplitSpec(), opt), "numpy", "f64", seed=3)
+    a, b = ex.state_dict(), single.state_dict()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -62,7 +62,7 @@ class SplitSpec:
         if self.devices == 1:
             return "none"
         if self.tensor > 1:
-            return "tensor"
+            return "tensor" if self.data == 1 else "hybrid"
         if self.spatial > 1:
             return "spatial"
         if self.pipeline == 1:
@@ -144,19 +144,29 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
 
 
 def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
-    """Every device a copy of the whole batch; the chosen layers split by channels."""
+    """Every device of a replica a copy of the replica's rows; the chosen layers split by
+    channels over the replica's `tensor` devices (replica r's rank t on r * tensor + t)."""
     from netdsl.parallel.tensor import split_layers
-    if spec.data > 1 or spec.pipeline > 1:
-        raise SplitError("a tensor split does not combine with data or pipeline splits yet")
-    parts = [Part(t, None, 0, batch, mirror=t > 0) for t in range(spec.tensor)]
+    if spec.pipeline > 1:
+        raise SplitError("a tensor split does not combine with pipeline splits yet")
+    ways, replicas = spec.tensor, spec.data
+    rows = batch_rows(batch, replicas, "data-parallel replicas")
+    parts = [Part(r * ways + t, None, lo, hi, mirror=t > 0)
+             for r, (lo, hi) in enumerate(rows) for t in range(ways)]
     g, copies = copy_forward(
         fwd, parts, batch, lambda n, p: n.name if not p.device else copy_name(n.name, p.device))
-    running_stats_once(g, copies)  # every device's batchnorm sees the whole batch
-    split_layers(g, copies, fwd, spec.tensor)
+    if spec.bn == "sync" and replicas > 1:
+        # each tensor rank's batchnorm copies are synchronised over the replicas (the
+        # mirrors of one replica see the same rows and must not count them twice)
+        for t in range(ways):
+            sync_batchnorms(g, {o: names[t::ways] for o, names in copies.items()}, fwd, batch)
+    else:
+        running_stats_once(g, copies)  # every device's batchnorm sees its replica's rows
+    split_layers(g, copies, fwd, ways, replicas)
     combine(g, fwd, parts, copies, batch, 0, gather)
     connect(g)
-    g.meta["split"] = {"data": 1, "pipeline": 1, "microbatches": 1, "tensor": spec.tensor,
-                       "bn": spec.bn, "devices": spec.devices, "strategy": "tensor",
+    g.meta["split"] = {"data": replicas, "pipeline": 1, "microbatches": 1, "tensor": ways,
+                       "bn": spec.bn, "devices": spec.devices, "strategy": spec.name,
                        "layers": len(g.meta.get("tensor_layers", []))}
     return g
 

@@ -94,8 +94,11 @@ def _shard_state(g: Graph, name: str, lo: int, hi: int, axis: int = 0) -> None:
     n.meta["shard"] = (axis, lo, hi, full)
 
 
-def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) -> Graph:
-    """Replace each chosen layer's copies (one per device) by shards and a gather."""
+def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int,
+                 replicas: int = 1) -> Graph:
+    """Replace each chosen layer's copies (one per device) by shards and a gather (or,
+    for a pair, an all-reduce). With data-parallel `replicas`, `copies` lists replica r's
+    `ways` copies at [r * ways, (r + 1) * ways), and each replica is split alike."""
     layers = chosen_layers(fwd, ways)
     if not layers:
         raise SplitError(f"network `{fwd.name}` has no linear or conv2d layer with {ways} or "
@@ -105,36 +108,44 @@ def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int) 
     # reads the whole output
     rewrite: dict[str, list[Node]] = {}
     paired = pairs(fwd, layers)
-    for a, chain, b in paired:
-        _split_pair(g, copies, fwd, a, chain, b, ways, rewrite)
     in_pairs = {x for a, _, b in paired for x in (a, b)}
-    for orig in layers:
-        if orig in in_pairs:
-            continue
-        names = copies[orig]
-        attr, axis = SPLITTABLE[fwd[orig].op]
-        shards = []
-        for name, (lo, hi) in zip(names, even_parts(fwd[orig].attrs[attr], ways), strict=True):
-            n = g[name]
-            for state in n.inputs[1:]:  # weight, bias: this device's rows
-                if "shard" not in g[state].meta:
-                    _shard_state(g, state, lo, hi)
-            s = make_node(g, f"{name}.shard", n.op, n.inputs, {**n.attrs, attr: hi - lo},
-                          like=n, meta={**n.meta, "tensor_shard": orig})
-            g.add(s)  # `make_node` reads its inputs' types from the graph
-            shards.append(s)
-        devices = tuple(g[x].device for x in names)
-        members = [make_node(g, name, "all_gather", [s.name for s in shards],
-                             {"group": devices, "index": t, "axis": axis}, like=g[name],
-                             meta={**g[name].meta, "members": tuple(names)})
-                   for t, name in enumerate(names)]
-        rewrite[names[0]] = shards + members
-        rewrite.update({name: [] for name in names[1:]})
-        rewrite.update({s.name: [] for s in shards})  # placed with the first copy
+    for r in range(replicas):
+        mine = {o: names[r * ways:(r + 1) * ways] for o, names in copies.items()}
+        for a, chain, b in paired:
+            _split_pair(g, mine, fwd, a, chain, b, ways, rewrite)
+        for orig in layers:
+            if orig not in in_pairs:
+                _split_layer(g, mine[orig], fwd[orig], ways, rewrite)
     g.nodes = [m for n in g.nodes for m in rewrite.get(n.name, [n])]
     g.meta.setdefault("tensor_layers", layers)
     g.meta.setdefault("tensor_pairs", [[a, b] for a, _, b in paired])
     return g
+
+
+def _split_layer(g: Graph, names: list[str], layer: Node, ways: int,
+                 rewrite: dict[str, list[Node]]) -> None:
+    """One layer's copies `names` (one per device) as output-channel shards and the
+    members of an all-gather, placed where the first copy stands."""
+    orig = layer.name
+    attr, axis = SPLITTABLE[layer.op]
+    shards = []
+    for name, (lo, hi) in zip(names, even_parts(layer.attrs[attr], ways), strict=True):
+        n = g[name]
+        for state in n.inputs[1:]:  # weight, bias: this device's rows
+            if "shard" not in g[state].meta:
+                _shard_state(g, state, lo, hi)
+        s = make_node(g, f"{name}.shard", n.op, n.inputs, {**n.attrs, attr: hi - lo},
+                      like=n, meta={**n.meta, "tensor_shard": orig})
+        g.add(s)  # `make_node` reads its inputs' types from the graph
+        shards.append(s)
+    devices = tuple(g[x].device for x in names)
+    members = [make_node(g, name, "all_gather", [s.name for s in shards],
+                         {"group": devices, "index": t, "axis": axis}, like=g[name],
+                         meta={**g[name].meta, "members": tuple(names)})
+               for t, name in enumerate(names)]
+    rewrite[names[0]] = shards + members
+    rewrite.update({name: [] for name in names[1:]})
+    rewrite.update({s.name: [] for s in shards})  # placed with the first copy
 
 
 def _split_pair(g: Graph, copies: dict[str, list[str]], fwd: Graph, a: str,

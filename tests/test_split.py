@@ -342,3 +342,28 @@ def test_data_by_tensor_hybrid_reduces_each_shard_over_the_replicas():
     single = Executor(split_step(net.graph, BATCH, SplitSpec(), opt), "numpy", "f64", seed=3)
     a, b = ex.state_dict(), single.state_dict()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_device_and_replicate_annotations():
+    """@device(k) pins a pipeline stage (and is an error in a data split); @replicate
+    keeps a layer out of a tensor split and whole in a spatial split."""
+    net, opt, _ = setup("vgg")
+    g = net.graph.copy()
+    head = next(n for n in g.nodes if n.op == "linear")
+    head.annotations["device"] = 1
+    p = split_step(g, BATCH, SplitSpec(pipeline=2, microbatches=2), opt)
+    assert {n.device for n in p.nodes if n.meta.get("origin") == head.name
+            and n.meta.get("phase") is None and n.op == "linear"} == {1}
+    with pytest.raises(SplitError, match=r"@device\(1\) on %.*every device"):
+        split_step(g, BATCH, SplitSpec(data=2), opt)
+    head.annotations["device"] = 5
+    with pytest.raises(SplitError, match="only 2 devices"):
+        split_step(g, BATCH, SplitSpec(pipeline=2, microbatches=2), opt)
+    del head.annotations["device"]
+    head.annotations["replicate"] = True
+    t = split_step(g, BATCH, SplitSpec(tensor=2), opt)
+    assert head.name not in t.meta["tensor_layers"]
+    conv = next(n for n in g.nodes if n.op == "conv2d")
+    conv.annotations["replicate"] = True
+    s = split_step(g, BATCH, SplitSpec(spatial=2), opt)
+    assert conv.name not in s.meta["spatial_layers"]

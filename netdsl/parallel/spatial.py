@@ -19,14 +19,14 @@ output of height H on device d of S. How a strip is made depends on the node:
   sums all-reduced over the devices.
 
 A trunk starts at a window node (an attention score tensor is 4-d too, but not an image).
-The first node that is none of these (global pooling, flatten, a linear head, the loss)
-reads the whole value: the strips are sent to device 0 and joined there, under the
-value's own name, and that node and everything after it run on device 0 - a CNN's head is
-a small part of its work. A strip that would be empty (a value of height below S) also
-ends the trunk there. Autodiff turns every send into a send back and every slice into its
-gradient's zero-padded strip, so the backward pass exchanges the halos' gradients, and the
-gradients of the replicated parameters are all-reduced by `gradsync` as in data
-parallelism: the step equals the single-device step.
+The first node that is none of these (global pooling, flatten, a linear head, the loss),
+or is marked `@replicate`, reads the whole value: the strips are sent to device 0 and
+joined there, under the value's own name, and that node and everything after it run on
+device 0 - a CNN's head is a small part of its work. A strip that would be empty (a value
+of height below S) also ends the trunk there. Autodiff turns every send into a send back
+and every slice into its gradient's zero-padded strip, so the backward pass exchanges the
+halos' gradients, and the gradients of the replicated parameters are all-reduced by
+`gradsync` as in data parallelism: the step equals the single-device step.
 """
 from __future__ import annotations
 
@@ -133,6 +133,8 @@ class _Spatial:
         t = n.type
         if t.rank != 4 or not isinstance(t.shape[H], int) or t.shape[H] < self.ways:
             return False
+        if n.annotations.get("replicate"):
+            return False  # the user keeps it whole
         op = self.ops[n.op]
         if n.op in WINDOW:
             return self._window_ok(n)

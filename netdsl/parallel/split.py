@@ -101,6 +101,7 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     if spec.spatial > 1:
         return _spatial_forward(fwd, batch, spec, gather)
     stages = spec.pipeline
+    _check_devices(fwd, spec)
     if stages > 1:
         stage_of = stage_of or assign_stages(
             fwd, stages, profile, max(1, batch // (spec.data * spec.microbatches)))
@@ -238,12 +239,30 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     return g
 
 
+def _check_devices(fwd: Graph, spec: SplitSpec) -> None:
+    """`@device(k)` places a layer on device k, which only a pipeline of one replica does
+    (there device k is stage k); every other scheme runs each layer on every device."""
+    for n in fwd.nodes:
+        k = n.annotations.get("device")
+        if k is None:
+            continue
+        where = f" ({n.loc})" if n.loc else ""
+        if spec.pipeline == 1 or spec.data > 1:
+            raise SplitError(f"@device({k}) on %{n.name}{where} places it on one device, "
+                             f"but a {spec.name} split runs every layer on "
+                             f"{'each replica' if spec.pipeline > 1 else 'every device'}; "
+                             "use a pipeline over the devices, or @stage(k)")
+        if k >= spec.pipeline:
+            raise SplitError(f"@device({k}) on %{n.name}{where}: the split has only "
+                             f"{spec.pipeline} devices")
+
+
 def assign_stages(fwd: Graph, stages: int, profile: Profile | None = None,
                   batch: int = 1) -> dict[str, int]:
     """A stage for every forward node: the node sequence cut into `stages` contiguous runs
     of about equal predicted time (the roofline of `predict.node_time` under `profile`,
     per-node overhead included, at the micro-batch size `batch`; without a profile, FLOPs
-    plus 10 x bytes touched), `@stage(k)` annotations pinned. Sources go with their first
+    plus 10 x bytes touched), `@stage(k)` and `@device(k)` pinned. Sources go with their first
     reader."""
     ops = registry.load_all()
     bound = fwd.bind(batch)
@@ -266,7 +285,11 @@ def assign_stages(fwd: Graph, stages: int, profile: Profile | None = None,
     for k, n in enumerate(compute):
         while s < stages - 1 and k >= cuts[s]:
             s += 1
-        pinned = n.annotations.get("stage")
+        pinned = n.annotations.get("stage", n.annotations.get("device"))
+        if pinned is not None and pinned >= stages:
+            raise SplitError(f"@stage({pinned}) on %{n.name}"
+                             f"{f' ({n.loc})' if n.loc else ''}: the pipeline has only "
+                             f"{stages} stages")
         stage[n.name] = int(pinned) if pinned is not None else s
     readers: dict[str, int] = {}
     for n in compute:

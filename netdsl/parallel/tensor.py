@@ -12,7 +12,7 @@ the single-device step.
 
 Which layers: those annotated `@shard(channels, k)` or `@shard(features, k)` (k must be
 the device count), else every linear and ungrouped conv2d with at least as many output
-channels as devices.
+channels as devices that is not marked `@replicate`.
 
 **Pairs** (Megatron-LM's column and row splits): where a chosen layer A feeds a chosen
 layer B of the same kind through element-wise activations only (a transformer's
@@ -49,7 +49,8 @@ def chosen_layers(fwd: Graph, ways: int) -> list[str]:
     if marked:
         return [n.name for n in marked]
     return [n.name for n in fwd.nodes if n.op in SPLITTABLE
-            and n.attrs[SPLITTABLE[n.op][0]] >= ways and n.attrs.get("groups", 1) == 1]
+            and n.attrs[SPLITTABLE[n.op][0]] >= ways and n.attrs.get("groups", 1) == 1
+            and not n.annotations.get("replicate")]
 
 
 PAIR_THROUGH = ("relu", "gelu", "silu", "tanh", "sigmoid", "leaky_relu", "elu", "relu6",

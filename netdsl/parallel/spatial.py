@@ -21,12 +21,12 @@ output of height H on device d of S. How a strip is made depends on the node:
 A trunk starts at a window node (an attention score tensor is 4-d too, but not an image).
 The first node that is none of these (global pooling, flatten, a linear head, the loss),
 or is marked `@replicate`, reads the whole value: the strips are sent to device 0 and
-joined there, under the value's own name, and that node and everything after it run on
-device 0 - a CNN's head is a small part of its work. A strip that would be empty (a value
-of height below S) also ends the trunk there. Autodiff turns every send into a send back
-and every slice into its gradient's zero-padded strip, so the backward pass exchanges the
-halos' gradients, and the gradients of the replicated parameters are all-reduced by
-`gradsync` as in data parallelism: the step equals the single-device step.
+joined there, under the value's own name, and that node runs on device 0 (a CNN's head is
+a small part of its work; a window node after it cuts the trunk again). A strip that would
+be empty (a value of height below S) also ends the trunk there. Autodiff turns every send
+into a send back and every slice into its gradient's zero-padded strip, so the backward
+pass exchanges the halos' gradients, and the gradients of the replicated parameters are
+all-reduced by `gradsync` as in data parallelism: the step equals the single-device step.
 """
 from __future__ import annotations
 

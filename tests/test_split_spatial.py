@@ -26,14 +26,16 @@ def mix():
     return net, net.train.optimizer.model_dump()
 
 
-@pytest.mark.parametrize("ways", [2, 4])
+@pytest.mark.parametrize("data, ways", [(1, 2), (1, 4), (2, 2)])
 @pytest.mark.parametrize("name", ["resnet20", "vgg"])
-def test_spatial_split_equals_single_device_step(name, ways):
+def test_spatial_split_equals_single_device_step(name, data, ways):
+    """Alone, and as a hybrid with data parallelism (replica r's strip k on device
+    r * ways + k; the VGG's dropout draws each replica's rows of the batch's mask)."""
     net, opt, feeds = setup(name)
-    r = verify_split(net.graph, 8, SplitSpec(spatial=ways), opt, feeds)
+    r = verify_split(net.graph, 8, SplitSpec(data=data, spatial=ways), opt, feeds)
     assert r.ok and r.reference == "single-device step"
     assert max(r.loss_rel, r.grad_rel, r.state_rel) <= 1e-9
-    assert len(r.comm_bytes) == ways and all(v > 0 for v in r.comm_bytes.values())
+    assert len(r.comm_bytes) == data * ways and all(v > 0 for v in r.comm_bytes.values())
 
 
 @pytest.mark.parametrize("ways", [2, 3, 4])
@@ -54,7 +56,7 @@ def test_every_window_shape_is_cut_right(ways):
         "conv2d", "batchnorm", "relu", "maxpool", "conv2d_1", "conv2d_2", "prelu", "concat",
         "avgpool", "conv2d_3", "sigmoid"]
     # the stem's strips: 19 output rows cut evenly, each reading its 7x7 windows' rows
-    stem = [g[f"conv2d@d{d}"] for d in range(ways)]
+    stem = [g[f"conv2d@s{d}@d{d}"] for d in range(ways)]
     assert sum(n.type.shape[2] for n in stem) == 19
     assert max(n.type.shape[2] for n in stem) - min(n.type.shape[2] for n in stem) <= 1
     assert stem[0].attrs["padding"][0] == 3 and stem[-1].attrs["padding"][2] >= 0

@@ -11,7 +11,8 @@ original:
   same values on every device; device 0's copy keeps the original name;
 - a *shard* holds a slice of the original along one axis (`meta["shard"]`);
 - every other copy (one per device and micro-batch) is an activation of one part of the
-  batch (`meta["rows"]`).
+  batch (`meta["rows"]`), or, in a spatial split, of one strip of the image height
+  (`name@sK@dD`, `meta["hrows"]`).
 
 `canonical(name)` undoes the naming rule (`w@d1.momentum_buffer` -> `w.momentum_buffer`),
 which is how the executor initialises a replica with the same values as the original and
@@ -25,14 +26,18 @@ from dataclasses import dataclass
 
 from netdsl.ir.graph import Graph, Node
 
-_SUFFIX = re.compile(r"@(?:d\d+|m\d+)+")
+_SUFFIX = re.compile(r"@(?:d\d+|m\d+|s\d+)+")
 
 
-def copy_name(name: str, device: int | None = None, micro: int | None = None) -> str:
-    """The name of a copy of `name` on `device` for micro-batch `micro`."""
+def copy_name(name: str, device: int | None = None, micro: int | None = None,
+              strip: int | None = None) -> str:
+    """The name of a copy of `name` on `device` for micro-batch `micro` (or, in a
+    spatial split, for strip `strip` of the image height)."""
     out = name
     if micro is not None:
         out += f"@m{micro}"
+    if strip is not None:
+        out += f"@s{strip}"
     if device is not None:
         out += f"@d{device}"
     return out

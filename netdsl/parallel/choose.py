@@ -3,7 +3,8 @@
 `data`, `pipeline`, `hybrid`, `tensor` and `spatial` are the schemes of `split.py`; `auto`
 builds every data x pipeline factorisation of the device count (with micro-batch counts 1,
 2, 4 ... up to the batch for pipelines), the tensor split and its data x tensor hybrids
-and (for a network with convolutions) the spatial split, predicts each one's step time
+and (for a network with convolutions) the spatial split and its data x spatial hybrids,
+predicts each one's step time
 and per-device peak (`predict.report`), drops those that do not fit a device (`--mem`,
 else the profile's capacity), and picks the fastest. The alternatives are kept, so the
 command can show what it considered.
@@ -106,6 +107,9 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
                    for d in range(2, devices) if devices % d == 0 and d <= batch)
     if devices > 1 and has_conv:
         out.append(SplitSpec(spatial=devices, bn=bn))
+        if bn == "sync":
+            out.extend(SplitSpec(data=d, spatial=devices // d, bn=bn)
+                       for d in range(2, devices) if devices % d == 0 and d <= batch)
     return out
 
 

@@ -39,6 +39,7 @@ from netdsl.ir.ops.conv import explicit_padding
 from netdsl.ir.ops.pool import spatial as pool_dims
 from netdsl.ir.placement import copy_name, even_parts
 from netdsl.ir.rewrite import make_node
+from netdsl.parallel.replicate import batch_dependent, batch_rows
 
 H = 2  # the height axis of NCHW
 WINDOW = ("conv2d", "maxpool", "avgpool")
@@ -47,48 +48,69 @@ NOT_ROW_LOCAL = ("causal_mask", "softmax", "log_softmax")  # unless along the ch
 
 
 class _Spatial:
-    """The state of one rewrite (module docstring): which values are cut in strips, their
-    strips per device, the state replicas and the joined values made so far."""
+    """One replica's rewrite (module docstring): rows [lo, hi) of the batch cut into
+    `ways` strips on devices base .. base + ways - 1 of shared graph `g`; which values are
+    cut, their strips, and the whole values (joined strips, head nodes) made so far."""
 
-    def __init__(self, fwd: Graph, batch: int, ways: int):
-        self.fwd, self.batch, self.ways = fwd, batch, ways
+    def __init__(self, fwd: Graph, g: Graph, ways: int, replica: int = 0,
+                 rows: tuple[int, int] | None = None, replicas: int = 1):
+        self.fwd, self.g, self.ways = fwd, g, ways
         self.ops = registry.load_all()
-        self.bound = fwd.bind(batch)
-        self.g = Graph(fwd.name, [], {}, batch, dict(fwd.parallel), dict(fwd.meta))
+        self.lo, self.hi = rows if rows is not None else (0, g.batch)
+        self.base = replica * ways
+        self.replicas = replicas
+        self.bound = fwd.bind(self.hi - self.lo)
         self.strips: dict[str, list[str]] = {}  # value -> its strip on each device
+        self.whole: dict[str, str] = {}  # value -> its whole value in this replica
         self.rows_cache: dict[tuple, str] = {}
-        self.local: dict[tuple[str, int], str] = {}  # (state or constant, device) -> name
-        self.joined: set[str] = set()
+
+    def device(self, d: int) -> int:
+        return self.base + d
+
+    def named(self, name: str) -> str:
+        """The name of this replica's whole copy of `name` (the name itself without
+        data-parallel replicas: `combine` makes the original names otherwise)."""
+        return name if self.replicas == 1 else copy_name(name, self.base)
 
     # -- values on a device ------------------------------------------------------------
     def on(self, name: str, device: int) -> str:
         """Value `name` whole, for a node on `device`: a state replica there, a constant
-        made there, the strips joined (on device 0), or the value itself (`connect`
-        brings a value made on another device with a send/recv pair)."""
+        made there, the replica's rows of an input, the strips joined (on the replica's
+        first device), or the value itself (`connect` brings a value made on another
+        device with a send/recv pair)."""
         n = self.bound[name]
         if n.op in STATE_OPS or (not n.is_source and not n.inputs):
-            key = (name, device)
-            if key not in self.local:
-                new = name if device == 0 else copy_name(name, device)
+            new = name if device == 0 else copy_name(name, device)
+            if new not in self.g:
                 c = n.copy(name=new, device=device)
                 c.meta["origin"] = name
                 self.g.add(c)
-                self.local[key] = new
-            return self.local[key]
+            return new
+        if n.op == "input":
+            if self.replicas == 1:
+                return name  # fed on every device
+            key = (name, device, "batch")
+            if key not in self.rows_cache:
+                self.rows_cache[key] = self._add(
+                    f"{name}.rows{self.lo}_{self.hi}@d{device}", "slice", [name],
+                    {"axis": 0, "start": self.lo, "stop": self.hi, "step": 1},
+                    n, device)
+            return self.rows_cache[key]
         if name in self.strips:
             return self.join(name)
-        return name
+        return self.whole[name]
 
     def join(self, name: str) -> str:
-        """The strips of `name` joined on device 0, under `name` itself, so every reader
-        after the trunk (and the step's outputs) finds it by the single-device name."""
-        if name not in self.joined:
-            self.joined.add(name)
-            n = make_node(self.g, name, "concat", self.strips[name], {"axis": H},
-                          like=self.bound[name], device=0,
+        """The strips of `name` joined on the replica's first device, under `name` itself
+        (or the replica's copy name), so every reader after the trunk (and the step's
+        outputs) finds it by the single-device name."""
+        if name not in self.whole:
+            self.whole[name] = self.named(name)
+            n = make_node(self.g, self.whole[name], "concat", self.strips[name], {"axis": H},
+                          like=self.bound[name], device=self.base,
                           meta={"joined": True})  # not a computation of `name`
             self.g.add(n)
-        return name
+        return self.whole[name]
 
     def rows(self, name: str, device: int, lo: int, hi: int) -> str:
         """Rows [lo, hi) of value `name` (height axis) for a node on `device`: slices of
@@ -103,7 +125,8 @@ class _Spatial:
             for d, (a, b) in enumerate(even_parts(height, self.ways)):
                 s, e = max(a, lo), min(b, hi)
                 if s < e:
-                    pieces.append(self._slice(self.strips[name][d], d, s - a, e - a, device))
+                    pieces.append(self._slice(self.strips[name][d], self.device(d), s - a,
+                                              e - a, device))
         else:
             whole = self.on(name, device)
             owner = self.g[whole].device
@@ -177,16 +200,19 @@ class _Spatial:
         """Node `n`'s strips, one per device, side by side."""
         height = n.type.shape[H]
         names = []
-        for d, (lo, hi) in enumerate(even_parts(height, self.ways)):
-            name = copy_name(n.name, d)
+        for k, (lo, hi) in enumerate(even_parts(height, self.ways)):
+            d = self.device(k)
+            name = copy_name(n.name, d, strip=k)
             if n.op in WINDOW:
                 ins, attrs, pre = self._window_inputs(n, d, lo, hi)
             else:
                 ins, attrs, pre = self._row_inputs(n, d, lo, hi), dict(n.attrs), None
             if pre is not None:
                 ins[0] = pre
-            m = make_node(self.g, name, n.op, ins, attrs, like=n, device=d,
-                          meta={**n.meta, "origin": n.name, "hrows": (lo, hi)})
+            meta = {**n.meta, "origin": n.name, "hrows": (lo, hi)}
+            if self.replicas > 1:
+                meta["rows"] = (self.lo, self.hi)
+            m = make_node(self.g, name, n.op, ins, attrs, like=n, device=d, meta=meta)
             self.g.add(m)
             names.append(name)
         self.strips[n.name] = names
@@ -240,33 +266,55 @@ class _Spatial:
         return ins, a, pre
 
 
-def spatial_forward(fwd: Graph, batch: int, ways: int, gather: tuple[str, ...] = ()
-                    ) -> tuple[Graph, dict[str, list[str]]]:
-    """The spatially split forward graph (no communication yet: `connect` adds it) and
-    the strips of every cut node (module docstring). The outputs, and the values named
-    in `gather`, are whole on device 0 under their own names."""
-    s = _Spatial(fwd, batch, ways)
-    for n in s.bound.nodes:
+    def head(self, n: Node) -> None:
+        """Node `n` whole on the replica's first device (it cannot be cut)."""
+        ins = [self.on(i, self.base) for i in n.inputs]
+        c = n.copy(name=self.named(n.name), inputs=tuple(ins), device=self.base)
+        c.meta["origin"] = n.name
+        if self.replicas > 1 and batch_dependent(self.fwd[n.name]):
+            c.meta["rows"] = (self.lo, self.hi)
+        if self.replicas > 1 and self.ops[n.op].random:  # its rows of the batch's numbers
+            c.meta.setdefault("rng_key", n.meta.get("rng_key", n.name))
+            c.meta["rng_rows"] = (self.lo, self.hi, self.g.batch)
+        self.g.add(c)
+        self.whole[n.name] = c.name
+
+
+def spatial_forward(fwd: Graph, batch: int, ways: int, gather: tuple[str, ...] = (),
+                    replicas: int = 1) -> tuple[Graph, dict[str, list[str]], list[_Spatial]]:
+    """The spatially split forward graph (no communication yet: `connect` adds it), the
+    strips of every cut node (all replicas') and the replicas' rewrites (module
+    docstring). With one replica the outputs, and the values named in `gather`, are
+    whole on device 0 under their own names; with several, each replica's are whole on
+    its first device (`combine` then joins the replicas')."""
+    g = Graph(fwd.name, [], {}, batch, dict(fwd.parallel), dict(fwd.meta))
+    reps = [_Spatial(fwd, g, ways, r, rows, replicas)
+            for r, rows in enumerate(batch_rows(batch, replicas, "data-parallel replicas"))]
+    whole = reps[0].bound if replicas == 1 else fwd.bind(batch)
+    for idx, n in enumerate(fwd.nodes):
         if n.op in STATE_OPS or (not n.is_source and not n.inputs):
             continue  # made on each device that reads it
         if n.is_source:
-            s.g.add(n.copy())  # fed on every device
-            continue
-        if s.cuttable(n):
-            s.cut(n)
-            continue
-        op = s.ops[n.op]
-        k = op.n_tensor_inputs(len(n.inputs))
-        ins = [s.on(i, 0) for i in n.inputs[:k]] + [s.on(i, 0) for i in n.inputs[k:]]
-        c = n.copy(inputs=tuple(ins), device=0)
-        c.meta["origin"] = n.name
-        s.g.add(c)
-    if not s.strips:
+            g.add(whole.nodes[idx].copy())
+            continue  # fed on every device (each replica slices its rows)
+        for s in reps:  # node-major: a collective's members side by side
+            m = s.bound.nodes[idx]
+            if s.cuttable(m):
+                s.cut(m)
+            else:
+                s.head(m)
+    strips: dict[str, list[str]] = {}
+    for s in reps:
+        for x, names in s.strips.items():
+            strips.setdefault(x, []).extend(names)
+    if not strips:
         raise SplitError(f"network `{fwd.name}` has no convolution, pooling or element-wise "
                          f"layer on an image at least {ways} rows high to split by height")
-    for role, names in fwd.outputs.items():
-        s.g.outputs[role] = [s.on(x, 0) for x in names]
-    for x in gather:
-        s.on(x, 0)
-    s.g.meta["spatial_layers"] = [x for x in s.strips]
-    return s.g, s.strips
+    for s in reps:
+        for x in [x for names in fwd.outputs.values() for x in names] + list(gather):
+            s.on(x, s.base)
+    if replicas == 1:
+        g.outputs = {role: [reps[0].on(x, 0) for x in names]
+                     for role, names in fwd.outputs.items()}
+    g.meta["spatial_layers"] = list(reps[0].strips)
+    return g, strips, reps

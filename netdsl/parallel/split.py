@@ -64,22 +64,22 @@ class SplitSpec:
         if self.tensor > 1:
             return "tensor" if self.data == 1 else "hybrid"
         if self.spatial > 1:
-            return "spatial"
+            return "spatial" if self.data == 1 else "hybrid"
         if self.pipeline == 1:
             return "data"
         return "pipeline" if self.data == 1 else "hybrid"
 
     def describe(self) -> str:
         parts = []
-        if self.tensor > 1:
-            parts.append(f"tensor={self.tensor}")
-        if self.spatial > 1:
-            parts.append(f"spatial={self.spatial}")
         if self.data > 1:
             parts.append(f"data={self.data}")
         if self.pipeline > 1:
             parts.append(f"pipeline={self.pipeline}, microbatches={self.microbatches}"
                          + (", 1f1b" if self.schedule == "1f1b" else ""))
+        if self.tensor > 1:
+            parts.append(f"tensor={self.tensor}")
+        if self.spatial > 1:
+            parts.append(f"spatial={self.spatial}")
         return ", ".join(parts) or "one device"
 
 
@@ -173,21 +173,26 @@ def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, 
 
 
 def _spatial_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
-    """Every device a strip of each image's rows through the trunk; the head on device 0."""
+    """Every device a strip of its replica's images through the trunk; each replica's
+    head on its first device (replica r's strip k on device r * spatial + k)."""
     from netdsl.parallel.spatial import spatial_forward
-    if spec.data > 1 or spec.pipeline > 1 or spec.tensor > 1:
-        raise SplitError("a spatial split does not combine with data, pipeline or tensor "
-                         "splits yet")
+    if spec.pipeline > 1 or spec.tensor > 1:
+        raise SplitError("a spatial split does not combine with pipeline or tensor splits "
+                         "yet")
     if spec.bn != "sync":
         raise SplitError("a spatial split always synchronises batchnorm over the strips "
                          "(statistics per strip would depend on where the image is cut); "
                          "drop --bn local")
-    g, strips = spatial_forward(fwd, batch, spec.spatial, gather)
-    sync_batchnorms(g, strips, fwd, batch)
+    g, strips, reps = spatial_forward(fwd, batch, spec.spatial, gather, spec.data)
+    sync_batchnorms(g, strips, fwd, batch)  # over every replica's strips: the whole batch
+    if spec.data > 1:
+        parts = [Part(s.base, None, s.lo, s.hi) for s in reps]
+        heads = {x: [s.whole[x] for s in reps] for x in reps[0].whole}
+        combine(g, fwd, parts, heads, batch, 0, gather)
     connect(g)
-    g.meta["split"] = {"data": 1, "pipeline": 1, "microbatches": 1, "spatial": spec.spatial,
-                       "bn": spec.bn, "devices": spec.devices, "strategy": "spatial",
-                       "layers": len(strips)}
+    g.meta["split"] = {"data": spec.data, "pipeline": 1, "microbatches": 1,
+                       "spatial": spec.spatial, "bn": spec.bn, "devices": spec.devices,
+                       "strategy": spec.name, "layers": len(g.meta["spatial_layers"])}
     return g
 
 

@@ -118,7 +118,8 @@ def _copies(g: Graph) -> dict[str, list]:
             continue
         out.setdefault(o, []).append(n)
     for v in out.values():
-        v.sort(key=lambda m: (m.meta.get("rows") or m.meta.get("hrows") or (0, 0))[0])
+        v.sort(key=lambda m: ((m.meta.get("rows") or (0, 0))[0],
+                              (m.meta.get("hrows") or (0, 0))[0]))
     return out
 
 
@@ -140,10 +141,16 @@ def first_divergence(single: Graph, split: Graph, feeds: dict, seed: int,
 
     def joined(copies, v):
         parts = [v[n.name] for n in copies]
+        if len(parts) > 1 and all(n.meta.get("hrows") for n in copies):
+            # a spatial split's strips: joined by height within each replica's rows
+            rows: dict = {}
+            for n, p in zip(copies, parts, strict=True):
+                rows.setdefault(n.meta.get("rows"), []).append(p)
+            parts = [np.concatenate(ps, axis=2) for ps in rows.values()]
+            if len(parts) == 1:
+                return parts[0]
         if len(parts) > 1 and all(n.meta.get("rows") for n in copies):
             return np.concatenate(parts)
-        if len(parts) > 1 and all(n.meta.get("hrows") for n in copies):
-            return np.concatenate(parts, axis=2)  # a spatial split's strips
         return parts[0]
 
     for o in origins:

@@ -199,43 +199,84 @@ def _inner(p, sizes):
     return (slice(None), slice(None)) + tuple(slice(pi, pi + n) for pi, n in zip(p, sizes))
 
 
+def _offset(off, s, out):
+    """The [N, C, *out] strided view index of kernel offset `off` in the padded input:
+    element o of it is window o's element `off`."""
+    return (slice(None), slice(None)) + tuple(
+        slice(o, o + si * (n - 1) + 1, si) for o, si, n in zip(off, s, out))
+
+
+def _offsets(k):
+    return itertools.product(*(range(ki) for ki in k))
+
+
 def _scatter_windows(xp, dxpad, cols, k, s, out):
     """Add cols [N, C, *out, *k] onto the padded input at their windows (windows' adjoint):
     one strided add per kernel offset."""
-    d = len(k)
-    for off in itertools.product(*(range(ki) for ki in k)):
-        idx = (slice(None), slice(None)) + tuple(
-            slice(off[i], off[i] + s[i] * (out[i] - 1) + 1, s[i]) for i in range(d))
-        dxpad[idx] += cols[(Ellipsis,) + off]
+    for off in _offsets(k):
+        dxpad[_offset(off, s, out)] += cols[(Ellipsis,) + off]
 
 
 def _nd(a, shape):
     return len(shape) - 2
 
 
-def _max_windows(xp, x, a):
+def _padded_max(xp, x, a):
     k, s, p, sizes, out = _geom(x.shape, a, _nd(a, x.shape))
-    xpad = _pad(xp, x, p, _extra(sizes, k, s, p, out), -xp.inf)
-    return _windows(xp, xpad, k, s, out), (k, s, p, sizes, out)
+    return _pad(xp, x, p, _extra(sizes, k, s, p, out), -xp.inf), (k, s, p, sizes, out)
+
+
+def _window_reduce(xp, xpad, k, s, out, op):
+    """`op` (maximum or add) over every window, one spatial axis at a time (windows are
+    boxes, so the reduction separates): per axis, one element-wise pass per kernel offset
+    over a strided view. A reduction over the small window axes of a strided view is
+    several times slower, and separating the axes makes k1 + k2 passes instead of
+    k1 x k2. NaN propagates through maximum as in a max reduction."""
+    r = xpad
+    for ax, (ki, si, n) in enumerate(zip(k, s, out), start=2):
+        acc = None
+        for o in range(ki):
+            idx = (slice(None),) * ax + (slice(o, o + si * (n - 1) + 1, si),)
+            v = r[idx]
+            if acc is None:
+                acc = xp.array(v)
+            else:
+                op(acc, v, out=acc)
+        r = acc
+    return r
+
+
+def _window_max(xp, xpad, k, s, out):
+    return _window_reduce(xp, xpad, k, s, out, xp.maximum)
 
 
 def _maxpool(xp, ins, a, ctx):
-    win, (k, *_rest) = _max_windows(xp, ins[0], a)
-    return win.max(axis=tuple(range(-len(k), 0)))
+    xpad, (k, s, _p, _sizes, out) = _padded_max(xp, ins[0], a)
+    return _window_max(xp, xpad, k, s, out)
 
 
 def _maxpool_grad(xp, ins, a, ctx):
+    """dy goes to the first maximum of each window in row-major window order (torch's
+    argmax rule; a NaN counts as the maximum), added where windows overlap."""
     dy, x = ins
-    win, (k, s, p, sizes, out) = _max_windows(xp, x, a)
-    kk = 1
-    for ki in k:
-        kk *= ki
-    arg = win.reshape(win.shape[:-len(k)] + (kk,)).argmax(axis=-1)  # first max, like torch
-    cols = (arg[..., None] == xp.arange(kk)).astype(dy.dtype) * dy[..., None]
-    extra = _extra(sizes, k, s, p, out)
-    dxpad = xp.zeros(x.shape[:2] + tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, extra)),
-                     dtype=dy.dtype)
-    _scatter_windows(xp, dxpad, cols.reshape(cols.shape[:-1] + k), k, s, out)
+    xpad, (k, s, p, sizes, out) = _padded_max(xp, x, a)
+    y = _window_max(xp, xpad, k, s, out)
+    nan = xp.isnan(y)
+    nan = nan if bool(nan.any()) else None
+    dxpad = xp.zeros(xpad.shape, dtype=dy.dtype)
+    taken = xp.zeros(y.shape, dtype=bool)  # windows whose maximum has had its gradient
+    hit = xp.empty(y.shape, dtype=bool)
+    part = xp.empty(dy.shape, dtype=dy.dtype)
+    for off in _offsets(k):  # buffers reused: five passes per offset, no allocation
+        idx = _offset(off, s, out)
+        v = xpad[idx]
+        xp.equal(v, y, out=hit)
+        if nan is not None:
+            hit |= xp.isnan(v) & nan
+        xp.greater(hit, taken, out=hit)  # hit and not taken
+        taken |= hit
+        xp.multiply(dy, hit, out=part)
+        dxpad[idx] += part
     return xp.ascontiguousarray(dxpad[_inner(p, sizes)])
 
 
@@ -258,7 +299,7 @@ def _avgpool(xp, ins, a, ctx):
     x = ins[0]
     k, s, p, sizes, out = _geom(x.shape, a, _nd(a, x.shape))
     xpad = _pad(xp, x, p, _extra(sizes, k, s, p, out), 0.0)
-    total = _windows(xp, xpad, k, s, out).sum(axis=tuple(range(-len(k), 0)))
+    total = _window_reduce(xp, xpad, k, s, out, xp.add)
     return total / _counts(xp, a, k, s, p, sizes, out, x.dtype)
 
 

@@ -11,9 +11,9 @@ import pytest
 from test_split import NETS, runner, setup
 
 from netdsl import api
-from netdsl.config import TrainConfig
 from netdsl.errors import SplitError
 from netdsl.parallel.split import SplitSpec, split_step
+from netdsl.runtime.data import Loader, make_dataset
 from netdsl.runtime.gate import verify_split
 from netdsl_cli.app import app
 
@@ -21,17 +21,23 @@ ROOT = Path(__file__).resolve().parent.parent
 MIX = ROOT / "tests" / "nets" / "spatial-mix.net"
 
 
-def mix():
-    net = api.load(MIX)
-    return net, net.train.optimizer.model_dump()
+def load(path: Path, batch: int):
+    """A network, its optimizer and one batch of its file's data."""
+    net = api.load(path)
+    data = make_dataset(net.graph, net.train.data, 0)
+    feeds = dict(zip(data.input_names, Loader(data.train, batch, 0).next(), strict=True))
+    return net, net.train.optimizer.model_dump(), feeds
 
 
 @pytest.mark.parametrize("data, ways", [(1, 2), (1, 4), (2, 2)])
-@pytest.mark.parametrize("name", ["resnet20", "vgg"])
+@pytest.mark.parametrize("name", ["resnet20", "vgg", "unet"])
 def test_spatial_split_equals_single_device_step(name, data, ways):
     """Alone, and as a hybrid with data parallelism (replica r's strip k on device
-    r * ways + k; the VGG's dropout draws each replica's rows of the batch's mask)."""
-    net, opt, feeds = setup(name)
+    r * ways + k; the VGG's dropout draws each replica's rows of the batch's mask). The
+    U-Net is cut whole but for its loss (transposed convolutions, channel concat of the
+    skips)."""
+    net, opt, feeds = (load(ROOT / "examples" / "unet-small.net", 8) if name == "unet"
+                       else setup(name))
     r = verify_split(net.graph, 8, SplitSpec(data=data, spatial=ways), opt, feeds)
     assert r.ok and r.reference == "single-device step"
     assert max(r.loss_rel, r.grad_rel, r.state_rel) <= 1e-9
@@ -41,20 +47,18 @@ def test_spatial_split_equals_single_device_step(name, data, ways):
 @pytest.mark.parametrize("ways", [2, 3, 4])
 def test_every_window_shape_is_cut_right(ways):
     """Strided, padded, "same", dilated and asymmetric convolutions, padded max and
-    average pooling, an odd height cut unevenly; the nodes that cannot be cut (a ceil-mode
+    average pooling, strided and dilated transposed convolutions, an odd height cut
+    unevenly; the nodes that cannot be cut (a ceil-mode
     pool, average pooling that does not count its padding, values lower than the strip
     count) run whole on device 0 and the trunk is cut again after them."""
-    net, opt = mix()
-    from netdsl.runtime.data import Loader, make_dataset
-    data = make_dataset(net.graph, net.train.data, 0)
-    feeds = dict(zip(data.input_names, Loader(data.train, 4, 0).next(), strict=True))
+    net, opt, feeds = load(MIX, 4)
     r = verify_split(net.graph, 4, SplitSpec(spatial=ways), opt, feeds)
     assert r.ok, (r.worst, r.grad_rel, r.first_divergence)
     assert max(r.loss_rel, r.grad_rel, r.state_rel) <= 1e-9
     g = split_step(net.graph, 4, SplitSpec(spatial=ways), opt)
     assert g.meta["spatial_layers"] == [
         "conv2d", "batchnorm", "relu", "maxpool", "conv2d_1", "conv2d_2", "prelu", "concat",
-        "avgpool", "conv2d_3", "sigmoid"]
+        "avgpool", "conv2d_3", "sigmoid", "conv_transpose2d", "conv_transpose2d_1"]
     # the stem's strips: 19 output rows cut evenly, each reading its 7x7 windows' rows
     stem = [g[f"conv2d@s{d}@d{d}"] for d in range(ways)]
     assert sum(n.type.shape[2] for n in stem) == 19
@@ -109,4 +113,3 @@ def test_run_spatial_on_logical_devices_equals_one_device(tmp_path):
         assert r.exit_code == 0, r.output
         out[key] = [json.loads(x)["loss"] for x in log.read_text().splitlines()]
     assert out["two"] == pytest.approx(out["one"], rel=1e-5)
-    assert TrainConfig  # the file's train section drives both runs

@@ -9,11 +9,13 @@ output of height H on device d of S. How a strip is made depends on the node:
   normalisation) that read a value already cut read the same rows of their inputs,
   which are on the same device, since every value of height H is cut the same way;
   inputs that broadcast over the height (a per-channel weight) are read whole;
-- **window** nodes (conv2d, max- and average pooling) read the input rows their windows
-  cover: the device's own rows plus a *halo* of a few rows held by its neighbours (a
-  `slice` there, a send/recv pair, a `concat` here). Where a window hangs over the image
-  border, the strip is padded as the whole image is (a convolution's padding becomes
-  per-strip top/bottom padding; pooling pads explicitly, with -inf for max pooling);
+- **window** nodes (conv2d, max- and average pooling, transposed convolutions) read the
+  input rows their windows cover: the device's own rows plus a *halo* of a few rows held
+  by its neighbours (a `slice` there, a send/recv pair, a `concat` here). Where a window
+  hangs over the image border, the strip is padded as the whole image is (a
+  convolution's padding becomes per-strip top/bottom padding; pooling pads explicitly,
+  with -inf for max pooling; a transposed convolution runs unpadded on its input rows
+  and its strip is cropped out);
 - **batchnorm** normalises with the statistics of the whole batch and image: its strips
   are synchronised exactly as data parallelism's replicas are (`syncbn`), with per-channel
   sums all-reduced over the devices.
@@ -42,7 +44,7 @@ from netdsl.ir.rewrite import make_node
 from netdsl.parallel.replicate import batch_dependent, batch_rows
 
 H = 2  # the height axis of NCHW
-WINDOW = ("conv2d", "maxpool", "avgpool")
+WINDOW = ("conv2d", "maxpool", "avgpool", "conv_transpose2d")
 ROW_LOCAL_TYPES = ("elementwise", "activation")
 NOT_ROW_LOCAL = ("causal_mask", "softmax", "log_softmax")  # unless along the channels
 
@@ -180,6 +182,12 @@ class _Spatial:
             return False
         if n.op == "conv2d":
             return True
+        if n.op == "conv_transpose2d":
+            # every output row must take some input row (stride within the kernel's
+            # span), and no output_padding rows (which get only the bias) at the bottom
+            k, s, dil, out_pad = (pool_dims(n.attrs[a], 2, a, n.op)[0] for a in
+                                  ("kernel", "stride", "dilation", "output_padding"))
+            return s <= dil * (k - 1) + 1 and out_pad == 0
         if n.attrs.get("ceil_mode"):
             return False  # the last window may start past the image: kept whole
         padded = pool_dims(n.attrs["padding"], 2, "padding", n.op)[0] > 0
@@ -203,15 +211,19 @@ class _Spatial:
         for k, (lo, hi) in enumerate(even_parts(height, self.ways)):
             d = self.device(k)
             name = copy_name(n.name, d, strip=k)
+            meta = {**n.meta, "origin": n.name, "hrows": (lo, hi)}
+            if self.replicas > 1:
+                meta["rows"] = (self.lo, self.hi)
+            if n.op == "conv_transpose2d":
+                self._transposed_strip(n, d, lo, hi, name, meta)
+                names.append(name)
+                continue
             if n.op in WINDOW:
                 ins, attrs, pre = self._window_inputs(n, d, lo, hi)
             else:
                 ins, attrs, pre = self._row_inputs(n, d, lo, hi), dict(n.attrs), None
             if pre is not None:
                 ins[0] = pre
-            meta = {**n.meta, "origin": n.name, "hrows": (lo, hi)}
-            if self.replicas > 1:
-                meta["rows"] = (self.lo, self.hi)
             m = make_node(self.g, name, n.op, ins, attrs, like=n, device=d, meta=meta)
             self.g.add(m)
             names.append(name)
@@ -227,6 +239,34 @@ class _Spatial:
             else:
                 out.append(self.on(i, d))
         return out
+
+    def _transposed_strip(self, n: Node, d: int, lo: int, hi: int, name: str,
+                          meta: dict) -> None:
+        """Output rows [lo, hi) of a transposed convolution: unpadded output row r takes
+        input rows i with i s <= r <= i s + dil (k - 1); the strip's input rows (own and
+        halo) go through the operator without height padding, and the rows it needs are
+        cropped from the result (that slice is the strip)."""
+        x = n.inputs[0]
+        size = self.bound[x].type.shape[H]
+        a = dict(n.attrs)
+        k, s, p, dil = (pool_dims(a[f], 2, f, n.op) for f in
+                        ("kernel", "stride", "padding", "dilation"))
+        span = dil[0] * (k[0] - 1)
+        first = max(0, -(-(lo + p[0] - span) // s[0]))  # ceil
+        last = min(size, (hi - 1 + p[0]) // s[0] + 1)
+        rows = self.rows(x, d, first, last)
+        ins = [rows] + [self.on(i, d) for i in n.inputs[1:]]
+        a["padding"] = (0, p[1])
+        a["output_padding"] = (0, pool_dims(a["output_padding"], 2, "output_padding",
+                                            n.op)[1])
+        full = self._add(f"{name}.uncropped", n.op, ins, a, n, d,
+                         meta={k_: v for k_, v in meta.items()
+                               if k_ not in ("origin", "hrows")} | {"halo": True})
+        top = lo + p[0] - first * s[0]  # row lo's place in the result
+        m = make_node(self.g, name, "slice", [full],
+                      {"axis": H, "start": top, "stop": top + hi - lo, "step": 1},
+                      like=n, device=d, meta=meta)
+        self.g.add(m)
 
     def _window_inputs(self, n: Node, d: int, lo: int, hi: int):
         """The halo'd input rows of a window node's strip [lo, hi), its attributes for

@@ -183,9 +183,9 @@ class Graph:
         return g
 
     # -- checks and printing ------------------------------------------------------------
-    def verify(self) -> Graph:
+    def verify(self, *, recheck_shapes: bool = True) -> Graph:
         from netdsl.ir.verify import verify
-        verify(self)
+        verify(self, recheck_shapes=recheck_shapes)
         return self
 
     def to_text(self, *, locations: bool = False) -> str:

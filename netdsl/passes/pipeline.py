@@ -48,8 +48,12 @@ def register_pass(name: str):
 Step = str | tuple[str, dict[str, Any]]
 
 
-def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = None) -> Graph:
-    """Run `steps` on `g` in order, verifying after each; see the module docstring."""
+def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = None,
+                 recheck_shapes: bool = True) -> Graph:
+    """Run `steps` on `g` in order, verifying after each; see the module docstring.
+    `recheck_shapes=False` leaves re-running every shape rule to the caller's final
+    verify (a split step of half a million nodes spends most of its build in them; every
+    node a pass makes got its type from its shape rule already)."""
     _load_builtin_passes()
     dump = dump if dump is not None else os.environ.get(DUMP_ENV) or None
     if dump is not None:
@@ -61,7 +65,7 @@ def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = N
             raise NetdslError(f"unknown pass `{name}`; the passes are "
                               f"{', '.join(sorted(PASSES))}")
         g = PASSES[name].fn(g, **options)
-        g.verify()
+        g.verify(recheck_shapes=recheck_shapes)
         if dump is not None:
             (Path(dump) / f"{k:02d}-{name}.ir").write_text(g.to_text())
     return g

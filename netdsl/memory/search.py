@@ -27,6 +27,14 @@ Strategies:
 Recomputing a value also recomputes the forward values between it and the retained
 values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would
 hold them alive from the forward pass.
+
+A split training step (`netdsl.parallel`: nodes placed on devices) is planned against a
+budget per device: a plan fits when every device's peak (`Sim.device_peaks`, the rule of
+`memory.plan.device_peaks`) is within the budget. A clone stays on its value's device and
+an offloaded value goes to that device's host memory, so a device's bytes depend only on
+the decisions about its own values: the ladder is split by device and each device's
+shortest fitting prefix is searched at once (`_shortest_prefixes`). Communication is
+never recomputed, and a clone reads a received value rather than receive it again.
 """
 from __future__ import annotations
 
@@ -53,10 +61,12 @@ from netdsl.memory.simulate import (
     BWD,
     DECISIONS,
     FWD,
+    H2D,
     KEEP,
     OFFLOAD,
     RECOMPUTE,
     ROLES,
+    STATE,
     Prepared,
     Sim,
     prepare,
@@ -104,6 +114,10 @@ class PlanResult:
     state_buffers: int = 0  # optimizer-state buffers in all
     verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
     verify_s: float | None = None
+    # split steps: per device, the planned peak and what was recomputed / offloaded
+    # (`recompute`, `recompute_bytes`, `offload`, `offload_bytes`, `peak_bytes`)
+    per_device: dict[int, dict] = field(default_factory=dict)
+    worst_device: int | None = None  # the device furthest over (or nearest) the budget
 
     @property
     def predicted_overhead(self) -> float:
@@ -112,8 +126,9 @@ class PlanResult:
 
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
-                 overrides: dict[str, str] | None, offload_state: bool = False):
-        self.prep = prepare(g, float_dtype=float_dtype)
+                 overrides: dict[str, str] | None, offload_state: bool = False,
+                 roles: tuple[str, ...] = ROLES):
+        self.prep = prepare(g, roles, float_dtype=float_dtype)
         self.costs = Costs(self.prep, profile, float_dtype)
         self.profile = profile
         self.prefetch = prefetch
@@ -122,6 +137,9 @@ class Planner:
         self.cand = prep.candidates
         self.cand_set = set(self.cand)
         self.offload_state = offload_state
+        self.fixed = prep.fixed  # communication: never recomputed
+        self.devices = prep.devices
+        self.multi = len(self.devices) > 1  # a split step: the budget is per device
         self.forced = self._forced(g, overrides or {})
         self.cache: dict[tuple, tuple[Sim, float]] = {}
 
@@ -147,6 +165,9 @@ class Planner:
             if p in state and d == RECOMPUTE:
                 raise PlanError(f"%{self.prep.names[p]} is optimizer state: it can be kept "
                                 "or offloaded, not recomputed")
+            if p in self.fixed and d == RECOMPUTE:
+                raise PlanError(f"%{self.prep.names[p]} is communication between devices: "
+                                "it can be kept or offloaded, not recomputed")
         return {p: d for p, d in out.items() if p in self.cand_set or p in state}
 
     # -- evaluating a plan ------------------------------------------------------------
@@ -165,7 +186,8 @@ class Planner:
             v = stack.pop()
             for u in prep.inputs[v]:
                 if (prep.phase[u] == FWD and u not in self.cand_set and u not in dec
-                        and u not in prep.wanted and prep.bytes[u] > 0):
+                        and u not in prep.wanted and prep.bytes[u] > 0
+                        and u not in self.fixed):
                     dec[u] = RECOMPUTE
                     stack.append(u)
         return dec
@@ -180,7 +202,13 @@ class Planner:
         return sim, t, dec
 
     def peak(self, sim: Sim) -> int:
+        """The peak the budget bounds: a split step's largest device peak."""
+        if self.multi:
+            return max(self.device_peaks(sim).values())
         return sim.unified_peak if self.profile.unified else sim.peak_bytes
+
+    def device_peaks(self, sim: Sim) -> dict[int, int]:
+        return sim.device_unified_peaks if self.profile.unified else sim.device_peaks
 
     # -- strategies ---------------------------------------------------------------------
     def baseline(self, strategy: str) -> dict[int, str]:
@@ -190,14 +218,14 @@ class Planner:
         if strategy == "offload-all":
             return {p: OFFLOAD for p in c}
         if strategy == "recompute-all":
-            return {p: RECOMPUTE for p in c}
+            return {p: RECOMPUTE for p in c if p not in self.fixed}
         if strategy == "checkpoint-sqrt":
             return self.segments(max(1, math.ceil(math.sqrt(len(c)))))
         raise PlanError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
 
     def segments(self, k: int) -> dict[int, str]:
         """Keep every k-th retained value (in forward order), recompute the others."""
-        return {p: RECOMPUTE for i, p in enumerate(self.cand) if i % k}
+        return {p: RECOMPUTE for i, p in enumerate(self.cand) if i % k and p not in self.fixed}
 
     def closure_inputs(self, v: int) -> set[int]:
         """The retained values the clone of v (with its closure) reads."""
@@ -208,7 +236,8 @@ class Planner:
                 if u in seen or prep.phase[u] != FWD:
                     continue
                 seen.add(u)
-                if u in self.cand_set or u in prep.wanted or prep.bytes[u] == 0:
+                if u in self.cand_set or u in prep.wanted or prep.bytes[u] == 0 \
+                        or u in self.fixed:
                     out.add(u)
                 else:
                     stack.append(u)
@@ -220,7 +249,7 @@ class Planner:
             x = stack.pop()
             for u in prep.inputs[x]:
                 if u in seen or prep.phase[u] != FWD or u in self.cand_set \
-                        or u in prep.wanted or prep.bytes[u] == 0:
+                        or u in prep.wanted or prep.bytes[u] == 0 or u in self.fixed:
                     continue
                 seen.add(u)
                 t += self.costs.time[u]
@@ -264,7 +293,7 @@ class Planner:
                 read_by.setdefault(u, set()).add(p)
         by_rec = sorted(self.cand, key=lambda p: rec_cost[p] / prep.bytes[p])
         for p in by_rec:
-            if p in off_cost and off_cost[p] <= rec_cost[p]:
+            if p in self.fixed or (p in off_cost and off_cost[p] <= rec_cost[p]):
                 continue
             if any(mode.get(u) == RECOMPUTE for u in reads[p]) or \
                     any(mode.get(w) == RECOMPUTE for w in read_by.get(p, ())):
@@ -296,8 +325,10 @@ class Planner:
 def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
                 strategy: str = "auto", float_dtype: str = "f32",
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
-                progress=None, offload_state: bool = False) -> PlanResult:
-    """Plan bound training-step graph `g` into `budget_bytes` (module doc).
+                progress=None, offload_state: bool = False,
+                roles: tuple[str, ...] = ROLES) -> PlanResult:
+    """Plan bound training-step graph `g` into `budget_bytes` (module doc); a split step
+    into `budget_bytes` per device. `roles`: the outputs the step computes.
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
@@ -315,13 +346,13 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
     if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
         res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
-                          DEFAULT_PREFETCH, progress, offload_state)
+                          DEFAULT_PREFETCH, progress, offload_state, roles)
         if not res.feasible:
             res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
-                              progress, offload_state)
+                              progress, offload_state, roles)
         res.plan_s = time.perf_counter() - t0
         return res
-    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state)
+    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state, roles)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options: list[tuple[float, int, dict[int, str], Sim]] = []
@@ -341,13 +372,17 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         n = len(pl.cand)
         # where offload is not possible (unified memory): checkpoint plans on the cut
         # points, or (no cuts) every k-th retained value kept
-        if profile.unified and not _chain_plans(pl, budget, consider):
+        # (the cut-point model follows one forward chain: not a split step's devices)
+        if profile.unified and (pl.multi or not _chain_plans(pl, budget, consider)):
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
         tick(0.3)
         ladder = pl.ladder()
-        _shortest_prefix(pl, ladder, budget, consider, tick)
+        if pl.multi:
+            _shortest_prefixes(pl, ladder, budget, consider, tick)
+        else:
+            _shortest_prefix(pl, ladder, budget, consider, tick)
     tick(1.0)
 
     feasible = [o for o in options if o[1] <= budget]
@@ -377,10 +412,27 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         pl.costs.recompute_flops(sim), sim.state_bytes, prep.workspace,
         time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
         min_peak, "", sim, base_sim, prep, len(state_off), len(prep.opt_state))
+    if pl.multi:
+        res.per_device = _per_device(pl, dec, sim)
+        peaks = pl.device_peaks(sim)
+        res.worst_device = max(peaks, key=lambda d: (peaks[d], -d))
     if not feasible:
         best = min(options, key=lambda o: o[1])
         res.dominant = dominant(pl, best[3])
     return res
+
+
+def _per_device(pl: Planner, dec: dict[int, str], sim: Sim) -> dict[int, dict]:
+    """Per device of a split step: its planned peak and what it recomputes / offloads."""
+    prep = pl.prep
+    peaks = pl.device_peaks(sim)
+    out = {d: {"peak_bytes": peaks.get(d, 0), RECOMPUTE: 0, "recompute_bytes": 0,
+               OFFLOAD: 0, "offload_bytes": 0} for d in pl.devices}
+    for p, d in dec.items():
+        row = out[prep.device[p]]
+        row[d] += 1
+        row[f"{d}_bytes"] += prep.full_bytes[p]
+    return out
 
 
 def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12gb",
@@ -395,25 +447,35 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     search runs again with the budget lowered by the excess. Returns (the rewritten step,
     the result), or (None, the result) when no plan fits (`result.feasible` is False) or
     `verify` is off. Optimizer state the plan offloads is streamed from the host
-    (`strategies.apply_decisions`, rule 5)."""
-    from netdsl.memory.plan import make_plan
+    (`strategies.apply_decisions`, rule 5). A split step is planned and checked per
+    device (`plan.device_peaks`; its values are not packed into arenas)."""
+    from netdsl.memory.plan import device_peaks, make_plan
     from netdsl.memory.strategies import apply_decisions
     budget = parse_size(mem, "--mem")
     target = budget
     res = None
     for _ in range(4):
         res = plan_memory(step, target, profile, strategy, float_dtype, prefetch=prefetch,
-                          progress=progress, offload_state=offload_state)
+                          progress=progress, offload_state=offload_state, roles=roles)
         res.budget_bytes = budget
         res.feasible = res.feasible and res.planned_peak_bytes <= budget
         if not verify or not res.feasible:
             return None, res
         t0 = time.perf_counter()
         g = apply_decisions(step, res.decisions, prefetch=res.prefetch)
-        mp = make_plan(g, roles, float_dtype, pack_arena=arena)
-        peak = mp.arena_peak_bytes if arena else mp.peak_bytes
-        if res.profile.unified:  # host and device are one memory: the pool counts too
-            peak += mp.host_bytes if arena else mp.host_peak_bytes
+        if res.per_device:  # a split step: every device within the budget
+            mp = make_plan(g, roles, float_dtype, pack_arena=False)
+            peaks = device_peaks(g, mp)
+            if res.profile.unified:  # the host pools count too (all of them: an upper bound)
+                peaks = {d: v + mp.host_peak_bytes for d, v in peaks.items()}
+            for d, v in peaks.items():
+                res.per_device.setdefault(d, {})["verified_peak_bytes"] = v
+            peak = max(peaks.values())
+        else:
+            mp = make_plan(g, roles, float_dtype, pack_arena=arena)
+            peak = mp.arena_peak_bytes if arena else mp.peak_bytes
+            if res.profile.unified:  # host and device are one memory: the pool counts too
+                peak += mp.host_bytes if arena else mp.host_peak_bytes
         res.verified_peak_bytes = peak
         res.verify_s = time.perf_counter() - t0
         if peak <= budget:
@@ -428,6 +490,16 @@ def infeasible_error(res: PlanResult) -> BudgetError:
     """The exit-3 error for a budget no plan meets: the smallest budget that works and
     what dominates it."""
     need = res.min_feasible_bytes
+    if res.worst_device is not None:
+        row = res.per_device.get(res.worst_device, {})
+        return BudgetError(
+            f"no memory plan fits {format_decimal(res.budget_bytes)} per device for "
+            f"`{res.network}` (strategy {res.strategy}, profile {res.profile.name}): device "
+            f"{res.worst_device} needs at least about {format_decimal(need)} ({need:,} "
+            f"bytes) even with {row.get(RECOMPUTE, 0):,} values recomputed and "
+            f"{row.get(OFFLOAD, 0):,} offloaded, dominated by "
+            f"{res.dominant or 'the persistent state'}; give --mem at least that, more "
+            "devices, a smaller --batch, or another split")
     return BudgetError(
         f"no memory plan fits {format_decimal(res.budget_bytes)} for `{res.network}` "
         f"(strategy {res.strategy}, profile {res.profile.name}): the smallest budget that "
@@ -476,6 +548,74 @@ def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:
         tick(0.3 + 0.7 * (1 - (hi - lo) / max(1, len(ladder))))
 
 
+def _shortest_prefixes(pl: Planner, ladder, budget: int, consider, tick) -> None:
+    """`_shortest_prefix` for a split step, every device at once: the ladder is split by
+    device, and since a device's bytes depend only on the decisions about its own values,
+    each device bisects its own ladder against its own peak (regula falsi, as there),
+    the devices' current prefixes evaluated together in one simulation per round. A
+    device that does not fit with its whole ladder keeps it (the smallest peak, for the
+    error); the union of the devices' shortest fitting prefixes is considered last."""
+    dev = pl.prep.device
+    ladders: dict[int, list] = {}
+    for item in ladder:
+        ladders.setdefault(dev[item[0]], []).append(item)
+    if not ladders:
+        return
+
+    def peaks(ks: dict[int, int]) -> dict[int, int]:
+        dec: dict[int, str] = {}
+        for d, k in ks.items():
+            dec.update(ladders[d][:k])
+        return pl.device_peaks(consider(dec)[0])
+
+    lo = {d: 0 for d in ladders}
+    hi = {d: len(lad) for d, lad in ladders.items()}
+    f_lo = {d: v - budget for d, v in peaks(lo).items() if d in ladders}
+    f_hi = {d: v - budget for d, v in peaks(hi).items() if d in ladders}
+    active = {d for d in ladders if f_hi[d] <= 0 < f_lo[d]}
+    for d in ladders:  # already fits: no decisions; cannot fit: the whole ladder
+        if f_lo[d] <= 0:
+            hi[d] = 0
+    cum = {}
+    for d, lad in ladders.items():
+        c = [0]
+        for p, _ in lad:
+            c.append(c[-1] + pl.prep.full_bytes[p])
+        cum[d] = c
+    kept = {d: 0 for d in ladders}
+    total = max(1, sum(len(v) for v in ladders.values()))
+    while True:
+        active = {d for d in active if hi[d] - lo[d] > max(1, len(ladders[d]) // 256)}
+        if not active:
+            break
+        mid = dict(hi)
+        for d in active:
+            w_lo, w_hi = f_lo[d], f_hi[d]
+            if kept[d] == -2:
+                w_lo /= 2
+            elif kept[d] == 2:
+                w_hi /= 2
+            c, a, b = cum[d], lo[d], hi[d]
+            if w_lo - w_hi > 0 and c[b] > c[a]:
+                x = c[a] + (c[b] - c[a]) * w_lo / (w_lo - w_hi)
+                mid[d] = min(max(bisect_left(c, x, a, b), a + 1), b - 1)
+            else:
+                mid[d] = (a + b) // 2
+        got = peaks(mid)
+        for d in active:
+            f = got[d] - budget
+            if f <= 0:
+                hi[d], f_hi[d] = mid[d], f
+                kept[d] = kept[d] - 1 if kept[d] < 0 else -1
+            else:
+                lo[d], f_lo[d] = mid[d], f
+                kept[d] = kept[d] + 1 if kept[d] > 0 else 1
+            kept[d] = max(-2, min(2, kept[d]))
+        left = sum(hi[d] - lo[d] for d in ladders)
+        tick(0.3 + 0.7 * (1 - left / total))
+    peaks(hi)
+
+
 def _chain_plans(pl: Planner, budget: int, consider) -> bool:
     """Consider checkpoint plans on the forward pass's cut points (`checkpoint.py`): the
     one with the fewest bytes the model allows (the floor, for the error when nothing
@@ -520,8 +660,18 @@ DEFAULT_PREFETCH = 8
 
 
 def dominant(pl: Planner, sim: Sim) -> str:
-    """What makes up the smallest peak found: state, workspace and the largest values."""
+    """What makes up the smallest peak found: state, workspace and the largest values
+    (a split step's: on the device with the largest peak)."""
     prep = pl.prep
+    if pl.multi:
+        peaks = pl.device_peaks(sim)
+        d = max(peaks, key=lambda k: (peaks[k], -k))
+        streamed = {p for kind, p in sim.entries if kind == H2D and prep.phase[p] == STATE}
+        hosted = sum(prep.full_bytes[p] for p in streamed if prep.device[p] == d)
+        state = prep.device_state.get(d, 0) - hosted
+        ws = prep.device_workspace.get(d, 0)
+        return (f"on device {d}: persistent state {format_decimal(state)}, workspace "
+                f"{format_decimal(ws)}, live values {format_decimal(peaks[d] - state - ws)}")
     g = prep.g
     parts: Counter = Counter()
     for k, name in enumerate(prep.names):

@@ -167,7 +167,9 @@ def _recompute_and_offload(g: Graph, decisions: dict[str, str], prefetch: int) -
         n = g[v]
         if moved[v] == "recompute":
             ins, attrs = [rename.get(i, i) for i in n.inputs], {}
-            if n.op == "batchnorm":  # a replay: no running statistics read or written
+            # a replay: no running statistics read or written (a split may have made the
+            # original one already)
+            if n.op == "batchnorm" and not n.attrs.get("replay"):
                 ins, attrs = ins[:len(ins) - 2], {"replay": True}
             c = clone(n, g.fresh_name(f"{v}.recompute"), ins, attrs=attrs,
                       meta={"phase": "recompute", "forward": v})

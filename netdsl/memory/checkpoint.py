@@ -49,19 +49,22 @@ class Unit:
     part_time: float = 0.0  # predicted time of rebuilding its cheap values
 
 
-def cut_points(pl) -> list[int]:
-    """The retained forward values that are cuts (module doc), in forward order."""
+def cut_points(pl, device: int | None = None) -> list[int]:
+    """The retained forward values that are cuts (module doc), in forward order; of a
+    split step, those of `device`'s own forward pass (its nodes only)."""
     prep = pl.prep
     n = len(prep.names)
+    mine = [device is None or d == device for d in prep.device] if prep.device \
+        else [True] * n
     last = [-1] * n  # last forward reader of each forward value
     for k in range(n):
-        if prep.phase[k] == FWD:
+        if prep.phase[k] == FWD and mine[k]:
             for u in prep.inputs[k]:
                 if prep.phase[u] == FWD and k > last[u]:
                     last[u] = k
     cuts, reach = [], -1
     for k in range(n):
-        if prep.phase[k] != FWD:
+        if prep.phase[k] != FWD or not mine[k]:
             continue
         if reach <= k and k in pl.cand_set:
             cuts.append(k)
@@ -69,13 +72,15 @@ def cut_points(pl) -> list[int]:
     return cuts
 
 
-def units(pl, cuts: list[int]) -> list[Unit]:
+def units(pl, cuts: list[int], device: int | None = None) -> list[Unit]:
     """The units between consecutive cuts; candidates after the last cut join the last
-    unit (the network's head)."""
+    unit (the network's head). Of a split step: `device`'s candidates."""
     out: list[Unit] = []
     ci = 0
     cur: list[int] = []
     for p in pl.cand:
+        if device is not None and pl.prep.device[p] != device:
+            continue
         cur.append(p)
         if ci < len(cuts) and p == cuts[ci]:
             out.append(_unit(pl, cur, p))

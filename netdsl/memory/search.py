@@ -173,8 +173,10 @@ class Planner:
     # -- evaluating a plan ------------------------------------------------------------
     def close(self, dec: dict[int, str]) -> dict[int, str]:
         """Add the forward values between each recomputed value and the retained values
-        its clone reads (module doc); apply the source annotations."""
-        dec = {p: d for p, d in dec.items() if d != KEEP}
+        its clone reads (module doc); apply the source annotations. Communication stays
+        kept where a plan (a checkpoint segment) would recompute it."""
+        dec = {p: d for p, d in dec.items()
+               if d != KEEP and not (d == RECOMPUTE and p in self.fixed)}
         for p, d in self.forced.items():
             if d == KEEP:
                 dec.pop(p, None)
@@ -371,9 +373,8 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             consider(pl.baseline(s))
         n = len(pl.cand)
         # where offload is not possible (unified memory): checkpoint plans on the cut
-        # points, or (no cuts) every k-th retained value kept
-        # (the cut-point model follows one forward chain: not a split step's devices)
-        if profile.unified and (pl.multi or not _chain_plans(pl, budget, consider)):
+        # points, or (no cuts; a split step: also) every k-th retained value kept
+        if profile.unified and (not _chain_plans(pl, budget, consider) or pl.multi):
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
@@ -623,32 +624,51 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
     fastest plan the model fits into the budget less the state, the workspace and the
     model's largest error on the references. All but the last do not depend on the
     budget, and the last only gains plans as the budget grows, so a larger budget never
-    predicts a slower step. False when the forward pass has no cuts to plan on."""
-    us = units(pl, cut_points(pl))
-    if len(us) < 2:
+    predicts a slower step. False when the forward pass has no cuts to plan on.
+
+    A split step is planned so on each device's own forward pass (its cuts among its own
+    nodes, its state and workspace, its peak), the devices' plans made together."""
+    groups = {}  # device (None: the whole step) -> (units, grain, fixed bytes, floor, top)
+    for d in (pl.devices if pl.multi else [None]):
+        us = units(pl, cut_points(pl, d), d)
+        if len(us) < 2:
+            continue
+        grain = grain_of(us)
+        fixed = (pl.prep.state_bytes + pl.prep.workspace if d is None else
+                 pl.prep.device_state.get(d, 0) + pl.prep.device_workspace.get(d, 0))
+        # the smallest limit the model finds a plan for (none is below the largest unit):
+        # doubling, then bisection (the dynamic program is quick at small limits)
+        lo = max(u.held + u.temp for u in us) - 1
+        hi = lo + 1
+        while chain_plan(us, hi, grain) is None:
+            lo, hi = hi, 2 * hi
+        while hi - lo > max(grain, hi // 256):
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
+        # references from the floor to three times its limit (or keeping everything)
+        top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
+        groups[d] = (us, grain, fixed, hi, top)
+    if not groups:
         return False
-    grain = grain_of(us)
-    fixed = pl.prep.state_bytes + pl.prep.workspace
-    # the smallest limit the model finds a plan for (none is below the largest unit):
-    # doubling, then bisection (the dynamic program is quick at small limits)
-    lo = max(u.held + u.temp for u in us) - 1
-    hi = lo + 1
-    while chain_plan(us, hi, grain) is None:
-        lo, hi = hi, 2 * hi
-    while hi - lo > max(grain, hi // 256):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
-    # references from the floor to three times its limit (or keeping everything)
-    top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
-    error = 0
+    error = dict.fromkeys(groups, 0)
     for k in range(4):
-        limit = int(hi * (top / hi) ** (k / 3)) if top > hi else hi
-        plan = chain_plan(us, limit, grain)
-        sim, _ = consider(decisions_of(us, plan))
-        error = max(error, pl.peak(sim) - fixed - model_peak(us, plan))
-    plan = chain_plan(us, budget - fixed - error, grain)
-    if plan is not None:
-        consider(decisions_of(us, plan))
+        dec: dict[int, str] = {}
+        plans = {}
+        for d, (us, grain, _, hi, top) in groups.items():
+            limit = int(hi * (top / hi) ** (k / 3)) if top > hi else hi
+            plans[d] = chain_plan(us, limit, grain)
+            dec.update(decisions_of(us, plans[d]))
+        sim, _ = consider(dec)
+        peaks = pl.device_peaks(sim) if pl.multi else {None: pl.peak(sim)}
+        for d, (us, _, fixed, _, _) in groups.items():
+            error[d] = max(error[d], peaks[d] - fixed - model_peak(us, plans[d]))
+    dec = {}
+    for d, (us, grain, fixed, _, _) in groups.items():
+        plan = chain_plan(us, budget - fixed - error[d], grain)
+        if plan is None:
+            return True
+        dec.update(decisions_of(us, plan))
+    consider(dec)
     return True
 
 

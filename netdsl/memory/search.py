@@ -148,7 +148,8 @@ class Planner:
         for name, p in self.prep.pos.items():
             n = g[name]
             for d in DECISIONS:
-                if n.annotations.get(d):
+                # an annotated block's communication (a split's recv) is not recomputed
+                if n.annotations.get(d) and not (d == RECOMPUTE and p in self.fixed):
                     out[p] = d
         for name, d in overrides.items():
             if d not in DECISIONS:

@@ -87,11 +87,7 @@ class Prepared:
     device_workspace: dict[int, int] = field(default_factory=dict)
     # positions a clone may not copy: communication (the copy would send again)
     fixed: set[int] = field(default_factory=set)
-
-    @property
-    def devices(self) -> list[int]:
-        return sorted(self.device_state.keys() | self.device_workspace.keys()
-                      | set(self.device)) or [0]
+    devices: list[int] = field(default_factory=lambda: [0])  # the devices, in order
 
     def name(self, p: int) -> str:
         return self.names[p]
@@ -172,7 +168,8 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         early, updates = [], []
     return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
                     opnames, full, opt_state, first_late, first_bwd, early, late_node,
-                    updates, written, root, device, dev_state, dev_ws, fixed)
+                    updates, written, root, device, dev_state, dev_ws, fixed,
+                    sorted(set(device)) or [0])
 
 
 @dataclass
@@ -374,7 +371,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     sim = Sim(entries, timeline, host, reads_dev, peak, peak_i, max(host, default=0),
               device_state, prep.workspace, sum(full[p] for p in offloaded), cloned,
               lifetimes=ends)
-    if len(prep.device_workspace) > 1 or len(prep.device_state) > 1:
+    if len(prep.devices) > 1:
         _by_device(prep, sim, host_start, host_end, host_state)
     else:
         sim.device_peaks = {0: peak}

@@ -152,9 +152,10 @@ def test_auto_takes_a_split_that_fits_only_when_planned(resnet):
 
 def test_split_mem_json():
     r = runner.invoke(app, ["split", str(RESNET), "--devices", "2", "--batch", "8",
-                            "--strategy", "data", "--mem", "8.5MB", "--json"])
+                            "--strategy", "data", "--mem", "8.5MB", "--verify", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
+    assert out["verify"]["ok"]  # the gate ran the planned step
     plan = out["memory_plan"]
     for key in ("strategy", "profile", "budget_bytes", "decisions", "per_device",
                 "predicted_step_s", "unplanned_step_s", "predicted_overhead",

@@ -175,7 +175,9 @@ class Planner:
     def close(self, dec: dict[int, str]) -> dict[int, str]:
         """Add the forward values between each recomputed value and the retained values
         its clone reads (module doc); apply the source annotations. Communication stays
-        kept where a plan (a checkpoint segment) would recompute it."""
+        kept where a plan (a checkpoint segment) would recompute it, and so does a value
+        the decisions say to keep (a checkpoint plan's anchor)."""
+        pinned = {p for p, d in dec.items() if d == KEEP}
         dec = {p: d for p, d in dec.items()
                if d != KEEP and not (d == RECOMPUTE and p in self.fixed)}
         for p, d in self.forced.items():
@@ -190,7 +192,7 @@ class Planner:
             for u in prep.inputs[v]:
                 if (prep.phase[u] == FWD and u not in self.cand_set and u not in dec
                         and u not in prep.wanted and prep.bytes[u] > 0
-                        and u not in self.fixed):
+                        and u not in self.fixed and u not in pinned):
                     dec[u] = RECOMPUTE
                     stack.append(u)
         return dec
@@ -246,13 +248,15 @@ class Planner:
                     stack.append(u)
         return out
 
-    def closure_time(self, v: int) -> float:
+    def closure_time(self, v: int, stop=frozenset()) -> float:
+        """Predicted time of v's clone and its closure (which stops at `stop` too)."""
         prep, t, seen, stack = self.prep, self.costs.time[v], {v}, [v]
         while stack:
             x = stack.pop()
             for u in prep.inputs[x]:
                 if u in seen or prep.phase[u] != FWD or u in self.cand_set \
-                        or u in prep.wanted or prep.bytes[u] == 0 or u in self.fixed:
+                        or u in prep.wanted or prep.bytes[u] == 0 or u in self.fixed \
+                        or u in stop:
                     continue
                 seen.add(u)
                 t += self.costs.time[u]
@@ -631,7 +635,7 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
     nodes, its state and workspace, its peak), the devices' plans made together."""
     groups = {}  # device (None: the whole step) -> (units, grain, fixed bytes, floor, top)
     for d in (pl.devices if pl.multi else [None]):
-        us = units(pl, cut_points(pl, d), d)
+        us = units(pl, cut_points(pl, d, anchors=pl.multi), d)
         if len(us) < 2:
             continue
         grain = grain_of(us)

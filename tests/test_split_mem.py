@@ -229,3 +229,13 @@ def test_run_devices_mem_json():
     per = out["memory_plan"]["per_device"]
     assert set(per) == {"0", "1"} and all(v["recompute"] > 0 for v in per.values())
     assert np.isfinite(out["final_loss"])
+
+
+def test_what_split_memory_plans_do_not_cover_yet_is_an_error():
+    from netdsl.errors import NetdslError
+    from netdsl.runtime.trainer import RunOptions, check_options
+    with pytest.raises(NetdslError, match="--distributed is not supported yet"):
+        check_options(RunOptions(mem="1GB", distributed=True))
+    with pytest.raises(NetdslError, match="--offload-state with --devices"):
+        check_options(RunOptions(mem="1GB", devices=2, offload_state=True))
+    check_options(RunOptions(mem="1GB", devices=2))  # planned per device

@@ -357,7 +357,7 @@ class Trainer:
                         self.cfg.optimizer.model_dump(), profile, get_interconnect("shm"),
                         mem=mem, microbatches=opts.microbatches, schedule=opts.schedule,
                         gather=(self.acc[0],) if self.acc else (), plan=mem is not None,
-                        mem_strategy=opts.strategy,
+                        mem_strategy=opts.strategy, float_dtype=opts.dtype,
                         outputs={"logits": [self.acc[0]]} if self.acc else None)
         # --mem: the chosen split planned per device (None when it fits as it is)
         best = chosen.best

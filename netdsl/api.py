@@ -123,13 +123,24 @@ class SplitResult:
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
                "spec": best.spec.describe(),
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
-                                 "fits": c.fits,
+                                 "fits": c.fits, "planned": c.memory is not None
+                                 and c.memory.feasible,
                                  "predicted_step_s": c.report.predicted_step_s,
                                  "predicted_speedup": c.report.predicted_speedup,
                                  "bubble": c.report.bubble,
                                  "max_peak_bytes": max(d.peak_bytes
                                                        for d in c.report.per_device)}
                                 for c in self.chosen.considered]}
+        out["memory_plan"] = None
+        if best.memory is not None:  # planned per device (--mem): what each one does
+            from netdsl.parallel.memplan import summary
+            out["memory_plan"] = summary(best.memory, best.unplanned_step_s,
+                                         best.unplanned_peak_bytes,
+                                         best.report.predicted_step_s)
+            for row in out["per_device"]:
+                mine = best.memory.per_device.get(row["device"], {})
+                for k in ("recompute", "recompute_bytes", "offload", "offload_bytes"):
+                    row[k] = mine.get(k, 0)
         if self.gate is not None:
             out["verify"] = self.gate.to_json()
         return out
@@ -143,7 +154,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto); with `verify`, the
-    equivalence gate on one batch in float64. Raises
+    equivalence gate on one batch in float64. With `mem`, a split that does not fit a
+    device is planned per device (recompute, offload: `parallel.memplan`). Raises
     SplitError (exit 3) for splits that cannot be made or do not fit."""
     from netdsl.memory.profiles import get_profile
     from netdsl.parallel.choose import choose
@@ -154,7 +166,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     budget = parse_size(mem, "--mem") if mem is not None else None
     chosen = choose(net.graph, b, strategy, devices, cfg.optimizer.model_dump(),
                     get_profile(profile), get_interconnect(interconnect), budget,
-                    microbatches, bn, progress=progress, schedule=schedule)
+                    microbatches, bn, progress=progress, schedule=schedule,
+                    plan=budget is not None)
     result = SplitResult(chosen, b)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset

@@ -54,10 +54,13 @@ class _Bar:
         plan = info.get("memory_plan")
         if plan:
             d = plan["decisions"]
+            per = plan.get("per_device")  # a split step: planned per device
+            held = (f"at most {_fmt_bytes(max(v['peak_bytes'] for v in per.values()))} on "
+                    f"each of {len(per)} devices" if per
+                    else _fmt_bytes(info['planned_peak_bytes']))
             self.err.print(
                 f"memory plan ({plan['strategy']} on {plan['profile']}): "
-                f"{_fmt_bytes(info['planned_peak_bytes'])} of the "
-                f"{_fmt_bytes(info['budget_bytes'])} budget; "
+                f"{held} of the {_fmt_bytes(info['budget_bytes'])} budget; "
                 f"{d.get('recompute', 0):,} values recomputed, {d.get('offload', 0):,} "
                 f"offloaded, predicted {100 * plan['predicted_overhead']:+.1f}% step time")
         else:
@@ -144,7 +147,8 @@ def _run(
         "extra)")] = None,
     mem: Annotated[str | None, typer.Option(
         "--mem", help="device memory budget (300MB, 12GB, 1.5GiB): plan the step to fit, "
-        "recomputing or offloading what does not, then run that plan")] = None,
+        "recomputing or offloading what does not, then run that plan; with --devices, the "
+        "budget of each device, planned per device")] = None,
     profile: Annotated[str | None, typer.Option(
         help="device profile the planner predicts time with (k40-12gb, v100-16gb, a100-40gb, "
         "h200, cpu, or a file from `netdsl calibrate`); default cpu on numpy, h200 on "

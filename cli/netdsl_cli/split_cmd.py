@@ -1,6 +1,7 @@
 """`netdsl split`: split a training step across devices and show, per device, what it
 computes, holds and sends, with the predicted step time, speed-up and pipeline bubble;
-`--verify` runs the equivalence gate. Exit 3 for splits that cannot be made or fit."""
+`--verify` runs the equivalence gate; `--mem` plans each device's part (recompute,
+offload) when a split does not fit. Exit 3 for splits that cannot be made or fit."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,12 @@ def split(
     batch: BatchOpt = None,
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", "-m", min=1, help="micro-batches per step (pipelines)")] = None,
-    mem: Annotated[str | None, typer.Option(help="memory per device (12GB); default: the "
-                                            "profile's capacity")] = None,
+    mem: Annotated[str | None, typer.Option(help="memory per device (12GB): a split that "
+                                            "does not fit is planned per device, "
+                                            "recomputing or offloading to the device's "
+                                            "host what does not fit (exit 3 when even "
+                                            "that cannot); default: the profile's "
+                                            "capacity, unplanned")] = None,
     profile: Annotated[str, typer.Option(help="device profile: k40-12gb, v100-16gb, "
                                          "a100-40gb, h200, cpu, or a calibrated JSON")]
     = "k40-12gb",
@@ -85,13 +90,30 @@ def _print(res) -> None:
     rep = best.report
     t = Table(title=f"{best.graph.name} on {rep.devices} device(s): {best.spec.describe()} "
                     f"(batch {res.batch})")
-    for col in ("device", "nodes", "params", "GFLOPs", "peak memory", "sends",
-                "collectives", "sent / step"):
+    mem = best.memory.per_device if best.memory is not None else None
+    cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "sends", "collectives",
+            "sent / step"]
+    if mem is not None:
+        cols += ["recomputed", "offloaded"]
+    for col in cols:
         t.add_column(col, justify="right")
     for d in rep.per_device:
-        t.add_row(str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
-                  _mb(d.peak_bytes), str(d.sends), str(d.collectives), _mb(d.comm_bytes))
+        row = [str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
+               _mb(d.peak_bytes), str(d.sends), str(d.collectives), _mb(d.comm_bytes)]
+        if mem is not None:
+            m = mem.get(d.device, {})
+            row += [f"{m.get('recompute', 0):,} ({_mb(m.get('recompute_bytes', 0))})",
+                    f"{m.get('offload', 0):,} ({_mb(m.get('offload_bytes', 0))})"]
+        t.add_row(*row)
     out.print(t)
+    if best.memory is not None:
+        p = best.memory
+        out.print(f"memory plan ({p.strategy} on {p.profile.name}): every device within "
+                  f"{_mb(p.budget_bytes)}; {p.counts.get('recompute', 0):,} values "
+                  f"recomputed, {p.counts.get('offload', 0):,} offloaded "
+                  f"({_mb(p.offload_bytes)} to the hosts); unplanned the split would need "
+                  f"{_mb(best.unplanned_peak_bytes)} and take "
+                  f"{best.unplanned_step_s * 1e3:,.1f} ms")
     out.print(f"predicted step {rep.predicted_step_s * 1e3:,.1f} ms on {rep.profile} over "
               f"{rep.interconnect} (one device: {rep.single_step_s * 1e3:,.1f} ms), "
               f"speed-up {rep.predicted_speedup:.2f}x")
@@ -105,8 +127,9 @@ def _print(res) -> None:
         for col in ("split", "fits", "step (ms)", "speed-up", "bubble", "max peak"):
             alt.add_column(col, justify="right")
         for c in sorted(res.chosen.considered, key=lambda c: c.report.predicted_step_s):
+            fits = "no" if not c.fits else "planned" if c.memory is not None else "yes"
             alt.add_row(c.spec.describe() + (" *" if c is best else ""),
-                        "yes" if c.fits else "no", f"{c.report.predicted_step_s * 1e3:,.1f}",
+                        fits, f"{c.report.predicted_step_s * 1e3:,.1f}",
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         _mb(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)

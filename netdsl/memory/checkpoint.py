@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from netdsl.memory.simulate import FWD, RECOMPUTE
+from netdsl.memory.simulate import FWD, KEEP, RECOMPUTE
 
 RECOMPUTED, KEPT, PART = 0, 1, 2  # segment modes (module doc)
 
@@ -47,68 +47,99 @@ class Unit:
     cheap: list[int] = field(default_factory=list)  # what a part-kept unit rebuilds
     part_bytes: int = 0  # what a part-kept unit keeps (its cut and dear values)
     part_time: float = 0.0  # predicted time of rebuilding its cheap values
+    anchor: bool = False  # its cut is not a retained value: kept from the forward pass
 
 
-def cut_points(pl) -> list[int]:
-    """The retained forward values that are cuts (module doc), in forward order."""
+def cut_points(pl, device: int | None = None, anchors: bool = False) -> list[int]:
+    """The retained forward values that are cuts (module doc), in forward order; of a
+    split step, those of `device`'s own forward pass (its nodes only). With `anchors`,
+    other forward values that are cuts too (*anchors*: a synchronised batchnorm's input,
+    which its backward does not read, in a split step); a plan keeps an anchor from the
+    forward pass until the clones that read it."""
     prep = pl.prep
     n = len(prep.names)
+    mine = [device is None or d == device for d in prep.device] if prep.device \
+        else [True] * n
     last = [-1] * n  # last forward reader of each forward value
     for k in range(n):
-        if prep.phase[k] == FWD:
+        if prep.phase[k] == FWD and mine[k]:
             for u in prep.inputs[k]:
                 if prep.phase[u] == FWD and k > last[u]:
                     last[u] = k
     cuts, reach = [], -1
     for k in range(n):
-        if prep.phase[k] != FWD:
+        if prep.phase[k] != FWD or not mine[k]:
             continue
-        if reach <= k and k in pl.cand_set:
+        if reach <= k and (k in pl.cand_set or (
+                anchors and prep.bytes[k] > 0 and k not in pl.fixed
+                and k not in prep.wanted)):
             cuts.append(k)
         reach = max(reach, last[k])
     return cuts
 
 
-def units(pl, cuts: list[int]) -> list[Unit]:
+def units(pl, cuts: list[int], device: int | None = None) -> list[Unit]:
     """The units between consecutive cuts; candidates after the last cut join the last
-    unit (the network's head)."""
+    unit (the network's head). Of a split step: `device`'s candidates."""
     out: list[Unit] = []
     ci = 0
     cur: list[int] = []
+    anchors = frozenset(c for c in cuts if c not in pl.cand_set)
     for p in pl.cand:
+        if device is not None and pl.prep.device[p] != device:
+            continue
+        while ci < len(cuts) and cuts[ci] < p and cuts[ci] in anchors:
+            if cur:  # an anchor ends the unit of the candidates before it
+                out.append(_unit(pl, cur, cuts[ci], anchors))
+                cur = []
+            ci += 1
         cur.append(p)
         if ci < len(cuts) and p == cuts[ci]:
-            out.append(_unit(pl, cur, p))
+            out.append(_unit(pl, cur, p, anchors))
             cur, ci = [], ci + 1
     if cur and out:
         last = out[-1]
-        out[-1] = _unit(pl, last.cands + cur, last.cut)
+        out[-1] = _unit(pl, last.cands + cur, last.cut, anchors)
     elif cur:
-        out.append(_unit(pl, cur, cur[-1]))
+        out.append(_unit(pl, cur, cur[-1], anchors))
     return out
 
 
-def _unit(pl, cands: list[int], cut: int) -> Unit:
+def _unit(pl, cands: list[int], cut: int, anchors: frozenset = frozenset()) -> Unit:
     prep, t = pl.prep, pl.costs.time
-    clones = pl.close({p: RECOMPUTE for p in cands})
+    pins = dict.fromkeys(anchors, KEEP)  # clones read the anchors, never rebuild them
+
+    def close(dec):
+        return pl.close({**pins, **dec})
+    clones = close({p: RECOMPUTE for p in cands})
     time = sum(t[p] for p in clones)
-    only_cut = pl.close({cut: RECOMPUTE})
-    others = set(pl.close({p: RECOMPUTE for p in cands if p != cut}))
-    cut_time = sum(t[p] for p in only_cut if p not in others)
+    if cut in anchors:  # rebuilt only inside a recomputed segment: its own closure
+        only_cut = pl.close({**pins, cut: RECOMPUTE})
+        cut_time = sum(t[p] for p in only_cut if p not in clones)
+        time += cut_time
+    else:
+        only_cut = close({cut: RECOMPUTE})
+        others = set(close({p: RECOMPUTE for p in cands if p != cut}))
+        cut_time = sum(t[p] for p in only_cut if p not in others)
     b = [prep.bytes[p] for p in cands]
-    held = sum(b)
-    u = Unit(cands, cut, held, prep.bytes[cut], time, cut_time, 3 * max(b))
+    # an anchor is held with its unit's values while it is kept (read by a later clone)
+    held = sum(b) + (prep.bytes[cut] if cut in anchors else 0)
+    u = Unit(cands, cut, held, prep.bytes[cut], time, cut_time, 3 * max(b),
+             anchor=cut in anchors)
     # dear: rebuilding costs more per byte than the unit's average
-    cheap = [p for p in cands if p != cut and pl.closure_time(p) * held <= time * prep.bytes[p]]
+    cheap = [p for p in cands if p != cut and
+             pl.closure_time(p, anchors) * held <= time * prep.bytes[p]]
     if cheap and len(cheap) < len(cands) - 1:
         u.cheap = cheap
         u.part_bytes = held - sum(prep.bytes[p] for p in cheap)
-        u.part_time = sum(t[p] for p in pl.close({p: RECOMPUTE for p in cheap}))
+        u.part_time = sum(t[p] for p in close({p: RECOMPUTE for p in cheap}))
     return u
 
 
 def decisions_of(us: list[Unit], plan: list[tuple[int, int, int]]) -> dict[int, str]:
-    """Decisions of a plan given as segments (first unit, last unit, mode)."""
+    """Decisions of a plan given as segments (first unit, last unit, mode). An anchor
+    that ends a segment is kept (`KEEP`, which `Planner.close` does not rebuild); one
+    inside a recomputed segment is rebuilt with it."""
     dec: dict[int, str] = {}
     for a, b, mode in plan:
         if mode == PART:
@@ -116,6 +147,9 @@ def decisions_of(us: list[Unit], plan: list[tuple[int, int, int]]) -> dict[int, 
         elif mode == RECOMPUTED:
             for u in us[a:b + 1]:
                 dec.update((p, RECOMPUTE) for p in u.cands if p != us[b].cut)
+            dec.update((u.cut, RECOMPUTE) for u in us[a:b] if u.anchor)
+        if us[b].anchor:
+            dec[us[b].cut] = KEEP
     return dec
 
 

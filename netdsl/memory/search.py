@@ -27,6 +27,14 @@ Strategies:
 Recomputing a value also recomputes the forward values between it and the retained
 values its clone reads (the BatchNorm output under a ReLU): otherwise the clone would
 hold them alive from the forward pass.
+
+A split training step (`netdsl.parallel`: nodes placed on devices) is planned against a
+budget per device: a plan fits when every device's peak (`Sim.device_peaks`, the rule of
+`memory.plan.device_peaks`) is within the budget. A clone stays on its value's device and
+an offloaded value goes to that device's host memory, so a device's bytes depend only on
+the decisions about its own values: the ladder is split by device and each device's
+shortest fitting prefix is searched at once (`devices.shortest_prefixes`). Communication is
+never recomputed, and a clone reads a received value rather than receive it again.
 """
 from __future__ import annotations
 
@@ -48,15 +56,18 @@ from netdsl.memory.checkpoint import (
     units,
 )
 from netdsl.memory.cost import Costs
+from netdsl.memory.devices import per_device, shortest_prefixes
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
     BWD,
     DECISIONS,
     FWD,
+    H2D,
     KEEP,
     OFFLOAD,
     RECOMPUTE,
     ROLES,
+    STATE,
     Prepared,
     Sim,
     prepare,
@@ -104,6 +115,10 @@ class PlanResult:
     state_buffers: int = 0  # optimizer-state buffers in all
     verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
     verify_s: float | None = None
+    # split steps: per device, the planned peak and what was recomputed / offloaded
+    # (`recompute`, `recompute_bytes`, `offload`, `offload_bytes`, `peak_bytes`)
+    per_device: dict[int, dict] = field(default_factory=dict)
+    worst_device: int | None = None  # the device furthest over (or nearest) the budget
 
     @property
     def predicted_overhead(self) -> float:
@@ -112,8 +127,9 @@ class PlanResult:
 
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
-                 overrides: dict[str, str] | None, offload_state: bool = False):
-        self.prep = prepare(g, float_dtype=float_dtype)
+                 overrides: dict[str, str] | None, offload_state: bool = False,
+                 roles: tuple[str, ...] = ROLES):
+        self.prep = prepare(g, roles, float_dtype=float_dtype)
         self.costs = Costs(self.prep, profile, float_dtype)
         self.profile = profile
         self.prefetch = prefetch
@@ -122,6 +138,9 @@ class Planner:
         self.cand = prep.candidates
         self.cand_set = set(self.cand)
         self.offload_state = offload_state
+        self.fixed = prep.fixed  # communication: never recomputed
+        self.devices = prep.devices
+        self.multi = len(self.devices) > 1  # a split step: the budget is per device
         self.forced = self._forced(g, overrides or {})
         self.cache: dict[tuple, tuple[Sim, float]] = {}
 
@@ -130,7 +149,8 @@ class Planner:
         for name, p in self.prep.pos.items():
             n = g[name]
             for d in DECISIONS:
-                if n.annotations.get(d):
+                # an annotated block's communication (a split's recv) is not recomputed
+                if n.annotations.get(d) and not (d == RECOMPUTE and p in self.fixed):
                     out[p] = d
         for name, d in overrides.items():
             if d not in DECISIONS:
@@ -147,13 +167,20 @@ class Planner:
             if p in state and d == RECOMPUTE:
                 raise PlanError(f"%{self.prep.names[p]} is optimizer state: it can be kept "
                                 "or offloaded, not recomputed")
+            if p in self.fixed and d == RECOMPUTE:
+                raise PlanError(f"%{self.prep.names[p]} is communication between devices: "
+                                "it can be kept or offloaded, not recomputed")
         return {p: d for p, d in out.items() if p in self.cand_set or p in state}
 
     # -- evaluating a plan ------------------------------------------------------------
     def close(self, dec: dict[int, str]) -> dict[int, str]:
         """Add the forward values between each recomputed value and the retained values
-        its clone reads (module doc); apply the source annotations."""
-        dec = {p: d for p, d in dec.items() if d != KEEP}
+        its clone reads (module doc); apply the source annotations. Communication stays
+        kept where a plan (a checkpoint segment) would recompute it, and so does a value
+        the decisions say to keep (a checkpoint plan's anchor)."""
+        pinned = {p for p, d in dec.items() if d == KEEP}
+        dec = {p: d for p, d in dec.items()
+               if d != KEEP and not (d == RECOMPUTE and p in self.fixed)}
         for p, d in self.forced.items():
             if d == KEEP:
                 dec.pop(p, None)
@@ -165,7 +192,8 @@ class Planner:
             v = stack.pop()
             for u in prep.inputs[v]:
                 if (prep.phase[u] == FWD and u not in self.cand_set and u not in dec
-                        and u not in prep.wanted and prep.bytes[u] > 0):
+                        and u not in prep.wanted and prep.bytes[u] > 0
+                        and u not in self.fixed and u not in pinned):
                     dec[u] = RECOMPUTE
                     stack.append(u)
         return dec
@@ -180,7 +208,13 @@ class Planner:
         return sim, t, dec
 
     def peak(self, sim: Sim) -> int:
+        """The peak the budget bounds: a split step's largest device peak."""
+        if self.multi:
+            return max(self.device_peaks(sim).values())
         return sim.unified_peak if self.profile.unified else sim.peak_bytes
+
+    def device_peaks(self, sim: Sim) -> dict[int, int]:
+        return sim.device_unified_peaks if self.profile.unified else sim.device_peaks
 
     # -- strategies ---------------------------------------------------------------------
     def baseline(self, strategy: str) -> dict[int, str]:
@@ -190,14 +224,14 @@ class Planner:
         if strategy == "offload-all":
             return {p: OFFLOAD for p in c}
         if strategy == "recompute-all":
-            return {p: RECOMPUTE for p in c}
+            return {p: RECOMPUTE for p in c if p not in self.fixed}
         if strategy == "checkpoint-sqrt":
             return self.segments(max(1, math.ceil(math.sqrt(len(c)))))
         raise PlanError(f"unknown strategy {strategy!r}: use {', '.join(STRATEGIES)}")
 
     def segments(self, k: int) -> dict[int, str]:
         """Keep every k-th retained value (in forward order), recompute the others."""
-        return {p: RECOMPUTE for i, p in enumerate(self.cand) if i % k}
+        return {p: RECOMPUTE for i, p in enumerate(self.cand) if i % k and p not in self.fixed}
 
     def closure_inputs(self, v: int) -> set[int]:
         """The retained values the clone of v (with its closure) reads."""
@@ -208,19 +242,22 @@ class Planner:
                 if u in seen or prep.phase[u] != FWD:
                     continue
                 seen.add(u)
-                if u in self.cand_set or u in prep.wanted or prep.bytes[u] == 0:
+                if u in self.cand_set or u in prep.wanted or prep.bytes[u] == 0 \
+                        or u in self.fixed:
                     out.add(u)
                 else:
                     stack.append(u)
         return out
 
-    def closure_time(self, v: int) -> float:
+    def closure_time(self, v: int, stop=frozenset()) -> float:
+        """Predicted time of v's clone and its closure (which stops at `stop` too)."""
         prep, t, seen, stack = self.prep, self.costs.time[v], {v}, [v]
         while stack:
             x = stack.pop()
             for u in prep.inputs[x]:
                 if u in seen or prep.phase[u] != FWD or u in self.cand_set \
-                        or u in prep.wanted or prep.bytes[u] == 0:
+                        or u in prep.wanted or prep.bytes[u] == 0 or u in self.fixed \
+                        or u in stop:
                     continue
                 seen.add(u)
                 t += self.costs.time[u]
@@ -264,7 +301,7 @@ class Planner:
                 read_by.setdefault(u, set()).add(p)
         by_rec = sorted(self.cand, key=lambda p: rec_cost[p] / prep.bytes[p])
         for p in by_rec:
-            if p in off_cost and off_cost[p] <= rec_cost[p]:
+            if p in self.fixed or (p in off_cost and off_cost[p] <= rec_cost[p]):
                 continue
             if any(mode.get(u) == RECOMPUTE for u in reads[p]) or \
                     any(mode.get(w) == RECOMPUTE for w in read_by.get(p, ())):
@@ -296,8 +333,10 @@ class Planner:
 def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
                 strategy: str = "auto", float_dtype: str = "f32",
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
-                progress=None, offload_state: bool = False) -> PlanResult:
-    """Plan bound training-step graph `g` into `budget_bytes` (module doc).
+                progress=None, offload_state: bool = False,
+                roles: tuple[str, ...] = ROLES) -> PlanResult:
+    """Plan bound training-step graph `g` into `budget_bytes` (module doc); a split step
+    into `budget_bytes` per device. `roles`: the outputs the step computes.
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
@@ -315,13 +354,13 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
     if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
         res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
-                          DEFAULT_PREFETCH, progress, offload_state)
+                          DEFAULT_PREFETCH, progress, offload_state, roles)
         if not res.feasible:
             res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
-                              progress, offload_state)
+                              progress, offload_state, roles)
         res.plan_s = time.perf_counter() - t0
         return res
-    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state)
+    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state, roles)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options: list[tuple[float, int, dict[int, str], Sim]] = []
@@ -340,14 +379,17 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             consider(pl.baseline(s))
         n = len(pl.cand)
         # where offload is not possible (unified memory): checkpoint plans on the cut
-        # points, or (no cuts) every k-th retained value kept
-        if profile.unified and not _chain_plans(pl, budget, consider):
+        # points, or (no cuts; a split step: also) every k-th retained value kept
+        if profile.unified and (not _chain_plans(pl, budget, consider) or pl.multi):
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
         tick(0.3)
         ladder = pl.ladder()
-        _shortest_prefix(pl, ladder, budget, consider, tick)
+        if pl.multi:
+            shortest_prefixes(pl, ladder, budget, consider, tick)
+        else:
+            _shortest_prefix(pl, ladder, budget, consider, tick)
     tick(1.0)
 
     feasible = [o for o in options if o[1] <= budget]
@@ -377,6 +419,10 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         pl.costs.recompute_flops(sim), sim.state_bytes, prep.workspace,
         time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
         min_peak, "", sim, base_sim, prep, len(state_off), len(prep.opt_state))
+    if pl.multi:
+        res.per_device = per_device(pl, dec, sim)
+        peaks = pl.device_peaks(sim)
+        res.worst_device = max(peaks, key=lambda d: (peaks[d], -d))
     if not feasible:
         best = min(options, key=lambda o: o[1])
         res.dominant = dominant(pl, best[3])
@@ -395,25 +441,35 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     search runs again with the budget lowered by the excess. Returns (the rewritten step,
     the result), or (None, the result) when no plan fits (`result.feasible` is False) or
     `verify` is off. Optimizer state the plan offloads is streamed from the host
-    (`strategies.apply_decisions`, rule 5)."""
-    from netdsl.memory.plan import make_plan
+    (`strategies.apply_decisions`, rule 5). A split step is planned and checked per
+    device (`plan.device_peaks`; its values are not packed into arenas)."""
+    from netdsl.memory.plan import device_peaks, make_plan
     from netdsl.memory.strategies import apply_decisions
     budget = parse_size(mem, "--mem")
     target = budget
     res = None
     for _ in range(4):
         res = plan_memory(step, target, profile, strategy, float_dtype, prefetch=prefetch,
-                          progress=progress, offload_state=offload_state)
+                          progress=progress, offload_state=offload_state, roles=roles)
         res.budget_bytes = budget
         res.feasible = res.feasible and res.planned_peak_bytes <= budget
         if not verify or not res.feasible:
             return None, res
         t0 = time.perf_counter()
         g = apply_decisions(step, res.decisions, prefetch=res.prefetch)
-        mp = make_plan(g, roles, float_dtype, pack_arena=arena)
-        peak = mp.arena_peak_bytes if arena else mp.peak_bytes
-        if res.profile.unified:  # host and device are one memory: the pool counts too
-            peak += mp.host_bytes if arena else mp.host_peak_bytes
+        if res.per_device:  # a split step: every device within the budget
+            mp = make_plan(g, roles, float_dtype, pack_arena=False)
+            peaks = device_peaks(g, mp)
+            if res.profile.unified:  # the host pools count too (all of them: an upper bound)
+                peaks = {d: v + mp.host_peak_bytes for d, v in peaks.items()}
+            for d, v in peaks.items():
+                res.per_device.setdefault(d, {})["verified_peak_bytes"] = v
+            peak = max(peaks.values())
+        else:
+            mp = make_plan(g, roles, float_dtype, pack_arena=arena)
+            peak = mp.arena_peak_bytes if arena else mp.peak_bytes
+            if res.profile.unified:  # host and device are one memory: the pool counts too
+                peak += mp.host_bytes if arena else mp.host_peak_bytes
         res.verified_peak_bytes = peak
         res.verify_s = time.perf_counter() - t0
         if peak <= budget:
@@ -428,6 +484,16 @@ def infeasible_error(res: PlanResult) -> BudgetError:
     """The exit-3 error for a budget no plan meets: the smallest budget that works and
     what dominates it."""
     need = res.min_feasible_bytes
+    if res.worst_device is not None:
+        row = res.per_device.get(res.worst_device, {})
+        return BudgetError(
+            f"no memory plan fits {format_decimal(res.budget_bytes)} per device for "
+            f"`{res.network}` (strategy {res.strategy}, profile {res.profile.name}): device "
+            f"{res.worst_device} needs at least about {format_decimal(need)} ({need:,} "
+            f"bytes) even with {row.get(RECOMPUTE, 0):,} values recomputed and "
+            f"{row.get(OFFLOAD, 0):,} offloaded, dominated by "
+            f"{res.dominant or 'the persistent state'}; give --mem at least that, more "
+            "devices, a smaller --batch, or another split")
     return BudgetError(
         f"no memory plan fits {format_decimal(res.budget_bytes)} for `{res.network}` "
         f"(strategy {res.strategy}, profile {res.profile.name}): the smallest budget that "
@@ -483,32 +549,51 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
     fastest plan the model fits into the budget less the state, the workspace and the
     model's largest error on the references. All but the last do not depend on the
     budget, and the last only gains plans as the budget grows, so a larger budget never
-    predicts a slower step. False when the forward pass has no cuts to plan on."""
-    us = units(pl, cut_points(pl))
-    if len(us) < 2:
+    predicts a slower step. False when the forward pass has no cuts to plan on.
+
+    A split step is planned so on each device's own forward pass (its cuts among its own
+    nodes, its state and workspace, its peak), the devices' plans made together."""
+    groups = {}  # device (None: the whole step) -> (units, grain, fixed bytes, floor, top)
+    for d in (pl.devices if pl.multi else [None]):
+        us = units(pl, cut_points(pl, d, anchors=pl.multi), d)
+        if len(us) < 2:
+            continue
+        grain = grain_of(us)
+        fixed = (pl.prep.state_bytes + pl.prep.workspace if d is None else
+                 pl.prep.device_state.get(d, 0) + pl.prep.device_workspace.get(d, 0))
+        # the smallest limit the model finds a plan for (none is below the largest unit):
+        # doubling, then bisection (the dynamic program is quick at small limits)
+        lo = max(u.held + u.temp for u in us) - 1
+        hi = lo + 1
+        while chain_plan(us, hi, grain) is None:
+            lo, hi = hi, 2 * hi
+        while hi - lo > max(grain, hi // 256):
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
+        # references from the floor to three times its limit (or keeping everything)
+        top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
+        groups[d] = (us, grain, fixed, hi, top)
+    if not groups:
         return False
-    grain = grain_of(us)
-    fixed = pl.prep.state_bytes + pl.prep.workspace
-    # the smallest limit the model finds a plan for (none is below the largest unit):
-    # doubling, then bisection (the dynamic program is quick at small limits)
-    lo = max(u.held + u.temp for u in us) - 1
-    hi = lo + 1
-    while chain_plan(us, hi, grain) is None:
-        lo, hi = hi, 2 * hi
-    while hi - lo > max(grain, hi // 256):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
-    # references from the floor to three times its limit (or keeping everything)
-    top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
-    error = 0
+    error = dict.fromkeys(groups, 0)
     for k in range(4):
-        limit = int(hi * (top / hi) ** (k / 3)) if top > hi else hi
-        plan = chain_plan(us, limit, grain)
-        sim, _ = consider(decisions_of(us, plan))
-        error = max(error, pl.peak(sim) - fixed - model_peak(us, plan))
-    plan = chain_plan(us, budget - fixed - error, grain)
-    if plan is not None:
-        consider(decisions_of(us, plan))
+        dec: dict[int, str] = {}
+        plans = {}
+        for d, (us, grain, _, hi, top) in groups.items():
+            limit = int(hi * (top / hi) ** (k / 3)) if top > hi else hi
+            plans[d] = chain_plan(us, limit, grain)
+            dec.update(decisions_of(us, plans[d]))
+        sim, _ = consider(dec)
+        peaks = pl.device_peaks(sim) if pl.multi else {None: pl.peak(sim)}
+        for d, (us, _, fixed, _, _) in groups.items():
+            error[d] = max(error[d], peaks[d] - fixed - model_peak(us, plans[d]))
+    dec = {}
+    for d, (us, grain, fixed, _, _) in groups.items():
+        plan = chain_plan(us, budget - fixed - error[d], grain)
+        if plan is None:
+            return True
+        dec.update(decisions_of(us, plan))
+    consider(dec)
     return True
 
 
@@ -520,8 +605,18 @@ DEFAULT_PREFETCH = 8
 
 
 def dominant(pl: Planner, sim: Sim) -> str:
-    """What makes up the smallest peak found: state, workspace and the largest values."""
+    """What makes up the smallest peak found: state, workspace and the largest values
+    (a split step's: on the device with the largest peak)."""
     prep = pl.prep
+    if pl.multi:
+        peaks = pl.device_peaks(sim)
+        d = max(peaks, key=lambda k: (peaks[k], -k))
+        streamed = {p for kind, p in sim.entries if kind == H2D and prep.phase[p] == STATE}
+        hosted = sum(prep.full_bytes[p] for p in streamed if prep.device[p] == d)
+        state = prep.device_state.get(d, 0) - hosted
+        ws = prep.device_workspace.get(d, 0)
+        return (f"on device {d}: persistent state {format_decimal(state)}, workspace "
+                f"{format_decimal(ws)}, live values {format_decimal(peaks[d] - state - ws)}")
     g = prep.g
     parts: Counter = Counter()
     for k, name in enumerate(prep.names):

@@ -24,14 +24,23 @@ calls it many times, so it works on integer positions, not on nodes:
 Beyond `apply_decisions`, an optimizer-state buffer may be offloaded too: it then lives
 in the host pool and is copied in `prefetch` entries before its update and out right
 after it (`plan_memory(offload_state=True)`; `apply_decisions` rule 5 carries it out).
+
+A split graph (`netdsl.parallel`) places its nodes on devices: a clone and a device copy
+live on their value's device, a host copy in that device's host pool, and the bytes are
+also counted per device (`Sim.device_peaks`), by `memory.plan.device_peaks`'s rule: each
+device holds its own state, the largest workspace of its own nodes, and its values while
+they live. Communication ops are never recomputed (a copy would send or reduce again).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
+
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.ir.ops.comm import COMM_OPS
 from netdsl.memory.liveness import schedule
 from netdsl.memory.plan import value_bytes, workspace_bytes
 
@@ -71,6 +80,14 @@ class Prepared:
     updates: list[int] = field(default_factory=list)  # update nodes placed eagerly
     written: dict[int, tuple[int, ...]] = field(default_factory=dict)  # update -> roots
     root: list[int] = field(default_factory=list)  # storage a value aliases (views)
+    # split graphs: each position's device (unplaced: 0), and per device its persistent
+    # state bytes and its workspace region (the largest workspace of its nodes)
+    device: list[int] = field(default_factory=list)
+    device_state: dict[int, int] = field(default_factory=dict)
+    device_workspace: dict[int, int] = field(default_factory=dict)
+    # positions a clone may not copy: communication (the copy would send again)
+    fixed: set[int] = field(default_factory=set)
+    devices: list[int] = field(default_factory=lambda: [0])  # the devices, in order
 
     def name(self, p: int) -> str:
         return self.names[p]
@@ -84,6 +101,10 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
     pos = {name: k for k, name in enumerate(names)}
     nbytes, inputs, phase, opnames, full = [], [], [], [], []
     workspace = state = 0
+    device = [0 if n.device is None else n.device for n in order]
+    dev_state: dict[int, int] = {}
+    dev_ws: dict[int, int] = {}
+    fixed = {k for k, n in enumerate(order) if n.op in COMM_OPS}
     sizes: dict = {}  # bytes per type: a deep network repeats a few types many times
     for n in order:
         opnames.append(n.op)
@@ -92,9 +113,11 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         if b is None:
             b = sizes[n.type] = value_bytes(n.type, float_dtype)
         full.append(b)
+        d = device[len(phase)]
         if n.op in STATE_OPS:
             phase.append(STATE)
             state += b
+            dev_state[d] = dev_state.get(d, 0) + b
             nbytes.append(0)
             continue
         if n.is_source:
@@ -104,7 +127,9 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         op = ops[n.op]
         phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
         nbytes.append(b if op.adds_storage(n) else 0)
-        workspace = max(workspace, workspace_bytes(g, n, float_dtype))
+        w = workspace_bytes(g, n, float_dtype)
+        workspace = max(workspace, w)
+        dev_ws[d] = max(dev_ws.get(d, 0), w)
     wanted = {pos[w] for w in wanted_names}
     read_bwd = set()
     for k, ins in enumerate(inputs):
@@ -143,7 +168,8 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         early, updates = [], []
     return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
                     opnames, full, opt_state, first_late, first_bwd, early, late_node,
-                    updates, written, root)
+                    updates, written, root, device, dev_state, dev_ws, fixed,
+                    sorted(set(device)) or [0])
 
 
 @dataclass
@@ -164,6 +190,10 @@ class Sim:
     kinds: dict[str, list[int]] = field(default_factory=dict)  # live bytes by KINDS
     # device values: (value id, bytes, first entry, one past the last entry alive)
     lifetimes: list[tuple[int, int, int, int]] = field(default_factory=list, repr=False)
+    # per device (a split graph's; one device: {0: peak_bytes}): the device's peak, and
+    # its peak counting its host pool too (where host and device are one memory)
+    device_peaks: dict[int, int] = field(default_factory=dict)
+    device_unified_peaks: dict[int, int] = field(default_factory=dict)
 
     def arena(self) -> tuple[int, int]:
         """(arena bytes, lower bound): the values packed by lifetime into one block by
@@ -247,7 +277,9 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
             cloned.append(p)
         else:
             after.setdefault(p, []).append((D2H, p))
-            at = max(prep.first_bwd, need[p] - prefetch)
+            # not before its own copy out (a split graph's backward starts before the
+            # last micro-batch's forward ends)
+            at = max(prep.first_bwd, need[p] - prefetch, p + 1)
             before.setdefault(at, []).append((H2D, p))
             renamed[p] = 2
             offloaded.append(p)
@@ -339,6 +371,11 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     sim = Sim(entries, timeline, host, reads_dev, peak, peak_i, max(host, default=0),
               device_state, prep.workspace, sum(full[p] for p in offloaded), cloned,
               lifetimes=ends)
+    if len(prep.devices) > 1:
+        _by_device(prep, sim, host_start, host_end, host_state)
+    else:
+        sim.device_peaks = {0: peak}
+        sim.device_unified_peaks = {0: sim.unified_peak}
     if by_kind:
         kd = {k: [0] * (m + 1) for k in KINDS}
         for vid, b, s, e in ends:
@@ -349,6 +386,36 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
             kd[kind][e] -= b
         sim.kinds = {k: list(accumulate(d[:m])) for k, d in kd.items()}
     return sim
+
+
+def _by_device(prep: Prepared, sim: Sim, host_start: dict[int, int],
+               host_end: dict[int, int], host_state: list[int]) -> None:
+    """Sim.device_peaks and device_unified_peaks of a split graph (module doc)."""
+    n, m = len(prep.names), len(sim.entries)
+    dev, nbytes, full = prep.device, prep.bytes, prep.full_bytes
+    life = np.array([(dev[vid % n], b, s, e) for vid, b, s, e in sim.lifetimes],
+                    dtype=np.int64).reshape(-1, 4)
+    hosted = [(dev[p], nbytes[p], s, host_end.get(p, m - 1) + 1)
+              for p, s in host_start.items() if prep.phase[p] != STATE]
+    host = np.array(hosted, dtype=np.int64).reshape(-1, 4)
+    base_host: dict[int, int] = {}
+    for p in host_state:
+        base_host[dev[p]] = base_host.get(dev[p], 0) + full[p]
+
+    def timeline(rows) -> np.ndarray:
+        diff = np.zeros(m + 1, dtype=np.int64)
+        np.add.at(diff, rows[:, 2], rows[:, 1])
+        np.add.at(diff, rows[:, 3], -rows[:, 1])
+        return np.cumsum(diff[:m])
+
+    for d in prep.devices:
+        base = prep.device_state.get(d, 0) - base_host.get(d, 0) \
+            + prep.device_workspace.get(d, 0)
+        on_dev = timeline(life[life[:, 0] == d]) + base
+        in_host = timeline(host[host[:, 0] == d]) + base_host.get(d, 0)
+        sim.device_peaks[d] = int(on_dev.max(initial=base))
+        sim.device_unified_peaks[d] = int((on_dev + in_host).max(
+            initial=base + base_host.get(d, 0)))
 
 
 def _eager(prep: Prepared, seq: list[tuple[int, int]], renamed: list[int]

@@ -37,6 +37,7 @@ from collections import defaultdict
 from netdsl.errors import NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.ops.comm import COMM_OPS
 from netdsl.ir.rewrite import clone, make_node, move_after, splice
 from netdsl.passes.pipeline import register_pass
 
@@ -49,9 +50,12 @@ def phase(n: Node) -> str:
 
 def replayable(n: Node) -> bool:
     """Whether running a copy of `n` gives the same value and changes nothing: pure ops,
-    random ops (keyed draws), and ops with a replay mode for their writes (batchnorm)."""
+    random ops (keyed draws), and ops with a replay mode for their writes (batchnorm).
+    Communication is not: a copy of a `recv` or a collective would need its peers to send
+    or reduce again."""
     op = registry.OPS[n.op]
-    return not n.is_source and (not op.written_inputs(n) or n.op == "batchnorm")
+    return not n.is_source and n.op not in COMM_OPS and (
+        not op.written_inputs(n) or n.op == "batchnorm")
 
 
 def is_optimizer_state(n: Node) -> bool:
@@ -75,8 +79,10 @@ def check_decisions(g: Graph, decisions: dict[str, str]) -> None:
             raise NetdslError(f"%{name} ({n.op}) is not a forward value; only those can be "
                               f"recomputed or offloaded", loc=n.loc, stack=n.stack)
         if d == "recompute" and not replayable(n):
-            raise NetdslError(f"%{name} ({n.op}) writes its inputs in place, so it cannot "
-                              f"be recomputed", loc=n.loc, stack=n.stack)
+            why = ("is communication between devices" if n.op in COMM_OPS
+                   else "writes its inputs in place")
+            raise NetdslError(f"%{name} ({n.op}) {why}, so it cannot be recomputed",
+                              loc=n.loc, stack=n.stack)
 
 
 def apply_decisions(g: Graph, decisions: dict[str, str], *, eager_updates: bool = True,
@@ -161,7 +167,9 @@ def _recompute_and_offload(g: Graph, decisions: dict[str, str], prefetch: int) -
         n = g[v]
         if moved[v] == "recompute":
             ins, attrs = [rename.get(i, i) for i in n.inputs], {}
-            if n.op == "batchnorm":  # a replay: no running statistics read or written
+            # a replay: no running statistics read or written (a split may have made the
+            # original one already)
+            if n.op == "batchnorm" and not n.attrs.get("replay"):
                 ins, attrs = ins[:len(ins) - 2], {"replay": True}
             c = clone(n, g.fresh_name(f"{v}.recompute"), ins, attrs=attrs,
                       meta={"phase": "recompute", "forward": v})
@@ -172,7 +180,7 @@ def _recompute_and_offload(g: Graph, decisions: dict[str, str], prefetch: int) -
                           meta={"phase": "forward", "offload_of": v})
             after[v].append(h)
             g.add(h)  # so the prefetch node can be typed against it; re-placed by splice
-            at = max(first_bwd, need[v] - prefetch)
+            at = max(first_bwd, need[v] - prefetch, pos[v] + 1)  # after its copy out
             d = make_node(g, g.fresh_name(f"{v}.prefetch"), "to_device", [h.name], like=n,
                           meta={"phase": "recompute", "forward": v})
             before[g.nodes[at].name].append(d)

@@ -8,6 +8,11 @@ predicts each one's step time
 and per-device peak (`predict.report`), drops those that do not fit a device (`--mem`,
 else the profile's capacity), and picks the fastest. The alternatives are kept, so the
 command can show what it considered.
+
+With `plan=True` (`--mem`), a candidate that does not fit is planned per device
+(`memplan.plan_split`: recompute and offload on each device) and fits if the plan does;
+its report is that of the planned step, so its predicted time counts the clones and the
+host copies.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
 from netdsl.parallel.split import SplitSpec, split_step
+from netdsl.sizes import format_decimal
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 
@@ -29,6 +35,9 @@ class Choice:
     graph: Graph
     report: SplitReport
     fits: bool
+    memory: object | None = None  # memory.search.PlanResult, when planned per device
+    unplanned_step_s: float | None = None  # the predicted step before planning
+    unplanned_peak_bytes: int | None = None  # ... and its largest device peak
 
 
 @dataclass
@@ -124,8 +133,11 @@ def _hybrid_factors(devices: int) -> tuple[int, int]:
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
            profile: Profile, link: Interconnect, mem: int | None = None,
            microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),
-           float_dtype: str = "f32", progress=None, schedule: str | None = None) -> Chosen:
-    """Build and predict the candidates (module docstring); raise SplitError if none fits."""
+           float_dtype: str = "f32", progress=None, schedule: str | None = None,
+           plan: bool = False, outputs: dict[str, list[str]] | None = None,
+           mem_strategy: str = "auto") -> Chosen:
+    """Build and predict the candidates (module docstring); raise SplitError if none fits.
+    `outputs`: output roles to add to every split step (the trainer's logits)."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes),
                        any(n.op == "conv2d" for n in fwd.nodes))
@@ -144,16 +156,28 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
                 raise
             errors.append(f"{spec.describe()}: {e.message}")
             continue
+        g.outputs.update(outputs or {})
         rep, _ = report(g, single_step, profile, link, float_dtype)
         fits = all(d.peak_bytes <= cap for d in rep.per_device)
-        considered.append(Choice(spec, g, rep, fits))
+        choice = Choice(spec, g, rep, fits)
+        if not fits and plan:
+            _plan(choice, cap, single_step, profile, link, float_dtype, mem_strategy)
+        considered.append(choice)
     if progress is not None:
         progress(1.0)
     fitting = [c for c in considered if c.fits]
     if not fitting:
         if not considered:
             raise SplitError("no split of this network works: " + "; ".join(errors))
-        worst = min(considered, key=lambda c: max(d.peak_bytes for d in c.report.per_device))
+        worst = min(considered, key=_least_peak)
+        if worst.memory is not None:
+            m = worst.memory
+            raise SplitError(
+                f"no split onto {devices} device(s) fits {format_decimal(cap)} per device, "
+                f"even with memory planning: the best ({worst.spec.describe()}) needs at "
+                f"least {format_decimal(m.min_feasible_bytes)} on device {m.worst_device} "
+                f"({m.dominant or 'its persistent state'}); use more devices, a smaller "
+                "batch, or more memory")
         peak = max(worst.report.per_device, key=lambda d: d.peak_bytes)
         raise SplitError(
             f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
@@ -161,3 +185,26 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             f"{peak.device}; use more devices, a smaller batch, or more memory")
     best = min(fitting, key=lambda c: c.report.predicted_step_s)
     return Chosen(best, single, considered)
+
+
+def _least_peak(c: Choice) -> int:
+    """The smallest largest-device peak a candidate reaches (planned, where it was)."""
+    if c.memory is not None:
+        return c.memory.min_feasible_bytes
+    return max(d.peak_bytes for d in c.report.per_device)
+
+
+def _plan(c: Choice, cap: int, single_step: float, profile: Profile, link: Interconnect,
+          float_dtype: str, strategy: str = "auto") -> None:
+    """Plan candidate `c` per device into `cap` bytes; where it fits, `c` becomes the
+    planned step with its report."""
+    from netdsl.parallel.memplan import plan_split
+    planned, res = plan_split(c.graph, cap, profile, float_dtype, strategy)
+    c.memory = res
+    c.unplanned_step_s = c.report.predicted_step_s
+    c.unplanned_peak_bytes = max(d.peak_bytes for d in c.report.per_device)
+    if planned is None:
+        return
+    rep, _ = report(planned, single_step, profile, link, float_dtype)
+    c.graph, c.report = planned, rep
+    c.fits = all(d.peak_bytes <= cap for d in rep.per_device)

@@ -8,7 +8,10 @@ when its device is free and its inputs are ready. Compute takes the roofline tim
 `memory.cost` (max of FLOPs / rate and bytes / bandwidth, plus a per-node overhead).
 A `recv` is ready a transfer time (latency + bytes / link bandwidth) after its `send`
 ran; a collective's members start together once every member's device reaches it and
-take the ring's time (2(p-1) latencies + bytes sent / bandwidth for an all-reduce). The
+take the ring's time (2(p-1) latencies + bytes sent / bandwidth for an all-reduce). A
+memory plan's host copies (`to_host`, `to_device`) run on the device's copy stream of
+their direction, as in `memory.cost`: issued when compute reaches them, taking bytes /
+host-link bandwidth, without holding compute up; a reader waits for the copy. The
 bubble of a pipeline is the share of device time spent idle: 1 - busy / (devices x step);
 GPipe's ideal is (p-1)/(m+p-1).
 """
@@ -104,7 +107,8 @@ class SplitReport:
                 "interconnect": self.interconnect, **self.detail}
 
 
-ROLES = ("loss", "output", "updates", "state_updates")
+ROLES = ("loss", "output", "updates", "state_updates", "logits")
+HOST_COPIES = ("to_host", "to_device", "to_host_into")  # a memory plan's offloads
 
 
 def node_time(g: Graph, n, profile: Profile, float_dtype: str = "f32") -> tuple[float, int]:
@@ -128,6 +132,7 @@ def simulate(g: Graph, profile: Profile, link: Interconnect, float_dtype: str = 
     busy: dict[int, float] = {}
     timeline: list[tuple] = []
     members_done: dict[tuple, tuple[float, float]] = {}
+    copy_free: dict[tuple[int, bool], float] = {}  # (device, to the device) -> free at
     for name in order:
         n = g[name]
         d = 0 if n.device is None else n.device
@@ -144,6 +149,15 @@ def simulate(g: Graph, profile: Profile, link: Interconnect, float_dtype: str = 
             timeline.append((d, s0, s0 + t, "recv", name))
         elif n.op == "send":
             end = start  # the copy out runs on the link; the sender goes on
+        elif n.op in HOST_COPIES:  # on a copy stream: compute goes on
+            lane = (d, n.op == "to_device")
+            start = max(start, copy_free.get(lane, 0.0))
+            end = start + value_bytes(n.type, float_dtype) / profile.link_bw \
+                + profile.op_overhead_s
+            copy_free[lane] = end
+            ready[name] = end
+            timeline.append((d, start, end, "copy", name))
+            continue
         elif n.op in COLLECTIVES:
             key = n.meta["members"]
             if key not in members_done:

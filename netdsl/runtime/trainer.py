@@ -31,12 +31,14 @@ from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
-from netdsl.memory.plan import make_plan
+from netdsl.memory.plan import device_peaks, make_plan
+from netdsl.memory.profiles import get_profile
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
+from netdsl.sizes import parse_size
 
 
 @dataclass
@@ -101,6 +103,8 @@ class RunResult:
     budget_bytes: int | None = None  # --mem
     split: str | None = None  # --devices: the split made, e.g. "data=2"
     peak_by_device: dict[int, int] = field(default_factory=dict)  # counted, per device
+    # --devices: the storage plan's peak per device (with --mem: each within the budget)
+    planned_peak_by_device: dict[int, int] = field(default_factory=dict)
     comm_bytes_per_step: dict[int, int] = field(default_factory=dict)  # sent, counted
     memory_plan: dict | None = None  # the planner's summary, with --mem
     test_accuracy: float | None = None
@@ -162,10 +166,12 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")
-    if opts.devices > 1 and opts.mem is not None:
-        raise NetdslError("--mem and --devices cannot be combined yet: plan one device with "
-                          "--mem, or split with --devices (see `netdsl split --mem` for "
-                          "what fits each device)")
+    if opts.mem is not None and opts.distributed:
+        raise NetdslError("--mem with --distributed is not supported yet: plan the split "
+                          "step over logical devices in one process with --devices N --mem")
+    if opts.offload_state and opts.devices > 1:
+        raise NetdslError("--offload-state with --devices is not supported yet; a split "
+                          "step is planned by recomputing and offloading activations")
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []
@@ -277,6 +283,7 @@ class Trainer:
         self.acc = loss_labels(forward)
         backend = get_backend(opts.backend, opts.device)
         self.split = None
+        self.mem_plan = self.split_plan = None  # --mem: the planner's result, its summary
         self.rank, comm = 0, None
         if opts.distributed:
             from netdsl.runtime.mpi import MPIComm, world
@@ -299,9 +306,12 @@ class Trainer:
             self.train_graph = project(self.train_graph, self.rank)
         self.ROLES = tuple(r for r in (*Trainer.ROLES, "logits", "state_updates", "comm")
                            if r in self.train_graph.outputs)
-        self.budget = self.mem_plan = None
+        self.budget = None
         self.budget_host = False
-        if opts.mem is not None:  # plan the step into the budget, then run exactly that
+        if opts.mem is not None and opts.devices > 1:  # planned per device by _split_step
+            self.budget = parse_size(opts.mem, "--mem")
+            self.budget_host = get_profile(self._profile_name(backend)).unified
+        elif opts.mem is not None:  # plan the step into the budget, then run exactly that
             from netdsl.memory.search import infeasible_error, plan_and_apply
             profile = opts.profile or ("cpu" if backend.name == "numpy" else "h200")
             planned, self.mem_plan = plan_and_apply(
@@ -314,8 +324,10 @@ class Trainer:
             # where host and device are one memory, the host pool counts against the budget
             self.budget_host = self.mem_plan.profile.unified
         try:  # the parameters and optimizer state are allocated here
+            # a split step's devices are counted per value, not packed into one arena
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
-                                     opts.check_numerics, arena=self.budget is not None,
+                                     opts.check_numerics,
+                                     arena=self.budget is not None and opts.devices == 1,
                                      budget_bytes=self.budget,
                                      budget_includes_host=self.budget_host, comm=comm)
         except MemoryError:
@@ -336,16 +348,28 @@ class Trainer:
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),
         the trainer's logits made whole on the loss's device."""
-        from netdsl.memory.profiles import get_profile
         from netdsl.parallel.choose import choose
         from netdsl.parallel.predict import get_interconnect
         opts = self.opts
-        profile = get_profile(opts.profile or ("cpu" if backend.name == "numpy" else "h200"))
+        profile = get_profile(self._profile_name(backend))
+        mem = parse_size(opts.mem, "--mem") if opts.mem is not None else None
         chosen = choose(self.forward, self.batch, opts.split, opts.devices,
                         self.cfg.optimizer.model_dump(), profile, get_interconnect("shm"),
-                        microbatches=opts.microbatches, schedule=opts.schedule,
-                        gather=(self.acc[0],) if self.acc else ())
+                        mem=mem, microbatches=opts.microbatches, schedule=opts.schedule,
+                        gather=(self.acc[0],) if self.acc else (), plan=mem is not None,
+                        mem_strategy=opts.strategy, float_dtype=opts.dtype,
+                        outputs={"logits": [self.acc[0]]} if self.acc else None)
+        # --mem: the chosen split planned per device (None when it fits as it is)
+        best = chosen.best
+        self.mem_plan = best.memory
+        if best.memory is not None:
+            from netdsl.parallel.memplan import summary
+            self.split_plan = summary(best.memory, best.unplanned_step_s,
+                                      best.unplanned_peak_bytes, best.report.predicted_step_s)
         return chosen.best.graph, chosen.best.spec.describe()
+
+    def _profile_name(self, backend) -> str:
+        return self.opts.profile or ("cpu" if backend.name == "numpy" else "h200")
 
     # -- state ---------------------------------------------------------------------------
     def _state_spec(self) -> dict[str, tuple]:
@@ -540,6 +564,7 @@ class Trainer:
             planned_peak_bytes=self.planned_peak_bytes(),
             counted_peak_bytes=self.executor.peak_bytes, budget_bytes=self.budget,
             split=self.split, peak_by_device=dict(sorted(self.executor.peak_by_device.items())),
+            planned_peak_by_device=self._planned_by_device(),
             comm_bytes_per_step={d: b // max(len(losses), 1) for d, b in
                                  sorted(self.executor.comm.sent_bytes.items())},
             host_peak_bytes=self.executor.host_peak_bytes,
@@ -594,11 +619,20 @@ class Trainer:
         # an arena run holds the packed arena, not just the bytes alive at the peak
         return plan.arena_peak_bytes if self.executor.arena else plan.peak_bytes
 
+    def _planned_by_device(self) -> dict[int, int]:
+        """The storage plan's peak of each device of a split step (the one accounting rule,
+        `memory.plan.device_peaks`, which the executor's `peak_by_device` follows)."""
+        if self.opts.devices == 1 or self.opts.distributed:
+            return {}
+        return device_peaks(self.train_graph, self.executor.plan(self.ROLES))
+
     def _plan_summary(self) -> dict | None:
         """What the memory planner decided (`run --mem`), for the log and --json."""
         p = self.mem_plan
         if p is None:
             return None
+        if self.split_plan is not None:  # a split step, planned per device
+            return self.split_plan
         return {"strategy": p.strategy, "profile": p.profile.name,
                 "decisions": dict(p.counts), "predicted_overhead": p.predicted_overhead,
                 "offload_bytes": p.offload_bytes, "recompute_flops": p.recompute_flops,

@@ -192,7 +192,7 @@ def test_auto_takes_a_split_that_fits_only_when_planned(resnet):
     smallest = min(a["max_peak_bytes"] for a in plain["alternatives"])
     budget = int(0.85 * smallest)  # no candidate fits unplanned
     out = api.split(net, 2, "auto", batch=BATCH, mem=budget, microbatches=1).to_json()
-    assert len(out["alternatives"]) == 3
+    assert len(out["alternatives"]) == len(plain["alternatives"])  # every scheme considered
     assert out["memory_plan"] is not None and out["memory_plan"]["feasible"]
     assert all(d["peak_bytes"] <= budget for d in out["per_device"])
     assert any(a["planned"] for a in out["alternatives"])

@@ -2,7 +2,7 @@
 # The GPU checks, as one script for a lent GPU machine (device tool): installs CuPy, runs
 # the CuPy tests, ResNet-164/50 training steps with --backend cupy and resnet2504 planned
 # into a 12 GB pool against its unplanned run, ResNet-20 split over two logical devices on
-# the GPU, and writes the results under $OUT (default ./gpu-results). Usage: bash bench/gpu_check.sh
+# the GPU (data, pipeline, tensor, spatial), and writes the results under $OUT (default ./gpu-results). Usage: bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-results}
@@ -32,7 +32,7 @@ mkdir -p "$OUT"
   echo "run rc=$?"
   # splitting (issue 7): data-parallel and pipeline steps over logical devices on the one
   # GPU (one CuPy backend, byte accounting per device), against the same run on one device
-  for split in data pipeline; do
+  for split in data pipeline tensor spatial; do
     netdsl run examples/resnet20-cifar.net --steps 3 --batch 16 --backend cupy --devices 2 \
         --split "$split" --eval-samples 0 --json > "$OUT/split-$split-cupy.json"
     echo "run --devices 2 --split $split rc=$?"

@@ -37,7 +37,8 @@ runner = CliRunner()
 SPECS = {"data2": SplitSpec(data=2),
          "pipeline2": SplitSpec(pipeline=2, microbatches=4),
          "tensor2": SplitSpec(tensor=2),
-         "hybrid4": SplitSpec(data=2, pipeline=2, microbatches=2, bn="local")}
+         "hybrid4": SplitSpec(data=2, pipeline=2, microbatches=2, bn="local"),
+         "spatial2": SplitSpec(spatial=2)}
 # the budget, as a share of the largest unplanned device peak: the last stages of a
 # hybrid with two micro-batches cannot go much lower
 SHARE = {"hybrid4": 0.92}
@@ -56,7 +57,7 @@ def unplanned_peaks(g, dtype="f32") -> dict[int, int]:
     return device_peaks(g, make_plan(g, _roles(g), dtype, pack_arena=False))
 
 
-@pytest.mark.parametrize("spec", ["data2", "pipeline2", "tensor2"])
+@pytest.mark.parametrize("spec", ["data2", "pipeline2", "tensor2", "spatial2"])
 def test_simulated_device_peaks_are_the_storage_plans(resnet, spec):
     """For random decisions, the simulator's per-device peaks equal `device_peaks` of the
     storage plan of the rewritten split step, byte for byte."""

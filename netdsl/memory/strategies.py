@@ -51,7 +51,7 @@ def replayable(n: Node) -> bool:
     """Whether running a copy of `n` gives the same value and changes nothing: pure ops,
     random ops (keyed draws), and ops with a replay mode for their writes (batchnorm)."""
     op = registry.OPS[n.op]
-    return not n.is_source and (not op.written_inputs(n) or n.op == "batchnorm")
+    return not n.is_source and (not op.written_inputs(n) or op.extra.get("replay", False))
 
 
 def is_optimizer_state(n: Node) -> bool:
@@ -161,7 +161,7 @@ def _recompute_and_offload(g: Graph, decisions: dict[str, str], prefetch: int) -
         n = g[v]
         if moved[v] == "recompute":
             ins, attrs = [rename.get(i, i) for i in n.inputs], {}
-            if n.op == "batchnorm":  # a replay: no running statistics read or written
+            if registry.OPS[n.op].extra.get("replay"):  # no running statistics read or written
                 ins, attrs = ins[:len(ins) - 2], {"replay": True}
             c = clone(n, g.fresh_name(f"{v}.recompute"), ins, attrs=attrs,
                       meta={"phase": "recompute", "forward": v})

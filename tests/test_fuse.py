@@ -14,7 +14,7 @@ from netdsl.backends.numpy import NumpyBackend
 from netdsl.ir import registry
 from netdsl.memory.strategies import apply_decisions
 from netdsl.passes.autodiff import autodiff
-from netdsl.passes.fuse import fuse
+from netdsl.passes.fuse import fuse, fuse_grads
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime.executor import Executor, KernelContext
@@ -29,6 +29,8 @@ network branchy {
     h = relu(a) + a
     h = relu(batchnorm(h, affine=false))
     h = relu(batchnorm(conv2d(h, 4, kernel=1), zero_init=true))
+    h = conv2d(relu(batchnorm(h)), 4, kernel=1) + h
+    h = conv2d(batchnorm(h), 4, kernel=1) + h
     logits = linear(flatten(h), 3)
     output logits
     loss softmax_cross_entropy(logits, y)
@@ -37,16 +39,17 @@ network branchy {
 
 
 def step(fwd, fused: bool):
-    g = fuse(fwd, enabled=True) if fused else fwd
-    return add_optimizer(autodiff(g), "sgd", lr=0.05, momentum=0.9)
+    g = autodiff(fuse(fwd, enabled=True) if fused else fwd)
+    return add_optimizer(fuse_grads(g, enabled=True) if fused else g, "sgd", lr=0.05,
+                         momentum=0.9)
 
 
 def test_pass_fuses_single_reader_pairs_only():
     g = fuse(netdsl.loads(BRANCHY).lower(2), enabled=True)
     ops = [n.op for n in g.nodes if not n.is_source]
     # `a` is read by the relu and the add: left as it was; the other two pairs fused
-    assert ops.count("batchnorm") == 1 and ops.count("relu") == 1
-    assert ops.count("batchnorm_relu") == 2
+    assert ops.count("batchnorm") == 2 and ops.count("relu") == 1
+    assert ops.count("batchnorm_relu") == 3
     f = g.by_op("batchnorm_relu")
     assert not f[0].attrs["affine"] and f[1].attrs["zero_init"]
     assert f[1].meta["fused"][1] == f[1].name  # named after the relu: its readers unchanged
@@ -55,12 +58,25 @@ def test_pass_fuses_single_reader_pairs_only():
     assert "batchnorm_relu(" in g.to_text()
 
 
+def test_gradient_sums_fold_into_batchnorm_dx():
+    """ResNet-164's block inputs are read by a batchnorm and the shortcut: the sum of their
+    two gradients is written by the batchnorm's dx node."""
+    g = autodiff(fuse(load("resnet164-cifar.net").lower(2), enabled=True))
+    sums = [n for n in g.by_op("add") if "sums_gradient_of" in n.meta]
+    h = fuse_grads(g, enabled=True)
+    acc = [n for n in h.by_op("batchnorm_grad_from_stats") if len(n.inputs) == 6]
+    assert len(acc) >= 50 and len(h.by_op("add")) == len(g.by_op("add")) - len(acc)
+    assert {n.name for n in acc} <= {n.name for n in sums}  # named after the adds
+    assert all(n.meta["sums_gradient_of"] and n.inputs[-1] in g for n in acc)
+    assert fuse_grads(g, enabled=False) is g
+
+
 def test_env_switches_the_pass_off(monkeypatch):
     fwd = netdsl.loads(BRANCHY).lower(2)
     monkeypatch.setenv("NETDSL_FUSE", "0")
     assert run_pipeline(fwd, ["fuse"]).by_op("batchnorm_relu") == []
     monkeypatch.setenv("NETDSL_FUSE", "1")
-    assert len(run_pipeline(fwd, ["fuse"]).by_op("batchnorm_relu")) == 2
+    assert len(run_pipeline(fwd, ["fuse"]).by_op("batchnorm_relu")) == 3
 
 
 @pytest.mark.parametrize("example,batch", [("resnet20-cifar", 2), ("densenet121", 1),
@@ -69,6 +85,8 @@ def test_fused_step_matches_the_unfused_step(example, batch):
     fwd = (netdsl.loads(BRANCHY) if example == "branchy" else load(f"{example}.net")).lower(batch)
     g, h = step(fwd, False), step(fwd, True)
     assert h.by_op("batchnorm_relu") and len(h.by_op("relu_grad")) < len(g.by_op("relu_grad"))
+    if example == "branchy":  # both gradient sums of a batchnorm's input folded into its dx
+        assert sum(len(n.inputs) == 6 for n in h.by_op("batchnorm_grad_from_stats")) == 2
     feeds = example_feeds(g)
     ref, ref_state, _ = run_steps(g, feeds)
     got, got_state, _ = run_steps(h, feeds)
@@ -141,6 +159,10 @@ def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
         dx = _kernels("batchnorm_grad_from_stats", [dy, x, st] + (mask_in or params[:1]),
                       {"relu": relu}, backend)
         res.append((y, ev, rm, rv, st, dx))
+        if affine:  # with a gradient to add (acc, after weight and bias)
+            dx_acc = _kernels("batchnorm_grad_from_stats", [dy, x, st, w, b, dy * 3],
+                              {"relu": relu}, backend)
+            np.testing.assert_allclose(dx_acc, dx + dy * 3, rtol=0, atol=tol * 10)
     for name, u, v in zip(("y", "eval", "running mean", "running var", "stats", "dx"),
                           *res, strict=True):
         assert u.dtype == v.dtype == dtype, name

@@ -107,9 +107,10 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, out):
 
 
 @numba.njit(**_JIT)
-def bn_grad_input(dy3, x3, st, w, b, relu, dx3):
+def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3):
     """dx of batchnorm (+ relu) from bn_grad_stats' rows into dx3:
-    w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M)."""
+    w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), plus acc3 with
+    `accumulate` (acc3 may be dx3 itself otherwise: it is not read then)."""
     n, nc, p = x3.shape
     m = n * p
     for c in range(nc):
@@ -122,7 +123,10 @@ def bn_grad_input(dy3, x3, st, w, b, relu, dx3):
                 g = dy3[i, c, j]
                 if relu and not d * scale + shift > zero:
                     g = zero
-                dx3[i, c, j] = (d * k_dev + k_sum + g) * scale
+                v = (d * k_dev + k_sum + g) * scale
+                if accumulate:
+                    v += acc3[i, c, j]
+                dx3[i, c, j] = v
 
 
 class FusedKernels:

@@ -125,8 +125,8 @@ def _stats_shape(ins, a):
 
 
 def _stats_workspace(ins, out, a):
-    # the deviations x - mean besides the result; with relu also the mask and dy * mask
-    return (12 if a["relu"] else 4) * ins[1].numel()
+    # the deviations x - mean besides the result; with relu also dy * mask
+    return (8 if a["relu"] else 4) * ins[1].numel()
 
 
 register(OpDef("batchnorm_grad_stats",
@@ -134,23 +134,31 @@ register(OpDef("batchnorm_grad_stats",
                 Arg("bias", "tensor", None), Arg("eps", "float", 1e-5, range=GT0),
                 Arg("relu", "bool", False)),
                _stats_shape, "backward",
-               flops=lambda ins, out, a: (9 if a["relu"] else 7) * ins[1].numel(),
+               flops=lambda ins, out, a: (8 if a["relu"] else 7) * ins[1].numel(),
                workspace=_stats_workspace, differentiable=False,
                doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
                    "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std; "
                    "relu=true: of batchnorm_relu, dy masked where the output was 0 (the "
                    "mask recomputed from x, weight and bias)"))
+def _from_stats_shape(ins, a):
+    if len(ins) > 5 and (ins[5].shape != ins[1].shape or ins[5].dtype != ins[0].dtype):
+        raise ShapeError(f"batchnorm_grad_from_stats: the gradient to add {{acc}} is "
+                         f"{ins[5]}, but x is {ins[1]}")
+    return TensorType(ins[1].shape, ins[0].dtype)
+
+
 register(OpDef("batchnorm_grad_from_stats",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("stats", "tensor"),
                 Arg("weight", "tensor", None), Arg("bias", "tensor", None),
-                Arg("relu", "bool", False)),
-               lambda ins, a: TensorType(ins[1].shape, ins[0].dtype), "backward",
-               flops=lambda ins, out, a: (10 if a["relu"] else 8) * out.numel(),
-               workspace=lambda ins, out, a: (8 if a["relu"] else 0) * out.numel(),
+                Arg("acc", "tensor", None), Arg("relu", "bool", False)),
+               _from_stats_shape, "backward",
+               flops=lambda ins, out, a: (9 if len(ins) > 5 else 8) * out.numel(),
+               workspace=lambda ins, out, a: (4 if a["relu"] else 0) * out.numel(),
                differentiable=False,
                doc="dx of batchnorm (relu=true: of batchnorm_relu) from "
                    "batchnorm_grad_stats' rows (nothing recomputed); weight and bias "
-                   "optional"))
+                   "optional; `acc`, another gradient of x, is added to dx (an `add` of a "
+                   "gradient sum folded in by the fuse_grads pass)"))
 register(OpDef("batchnorm_grad_affine",
                (Arg("stats", "tensor"), Arg("row", "int", range=Range(0, 1))),
                lambda ins, a: TensorType((ins[0].shape[1],), ins[0].dtype), "backward",
@@ -271,12 +279,15 @@ def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
                   - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
 
 
-def _relu_mask(xp, d, inv, w, b):
-    """z > 0 for z = (x - mean) * (inv * w) + b, as the forward computed z."""
-    z = d * (inv if w is None else inv * w)[:, None]
+def _masked(xp, dy3, d, inv, w, b):
+    """dy where z = (x - mean) * (inv * w) + b > 0 (z as the forward computed it), else 0:
+    one new array of dy's size."""
+    g = d * (inv if w is None else inv * w)[:, None]
     if b is not None:
-        z += b[:, None]
-    return z > 0
+        g += b[:, None]
+    xp.greater(g, 0, out=g)  # 1 or 0
+    g *= dy3
+    return g
 
 
 @kernel("batchnorm_grad_stats")
@@ -292,7 +303,7 @@ def _bn_grad_stats(xp, ins, a, ctx):
         return out
     mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
     if a["relu"]:
-        dy3 = dy3 * _relu_mask(xp, d, inv, w, b)
+        dy3 = _masked(xp, dy3, d, inv, w, b)
     out[0] = xp.einsum("ncp,ncp->c", dy3, d) * inv
     out[1] = xp.einsum("ncp->c", dy3)
     out[2] = mean
@@ -304,24 +315,27 @@ def _bn_grad_stats(xp, ins, a, ctx):
 def _bn_grad_from_stats(xp, ins, a, ctx):
     # dx = w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), g = dy (times
     # the relu mask with relu=true): as _norm_grad_input, with the sums already known
+    acc = ins[5] if len(ins) > 5 else None
     dy, x, st = ins[0], ins[1], ins[2]
     w, b = (list(ins[3:5]) + [None, None])[:2]
     dy3 = _view3(dy)
     count = dy3.shape[0] * dy3.shape[2]
     gw, sdy, mean, inv = st[0], st[1], st[2], st[3]
-    f = fused_kernels(ctx, dy, x, ctx.out)
+    f = fused_kernels(ctx, dy, x, acc, ctx.out)
     if f is not None:
         dx = xp.empty_like(dy3) if ctx.out is None else _view3(ctx.out)
         f.bn_grad_input(dy3, _view3(x), st, *_affine_or_unit(xp, w, b, st.shape[1], x.dtype),
-                        a["relu"], dx)
+                        a["relu"], dx if acc is None else _view3(acc), acc is not None, dx)
         return dx.reshape(x.shape)
     dx = xp.subtract(_view3(x), mean[:, None], out=None if ctx.out is None else _view3(ctx.out))
     if a["relu"]:
-        dy3 = dy3 * _relu_mask(xp, dx, inv, w, b)
+        dy3 = _masked(xp, dy3, dx, inv, w, b)
     dx *= (-inv * gw / count)[:, None]
     dx += (-sdy / count)[:, None]
     dx += dy3
     dx *= (inv if w is None else inv * w)[:, None]
+    if acc is not None:
+        dx += _view3(acc)
     return dx.reshape(x.shape)
 
 

@@ -77,7 +77,9 @@ register(OpDef(
      Arg("momentum", "float", 0.1, range=Range(0, 1)),
      Arg("affine", "bool", True), Arg("zero_init", "bool", False)),
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"), writes=_bn_writes,
-    extra={"replay": True},  # a recompute copy neither reads nor writes the running stats
+    # a recompute copy neither reads nor writes the running stats; the kernel uses the
+    # backend's fused kernels where it has them (the executor loads them up front)
+    extra={"replay": True, "fused_kernels": True},
     doc="batch normalisation over every dim but 1; running stats in buffers; "
         "zero_init=true starts the scale at 0 (zero_init_residual)"))
 
@@ -136,6 +138,7 @@ register(OpDef("batchnorm_grad_stats",
                _stats_shape, "backward",
                flops=lambda ins, out, a: (8 if a["relu"] else 7) * ins[1].numel(),
                workspace=_stats_workspace, differentiable=False,
+               extra={"fused_kernels": True},
                doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
                    "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std; "
                    "relu=true: of batchnorm_relu, dy masked where the output was 0 (the "
@@ -154,7 +157,7 @@ register(OpDef("batchnorm_grad_from_stats",
                _from_stats_shape, "backward",
                flops=lambda ins, out, a: (9 if len(ins) > 5 else 8) * out.numel(),
                workspace=lambda ins, out, a: (4 if a["relu"] else 0) * out.numel(),
-               differentiable=False,
+               differentiable=False, extra={"fused_kernels": True},
                doc="dx of batchnorm (relu=true: of batchnorm_relu) from "
                    "batchnorm_grad_stats' rows (nothing recomputed); weight and bias "
                    "optional; `acc`, another gradient of x, is added to dx (an `add` of a "

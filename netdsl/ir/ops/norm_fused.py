@@ -18,7 +18,8 @@ register(OpDef(
      Arg("momentum", "float", 0.1, range=Range(0, 1)),
      Arg("affine", "bool", True), Arg("zero_init", "bool", False)),
     _bn_shape, "norm", _bn_params, lambda ins, out, a: 9 * out.numel(),
-    retains=("inputs", "weight", "bias"), writes=_bn_writes, extra={"replay": True},
+    retains=("inputs", "weight", "bias"), writes=_bn_writes,
+    extra={"replay": True, "fused_kernels": True},
     doc="relu(batchnorm(x)) in one kernel (made by the `fuse` pass from a batchnorm read "
         "only by a relu); arguments, parameters and buffers as batchnorm's"))
 

@@ -195,3 +195,23 @@ def test_fused_kernels_give_the_reference_training_step(monkeypatch):
         runs.append([np.array(v, np.float64) for k in ("loss", "grads") for v in r[k]])
     for a, b in zip(*runs, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5 * max(np.abs(b).max(), 1e-3))
+
+
+def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch):
+    """As many threads as the BLAS is told (OMP_NUM_THREADS); channels are independent,
+    so the result is the same bit for bit on any number of threads."""
+    numba = pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused import FusedKernels
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert FusedKernels().threads == 1
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 6, 9)).astype(np.float32)
+    w, b = np.ones(6, np.float32), np.zeros(6, np.float32)
+    outs = []
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(threads)
+        y, mom = np.empty_like(x), np.empty((2, 6))
+        FusedKernels.bn_forward(x, w, b, 1e-5, True, y, mom)
+        outs.append((y, mom))
+    numba.set_num_threads(FusedKernels().threads)
+    assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))

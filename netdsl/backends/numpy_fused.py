@@ -25,11 +25,13 @@ Numba and this module are imported lazily by `NumpyBackend.fused`, nowhere else.
 from __future__ import annotations
 
 import math
+import os
 
 import numba
 import numpy as np
 
 _JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc"}}
+_PAR = {**_JIT, "parallel": True}  # channels in parallel: each is independent of the others
 
 
 @numba.njit(**_JIT)
@@ -62,12 +64,12 @@ def _consts(x3, mean, inv, w, b):
     return t[0], t[1], t[1] * t[2], t[3], t[4]
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_PAR)
 def bn_forward(x3, w, b, eps, relu, y3, moments):
     """Training-mode batchnorm (+ relu) of x3 (N, C, P) into y3; moments[0] and [1] get
     each channel's mean and biased variance (float64) for the running statistics."""
     n, nc, p = x3.shape
-    for c in range(nc):
+    for c in numba.prange(nc):
         mean, var = _channel_moments(x3, c)
         moments[0, c] = mean
         moments[1, c] = var
@@ -81,12 +83,12 @@ def bn_forward(x3, w, b, eps, relu, y3, moments):
                 y3[i, c, j] = z
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_PAR)
 def bn_grad_stats(dy3, x3, w, b, eps, relu, out):
     """Batchnorm's backward statistics into out (4, C): sum(g * x_hat), sum(g), the batch
     mean and 1/std, where g is dy (times the relu mask z > 0 with `relu`)."""
     n, nc, p = x3.shape
-    for c in range(nc):
+    for c in numba.prange(nc):
         mean, var = _channel_moments(x3, c)
         mt, it, scale, shift, zero = _consts(x3, mean, 1.0 / math.sqrt(var + eps),
                                              w[c], b[c])
@@ -106,14 +108,14 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, out):
         out[3, c] = it
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_PAR)
 def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3):
     """dx of batchnorm (+ relu) from bn_grad_stats' rows into dx3:
     w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), plus acc3 with
     `accumulate` (acc3 may be dx3 itself otherwise: it is not read then)."""
     n, nc, p = x3.shape
     m = n * p
-    for c in range(nc):
+    for c in numba.prange(nc):
         gw, sg = np.float64(st[0, c]), np.float64(st[1, c])
         mt, it, scale, shift, zero = _consts(x3, st[2, c], st[3, c], w[c], b[c])
         k_dev, k_sum, _s, _b, _z = _consts(x3, -np.float64(it) * gw / m, -sg / m, 0.0, 0.0)
@@ -129,6 +131,18 @@ def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3):
                 dx3[i, c, j] = v
 
 
+def thread_count() -> int:
+    """The threads the loops run on: as the BLAS is told (OMP_NUM_THREADS or
+    OPENBLAS_NUM_THREADS, what `--threads` sets in the benchmarks), else Numba's default
+    (NUMBA_NUM_THREADS, or the cores), never more than Numba's pool."""
+    pool = numba.config.NUMBA_NUM_THREADS
+    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        v = os.environ.get(key, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return min(int(v), pool)
+    return pool
+
+
 class FusedKernels:
     """What kernels see as `ctx.backend.fused`: the compiled loops above, for float32 and
     float64 C-contiguous arrays (callers fall back to the NumPy reference otherwise)."""
@@ -138,6 +152,8 @@ class FusedKernels:
     bn_grad_input = staticmethod(bn_grad_input)
 
     def __init__(self):
+        self.threads = thread_count()
+        numba.set_num_threads(self.threads)
         # each compiled signature is loaded from the cache (or compiled) on its first call:
         # make those calls now, on tiny arrays, so none happens inside a measured step
         for dt in (np.float32, np.float64):
@@ -153,4 +169,4 @@ class FusedKernels:
                    and a.flags.c_contiguous and a.size > 0 for a in arrays)
 
     def __repr__(self) -> str:
-        return f"FusedKernels(numba {numba.__version__})"
+        return f"FusedKernels(numba {numba.__version__}, {self.threads} threads)"

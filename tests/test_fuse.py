@@ -215,3 +215,15 @@ def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch
         outs.append((y, mom))
     numba.set_num_threads(FusedKernels().threads)
     assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+
+
+def test_fusion_defaults_to_where_the_fused_kernels_run(monkeypatch):
+    import importlib.util
+
+    from netdsl.passes import fuse as fuse_mod
+    monkeypatch.delenv("NETDSL_FUSE", raising=False)
+    assert fuse_mod.fusion_enabled() == (importlib.util.find_spec("numba") is not None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not fuse_mod.fusion_enabled()
+    monkeypatch.setenv("NETDSL_FUSE", "1")
+    assert fuse_mod.fusion_enabled()

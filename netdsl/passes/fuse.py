@@ -14,10 +14,14 @@
   name and place.
 
 Only nodes without a device placement are fused (a split graph's are left as they are).
-`NETDSL_FUSE=0` (or a pass's `enabled=False`) switches both off, to compare.
+By default both run where the fused CPU kernels can (Numba is installed: the `fast`
+extra); without them the fused ops' NumPy reference code recomputes the relu mask and is
+slower than the unfused ops, so the graph is left as written. `NETDSL_FUSE=1` or `0` (or
+a pass's `enabled`) forces either way, to compare.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from netdsl.ir.graph import Graph
@@ -28,7 +32,12 @@ FUSE_ENV = "NETDSL_FUSE"
 
 
 def fusion_enabled() -> bool:
-    return os.environ.get(FUSE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """NETDSL_FUSE if set, else whether Numba (what runs the fused kernels) is installed;
+    looked up, not imported."""
+    v = os.environ.get(FUSE_ENV, "").strip().lower()
+    if v:
+        return v not in ("0", "false", "no", "off")
+    return importlib.util.find_spec("numba") is not None
 
 
 @register_pass("fuse")

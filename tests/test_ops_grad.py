@@ -134,9 +134,9 @@ def test_losses(s, seed):
 
 @FAST
 @given(st.integers(2, 4), st.integers(1, 3), st.sampled_from([(), (3,), (2, 3)]),
-       st.booleans(), st.integers(0, 2**16))
-def test_batchnorm(n, c, spatial, affine, seed):
-    check_grads(op_graph("batchnorm", [(n, c) + spatial], {"affine": affine}), seed)
+       st.booleans(), st.sampled_from(["batchnorm", "batchnorm_relu"]), st.integers(0, 2**16))
+def test_batchnorm(n, c, spatial, affine, op, seed):
+    check_grads(op_graph(op, [(n, c) + spatial], {"affine": affine}), seed)
 
 
 @FAST
@@ -186,7 +186,8 @@ def test_op_case_grads(op, shapes, attrs, ints, positive, seed):
 COVERED = {c[0] for c in OP_CASES} | {
            "conv2d", "maxpool", "avgpool", "relu", "leaky_relu", "gelu", "sigmoid", "tanh",
            "add", "sub", "mul", "scale", "mean", "softmax", "linear", "matmul", "embedding",
-           "softmax_cross_entropy", "mse", "batchnorm", "layernorm", "flatten", "reshape",
+           "softmax_cross_entropy", "mse", "batchnorm", "batchnorm_relu", "layernorm",
+           "flatten", "reshape",
            "permute", "transpose", "slice", "concat", "global_avgpool", "dropout",
            "to_host", "to_device"}
 

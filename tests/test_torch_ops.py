@@ -80,6 +80,7 @@ TORCH = {
     "batchnorm": lambda t, a: F.batch_norm(
         t["in0"], t["out.running_mean"], t["out.running_var"], t.get("out.weight"),
         t.get("out.bias"), training=True, momentum=a["momentum"], eps=a["eps"]),
+    "batchnorm_relu": lambda t, a: F.relu(TORCH["batchnorm"](t, a)),
     "layernorm": lambda t, a: F.layer_norm(t["in0"], t["in0"].shape[a["axis"]:],
                                            t.get("out.weight"), t.get("out.bias"), a["eps"]),
     "groupnorm": lambda t, a: F.group_norm(t["in0"], a["num_groups"], t.get("out.weight"),
@@ -216,6 +217,8 @@ CASES = [
     ("mse", [(3, 4), (3, 4)], {}, {}),
     ("batchnorm", [(4, 3, 2, 3)], {"momentum": 0.3}, {}),
     ("batchnorm", [(5, 3)], {"affine": False}, {}),
+    ("batchnorm_relu", [(4, 3, 2, 3)], {"momentum": 0.3}, {}),
+    ("batchnorm_relu", [(6, 2, 5)], {"affine": False}, {}),
     ("layernorm", [(2, 3, 5)], {}, {}), ("layernorm", [(4, 5)], {"affine": False}, {}),
     ("flatten", [(2, 3, 2, 2)], {"start": 2}, {}), ("reshape", [(2, 6)], {"shape": (3, 2, 2)}, {}),
     ("permute", [(2, 3, 4)], {"dims": (2, 0, 1)}, {}),

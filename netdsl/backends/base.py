@@ -36,6 +36,11 @@ class Backend(Protocol):
     def erf(self, x) -> Any:
         """The error function, element-wise (NumPy has none; gelu needs it)."""
 
+    # fused kernels for hot element-wise chains (batchnorm + relu) or None: an object with
+    # `accepts(*arrays)` and the loops of netdsl.backends.numpy_fused; kernels that find
+    # None (CuPy, or NumPy without Numba) run their reference xp code
+    fused: Any
+
     # -- storage ------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Any:
         """A block of `nbytes` bytes of device memory (a uint8 array); freed when dropped."""

@@ -63,6 +63,7 @@ class PoolMeter:
 
 class CupyBackend:
     name = "cupy"
+    fused = None  # the CPU's Numba kernels do not apply; kernels use their xp code
 
     def __init__(self, device: int = 0):
         cupy = _import_cupy()

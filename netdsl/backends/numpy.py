@@ -2,11 +2,27 @@
 from __future__ import annotations
 
 import math
+import os
 import tracemalloc
 
 import numpy as np
 
 from netdsl.backends.erf import erf as erf_arrays
+
+# NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
+FUSED_ENV = "NETDSL_FUSED_KERNELS"
+
+
+def load_fused():
+    """The fused CPU kernels (netdsl.backends.numpy_fused) if Numba is installed and they
+    are not switched off, else None. Imported here, on first use, and nowhere else."""
+    if os.environ.get(FUSED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from netdsl.backends.numpy_fused import FusedKernels
+    except ImportError:  # Numba is optional (the `fast` extra)
+        return None
+    return FusedKernels()
 
 
 class TracemallocMeter:
@@ -47,6 +63,9 @@ class NumpyRNG:
         return self._gen.random(tuple(shape), dtype=np.dtype(dtype))
 
 
+_UNSET = object()
+
+
 class NumpyBackend:
     name = "numpy"
     xp = np
@@ -59,6 +78,15 @@ class NumpyBackend:
         except ImportError:  # SciPy is optional: a vectorised series / continued fraction
             erf = None
         self._erf = erf
+        self._fused = _UNSET
+
+    @property
+    def fused(self):
+        """Fused kernels for hot element-wise chains (see netdsl.backends.numpy_fused), or
+        None; kernels fall back to their NumPy reference code without them."""
+        if self._fused is _UNSET:
+            self._fused = load_fused()
+        return self._fused
 
     def asarray(self, host_array, dtype=None):
         return np.array(host_array, dtype=dtype, copy=True)

@@ -34,14 +34,22 @@ def _linear(e, n, xs):
         e.result("Add", [e.emit("MatMul", [xs[0], wt]), xs[2]])
 
 
-def _batchnorm(e, n, xs):
+def _bn_inputs(e, n, xs):
     c = e.type(n.inputs[0]).shape[1]
     if n.attrs["affine"]:
-        x, w, b, mean, var = xs
-    else:
-        (x, mean, var), w, b = xs, e.const(np.ones(c, np.float32), "scale"), \
-            e.const(np.zeros(c, np.float32), "bias")
-    e.result("BatchNormalization", [x, w, b, mean, var], epsilon=n.attrs["eps"])
+        return xs
+    (x, mean, var), w, b = xs, e.const(np.ones(c, np.float32), "scale"), \
+        e.const(np.zeros(c, np.float32), "bias")
+    return [x, w, b, mean, var]
+
+
+def _batchnorm(e, n, xs):
+    e.result("BatchNormalization", _bn_inputs(e, n, xs), epsilon=n.attrs["eps"])
+
+
+def _batchnorm_relu(e, n, xs):  # the fuse pass's op: unfused again
+    e.result("Relu", [e.emit("BatchNormalization", _bn_inputs(e, n, xs),
+                             epsilon=n.attrs["eps"])])
 
 
 def _scale(e, n, xs):
@@ -226,6 +234,7 @@ EXPORTERS = {
     "adaptive_avgpool": layers.adaptive("AveragePool", "ReduceMean"),
     "adaptive_maxpool": layers.adaptive("MaxPool", "ReduceMax"),
     "batchnorm": _batchnorm,
+    "batchnorm_relu": _batchnorm_relu,
     "layernorm": layers.layernorm,
     "groupnorm": layers.groupnorm,
     "instancenorm": layers.instancenorm,

@@ -55,7 +55,7 @@ def replayable(n: Node) -> bool:
     or reduce again."""
     op = registry.OPS[n.op]
     return not n.is_source and n.op not in COMM_OPS and (
-        not op.written_inputs(n) or n.op == "batchnorm")
+        not op.written_inputs(n) or op.extra.get("replay", False))
 
 
 def is_optimizer_state(n: Node) -> bool:
@@ -169,7 +169,7 @@ def _recompute_and_offload(g: Graph, decisions: dict[str, str], prefetch: int) -
             ins, attrs = [rename.get(i, i) for i in n.inputs], {}
             # a replay: no running statistics read or written (a split may have made the
             # original one already)
-            if n.op == "batchnorm" and not n.attrs.get("replay"):
+            if registry.OPS[n.op].extra.get("replay") and not n.attrs.get("replay"):
                 ins, attrs = ins[:len(ins) - 2], {"replay": True}
             c = clone(n, g.fresh_name(f"{v}.recompute"), ins, attrs=attrs,
                       meta={"phase": "recompute", "forward": v})

@@ -158,6 +158,9 @@ class Executor:
         self.graph = graph
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.xp = self.backend.xp
+        if any(registry.OPS[n.op].extra.get("fused_kernels") for n in graph.nodes):
+            # the backend's fused kernels (Numba) load now, not inside a measured step
+            getattr(self.backend, "fused", None)
         self.dtype = dtype
         self.np_dtype = NUMPY_DTYPE[dtype]
         self.seed = seed

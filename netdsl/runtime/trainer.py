@@ -251,7 +251,10 @@ def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
                           "trained; add e.g. `loss softmax_cross_entropy(logits, y)`")
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
-    return run_pipeline(forward, ["autodiff", ("optimizer", {"kind": kind, **opt})])
+    # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
+    # leaves the graph as written)
+    return run_pipeline(forward, ["fuse", "autodiff", "fuse_grads",
+                                  ("optimizer", {"kind": kind, **opt})])
 
 
 class Trainer:

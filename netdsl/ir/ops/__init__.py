@@ -12,6 +12,7 @@ from netdsl.ir.ops import (  # noqa: F401
     elementwise,
     loss,
     norm,
+    norm_fused,
     norm_group,
     norm_sync,
     optim,

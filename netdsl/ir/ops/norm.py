@@ -77,6 +77,9 @@ register(OpDef(
      Arg("momentum", "float", 0.1, range=Range(0, 1)),
      Arg("affine", "bool", True), Arg("zero_init", "bool", False)),
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"), writes=_bn_writes,
+    # a recompute copy neither reads nor writes the running stats; the kernel uses the
+    # backend's fused kernels where it has them (the executor loads them up front)
+    extra={"replay": True, "fused_kernels": True},
     doc="batch normalisation over every dim but 1; running stats in buffers; "
         "zero_init=true starts the scale at 0 (zero_init_residual)"))
 
@@ -118,25 +121,47 @@ STAT_ROWS = ("weight", "bias", "mean", "inv")  # rows of batchnorm_grad_stats' r
 
 
 def _stats_shape(ins, a):
-    dy, x = ins
+    dy, x = ins[:2]
     need_rank(x, "batchnorm_grad_stats", (2, 3, 4, 5))
     return TensorType((len(STAT_ROWS), x.shape[1]), dy.dtype)
 
 
+def _stats_workspace(ins, out, a):
+    # the deviations x - mean besides the result; with relu also dy * mask
+    return (8 if a["relu"] else 4) * ins[1].numel()
+
+
 register(OpDef("batchnorm_grad_stats",
-               (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0)),
-               _stats_shape, "backward", flops=lambda ins, out, a: 7 * ins[1].numel(),
-               # the deviations x - mean (one array of x's size) besides the result
-               workspace=lambda ins, out, a: 4 * ins[1].numel(), differentiable=False,
+               (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
+                Arg("bias", "tensor", None), Arg("eps", "float", 1e-5, range=GT0),
+                Arg("relu", "bool", False)),
+               _stats_shape, "backward",
+               flops=lambda ins, out, a: (8 if a["relu"] else 7) * ins[1].numel(),
+               workspace=_stats_workspace, differentiable=False,
+               extra={"fused_kernels": True},
                doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
-                   "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std"))
+                   "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std; "
+                   "relu=true: of batchnorm_relu, dy masked where the output was 0 (the "
+                   "mask recomputed from x, weight and bias)"))
+def _from_stats_shape(ins, a):
+    if len(ins) > 5 and (ins[5].shape != ins[1].shape or ins[5].dtype != ins[0].dtype):
+        raise ShapeError(f"batchnorm_grad_from_stats: the gradient to add {{acc}} is "
+                         f"{ins[5]}, but x is {ins[1]}")
+    return TensorType(ins[1].shape, ins[0].dtype)
+
+
 register(OpDef("batchnorm_grad_from_stats",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("stats", "tensor"),
-                Arg("weight", "tensor", None)),
-               lambda ins, a: TensorType(ins[1].shape, ins[0].dtype), "backward",
-               flops=lambda ins, out, a: 8 * out.numel(), differentiable=False,
-               doc="dx of batchnorm from batchnorm_grad_stats' rows (nothing recomputed); "
-                   "weight optional"))
+                Arg("weight", "tensor", None), Arg("bias", "tensor", None),
+                Arg("acc", "tensor", None), Arg("relu", "bool", False)),
+               _from_stats_shape, "backward",
+               flops=lambda ins, out, a: (9 if len(ins) > 5 else 8) * out.numel(),
+               workspace=lambda ins, out, a: (4 if a["relu"] else 0) * out.numel(),
+               differentiable=False, extra={"fused_kernels": True},
+               doc="dx of batchnorm (relu=true: of batchnorm_relu) from "
+                   "batchnorm_grad_stats' rows (nothing recomputed); weight and bias "
+                   "optional; `acc`, another gradient of x, is added to dx (an `add` of a "
+                   "gradient sum folded in by the fuse_grads pass)"))
 register(OpDef("batchnorm_grad_affine",
                (Arg("stats", "tensor"), Arg("row", "int", range=Range(0, 1))),
                lambda ins, a: TensorType((ins[0].shape[1],), ins[0].dtype), "backward",
@@ -147,10 +172,14 @@ register(OpDef("batchnorm_grad_affine",
 
 # -- kernels ----------------------------------------------------------------------------------
 # Batchnorm works on a (N, C, P) view of x (P = the product of the spatial dims; a view, no
-# copy, for a contiguous x): the per-channel sums are einsum reductions over axes 0 and 2
-# (one SIMD pass each, no temporaries, several times faster than ufunc.reduce over
-# non-adjacent axes), and every elementwise step writes into one buffer in place. The
-# variance stays two-pass (mean first, then the sum of squared deviations), as x.var was.
+# copy, for a contiguous x). With the backend's fused kernels (`backend.fused`: Numba loops,
+# netdsl.backends.numpy_fused) each kernel is one or two passes over memory; without them
+# these NumPy kernels are the reference: the per-channel sums are einsum reductions over
+# axes 0 and 2 (one SIMD pass each, no temporaries, several times faster than
+# ufunc.reduce over non-adjacent axes), and every elementwise step writes into one buffer
+# in place. The variance stays two-pass (mean first, then the sum of squared deviations).
+# Both compute the affine step as z = (x - mean) * (inv * w) + b in the data's dtype, so
+# the relu mask the backward recomputes (z > 0) is exactly the forward's.
 def _bn_axes(x):
     return (0,) + tuple(range(2, x.ndim))
 
@@ -182,36 +211,68 @@ def _view3(x):
     return x.reshape(x.shape[0], x.shape[1], -1)
 
 
-@kernel("batchnorm")
-def _batchnorm(xp, ins, a, ctx):
-    x = ins[0]
+def fused_kernels(ctx, *arrays):
+    """The backend's fused kernels if they take these arrays (float, contiguous), else
+    None: the NumPy kernels run."""
+    f = getattr(ctx.backend, "fused", None)
+    return f if f is not None and f.accepts(*(a for a in arrays if a is not None)) else None
+
+
+def _affine_or_unit(xp, w, b, c, dtype):
+    return (xp.ones(c, dtype) if w is None else w), (xp.zeros(c, dtype) if b is None else b)
+
+
+def bn_inputs(ins, a):
+    """x, weight, bias, running mean, running var of a batchnorm(-relu) node's inputs
+    (weight and bias None without affine; the running stats None in a replay)."""
     if a["affine"]:
         w, bias, rm, rv = (list(ins[1:5]) + [None, None])[:4]
     else:
         w = bias = None
         rm, rv = (list(ins[1:3]) + [None, None])[:2]
+    return ins[0], w, bias, rm, rv
+
+
+def bn_forward(xp, ins, a, ctx, relu):
+    """batchnorm's kernel, followed by relu with `relu` (batchnorm_relu's)."""
+    x, w, bias, rm, rv = bn_inputs(ins, a)
     x3 = _view3(x)
-    if ctx.training:
-        mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
-        if not a.get("replay"):  # a recompute replay must not update the statistics again
-            m = a["momentum"]
-            count = x3.shape[0] * x3.shape[2]
-            # running statistics in place (PyTorch: unbiased variance in the running var)
-            rm *= 1.0 - m
-            rm += m * mean
-            rv *= 1.0 - m
-            rv += (m * count / max(count - 1, 1)) * var
-        # y = (x - mean) * inv * w + bias, in place in the deviations buffer
-        y *= (inv if w is None else inv * w)[:, None]
-        if bias is not None:
-            y += bias[:, None]
-    else:
+    if not ctx.training:
         inv = 1.0 / xp.sqrt(rv + a["eps"])
         scale = inv if w is None else inv * w
         shift = -rm * scale if bias is None else bias - rm * scale
         y = x3 * scale[:, None]
         y += shift[:, None]
+        return (xp.maximum(y, 0, out=y) if relu else y).reshape(x.shape)
+    f = fused_kernels(ctx, x, ctx.out)
+    if f is not None:
+        y = xp.empty_like(x3) if ctx.out is None else _view3(ctx.out)
+        moments = xp.empty((2, x3.shape[1]), xp.float64)
+        f.bn_forward(x3, *_affine_or_unit(xp, w, bias, x3.shape[1], x.dtype), a["eps"],
+                     relu, y, moments)
+        mean, var = moments
+    else:
+        mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
+        # y = (x - mean) * (inv * w) + bias, in place in the deviations buffer
+        y *= (inv if w is None else inv * w)[:, None]
+        if bias is not None:
+            y += bias[:, None]
+        if relu:
+            xp.maximum(y, 0, out=y)
+    if not a.get("replay"):  # a recompute replay must not update the statistics again
+        m = a["momentum"]
+        count = x3.shape[0] * x3.shape[2]
+        # running statistics in place (PyTorch: unbiased variance in the running var)
+        rm *= 1.0 - m
+        rm += (m * mean).astype(rm.dtype, copy=False)
+        rv *= 1.0 - m
+        rv += ((m * count / max(count - 1, 1)) * var).astype(rv.dtype, copy=False)
     return y.reshape(x.shape)
+
+
+@kernel("batchnorm")
+def _batchnorm(xp, ins, a, ctx):
+    return bn_forward(xp, ins, a, ctx, relu=False)
 
 
 def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
@@ -221,11 +282,31 @@ def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
                   - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
 
 
+def _masked(xp, dy3, d, inv, w, b):
+    """dy where z = (x - mean) * (inv * w) + b > 0 (z as the forward computed it), else 0:
+    one new array of dy's size."""
+    g = d * (inv if w is None else inv * w)[:, None]
+    if b is not None:
+        g += b[:, None]
+    xp.greater(g, 0, out=g)  # 1 or 0
+    g *= dy3
+    return g
+
+
 @kernel("batchnorm_grad_stats")
 def _bn_grad_stats(xp, ins, a, ctx):
-    dy3, x3 = _view3(ins[0]), _view3(ins[1])
-    mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
+    dy, x = ins[0], ins[1]
+    w, b = (list(ins[2:4]) + [None, None])[:2]
+    dy3, x3 = _view3(dy), _view3(x)
     out = xp.empty((len(STAT_ROWS), x3.shape[1]), dtype=dy3.dtype)
+    f = fused_kernels(ctx, dy, x)
+    if f is not None:
+        f.bn_grad_stats(dy3, x3, *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"],
+                        a["relu"], out)
+        return out
+    mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
+    if a["relu"]:
+        dy3 = _masked(xp, dy3, d, inv, w, b)
     out[0] = xp.einsum("ncp,ncp->c", dy3, d) * inv
     out[1] = xp.einsum("ncp->c", dy3)
     out[2] = mean
@@ -235,18 +316,29 @@ def _bn_grad_stats(xp, ins, a, ctx):
 
 @kernel("batchnorm_grad_from_stats")
 def _bn_grad_from_stats(xp, ins, a, ctx):
-    # dx = w * inv * (dy - sum(dy) / M - (x - mean) * inv * sum(dy * x_hat) / M): as
-    # _bn_gi, with the sums (sum(dy * x_hat) = inv * sum(dy * (x - mean))) already known
+    # dx = w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), g = dy (times
+    # the relu mask with relu=true): as _norm_grad_input, with the sums already known
+    acc = ins[5] if len(ins) > 5 else None
     dy, x, st = ins[0], ins[1], ins[2]
-    w = ins[3] if len(ins) > 3 else None
+    w, b = (list(ins[3:5]) + [None, None])[:2]
     dy3 = _view3(dy)
     count = dy3.shape[0] * dy3.shape[2]
     gw, sdy, mean, inv = st[0], st[1], st[2], st[3]
+    f = fused_kernels(ctx, dy, x, acc, ctx.out)
+    if f is not None:
+        dx = xp.empty_like(dy3) if ctx.out is None else _view3(ctx.out)
+        f.bn_grad_input(dy3, _view3(x), st, *_affine_or_unit(xp, w, b, st.shape[1], x.dtype),
+                        a["relu"], dx if acc is None else _view3(acc), acc is not None, dx)
+        return dx.reshape(x.shape)
     dx = xp.subtract(_view3(x), mean[:, None], out=None if ctx.out is None else _view3(ctx.out))
+    if a["relu"]:
+        dy3 = _masked(xp, dy3, dx, inv, w, b)
     dx *= (-inv * gw / count)[:, None]
     dx += (-sdy / count)[:, None]
     dx += dy3
     dx *= (inv if w is None else inv * w)[:, None]
+    if acc is not None:
+        dx += _view3(acc)
     return dx.reshape(x.shape)
 
 
@@ -291,34 +383,39 @@ def _ln_gw(xp, ins, a, ctx):
 
 
 # -- gradient rules ---------------------------------------------------------------------------
-def _norm_rule(op):
+def bn_rule(relu):
+    """batchnorm's (relu=True: batchnorm_relu's) gradient rule: the statistics pass, dx
+    from its rows, the weight and bias gradients as two of its rows."""
     def rule(n, b, gy):
         x = n.inputs[0]
-        eps = {"eps": n.attrs["eps"]}
-        if op == "layernorm":
-            eps["axis"] = n.attrs["axis"]
-        if op == "batchnorm":
-            st = b.emit("batchnorm_grad_stats", [gy, x], eps, tag="stats")
-            if not n.attrs["affine"]:
-                out = [b.emit("batchnorm_grad_from_stats", [gy, x, st], tag="x")]
-            else:
-                out = [b.emit("batchnorm_grad_from_stats", [gy, x, st, n.inputs[1]], tag="x"),
-                       b.emit("batchnorm_grad_affine", [st], {"row": 0}, tag="weight"),
-                       b.emit("batchnorm_grad_affine", [st], {"row": 1}, tag="bias")]
-        elif not n.attrs["affine"]:
-            out = [b.emit(f"{op}_grad_input", [gy, x], eps, tag="x")]
-        else:
-            w = n.inputs[1]
-            if n.attrs["axis"] % n.type.rank != n.type.rank - 1:
-                # the bias gradient: dy summed over the leading (not normalised) dims
-                db = b.emit("sum_to", [gy], {"shape": b.type(w).shape}, tag="bias")
-            else:
-                db = b.emit("sum_except", [gy], {"axis": -1}, tag="bias")
-            out = [b.emit(f"{op}_grad_input", [gy, x, w], eps, tag="x"),
-                   b.emit(f"{op}_grad_weight", [gy, x], eps, tag="weight"), db]
+        affine = list(n.inputs[1:3]) if n.attrs["affine"] else []
+        # the relu mask needs weight and bias (z = x_hat * weight + bias); dx the weight
+        mask_in, attrs = (affine, {"relu": True}) if relu else ([], {})
+        st = b.emit("batchnorm_grad_stats", [gy, x] + mask_in,
+                    {"eps": n.attrs["eps"], **attrs}, tag="stats")
+        out = [b.emit("batchnorm_grad_from_stats", [gy, x, st] + (mask_in or affine[:1]),
+                      attrs, tag="x")]
+        if affine:
+            out += [b.emit("batchnorm_grad_affine", [st], {"row": 0}, tag="weight"),
+                    b.emit("batchnorm_grad_affine", [st], {"row": 1}, tag="bias")]
         return out + [None] * (len(n.inputs) - len(out))  # no gradients for the buffers
     return rule
 
 
-grad_rule("batchnorm")(_norm_rule("batchnorm"))
-grad_rule("layernorm")(_norm_rule("layernorm"))
+def _ln_rule(n, b, gy):
+    x = n.inputs[0]
+    eps = {"eps": n.attrs["eps"], "axis": n.attrs["axis"]}
+    if not n.attrs["affine"]:
+        return [b.emit("layernorm_grad_input", [gy, x], eps, tag="x")]
+    w = n.inputs[1]
+    if n.attrs["axis"] % n.type.rank != n.type.rank - 1:
+        # the bias gradient: dy summed over the leading (not normalised) dims
+        db = b.emit("sum_to", [gy], {"shape": b.type(w).shape}, tag="bias")
+    else:
+        db = b.emit("sum_except", [gy], {"axis": -1}, tag="bias")
+    return [b.emit("layernorm_grad_input", [gy, x, w], eps, tag="x"),
+            b.emit("layernorm_grad_weight", [gy, x], eps, tag="weight"), db]
+
+
+grad_rule("batchnorm")(bn_rule(relu=False))
+grad_rule("layernorm")(_ln_rule)

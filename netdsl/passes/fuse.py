@@ -1,0 +1,126 @@
+"""Fusion passes: operator chains that one kernel runs in fewer passes over memory.
+
+- `fuse` (on a forward graph, before autodiff, which then uses the fused op's gradient
+  rule): `relu(batchnorm(x))` where the relu is the batchnorm's only reader and the
+  batchnorm's value is no graph output becomes `batchnorm_relu(x)` (see
+  netdsl.ir.ops.norm_fused). The fused node takes the relu's name (its readers and output
+  roles are unchanged) and the batchnorm's inputs, attributes, source location and scope;
+  the batchnorm node goes. A recompute replay (`replay` attribute) is left alone.
+- `fuse_grads` (on a training graph, after autodiff): an `add` of a gradient sum (autodiff
+  tags them `sums_gradient_of`) one of whose inputs is an affine batchnorm's
+  `batchnorm_grad_from_stats` read by nothing else becomes that node with the other input
+  as its `acc`: dx is written with the sum in one pass (a pre-activation ResNet block's
+  input gradient: batchnorm's dx plus the shortcut's). The fused node takes the add's
+  name and place.
+
+Only nodes without a device placement are fused (a split graph's are left as they are).
+By default both run where the fused CPU kernels can (Numba is installed: the `fast`
+extra); without them the fused ops' NumPy reference code recomputes the relu mask and is
+slower than the unfused ops, so the graph is left as written. `NETDSL_FUSE=1` or `0` (or
+a pass's `enabled`) forces either way, to compare.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from netdsl.ir.graph import Graph
+from netdsl.ir.rewrite import make_node
+from netdsl.passes.pipeline import register_pass
+
+FUSE_ENV = "NETDSL_FUSE"
+
+
+def fusion_enabled() -> bool:
+    """NETDSL_FUSE if set, else whether Numba (what runs the fused kernels) is installed;
+    looked up, not imported."""
+    v = os.environ.get(FUSE_ENV, "").strip().lower()
+    if v:
+        return v not in ("0", "false", "no", "off")
+    return importlib.util.find_spec("numba") is not None
+
+
+@register_pass("fuse")
+def fuse(g: Graph, enabled: bool | None = None) -> Graph:
+    """relu(batchnorm(x)) -> batchnorm_relu(x) where the relu is the only reader."""
+    if not (fusion_enabled() if enabled is None else enabled):
+        return g
+    readers = g.consumers()
+    outputs = {x for names in g.outputs.values() for x in names}
+    pairs = {}  # relu name -> batchnorm node
+    for n in g.nodes:
+        if n.op != "relu" or n.device is not None:
+            continue
+        bn = g[n.inputs[0]]
+        if (bn.op == "batchnorm" and not bn.attrs.get("replay") and bn.device is None
+                and readers[bn.name] == [n.name] and bn.name not in outputs):
+            pairs[n.name] = bn
+    if not pairs:
+        return g
+    g = g.copy()
+    dropped = {bn.name for bn in pairs.values()}
+    nodes = []
+    for n in g.nodes:
+        if n.name in dropped:
+            continue
+        bn = pairs.get(n.name)
+        if bn is not None:
+            f = make_node(g, n.name, "batchnorm_relu", bn.inputs, bn.attrs, like=bn,
+                          meta={**bn.meta, "fused": (bn.name, n.name)})
+            f.annotations = {**bn.annotations, **n.annotations}
+            n = f
+        nodes.append(n)
+    g.nodes = nodes
+    return g
+
+
+@register_pass("fuse_grads")
+def fuse_grads(g: Graph, enabled: bool | None = None) -> Graph:
+    """add(batchnorm_grad_from_stats(...), other) -> batchnorm_grad_from_stats(..., acc=other)
+    for autodiff's gradient sums."""
+    if not (fusion_enabled() if enabled is None else enabled):
+        return g
+    readers = g.consumers()
+    outputs = {x for names in g.outputs.values() for x in names}
+    fused = {}  # add name -> (from_stats node, its inputs with acc)
+    taken = set()
+    for n in g.nodes:
+        if (n.op != "add" or "sums_gradient_of" not in n.meta or n.device is not None
+                or len(n.inputs) != 2):
+            continue
+        for k, i in enumerate(n.inputs):
+            d, other = g[i], n.inputs[1 - k]
+            if not (d.op == "batchnorm_grad_from_stats" and d.device is None
+                    and readers[i] == [n.name] and i not in outputs and i not in taken
+                    and d.type == n.type == g[other].type):
+                continue
+            ins = _with_acc(g, d, other)
+            if ins is not None:
+                fused[n.name] = (d, ins)
+                taken.add(i)
+                break
+    if not fused:
+        return g
+    g = g.copy()
+    nodes = []
+    for n in g.nodes:
+        if n.name in taken:
+            continue
+        if n.name in fused:
+            d, ins = fused[n.name]
+            n = make_node(g, n.name, d.op, ins, d.attrs, like=d,
+                          meta={**n.meta, "fused": (d.name, n.name)})
+        nodes.append(n)
+    g.nodes = nodes
+    return g
+
+
+def _with_acc(g: Graph, d, other: str) -> tuple[str, ...] | None:
+    """d's inputs with `other` as acc (the sixth input: weight and bias come first; a plain
+    batchnorm's dx reads only the weight, so its bias is added), or None (not affine)."""
+    if len(d.inputs) == 5:
+        return d.inputs + (other,)
+    fwd = g[d.meta.get("forward", "")] if d.meta.get("forward", "") in g else None
+    if len(d.inputs) == 4 and fwd is not None and fwd.op == "batchnorm":
+        return d.inputs + (fwd.inputs[2], other)  # (x, weight, bias, ...): its bias
+    return None

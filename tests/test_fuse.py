@@ -1,0 +1,228 @@
+"""Fusion: the `fuse` pass (relu(batchnorm(x)) -> batchnorm_relu(x)) as a graph
+transformation - the step before and after gives the same losses, gradients, updates and
+running statistics - and the fused CPU kernels (Numba, the `fast` extra) against the NumPy
+reference kernels they replace."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _examples import example_feeds, load
+from test_strategies import decide, run_steps
+
+import netdsl
+from netdsl.backends.numpy import NumpyBackend
+from netdsl.ir import registry
+from netdsl.memory.strategies import apply_decisions
+from netdsl.passes.autodiff import autodiff
+from netdsl.passes.fuse import fuse, fuse_grads
+from netdsl.passes.optimizer import add_optimizer
+from netdsl.passes.pipeline import run_pipeline
+from netdsl.runtime.executor import Executor, KernelContext
+
+WITH_GRADS = ("loss", "output", "grads", "updates")
+
+BRANCHY = """
+network branchy {
+    input x: f32[N, 3, 5, 4]
+    input y: i64[N]
+    a = batchnorm(x)
+    h = relu(a) + a
+    h = relu(batchnorm(h, affine=false))
+    h = relu(batchnorm(conv2d(h, 4, kernel=1), zero_init=true))
+    h = conv2d(relu(batchnorm(h)), 4, kernel=1) + h
+    h = conv2d(batchnorm(h), 4, kernel=1) + h
+    logits = linear(flatten(h), 3)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+"""
+
+
+def step(fwd, fused: bool):
+    g = autodiff(fuse(fwd, enabled=True) if fused else fwd)
+    return add_optimizer(fuse_grads(g, enabled=True) if fused else g, "sgd", lr=0.05,
+                         momentum=0.9)
+
+
+def test_pass_fuses_single_reader_pairs_only():
+    g = fuse(netdsl.loads(BRANCHY).lower(2), enabled=True)
+    ops = [n.op for n in g.nodes if not n.is_source]
+    # `a` is read by the relu and the add: left as it was; the other two pairs fused
+    assert ops.count("batchnorm") == 2 and ops.count("relu") == 1
+    assert ops.count("batchnorm_relu") == 3
+    f = g.by_op("batchnorm_relu")
+    assert not f[0].attrs["affine"] and f[1].attrs["zero_init"]
+    assert f[1].meta["fused"][1] == f[1].name  # named after the relu: its readers unchanged
+    assert f[1].loc is not None and f[1].loc.line == 8  # the batchnorm's source line
+    assert fuse(g, enabled=False) is g
+    assert "batchnorm_relu(" in g.to_text()
+
+
+def test_gradient_sums_fold_into_batchnorm_dx():
+    """ResNet-164's block inputs are read by a batchnorm and the shortcut: the sum of their
+    two gradients is written by the batchnorm's dx node."""
+    g = autodiff(fuse(load("resnet164-cifar.net").lower(2), enabled=True))
+    sums = [n for n in g.by_op("add") if "sums_gradient_of" in n.meta]
+    h = fuse_grads(g, enabled=True)
+    acc = [n for n in h.by_op("batchnorm_grad_from_stats") if len(n.inputs) == 6]
+    assert len(acc) >= 50 and len(h.by_op("add")) == len(g.by_op("add")) - len(acc)
+    assert {n.name for n in acc} <= {n.name for n in sums}  # named after the adds
+    assert all(n.meta["sums_gradient_of"] and n.inputs[-1] in g for n in acc)
+    assert fuse_grads(g, enabled=False) is g
+
+
+def test_env_switches_the_pass_off(monkeypatch):
+    fwd = netdsl.loads(BRANCHY).lower(2)
+    monkeypatch.setenv("NETDSL_FUSE", "0")
+    assert run_pipeline(fwd, ["fuse"]).by_op("batchnorm_relu") == []
+    monkeypatch.setenv("NETDSL_FUSE", "1")
+    assert len(run_pipeline(fwd, ["fuse"]).by_op("batchnorm_relu")) == 3
+
+
+@pytest.mark.parametrize("example,batch", [("resnet20-cifar", 2), ("branchy", 3)])
+def test_fused_step_matches_the_unfused_step(example, batch):
+    fwd = (netdsl.loads(BRANCHY) if example == "branchy" else load(f"{example}.net")).lower(batch)
+    g, h = step(fwd, False), step(fwd, True)
+    assert h.by_op("batchnorm_relu") and len(h.by_op("relu_grad")) < len(g.by_op("relu_grad"))
+    if example == "branchy":  # both gradient sums of a batchnorm's input folded into its dx
+        assert sum(len(n.inputs) == 6 for n in h.by_op("batchnorm_grad_from_stats")) == 2
+    feeds = example_feeds(g)
+    ref, ref_state, _ = run_steps(g, feeds)
+    got, got_state, _ = run_steps(h, feeds)
+    for a_step, b_step in zip(ref, got, strict=True):  # losses and every gradient
+        for a, b in zip(a_step, b_step, strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
+    assert ref_state.keys() == got_state.keys()
+    for k in ref_state:  # parameters, momentum, BN running statistics
+        np.testing.assert_allclose(got_state[k], ref_state[k], rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+def test_fused_step_under_recompute_and_in_the_arena():
+    """Recompute replays of batchnorm_relu update the running statistics once; the arena
+    run equals the plain one bit for bit; the executor counts what the plan says."""
+    g = step(load("resnet20-cifar.net").lower(2), True)
+    feeds = example_feeds(g)
+    ref, ref_state, _ = run_steps(g, feeds)
+    h = apply_decisions(g, decide(g, "recompute"))
+    assert any(n.attrs.get("replay") for n in h.by_op("batchnorm_relu"))
+    got, got_state, ex = run_steps(h, feeds)
+    for a, b in zip(ref[1], got[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for k in ref_state:
+        np.testing.assert_array_equal(got_state[k], ref_state[k])
+    arena = Executor(g, "numpy", dtype="f64", seed=7, arena=True)
+    for k in range(2):
+        r = arena.run(feeds, roles=WITH_GRADS)
+        got = [np.array(v) for key in ("loss", "grads") for v in r[key]]
+        assert all(np.array_equal(a, b) for a, b in zip(ref[k], got, strict=True))
+    assert arena.peak_bytes <= arena.plan(WITH_GRADS).peak_bytes
+
+
+# -- fused kernels against the NumPy reference ------------------------------------------------
+class _Reference:
+    fused = None  # kernels find no fused loops: their NumPy code runs
+
+
+def _kernels(op, ins, attrs, backend, training=True, out=None):
+    ctx = KernelContext(training, backend, str(ins[0].dtype), out=out)
+    return registry.get(op).kernel(np, ins, attrs, ctx)
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("shape", [(4, 3), (2, 3, 7), (3, 5, 4, 6), (2, 2, 3, 2, 3)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
+    pytest.importorskip("numba")
+    fast = NumpyBackend()
+    assert fast.fused is not None
+    rng = np.random.default_rng(sum(shape) + relu + 2 * affine)
+    c = shape[1]
+    x = (rng.standard_normal(shape) * 3 + 5).astype(dtype)  # a mean far from 0
+    dy = rng.standard_normal(shape).astype(dtype)
+    w, b = rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    a = {"eps": 1e-5, "momentum": 0.2, "affine": affine, "zero_init": False}
+    op = "batchnorm_relu" if relu else "batchnorm"
+    res = []
+    for backend in (_Reference(), fast):
+        rm, rv = np.full(c, 0.5, dtype), np.full(c, 2.0, dtype)
+        params = [w, b] if affine else []
+        slot = np.full(shape, np.nan, dtype)  # a planned slot: written, not copied into
+        y = _kernels(op, [x] + params + [rm, rv], a, backend, out=slot)
+        assert y is slot or np.shares_memory(y, slot)
+        y = y.copy()
+        ev = _kernels(op, [x] + params + [rm, rv], a, backend, training=False)
+        mask_in = params if relu else []
+        st = _kernels("batchnorm_grad_stats", [dy, x] + mask_in, {"eps": 1e-5, "relu": relu},
+                      backend)
+        dx = _kernels("batchnorm_grad_from_stats", [dy, x, st] + (mask_in or params[:1]),
+                      {"relu": relu}, backend)
+        res.append((y, ev, rm, rv, st, dx))
+        if affine:  # with a gradient to add (acc, after weight and bias)
+            dx_acc = _kernels("batchnorm_grad_from_stats", [dy, x, st, w, b, dy * 3],
+                              {"relu": relu}, backend)
+            np.testing.assert_allclose(dx_acc, dx + dy * 3, rtol=0, atol=tol * 10)
+    for name, u, v in zip(("y", "eval", "running mean", "running var", "stats", "dx"),
+                          *res, strict=True):
+        assert u.dtype == v.dtype == dtype, name
+        scale = max(float(np.abs(u).max()), 1.0)
+        np.testing.assert_allclose(v, u, rtol=0, atol=tol * scale, err_msg=name)
+    if relu:  # the same elements are zero (the mask is the forward's exactly)
+        assert np.array_equal(res[0][0] > 0, res[1][0] > 0)
+
+
+def test_fused_kernels_are_switched_off_by_env(monkeypatch):
+    monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
+    assert NumpyBackend().fused is None
+    monkeypatch.delenv("NETDSL_FUSED_KERNELS")
+    numba = pytest.importorskip("numba")
+    assert numba.__version__ in repr(NumpyBackend().fused)
+
+
+def test_fused_kernels_give_the_reference_training_step(monkeypatch):
+    """A whole f32 step of a fused ResNet-20 with the Numba kernels and with the NumPy
+    reference kernels: the same loss and gradients to float32 accuracy."""
+    pytest.importorskip("numba")
+    g = step(load("resnet20-cifar.net").lower(4), True)
+    feeds = example_feeds(g)
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("NETDSL_FUSED_KERNELS", on)
+        ex = Executor(g, "numpy", dtype="f32", seed=3)
+        assert (ex.backend.fused is not None) == (on == "1")
+        r = ex.run(feeds, roles=WITH_GRADS)
+        runs.append([np.array(v, np.float64) for k in ("loss", "grads") for v in r[k]])
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5 * max(np.abs(b).max(), 1e-3))
+
+
+def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch):
+    """As many threads as the BLAS is told (OMP_NUM_THREADS); channels are independent,
+    so the result is the same bit for bit on any number of threads."""
+    numba = pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused import FusedKernels
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert FusedKernels().threads == 1
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 6, 9)).astype(np.float32)
+    w, b = np.ones(6, np.float32), np.zeros(6, np.float32)
+    outs = []
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(threads)
+        y, mom = np.empty_like(x), np.empty((2, 6))
+        FusedKernels.bn_forward(x, w, b, 1e-5, True, y, mom)
+        outs.append((y, mom))
+    numba.set_num_threads(FusedKernels().threads)
+    assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+
+
+def test_fusion_defaults_to_where_the_fused_kernels_run(monkeypatch):
+    import importlib.util
+
+    from netdsl.passes import fuse as fuse_mod
+    monkeypatch.delenv("NETDSL_FUSE", raising=False)
+    assert fuse_mod.fusion_enabled() == (importlib.util.find_spec("numba") is not None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not fuse_mod.fusion_enabled()
+    monkeypatch.setenv("NETDSL_FUSE", "1")
+    assert fuse_mod.fusion_enabled()

@@ -12,7 +12,8 @@ command can show what it considered.
 With `plan=True` (`--mem`), a candidate that does not fit is planned per device
 (`memplan.plan_split`: recompute and offload on each device) and fits if the plan does;
 its report is that of the planned step, so its predicted time counts the clones and the
-host copies.
+host copies. Planning never makes a step faster, so only candidates that would beat the
+fastest fitting one unplanned are planned. Only the chosen candidate's graph is kept.
 """
 from __future__ import annotations
 
@@ -144,27 +145,53 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
     cap = mem if mem is not None else profile.capacity_bytes
-    considered = []
+    considered: list[Choice] = []
     errors = []
+
+    def build(spec: SplitSpec) -> Graph:
+        g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
+        g.outputs.update(outputs or {})
+        return g
+
+    best: Choice | None = None  # the fastest candidate that fits so far
     for k, spec in enumerate(specs):
         if progress is not None:
             progress(k / len(specs))
         try:
-            g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
+            g = build(spec)
         except SplitError as e:
             if len(specs) == 1:
                 raise
             errors.append(f"{spec.describe()}: {e.message}")
             continue
-        g.outputs.update(outputs or {})
         rep, _ = report(g, single_step, profile, link, float_dtype)
-        fits = all(d.peak_bytes <= cap for d in rep.per_device)
-        choice = Choice(spec, g, rep, fits)
-        if not fits and plan:
-            _plan(choice, cap, single_step, profile, link, float_dtype, mem_strategy)
+        choice = Choice(spec, g, rep, all(d.peak_bytes <= cap for d in rep.per_device))
         considered.append(choice)
-    if progress is not None:
-        progress(1.0)
+        # only the chosen candidate's graph is kept (a resnet2504 split is gigabytes);
+        # another is built again if it is to be planned
+        if choice.fits and (best is None
+                            or rep.predicted_step_s < best.report.predicted_step_s):
+            if best is not None:
+                best.graph = None
+            best = choice
+        elif len(specs) > 1:
+            choice.graph = None
+    if plan:
+        # planning adds recomputation and copies, never speed: a candidate that does not
+        # fit is planned only if unplanned it would beat the fastest that fits
+        for c in considered:
+            if not c.fits and (best is None or c.report.predicted_step_s
+                               < best.report.predicted_step_s):
+                if c.graph is None:
+                    c.graph = build(c.spec)
+                _plan(c, cap, single_step, profile, link, float_dtype, mem_strategy)
+                if not (c.fits and (best is None or c.report.predicted_step_s
+                                    < best.report.predicted_step_s)):
+                    c.graph = None
+                    continue
+                if best is not None:
+                    best.graph = None
+                best = c
     fitting = [c for c in considered if c.fits]
     if not fitting:
         if not considered:
@@ -183,7 +210,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
             f"best ({worst.spec.describe()}) needs {peak.peak_bytes / 1e9:.3g} GB on device "
             f"{peak.device}; use more devices, a smaller batch, or more memory")
-    best = min(fitting, key=lambda c: c.report.predicted_step_s)
+    assert best is not None and best in fitting
     return Chosen(best, single, considered)
 
 

@@ -154,6 +154,21 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         return g
 
     best: Choice | None = None  # the fastest candidate that fits so far
+
+    def faster(c: Choice) -> bool:
+        return best is None or c.report.predicted_step_s < best.report.predicted_step_s
+
+    def keep_if_best(c: Choice) -> None:
+        """Make `c` the best if it fits and is faster; only the best keeps its graph
+        (a resnet2504 split step is gigabytes; another is built again to be planned)."""
+        nonlocal best
+        if c.fits and faster(c):
+            if best is not None:
+                best.graph = None
+            best = c
+        elif c is not best:
+            c.graph = None
+
     for k, spec in enumerate(specs):
         if progress is not None:
             progress(k / len(specs))
@@ -167,33 +182,19 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         rep, _ = report(g, single_step, profile, link, float_dtype)
         choice = Choice(spec, g, rep, all(d.peak_bytes <= cap for d in rep.per_device))
         considered.append(choice)
-        # only the chosen candidate's graph is kept (a resnet2504 split is gigabytes);
-        # another is built again if it is to be planned
-        if choice.fits and (best is None
-                            or rep.predicted_step_s < best.report.predicted_step_s):
-            if best is not None:
-                best.graph = None
-            best = choice
-        elif len(specs) > 1:
-            choice.graph = None
+        if plan and not choice.fits and len(specs) == 1:
+            continue  # planned below from the graph in hand
+        keep_if_best(choice)
     if plan:
         # planning adds recomputation and copies, never speed: a candidate that does not
         # fit is planned only if unplanned it would beat the fastest that fits
         for c in considered:
-            if not c.fits and (best is None or c.report.predicted_step_s
-                               < best.report.predicted_step_s):
+            if not c.fits and faster(c):
                 if c.graph is None:
                     c.graph = build(c.spec)
                 _plan(c, cap, single_step, profile, link, float_dtype, mem_strategy)
-                if not (c.fits and (best is None or c.report.predicted_step_s
-                                    < best.report.predicted_step_s)):
-                    c.graph = None
-                    continue
-                if best is not None:
-                    best.graph = None
-                best = c
-    fitting = [c for c in considered if c.fits]
-    if not fitting:
+                keep_if_best(c)
+    if best is None:
         if not considered:
             raise SplitError("no split of this network works: " + "; ".join(errors))
         worst = min(considered, key=_least_peak)
@@ -210,7 +211,6 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
             f"best ({worst.spec.describe()}) needs {peak.peak_bytes / 1e9:.3g} GB on device "
             f"{peak.device}; use more devices, a smaller batch, or more memory")
-    assert best is not None and best in fitting
     return Chosen(best, single, considered)
 
 

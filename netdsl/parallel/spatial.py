@@ -274,29 +274,25 @@ class _Spatial:
         x = n.inputs[0]
         size = self.bound[x].type.shape[H]
         a = dict(n.attrs)
+        k = pool_dims(a["kernel"], 2, "kernel", n.op)
         if n.op == "conv2d":
             (top, left), (bottom, right) = explicit_padding(a)
-            k = pool_dims(a["kernel"], 2, "kernel", n.op)[0]
-            s = pool_dims(a["stride"], 2, "stride", n.op)[0]
+            s = pool_dims(a["stride"], 2, "stride", n.op)
             dil = pool_dims(a["dilation"], 2, "dilation", n.op)[0]
         else:
-            k = pool_dims(a["kernel"], 2, "kernel", n.op)[0]
             s = pool_dims(a["stride"] if a["stride"] is not None else a["kernel"], 2,
-                          "stride", n.op)[0]
-            top = pool_dims(a["padding"], 2, "padding", n.op)[0]
-            left = right = pool_dims(a["padding"], 2, "padding", n.op)[1]
+                          "stride", n.op)
+            top, left = pool_dims(a["padding"], 2, "padding", n.op)
             dil = 1
-        first = lo * s - top  # the input rows the strip's windows cover: [first, last)
-        last = (hi - 1) * s - top + dil * (k - 1) + 1
+        first = lo * s[0] - top  # the input rows the strip's windows cover: [first, last)
+        last = (hi - 1) * s[0] - top + dil * (k[0] - 1) + 1
         pad_top, pad_bottom = max(0, -first), max(0, last - size)
         rows = self.rows(x, d, max(first, 0), min(last, size))
         ins = [rows] + [self.on(i, d) for i in n.inputs[1:]]
         if n.op == "conv2d":
             a["padding"] = (pad_top, left, pad_bottom, right)
             return ins, a, None
-        a["stride"] = (s, pool_dims(a["stride"] if a["stride"] is not None else a["kernel"],
-                                    2, "stride", n.op)[1])
-        a["padding"] = (0, left)
+        a["stride"], a["padding"] = s, (0, left)
         pre = None
         if pad_top or pad_bottom:
             fill = -math.inf if n.op == "maxpool" else 0.0
@@ -304,7 +300,6 @@ class _Spatial:
                             {"pads": (0, 0, pad_top, pad_bottom), "value": fill},
                             self.bound[x], d)
         return ins, a, pre
-
 
     def head(self, n: Node) -> None:
         """Node `n` whole on the replica's first device (it cannot be cut)."""

@@ -171,14 +171,6 @@ register(OpDef("global_avgpool_grad", (Arg("dy", "tensor"), Arg("shape", "shape"
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def _windows(xp, xpad, k, s, out):
-    """A zero-copy [N, C, *out, *k] view of the sliding windows of padded input."""
-    st = xpad.strides
-    return xp.lib.stride_tricks.as_strided(
-        xpad, xpad.shape[:2] + tuple(out) + tuple(k),
-        st[:2] + tuple(st[2 + i] * s[i] for i in range(len(k))) + st[2:])
-
-
 def _extra(sizes, k, s, p, out):
     """Right padding beyond p that ceil_mode's last windows reach."""
     return tuple(max(0, (o - 1) * si + ki - (n + 2 * pi))

@@ -8,6 +8,7 @@ import tracemalloc
 import numpy as np
 
 from netdsl.backends.erf import erf as erf_arrays
+from netdsl.backends.host_memory import keep_freed_memory
 
 # NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
 FUSED_ENV = "NETDSL_FUSED_KERNELS"
@@ -73,6 +74,7 @@ class NumpyBackend:
 
     def __init__(self, device: int = 0):
         self.device = device  # there is one host; the index only labels memory accounting
+        keep_freed_memory()
         try:
             from scipy.special import erf
         except ImportError:  # SciPy is optional: a vectorised series / continued fraction

@@ -171,6 +171,38 @@ def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
         assert np.array_equal(res[0][0] > 0, res[1][0] > 0)
 
 
+def test_fused_gelu_matches_the_exact_erf_in_float32():
+    """GELU and its gradient in float32 (a vectorised rational erf) against the reference
+    (SciPy's erf, in float64): within 1e-6 absolute over [-6, 6], the same special values,
+    any shape; float64 keeps the exact kernel (bit for bit the reference's)."""
+    pytest.importorskip("numba")
+    import math
+    fast = NumpyBackend()
+    a = {"approximate": "none"}
+    x = np.concatenate([np.linspace(-6, 6, 120001), [0.0, -0.0, 1e-30, 7.0, 40.0, -40.0,
+                                                     np.inf, np.nan]]).astype(np.float32)
+    dy = np.random.default_rng(0).standard_normal(x.shape).astype(np.float32)
+    x64 = x.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        phi = 0.5 * (1.0 + np.vectorize(math.erf)(x64 / math.sqrt(2.0)))
+        want = x64 * phi
+        want_dx = dy * (phi + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(2 * math.pi))
+    y = _kernels("gelu", [x.reshape(3, -1)], a, fast).reshape(-1)
+    dx = _kernels("gelu_grad", [dy.reshape(3, -1), x.reshape(3, -1)], a, fast)
+    dx = dx.reshape(-1)
+    assert y.dtype == dx.dtype == np.float32
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(y[ok], want[ok], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(dx[ok], want_dx[ok], rtol=0, atol=1e-6 * np.abs(dy[ok]).max())
+    assert np.isnan(y[-1]) and np.isnan(dx[-1]) and y[-2] == np.inf
+    assert _kernels("gelu", [x[:-8]], a, fast)[-120001:-60000].max() <= 0  # x <= 0 side
+    ref, x64 = NumpyBackend(), x64[:-2]
+    ref._fused = None
+    y64 = _kernels("gelu", [x64], a, fast)  # float64: the exact erf either way
+    assert np.array_equal(y64, _kernels("gelu", [x64], a, ref))
+    np.testing.assert_allclose(y64, want[:-2], rtol=1e-12, atol=1e-15)
+
+
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
     assert NumpyBackend().fused is None

@@ -70,3 +70,12 @@ def grad_shape(op: str):
             raise ShapeError(f"{op}: gradient {dy} and value {v} differ in shape")
         return TensorType(dy.shape, dy.dtype)
     return shape
+
+
+def fused_kernels(ctx, *arrays):
+    """The backend's fused kernels (Numba loops, netdsl.backends.numpy_fused) if they take
+    these arrays (float, contiguous), else None: the NumPy reference kernels run. An op
+    whose kernel asks for them sets extra={"fused_kernels": True}, so that the executor
+    loads them when it is made, not inside a step."""
+    f = getattr(ctx.backend, "fused", None)
+    return f if f is not None and f.accepts(*(a for a in arrays if a is not None)) else None

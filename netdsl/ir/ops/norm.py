@@ -9,7 +9,7 @@ per-channel sums of the backward (the weight and bias gradients), and
 `batchnorm_grad_from_stats` makes dx from them without recomputing anything.
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float, need_rank, norm_axis
+from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis
 from netdsl.ir.registry import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -209,13 +209,6 @@ def _bn_stats(xp, x3, eps, out=None):
 
 def _view3(x):
     return x.reshape(x.shape[0], x.shape[1], -1)
-
-
-def fused_kernels(ctx, *arrays):
-    """The backend's fused kernels if they take these arrays (float, contiguous), else
-    None: the NumPy kernels run."""
-    f = getattr(ctx.backend, "fused", None)
-    return f if f is not None and f.accepts(*(a for a in arrays if a is not None)) else None
 
 
 def _affine_or_unit(xp, w, b, c, dtype):

@@ -30,6 +30,8 @@ import os
 import numba
 import numpy as np
 
+from netdsl.backends import numpy_winograd
+
 _JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc"}}
 _PAR = {**_JIT, "parallel": True}  # channels in parallel: each is independent of the others
 
@@ -202,6 +204,7 @@ class FusedKernels:
     bn_forward = staticmethod(bn_forward)
     bn_grad_stats = staticmethod(bn_grad_stats)
     bn_grad_input = staticmethod(bn_grad_input)
+    winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
 
     def __init__(self):
         self.threads = thread_count()
@@ -214,6 +217,11 @@ class FusedKernels:
             bn_forward(x, w, w, 1e-5, True, y, np.empty((2, 1)))
             bn_grad_stats(x, x, w, w, 1e-5, True, st)
             bn_grad_input(x, x, st, w, w, True, x, True, y)
+            t = np.ones((1, 1, 2, 2), dt)
+            tiles = np.empty((16, 1, 1), dt)
+            numpy_winograd.input_tiles(t, 1, 1, 0, 1, 1, 1, tiles)
+            numpy_winograd.output_tiles(tiles, 0, 1, 1, 1, t)
+            numpy_winograd.output_tiles_adjoint(t, 0, 1, 1, 1, tiles)
         v = np.ones(2, np.float32)
         gelu_f32(v, v.copy())
         gelu_grad_f32(v, v, v.copy())

@@ -7,7 +7,8 @@ total d*(k-1) per dim, the odd one at the end, as torch). `explicit_padding` giv
 zero-padded onto x first (and cropped off dx).
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
+from netdsl.ir.ops import conv_winograd as winograd
+from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, out_size, pair
 from netdsl.ir.registry import (
     NON_NEGATIVE,
     POSITIVE,
@@ -137,15 +138,15 @@ def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
     h, w = h + bh + eh, w + bw + ew
     extra = n * c * h * w if (bh or bw or eh or ew) else 0  # the asymmetric pad's copy
     g = a["groups"]
-    og, cg = o // g, c // g
+    og = o // g
     hp, wp = h + 2 * ph, w + 2 * pw
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
     wo = (wp - dw * (kw - 1) - 1) // sw + 1
     pointwise = (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1)
 
     def flat_shift(cin, cout, hp_, wp_, hout):  # _conv_forward's stride-1 path
-        return n * cin * (hp_ * wp_ + (kw - 1) * dw) + kh * kw * cout * (cin // g) \
-            + 2 * n * cout * hout * wp_
+        wout = wp_ - (kw - 1) * dw
+        return _stride1_scratch(n, cin, cout, (kh, kw, dh, dw), g, hp_, wp_, hout, wout)
 
     if kind == "forward":
         if pointwise:
@@ -162,10 +163,38 @@ def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
         return extra + n * c * kh * kw * ho * wo + n * c * hp * wp
     if pointwise:  # grad_weight: the per-sample products before their sum
         return n * o * c
+    flat = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
+    if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, flat):
+        return extra + max(flat, winograd.chunk(n, c, o, ho, wo, flat)[1])
     if (sh, sw) == (1, 1) and ho * wo >= 256:
-        return extra + n * c * (hp * wp + (kw - 1) * dw) + n * o * ho * wp + n * g * og * cg
+        return extra + flat
     return extra + (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo \
         + n * o * ho * wo
+
+
+def _flat_shift_scratch(n, cin, cout, kernel, g, hp, wp, ho) -> int:
+    kh, kw, _dh, dw = kernel
+    return n * cin * (hp * wp + (kw - 1) * dw) + kh * kw * cout * (cin // g) \
+        + 2 * n * cout * ho * wp
+
+
+def _flat_shift_gw_scratch(n, c, o, kernel, g, hp, wp, ho) -> int:
+    """Scratch of _conv2d_gw's stride-1 flat shift: the padded x, the padded dy and the
+    per-sample products of one offset."""
+    _kh, kw, _dh, dw = kernel
+    return n * c * (hp * wp + (kw - 1) * dw) + n * o * ho * wp + n * o * (c // g)
+
+
+def _stride1_scratch(n, cin, cout, kernel, g, hp, wp, ho, wo) -> int:
+    """Scratch elements of _conv_forward's stride-1 path on an [n, cin, hp, wp] padded
+    input: the flat shift's (the padded copy, the transposed filters, the accumulator and
+    one GEMM's result), or Winograd's where it runs, whose chunks are sized to take no
+    more than that (conv_winograd.chunk) but for its filter transforms."""
+    kh, kw, dh, dw = kernel
+    flat = _flat_shift_scratch(n, cin, cout, kernel, g, hp, wp, ho)
+    if winograd.applies((kh, kw, 1, 1, 0, 0, dh, dw), g, n, cin, cout, ho, wo, flat):
+        return max(flat, winograd.chunk(n, cin, cout, ho, wo, flat)[1])
+    return flat
 
 
 def _workspace(kind: str):
@@ -279,11 +308,18 @@ def _flat_padded(xp, x, ph, pw, extra):
     return buf
 
 
-def _conv_forward(xp, x, w, geom, g, out=None):
+def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
+    """y = conv2d(x, w); `fast`: the backend's fused kernels, for Winograd where it applies
+    (conv_winograd.applies); `out`: the node's planned slot, where a path can write it."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, o = x.shape[0], w.shape[0]
     ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if fast is not None:
+        hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+        budget = _flat_shift_scratch(n, x.shape[1], o, (kh, kw, dh, dw), g, hp, wp, ho)
+        if winograd.applies(geom, g, n, x.shape[1], o, ho, wo, budget):
+            return winograd.conv(fast, x, w, ph, pw, budget, out)
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
         # one GEMM per image (folding the batch into one GEMM needs two transposing copies
         # in NCHW, which cost more than they save: docs/benchmarks.md), straight into `out`
@@ -319,35 +355,36 @@ def _flat_out(out, n, c):
     return None if out is None else out.reshape(n, c, -1)
 
 
-def conv2d_forward(xp, x, w, a, out=None):
+def conv2d_forward(xp, x, w, a, out=None, fast=None):
     """y = conv2d(x, w) for the attributes `a` (any padding form; no bias); a 1x1
-    convolution writes into `out` (the node's planned slot) when given."""
+    convolution writes into `out` (the node's planned slot) when given; `fast`: the
+    backend's fused kernels (Winograd), or None."""
     a, extra = _split(a)
     return _conv_forward(xp, _pad_extra(xp, x, extra), w, _geometry(None, a), a["groups"],
-                         out)
+                         out, fast)
 
 
-def conv2d_grad_input(xp, dy, w, shape, a, out=None):
+def conv2d_grad_input(xp, dy, w, shape, a, out=None, fast=None):
     """dx of conv2d, for x of `shape`; a 1x1 convolution's writes into `out` if given."""
     a, ((bh, bw), (eh, ew)) = _split(a)
     n, c, h, wd = shape
     grown = bool(bh or bw or eh or ew)  # dx is cropped from a larger one: not into `out`
     dx = _conv2d_gi(xp, [dy, w], {**a, "shape": (n, c, h + bh + eh, wd + bw + ew)},
-                    None if grown else out)
+                    None if grown else out, fast)
     if grown:
         dx = xp.ascontiguousarray(dx[:, :, bh:bh + h, bw:bw + wd])
     return dx
 
 
-def conv2d_grad_weight(xp, dy, x, shape, a):
+def conv2d_grad_weight(xp, dy, x, shape, a, fast=None):
     a, extra = _split(a)
-    return _conv2d_gw(xp, [dy, _pad_extra(xp, x, extra)], {**a, "shape": shape}, None)
+    return _conv2d_gw(xp, [dy, _pad_extra(xp, x, extra)], {**a, "shape": shape}, fast)
 
 
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    y = conv2d_forward(xp, x, w, a, ctx.out)
+    y = conv2d_forward(xp, x, w, a, ctx.out, fused_kernels(ctx, x, w))
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
@@ -355,16 +392,17 @@ def _conv2d(xp, ins, a, ctx):
 
 @kernel("conv2d_grad_weight")
 def _conv2d_gw_kernel(xp, ins, a, ctx):
-    return conv2d_grad_weight(xp, ins[0], ins[1], tuple(a["shape"]), a)
+    return conv2d_grad_weight(xp, ins[0], ins[1], tuple(a["shape"]), a,
+                              fused_kernels(ctx, ins[0], ins[1]))
 
 
 @kernel("conv2d_grad_input")
 def _conv2d_gi_kernel(xp, ins, a, ctx):
     return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a,
-                             ctx.out)
+                             ctx.out, fused_kernels(ctx, ins[0], ins[1]))
 
 
-def _conv2d_gw(xp, ins, a, ctx):
+def _conv2d_gw(xp, ins, a, fast):
     dy, x = ins
     n, o, ho, wo = dy.shape
     c = x.shape[1]
@@ -374,6 +412,11 @@ def _conv2d_gw(xp, ins, a, ctx):
     if _is_pointwise(a):  # sum over n of dy[n] @ x[n]^T (a transposed view: no copy)
         return xp.matmul(dy.reshape(n, o, -1), x.reshape(n, c, -1).transpose(0, 2, 1)) \
             .sum(axis=0).reshape(tuple(a["shape"]))
+    if fast is not None:
+        hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+        budget = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
+        if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, budget):
+            return winograd.grad_weight(fast, dy, x, ph, pw, budget)
     if (sh, sw) == (1, 1) and ho * wo >= 256:
         # flat shift: per kernel offset, one batched GEMM of the padded dy with a strided
         # slice of the flattened padded x; no im2col buffer
@@ -398,7 +441,7 @@ def _conv2d_gw(xp, ins, a, ctx):
     return xp.matmul(dym.reshape(g, og, -1), cols.transpose(0, 2, 1)).reshape(tuple(a["shape"]))
 
 
-def _conv2d_gi(xp, ins, a, out):
+def _conv2d_gi(xp, ins, a, out, fast):
     dy, w = ins
     n, o, ho, wo = dy.shape
     g = a["groups"]
@@ -413,7 +456,7 @@ def _conv2d_gi(xp, ins, a, out):
         # stride 1: dx is dy convolved with the flipped kernel, in/out channels swapped
         wt = w.reshape(g, og, cg, kh, kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1]
         wt = xp.ascontiguousarray(wt).reshape(c, og, kh, kw)
-        return _conv_forward(xp, dy, wt, (kh, kw, 1, 1, qh, qw, dh, dw), g)
+        return _conv_forward(xp, dy, wt, (kh, kw, 1, 1, qh, qw, dh, dw), g, fast=fast)
     # columns [N, G, C/G, kh, kw, Ho, Wo] (W^T @ dy per group, straight from NCHW dy), then
     # one strided add per kernel offset into the padded dx
     wt = w.reshape(g, og, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]

@@ -1,0 +1,117 @@
+"""3x3 stride-1 convolutions by Winograd's minimal filtering F(2x2, 3x3) (Lavin and Gray,
+"Fast Algorithms for Convolutional Neural Networks", 2016), on the NumPy backend where its
+fused kernels (Numba) are loaded.
+
+Every 2x2 block of output is Y = A^T [ (G g G^T) (*) (B^T d B) ] A, summed over input
+channels, with d the 4x4 input tile under it, g a 3x3 filter and (*) the element-wise
+product: 16 multiplications per block and channel pair instead of 36. Over a batch the
+products are 16 GEMMs, one per tile element: M[k] = U[k] @ V[k] with U [16, O, C] the
+transformed filters and V [16, C, P] the transformed tiles (P tiles). The transforms
+(netdsl.backends.numpy_winograd) are additions only; the constants are 0, +-1 and +-1/2,
+so the result is the direct convolution's up to float rounding (float32: about 1e-6
+relative; tests/test_conv_winograd.py).
+
+The weight gradient is the adjoint of the same formula: dU[k] = dM[k] @ V[k]^T with
+dM = A dY A^T per tile, then dg = G^T dU G; one GEMM per tile element over every tile
+(K = P), so the sum over the batch costs nothing extra. The input gradient of a stride-1
+convolution is itself a convolution (dy with the flipped kernel), so it comes through the
+forward path.
+
+The batch is processed in chunks of images so that the tile matrices take no more
+scratch than the flat-shift kernel of conv.py would (`chunk`); the memory plan's
+workspace rule (conv._scratch_elems) reads the same function.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+_GS = {np.dtype(t): _G.astype(t) for t in (np.float32, np.float64)}  # exact in either
+
+
+def applies(geom, groups: int, n: int, c: int, o: int, ho: int, wo: int,
+            budget: int) -> bool:
+    """Where this kernel runs: 3x3, stride 1, undilated, ungrouped, at least 32 channels
+    each way, and at least 256 tiles per chunk, below which its 16 small GEMMs lose to the
+    flat shift's 9 larger ones (measured: docs/benchmarks.md)."""
+    kh, kw, sh, sw, _ph, _pw, dh, dw = geom
+    if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32:
+        return False
+    th, tw = tiles(ho, wo)
+    return chunk(n, c, o, ho, wo, budget)[0] * th * tw >= 256
+
+
+def tiles(ho: int, wo: int) -> tuple[int, int]:
+    return (ho + 1) // 2, (wo + 1) // 2
+
+
+def chunk(n: int, c: int, o: int, ho: int, wo: int, budget: int) -> tuple[int, int]:
+    """(images per chunk, scratch elements) for a batch of n: as many images as fit
+    `budget` elements of tile matrices (at least one), plus the [16, O, C] filters and
+    their product buffer."""
+    th, tw = tiles(ho, wo)
+    per_image = 16 * th * tw * (c + o)
+    per = max(1, min(n, budget // per_image))
+    # the filters' transform peaks at 32 O*C elements ([O, C, 4, 3], then [O, C, 4, 4] and
+    # its [16, O, C] copy); later U (or dU and its partial sum) beside the tile buffers
+    return per, per * per_image + 32 * (_SKEW + o * c)
+
+
+# The 16 tile matrices of a chunk lie _SKEW elements further apart than their size: rows
+# a power-of-two multiple of 4 KiB apart map to the same cache sets, and the transforms,
+# which write (or read) all 16 at once, ran 8x slower that way.
+_SKEW = 16
+
+
+def _tile_matrices(buf, rows: int, p: int):
+    """[16, rows, p] views into `buf` for a chunk of p tiles (matrix k at k * (rows * p +
+    _SKEW)); each matrix is C-contiguous, so the GEMMs take them as they are."""
+    size = rows * p
+    return buf[:16 * (size + _SKEW)].reshape(16, size + _SKEW)[:, :size].reshape(16, rows, p)
+
+
+def _buffer(rows: int, per: int, th: int, tw: int, dtype):
+    return np.empty(16 * (rows * per * th * tw + _SKEW), dtype)
+
+
+def conv(fast, x, w, ph: int, pw: int, budget: int, out=None):
+    """y = conv2d(x, w) with 3x3 w, stride 1, padding (ph, pw); into `out` if given."""
+    n, c, h, wd = x.shape
+    o = w.shape[0]
+    ho, wo = h + 2 * ph - 2, wd + 2 * pw - 2
+    th, tw = tiles(ho, wo)
+    g = _GS[x.dtype]
+    u = np.ascontiguousarray(  # G g G^T per filter, as [16, O, C]
+        (g @ w.astype(x.dtype, copy=False) @ g.T).transpose(2, 3, 0, 1)).reshape(16, o, c)
+    y = out if out is not None else np.empty((n, o, ho, wo), x.dtype)
+    per = chunk(n, c, o, ho, wo, budget)[0]
+    v, m = _buffer(c, per, th, tw, x.dtype), _buffer(o, per, th, tw, x.dtype)
+    for n0 in range(0, n, per):
+        n1 = min(n, n0 + per)
+        p = (n1 - n0) * th * tw
+        vv, mm = _tile_matrices(v, c, p), _tile_matrices(m, o, p)
+        fast.winograd.input_tiles(x, ph, pw, n0, n1, th, tw, vv)
+        np.matmul(u, vv, out=mm)
+        fast.winograd.output_tiles(mm, n0, n1, th, tw, y)
+    return y
+
+
+def grad_weight(fast, dy, x, ph: int, pw: int, budget: int):
+    """dW [O, C, 3, 3] of y = conv2d(x, w) (3x3, stride 1, padding (ph, pw))."""
+    n, c = x.shape[:2]
+    o, ho, wo = dy.shape[1:]
+    th, tw = tiles(ho, wo)
+    per = chunk(n, c, o, ho, wo, budget)[0]
+    v, dm = _buffer(c, per, th, tw, x.dtype), _buffer(o, per, th, tw, x.dtype)
+    du = np.zeros((16, o, c), x.dtype)
+    part = np.empty_like(du)
+    for n0 in range(0, n, per):
+        n1 = min(n, n0 + per)
+        p = (n1 - n0) * th * tw
+        vv, mm = _tile_matrices(v, c, p), _tile_matrices(dm, o, p)
+        fast.winograd.input_tiles(x, ph, pw, n0, n1, th, tw, vv)
+        fast.winograd.output_tiles_adjoint(dy, n0, n1, th, tw, mm)
+        du += np.matmul(mm, vv.transpose(0, 2, 1), out=part)
+    del v, dm, part
+    g = _GS[x.dtype]
+    return g.T @ du.reshape(4, 4, o, c).transpose(2, 3, 0, 1) @ g  # G^T dU G per filter

@@ -1,0 +1,125 @@
+"""Winograd F(2x2, 3x3) convolutions (netdsl.ir.ops.conv_winograd, with the Numba tile
+transforms of the `fast` extra) against the flat-shift and im2col kernels they replace:
+forward, input and weight gradients, in float64 and float32, through the conv2d kernels
+and through a whole training step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import netdsl
+from netdsl.backends.numpy import NumpyBackend
+from netdsl.ir import registry
+from netdsl.ir.ops import conv_winograd
+from netdsl.runtime.executor import Executor, KernelContext
+
+pytest.importorskip("numba")
+
+# (x shape, out channels, padding): each is big enough for Winograd (applies() is checked)
+CASES = [
+    ((2, 32, 40, 40), 32, 1),
+    ((1, 33, 35, 30), 40, 1),   # odd sizes: the last tile row and column are cropped
+    ((2, 32, 36, 34), 48, 0),   # "valid"
+    ((1, 40, 33, 35), 32, 2),
+    ((1, 32, 33, 33), 32, (1, 0, 2, 1)),  # asymmetric: padded by conv.py, then Winograd
+]
+
+
+def _run(op, ins, attrs, backend):
+    ctx = KernelContext(True, backend, str(ins[0].dtype))
+    return registry.get(op).kernel(np, ins, attrs, ctx)
+
+
+def _reference():
+    be = NumpyBackend()
+    be._fused = None  # no fused kernels: the flat-shift path runs
+    return be
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    for name in ("conv", "grad_weight"):
+        real = getattr(conv_winograd, name)
+        monkeypatch.setattr(conv_winograd, name,
+                            lambda *a, _r=real, _n=name, **k: seen.append(_n) or _r(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-6)])
+@pytest.mark.parametrize("shape,o,pad", CASES, ids=range(len(CASES)))
+def test_winograd_kernels_equal_the_direct_ones(shape, o, pad, dtype, tol, calls):
+    rng = np.random.default_rng(sum(shape) + o)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = (rng.standard_normal((o, shape[1], 3, 3)) / 10).astype(dtype)
+    b = rng.standard_normal(o).astype(dtype)
+    geom = {"kernel": 3, "stride": 1, "padding": pad, "dilation": 1, "groups": 1}
+    fast, ref = NumpyBackend(), _reference()
+    assert fast.fused is not None
+    y = _run("conv2d", [x, w, b], geom, fast)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    got = [y, _run("conv2d_grad_input", [dy, w], {**geom, "shape": shape}, fast),
+           _run("conv2d_grad_weight", [dy, x], {**geom, "shape": w.shape}, fast)]
+    assert calls == ["conv", "conv", "grad_weight"]  # Winograd ran, all three times
+    want = [_run("conv2d", [x, w, b], geom, ref),
+            _run("conv2d_grad_input", [dy, w], {**geom, "shape": shape}, ref),
+            _run("conv2d_grad_weight", [dy, x], {**geom, "shape": w.shape}, ref)]
+    for name, u, v in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert u.dtype == dtype and u.shape == v.shape, name
+        np.testing.assert_allclose(u, v, rtol=0, atol=tol * np.abs(v).max(), err_msg=name)
+
+
+def test_chunks_of_one_image_give_the_whole_batch_result():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 32, 17, 19))
+    w = rng.standard_normal((36, 32, 3, 3))
+    dy = rng.standard_normal((3, 36, 17, 19))
+    fast = NumpyBackend().fused
+    assert conv_winograd.chunk(3, 32, 36, 17, 19, 1)[0] == 1
+    assert conv_winograd.chunk(3, 32, 36, 17, 19, 10**9)[0] == 3
+    for f, args in ((conv_winograd.conv, (fast, x, w, 1, 1)),
+                    (conv_winograd.grad_weight, (fast, dy, x, 1, 1))):
+        np.testing.assert_allclose(f(*args, 1), f(*args, 10**9), rtol=1e-13, atol=1e-13)
+
+
+def test_where_winograd_applies():
+    big = (3, 3, 1, 1, 1, 1, 1, 1)
+    budget = 10**9
+    assert conv_winograd.applies(big, 1, 8, 64, 64, 56, 56, budget)
+    assert not conv_winograd.applies(big, 1, 8, 16, 64, 56, 56, budget)  # too few channels
+    assert not conv_winograd.applies(big, 2, 8, 64, 64, 56, 56, budget)  # grouped
+    assert not conv_winograd.applies((3, 3, 2, 2, 1, 1, 1, 1), 1, 8, 64, 64, 28, 28, budget)
+    assert not conv_winograd.applies((3, 3, 1, 1, 2, 2, 2, 2), 1, 8, 64, 64, 56, 56, budget)
+    assert not conv_winograd.applies(big, 1, 2, 64, 64, 7, 7, budget)  # 32 tiles
+
+
+NET = """
+network wide {
+    input x: f32[N, 3, 32, 32]
+    input y: i64[N]
+    h = relu(batchnorm(conv2d(x, 32, kernel=3, padding=1)))
+    h = relu(batchnorm(conv2d(h, 32, kernel=3, padding=1))) + h
+    h = conv2d(h, 48, kernel=3, padding=0)
+    logits = linear(flatten(avgpool(h, 6)), 10)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+"""
+
+
+@pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-4)])
+def test_training_step_with_winograd_equals_the_reference(monkeypatch, dtype, tol, calls):
+    """The whole step (loss, every gradient) with the fused kernels (Winograd in the two
+    32-channel convolutions) and without (NumPy reference kernels)."""
+    from netdsl.passes.autodiff import autodiff
+    g = autodiff(netdsl.loads(NET).lower(4))
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 3, 32, 32)), "y": rng.integers(0, 10, 4)}
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("NETDSL_FUSED_KERNELS", on)
+        r = Executor(g, "numpy", dtype=dtype, seed=3).run(feeds, roles=("loss", "grads"))
+        runs.append([np.asarray(v, np.float64) for k in ("loss", "grads") for v in r[k]])
+    assert "conv" in calls and "grad_weight" in calls
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1e-3))

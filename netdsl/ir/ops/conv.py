@@ -144,25 +144,18 @@ def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
     wo = (wp - dw * (kw - 1) - 1) // sw + 1
     pointwise = (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1)
 
-    def flat_shift(cin, cout, hp_, wp_, hout):  # _conv_forward's stride-1 path
-        wout = wp_ - (kw - 1) * dw
-        return _stride1_scratch(n, cin, cout, (kh, kw, dh, dw), g, hp_, wp_, hout, wout)
-
     if kind == "forward":
-        if pointwise:
-            return extra
-        if (sh, sw) == (1, 1):
-            return extra + flat_shift(c, o, hp, wp, ho)
-        return extra + (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo
+        return extra + _forward_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), g, h, w)
     if kind == "grad_input":
         if pointwise:
             return extra
         qh, qw = (kh - 1) * dh - ph, (kw - 1) * dw - pw
         if (sh, sw) == (1, 1) and qh >= 0 and qw >= 0:  # dy convolved with the flipped w
-            return extra + c * og * kh * kw + flat_shift(o, c, ho + 2 * qh, wo + 2 * qw, h)
+            return extra + c * og * kh * kw + _forward_scratch(
+                n, o, c, (kh, kw, 1, 1, qh, qw, dh, dw), g, ho, wo)
         return extra + n * c * kh * kw * ho * wo + n * c * hp * wp
-    if pointwise:  # grad_weight: the per-sample products before their sum
-        return n * o * c
+    if pointwise:  # grad_weight: the per-sample products before their sum, or the
+        return min(n * o * c, n * ho * wo * (o + c))  # transposed copies, the smaller
     flat = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
     if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, flat):
         return extra + max(flat, winograd.chunk(n, c, o, ho, wo, flat)[1])
@@ -185,16 +178,45 @@ def _flat_shift_gw_scratch(n, c, o, kernel, g, hp, wp, ho) -> int:
     return n * c * (hp * wp + (kw - 1) * dw) + n * o * ho * wp + n * o * (c // g)
 
 
-def _stride1_scratch(n, cin, cout, kernel, g, hp, wp, ho, wo) -> int:
-    """Scratch elements of _conv_forward's stride-1 path on an [n, cin, hp, wp] padded
-    input: the flat shift's (the padded copy, the transposed filters, the accumulator and
-    one GEMM's result), or Winograd's where it runs, whose chunks are sized to take no
-    more than that (conv_winograd.chunk) but for its filter transforms."""
-    kh, kw, dh, dw = kernel
-    flat = _flat_shift_scratch(n, cin, cout, kernel, g, hp, wp, ho)
-    if winograd.applies((kh, kw, 1, 1, 0, 0, dh, dw), g, n, cin, cout, ho, wo, flat):
-        return max(flat, winograd.chunk(n, cin, cout, ho, wo, flat)[1])
-    return flat
+# Below this many output pixels per image, a GEMM per image is too small to run well
+_FOLD_MAX_PIXELS = 196
+
+
+def _forward_path(n, cin, cout, geom, g, h, w, fast: bool) -> str:
+    """Which of _conv_forward's paths runs on an [n, cin, h, w] input (`fast`: with the
+    backend's fused kernels): pointwise | winograd | folded | flat | im2col."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
+        return "pointwise"
+    if fast and winograd.applies(geom, g, n, cin, cout, ho, wo, _flat_shift_scratch(
+            n, cin, cout, (kh, kw, dh, dw), g, h + 2 * ph, w + 2 * pw, ho)):
+        return "winograd"
+    if g == 1 and ho * wo <= _FOLD_MAX_PIXELS:
+        return "folded"
+    return "flat" if (sh, sw) == (1, 1) else "im2col"
+
+
+def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:
+    """Scratch elements of _conv_forward on an [n, cin, h, w] input: the larger of its
+    paths with and without the fused kernels (the plan does not know which will run)."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    hp, wp = h + 2 * ph, w + 2 * pw
+    ho = (hp - dh * (kh - 1) - 1) // sh + 1
+    wo = (wp - dw * (kw - 1) - 1) // sw + 1
+    padded = n * cin * hp * wp if ph or pw else 0
+    flat = _flat_shift_scratch(n, cin, cout, (kh, kw, dh, dw), g, hp, wp, ho)
+    sizes = {
+        "pointwise": 0,
+        "winograd": max(flat, winograd.chunk(n, cin, cout, ho, wo, flat)[1]),
+        # the padded copy, the columns, the GEMM's [O, N*Ho*Wo] result
+        "folded": padded + n * cin * kh * kw * ho * wo + n * cout * ho * wo,
+        "flat": flat,
+        "im2col": padded + n * cin * kh * kw * ho * wo,
+    }
+    return max(sizes[_forward_path(n, cin, cout, geom, g, h, w, fast)]
+               for fast in (False, True))
 
 
 def _workspace(kind: str):
@@ -219,7 +241,7 @@ register(OpDef(
     _shape, "conv", _params, _flops, _workspace("forward"), retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
-    extra={"spatial": 2}))
+    extra={"spatial": 2, "fused_kernels": True}))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -238,14 +260,14 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                flops=lambda ins, out, a: _flops([out], ins[0], a),
                workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
-               extra={"spatial": 2}))
+               extra={"spatial": 2, "fused_kernels": True}))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _flops([ins[1]], ins[0], a),
                workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
-               extra={"spatial": 2}))
+               extra={"spatial": 2, "fused_kernels": True}))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -315,17 +337,29 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
     n, o = x.shape[0], w.shape[0]
     ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    if fast is not None:
-        hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
-        budget = _flat_shift_scratch(n, x.shape[1], o, (kh, kw, dh, dw), g, hp, wp, ho)
-        if winograd.applies(geom, g, n, x.shape[1], o, ho, wo, budget):
-            return winograd.conv(fast, x, w, ph, pw, budget, out)
-    if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
+    path = _forward_path(n, x.shape[1], o, geom, g, x.shape[2], x.shape[3], fast is not None)
+    if path == "winograd":
+        budget = _flat_shift_scratch(n, x.shape[1], o, (kh, kw, dh, dw), g,
+                                     x.shape[2] + 2 * ph, x.shape[3] + 2 * pw, ho)
+        return winograd.conv(fast, x, w, ph, pw, budget, out)
+    if path == "pointwise":
         # one GEMM per image (folding the batch into one GEMM needs two transposing copies
         # in NCHW, which cost more than they save: docs/benchmarks.md), straight into `out`
         return xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1),
                          out=_flat_out(out, n, o)).reshape(n, o, ho, wo)
-    if (sh, sw) == (1, 1):
+    if path == "folded":
+        # small images: the batch folded into one GEMM over [C*kh*kw, N*Ho*Wo] columns (a
+        # GEMM per image would be too small), its [O, N, Ho, Wo] result transposed to NCHW
+        win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
+        cols = xp.ascontiguousarray(win.transpose(1, 4, 5, 0, 2, 3))
+        del win
+        y = (w.reshape(o, -1) @ cols.reshape(-1, n * ho * wo)).reshape(o, n, ho, wo)
+        del cols
+        if out is None:
+            return xp.ascontiguousarray(y.transpose(1, 0, 2, 3))
+        out[...] = y.transpose(1, 0, 2, 3)
+        return out
+    if path == "flat":
         # flat shift: one batched GEMM per kernel offset against a strided slice of the
         # flattened padded x, accumulated in place; no im2col buffer (kh*kw times the input)
         c = x.shape[1]
@@ -409,7 +443,15 @@ def _conv2d_gw(xp, ins, a, fast):
     g = a["groups"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
-    if _is_pointwise(a):  # sum over n of dy[n] @ x[n]^T (a transposed view: no copy)
+    if _is_pointwise(a):
+        p = ho * wo
+        if o * c > p * (o + c):
+            # small images: the batch folded into one GEMM (K = N*H*W) costs two
+            # transposing copies of dy and x, less than N products of [O, C] to sum
+            d = xp.ascontiguousarray(dy.reshape(n, o, p).transpose(1, 0, 2)).reshape(o, -1)
+            xt = xp.ascontiguousarray(x.reshape(n, c, p).transpose(1, 0, 2)).reshape(c, -1)
+            return (d @ xt.T).reshape(tuple(a["shape"]))
+        # sum over n of dy[n] @ x[n]^T (a transposed view: no copy)
         return xp.matmul(dy.reshape(n, o, -1), x.reshape(n, c, -1).transpose(0, 2, 1)) \
             .sum(axis=0).reshape(tuple(a["shape"]))
     if fast is not None:

@@ -203,6 +203,32 @@ def test_fused_gelu_matches_the_exact_erf_in_float32():
     np.testing.assert_allclose(y64, want[:-2], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("shape,axis,affine", [((6, 5), -1, True), ((3, 4, 7), -1, True),
+                                               ((2, 3, 4, 5), 2, True), ((4, 9), 1, False)])
+def test_fused_layernorm_matches_the_reference(shape, axis, affine, dtype, tol):
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(len(shape) + affine)
+    x = (rng.standard_normal(shape) * 3 + 7).astype(dtype)  # a mean far from 0
+    dy = rng.standard_normal(shape).astype(dtype)
+    norm = shape[axis % len(shape):]
+    w, b = rng.standard_normal(norm).astype(dtype), rng.standard_normal(norm).astype(dtype)
+    a = {"eps": 1e-5, "axis": axis, "affine": affine}
+    ref = NumpyBackend()
+    ref._fused = None
+    res = []
+    for backend in (ref, NumpyBackend()):
+        params = [w, b] if affine else []
+        res.append([_kernels("layernorm", [x] + params, a, backend),
+                    _kernels("layernorm_grad_input", [dy, x] + params[:1], a, backend),
+                    _kernels("layernorm_grad_weight", [dy, x], a, backend)])
+    assert res[1][0] is not None
+    for name, u, v in zip(("y", "dx", "dw"), *res, strict=True):
+        assert u.dtype == v.dtype == dtype and u.shape == v.shape, name
+        scale = max(float(np.abs(u).max()), 1.0)
+        np.testing.assert_allclose(v, u, rtol=0, atol=tol * scale, err_msg=name)
+
+
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
     assert NumpyBackend().fused is None

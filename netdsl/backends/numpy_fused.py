@@ -133,6 +133,63 @@ def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3):
                 dx3[i, c, j] = v
 
 
+# -- layernorm over rows -----------------------------------------------------------------------
+# x2 is (R, D): R rows each normalised over its D elements. The statistics are accumulated
+# in float64 over data shifted by the row's first element (as batchnorm's, above), rows in
+# parallel; w and b are (D,) (ones and zeros without affine).
+@numba.njit(inline="always")
+def _row_moments(x2, r):
+    d_ = x2.shape[1]
+    k = np.float64(x2[r, 0])
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(d_):
+        d = np.float64(x2[r, j]) - k
+        s1 += d
+        s2 += d * d
+    mu = s1 / d_
+    return k + mu, max(s2 / d_ - mu * mu, 0.0)
+
+
+@numba.njit(**_PAR)
+def ln_forward(x2, w, b, eps, y2):
+    """y = (x - mean) * inv * w + b per row, in the data's dtype."""
+    for r in numba.prange(x2.shape[0]):
+        mean, var = _row_moments(x2, r)
+        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+        for j in range(x2.shape[1]):
+            y2[r, j] = (x2[r, j] - mt) * it * w[j] + b[j]
+
+
+@numba.njit(**_PAR)
+def ln_grad_input(dy2, x2, w, eps, dx2):
+    """dx = inv * (g - mean(g) - x_hat * mean(g * x_hat)) per row, g = dy * w."""
+    d_ = x2.shape[1]
+    for r in numba.prange(x2.shape[0]):
+        mean, var = _row_moments(x2, r)
+        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+        sg = 0.0
+        sgx = 0.0
+        for j in range(d_):
+            g = np.float64(dy2[r, j] * w[j])
+            sg += g
+            sgx += g * np.float64((x2[r, j] - mt) * it)
+        k_sum, k_hat, _s, _b, _z = _consts(x2, sg / d_, sgx / d_, 0.0, 0.0)
+        for j in range(d_):
+            xh = (x2[r, j] - mt) * it
+            dx2[r, j] = it * (dy2[r, j] * w[j] - k_sum - xh * k_hat)
+
+
+@numba.njit(**_JIT)
+def ln_grad_weight(dy2, x2, eps, acc):
+    """acc[j] += sum over rows of dy * x_hat (acc float64)."""
+    for r in range(x2.shape[0]):
+        mean, var = _row_moments(x2, r)
+        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+        for j in range(x2.shape[1]):
+            acc[j] += np.float64(dy2[r, j] * ((x2[r, j] - mt) * it))
+
+
 # -- GELU in float32 --------------------------------------------------------------------------
 # erf(z) on [-4, 4] as the rational function z * P(z^2) / Q(z^2) that Eigen and XLA use for
 # float32 (outside it erf is +-1 in float32), with no exp and no branch, so LLVM vectorises
@@ -205,6 +262,9 @@ class FusedKernels:
     bn_grad_stats = staticmethod(bn_grad_stats)
     bn_grad_input = staticmethod(bn_grad_input)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
+    ln_forward = staticmethod(ln_forward)
+    ln_grad_input = staticmethod(ln_grad_input)
+    ln_grad_weight = staticmethod(ln_grad_weight)
 
     def __init__(self):
         self.threads = thread_count()
@@ -217,6 +277,10 @@ class FusedKernels:
             bn_forward(x, w, w, 1e-5, True, y, np.empty((2, 1)))
             bn_grad_stats(x, x, w, w, 1e-5, True, st)
             bn_grad_input(x, x, st, w, w, True, x, True, y)
+            r2, d1 = np.ones((1, 2), dt), np.ones(2, dt)
+            ln_forward(r2, d1, d1, 1e-5, r2.copy())
+            ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
+            ln_grad_weight(r2, r2, 1e-5, np.zeros(2))
             t = np.ones((1, 1, 2, 2), dt)
             tiles = np.empty((16, 1, 1), dt)
             numpy_winograd.input_tiles(t, 1, 1, 0, 1, 1, 1, tiles)

@@ -8,6 +8,8 @@ one `batchnorm_grad_stats` pass computes the batch mean and 1/std with the two
 per-channel sums of the backward (the weight and bias gradients), and
 `batchnorm_grad_from_stats` makes dx from them without recomputing anything.
 """
+import math
+
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis
 from netdsl.ir.registry import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
@@ -89,7 +91,7 @@ register(OpDef(
      Arg("axis", "axis", -1)),
     _ln_shape, "norm", _ln_params, _flops, retains=("inputs", "weight"),
     doc="layer normalisation over the dims from `axis` on (the last by default); weight "
-        "and bias have the shape of those dims"))
+        "and bias have the shape of those dims", extra={"fused_kernels": True}))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -107,13 +109,14 @@ register(OpDef("layernorm_grad_input",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
                 Arg("eps", "float", 1e-5, range=GT0), Arg("axis", "axis", -1)),
                _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
-               differentiable=False,
+               differentiable=False, extra={"fused_kernels": True},
                doc="dx of layernorm (statistics recomputed from x); weight optional"))
 register(OpDef("layernorm_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
                 Arg("axis", "axis", -1)),
                _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
-               differentiable=False, doc="d(weight) of layernorm: sum of dy * x_hat"))
+               differentiable=False, extra={"fused_kernels": True},
+               doc="d(weight) of layernorm: sum of dy * x_hat"))
 
 
 # Batchnorm's backward: one statistics pass, then dx and the affine gradients from its rows
@@ -346,10 +349,23 @@ def _rows(x, axis):
     return x.reshape(x.shape[:ax] + (-1,))
 
 
+def _matrix(x, ax):
+    """x as a 2-d (rows, normalised elements) view, for the fused row loops."""
+    return x.reshape(-1, math.prod(x.shape[ax:]))
+
+
 @kernel("layernorm")
 def _layernorm(xp, ins, a, ctx):
     x = ins[0]
     ax = a["axis"] % x.ndim
+    f = fused_kernels(ctx, *ins)
+    if f is not None:
+        x2 = _matrix(x, ax)
+        w, b = ((ins[1].reshape(-1), ins[2].reshape(-1)) if len(ins) > 1 else
+                (xp.ones(x2.shape[1], x.dtype), xp.zeros(x2.shape[1], x.dtype)))
+        y = xp.empty_like(x)
+        f.ln_forward(x2, w, b, a["eps"], _matrix(y, ax))
+        return y
     xhat = _normalise(xp, _rows(x, ax), -1, a["eps"])[0].reshape(x.shape)
     if len(ins) > 1:
         return xhat * ins[1] + ins[2]
@@ -361,6 +377,13 @@ def _ln_gi(xp, ins, a, ctx):
     dy, x = ins[0], ins[1]
     w = ins[2] if len(ins) > 2 else None
     ax = a["axis"] % x.ndim
+    f = fused_kernels(ctx, dy, x, w)
+    if f is not None:
+        x2 = _matrix(x, ax)
+        dx = xp.empty_like(x)
+        f.ln_grad_input(_matrix(dy, ax), x2, xp.ones(x2.shape[1], x.dtype) if w is None
+                        else w.reshape(-1), a["eps"], _matrix(dx, ax))
+        return dx
     if w is not None:
         dy = dy * w
     return _norm_grad_input(xp, _rows(dy, ax), _rows(x, ax), None, -1, None,
@@ -371,6 +394,11 @@ def _ln_gi(xp, ins, a, ctx):
 def _ln_gw(xp, ins, a, ctx):
     dy, x = ins
     ax = a["axis"] % x.ndim
+    f = fused_kernels(ctx, dy, x)
+    if f is not None:
+        acc = xp.zeros(x.shape[ax:], xp.float64)
+        f.ln_grad_weight(_matrix(dy, ax), _matrix(x, ax), a["eps"], acc.reshape(-1))
+        return acc.astype(x.dtype)
     xhat = _normalise(xp, _rows(x, ax), -1, a["eps"])[0]
     return (_rows(dy, ax) * xhat).reshape((-1,) + x.shape[ax:]).sum(axis=0)
 

@@ -42,8 +42,11 @@ def main() -> None:
     ops = registry.load_all()
     rng = np.random.default_rng(0)
 
-    class Ctx:
+    from netdsl.backends.numpy import NumpyBackend
+
+    class Ctx:  # as the executor calls kernels: with the backend's fused kernels if loaded
         out = None
+        backend = NumpyBackend()
 
     pool = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True}
     cases = [  # name, op, input shape, attrs

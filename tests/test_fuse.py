@@ -229,6 +229,28 @@ def test_fused_layernorm_matches_the_reference(shape, axis, affine, dtype, tol):
         np.testing.assert_allclose(v, u, rtol=0, atol=tol * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("momentum,nesterov,wd", [(0.0, False, 0.0), (0.9, False, 0.0),
+                                                  (0.9, True, 5e-4), (0.0, False, 1e-2)])
+def test_fused_sgd_is_the_reference_bit_for_bit(dtype, momentum, nesterov, wd):
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(7)
+    p0, g = (rng.standard_normal((3, 5, 7)).astype(dtype) for _ in range(2))
+    buf0 = rng.standard_normal(p0.shape).astype(dtype)
+    a = {"momentum": momentum, "nesterov": nesterov, "weight_decay": wd}
+    ref = NumpyBackend()
+    ref._fused = None
+    out = []
+    for backend in (ref, NumpyBackend()):
+        p, buf = p0.copy(), buf0.copy()
+        for step in range(3):  # the buffer carries over
+            r = _kernels("sgd_update", [p, g * (step + 1), np.array(0.05), buf], a, backend)
+            assert r is p
+        out.append((p, buf))
+    assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1])
+    assert not np.array_equal(out[0][0], p0)
+
+
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
     assert NumpyBackend().fused is None

@@ -8,8 +8,10 @@ import itertools
 import numpy as np
 import pytest
 
+from netdsl.backends.numpy import NumpyBackend
 from netdsl.ir import registry
 from netdsl.ir.ops.pool import _geom
+from netdsl.runtime.executor import KernelContext
 
 
 def reference(x, dy, a):
@@ -43,18 +45,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["numpy", "fused"])
 @pytest.mark.parametrize("op, shape, attrs", CASES)
-def test_maxpool_kernels_match_the_window_loop(op, shape, attrs):
+def test_maxpool_kernels_match_the_window_loop(op, shape, attrs, fused):
+    """The NumPy kernels, and with the backend's fused kernels (Numba: 2-d backward)."""
     ops = registry.load_all()
+    ctx = None
+    if fused:
+        pytest.importorskip("numba")
+        ctx = KernelContext(True, NumpyBackend(), "float64")
+        assert ctx.backend.fused is not None
     a = {"stride": None, "padding": 0, "ceil_mode": False, **attrs}
     rng = np.random.default_rng(0)
     x = rng.integers(0, 3, shape).astype(np.float64)  # many ties
     x.flat[::7] = np.nan
-    y = ops[op].kernel(np, [x], a, None)
+    y = ops[op].kernel(np, [x], a, ctx)
     dy = rng.standard_normal(y.shape)
     want_y, want_dx = reference(x, dy, a)
     np.testing.assert_array_equal(y, want_y)
-    np.testing.assert_allclose(ops[op + "_grad"].kernel(np, [dy, x], a, None), want_dx,
+    np.testing.assert_allclose(ops[op + "_grad"].kernel(np, [dy, x], a, ctx), want_dx,
                                rtol=1e-12, atol=1e-14)  # overlaps add in another order
 
 

@@ -190,6 +190,62 @@ def ln_grad_weight(dy2, x2, eps, acc):
             acc[j] += np.float64(dy2[r, j] * ((x2[r, j] - mt) * it))
 
 
+# -- 2-d max pooling's backward ------------------------------------------------------------------
+@numba.njit(**_PAR)
+def maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx):
+    """dx (zeroed, x's shape) += dy at the first maximum of each window in row-major order
+    (positions in the padding count as -inf; a NaN is the maximum), planes in parallel:
+    the NumPy kernel's rule (netdsl.ir.ops.pool._maxpool_grad) in one pass over x."""
+    n, nc, h, w = x.shape
+    oh, ow = dy.shape[2], dy.shape[3]
+    for plane in numba.prange(n * nc):
+        i = plane // nc
+        c = plane - i * nc
+        xf = x[i, c].reshape(h * w)  # C-contiguous (FusedKernels.accepts)
+        dxf = dx[i, c].reshape(h * w)
+        for oy in range(oh):
+            r0 = oy * sh - ph
+            ky0, ky1 = max(0, -r0), min(kh, h - r0)
+            for ox in range(ow):
+                q0 = ox * sw - pw
+                kx0, kx1 = max(0, -q0), min(kw, w - q0)
+                at = (r0 + ky0) * w + q0 + kx0  # the first element inside, flat
+                best = xf[at]
+                for ky in range(ky0, ky1):
+                    row = (r0 + ky) * w + q0
+                    for kx in range(kx0, kx1):
+                        v = xf[row + kx]
+                        # branch-free (selects): the argmax is data-dependent
+                        take = (v > best) | ((v != v) & (best == best))
+                        best = v if take else best
+                        at = row + kx if take else at
+                # a window of -inf whose padding comes first: the padding is its maximum
+                if not (best == -np.inf and (ky0 > 0 or kx0 > 0)):
+                    dxf[at] += dy[i, c, oy, ox]
+
+
+# -- SGD update -------------------------------------------------------------------------------
+# One pass over the parameter, its gradient and its momentum buffer (NumPy takes five, two
+# of them allocating). No fastmath: the same float operations in the same order as the
+# NumPy reference kernel (netdsl.ir.ops.optim), so the result is bit for bit the same.
+_EXACT = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+
+@numba.njit(**_EXACT)
+def sgd_update(p, g, buf, lr, momentum, weight_decay, nesterov):
+    """In place on 1-d p (and buf with momentum): torch.optim.SGD's step. The scalars are
+    in p's dtype."""
+    for i in range(p.size):
+        gi = g[i]
+        if weight_decay != 0:
+            gi = gi + weight_decay * p[i]
+        if momentum != 0:
+            b = buf[i] * momentum + gi
+            buf[i] = b
+            gi = gi + momentum * b if nesterov else b
+        p[i] = p[i] - lr * gi
+
+
 # -- GELU in float32 --------------------------------------------------------------------------
 # erf(z) on [-4, 4] as the rational function z * P(z^2) / Q(z^2) that Eigen and XLA use for
 # float32 (outside it erf is +-1 in float32), with no exp and no branch, so LLVM vectorises
@@ -263,6 +319,8 @@ class FusedKernels:
     bn_grad_input = staticmethod(bn_grad_input)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
     ln_forward = staticmethod(ln_forward)
+    sgd_update = staticmethod(sgd_update)
+    maxpool2d_grad = staticmethod(maxpool2d_grad)
     ln_grad_input = staticmethod(ln_grad_input)
     ln_grad_weight = staticmethod(ln_grad_weight)
 
@@ -278,6 +336,9 @@ class FusedKernels:
             bn_grad_stats(x, x, w, w, 1e-5, True, st)
             bn_grad_input(x, x, st, w, w, True, x, True, y)
             r2, d1 = np.ones((1, 2), dt), np.ones(2, dt)
+            sgd_update(d1, d1, d1.copy(), dt(0), dt(0), dt(0), False)
+            q = np.ones((1, 1, 2, 2), dt)
+            maxpool2d_grad(q, q, 1, 1, 1, 1, 0, 0, q.copy())
             ln_forward(r2, d1, d1, 1e-5, r2.copy())
             ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
             ln_grad_weight(r2, r2, 1e-5, np.zeros(2))

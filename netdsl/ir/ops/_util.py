@@ -77,5 +77,5 @@ def fused_kernels(ctx, *arrays):
     these arrays (float, contiguous), else None: the NumPy reference kernels run. An op
     whose kernel asks for them sets extra={"fused_kernels": True}, so that the executor
     loads them when it is made, not inside a step."""
-    f = getattr(ctx.backend, "fused", None)
+    f = getattr(getattr(ctx, "backend", None), "fused", None)
     return f if f is not None and f.accepts(*(a for a in arrays if a is not None)) else None

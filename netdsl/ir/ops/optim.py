@@ -7,6 +7,7 @@ PyTorch's torch.optim.SGD / Adam / AdamW (dampening 0, amsgrad off, maximize off
 """
 
 from netdsl.errors import ShapeError
+from netdsl.ir.ops._util import fused_kernels
 from netdsl.ir.registry import Arg, OpDef, kernel, register
 
 
@@ -25,7 +26,7 @@ register(OpDef(
      Arg("momentum_buffer", "tensor", None), Arg("momentum", "float", 0.0),
      Arg("nesterov", "bool", False), Arg("weight_decay", "float", 0.0)),
     _like_param("sgd_update"), "optimizer", flops=lambda ins, out, a: 4 * out.numel(),
-    differentiable=False, writes=(0, 3), view_of=0,
+    differentiable=False, writes=(0, 3), view_of=0, extra={"fused_kernels": True},
     doc="p -= lr * g (with L2 weight decay, momentum and Nesterov as in torch.optim.SGD)"))
 
 register(OpDef(
@@ -55,6 +56,13 @@ register(OpDef("step_increment", (Arg("step", "tensor"),), _step_shape, "optimiz
 def _sgd(xp, ins, a, ctx):
     p, g, lr = ins[0], ins[1], ins[2]
     lr = lr.astype(p.dtype)
+    buf = ins[3] if a["momentum"] else p  # (not read without momentum)
+    f = fused_kernels(ctx, p, g, buf)
+    if f is not None and p.dtype == g.dtype == buf.dtype:  # one pass, bit for bit this code
+        t = p.dtype.type
+        f.sgd_update(p.reshape(-1), g.reshape(-1), buf.reshape(-1), t(lr), t(a["momentum"]),
+                     t(a["weight_decay"]), bool(a["nesterov"]))
+        return p
     if a["weight_decay"]:
         g = g + a["weight_decay"] * p
     if a["momentum"]:

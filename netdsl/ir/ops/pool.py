@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float, need_rank
+from netdsl.ir.ops._util import fused_kernels, need_float, need_rank
 from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -106,7 +106,7 @@ for _suffix, _d in _DIMS.items():
                    (Arg("dy", "tensor"), Arg("x", "tensor")) + _sig[1:] + _MAX_EXTRA,
                    lambda ins, a: ins[1], "backward", flops=_pool_flops, differentiable=False,
                    doc="route dy to the first maximum of each window (argmax recomputed "
-                       "from x)", extra={"spatial": _d}))
+                       "from x)", extra={"spatial": _d, "fused_kernels": _d == 2}))
     register(OpDef(f"avgpool{_suffix}_grad",
                    (Arg("dy", "tensor"), Arg("shape", "shape")) + _sig[1:] + _AVG_EXTRA,
                    lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
@@ -251,6 +251,12 @@ def _maxpool_grad(xp, ins, a, ctx):
     """dy goes to the first maximum of each window in row-major window order (torch's
     argmax rule; a NaN counts as the maximum), added where windows overlap."""
     dy, x = ins
+    f = fused_kernels(ctx, dy, x)
+    if f is not None and x.ndim == 4:  # one pass over x (Numba), the same rule
+        (kh, kw), (sh, sw), (ph, pw) = _geom(x.shape, a, 2)[:3]
+        dx = xp.zeros_like(x)
+        f.maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx)
+        return dx
     xpad, (k, s, p, sizes, out) = _padded_max(xp, x, a)
     y = _window_max(xp, xpad, k, s, out)
     nan = xp.isnan(y)

@@ -123,3 +123,17 @@ def test_training_step_with_winograd_equals_the_reference(monkeypatch, dtype, to
     assert "conv" in calls and "grad_weight" in calls
     for a, b in zip(*runs, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(np.abs(b).max(), 1e-3))
+
+
+def test_conv2d_picks_its_path_by_shape():
+    """conv.py's path selector, which the kernel and its workspace rule both follow."""
+    from netdsl.ir.ops.conv import _forward_path
+    s1, s2 = (3, 3, 1, 1, 1, 1, 1, 1), (3, 3, 2, 2, 1, 1, 1, 1)
+    assert _forward_path(2, 8, 6, (1, 1, 1, 1, 0, 0, 1, 1), 1, 12, 12, True) == "pointwise"
+    assert _forward_path(16, 64, 64, s1, 1, 56, 56, True) == "winograd"
+    assert _forward_path(16, 64, 64, s1, 1, 56, 56, False) == "flat"  # no fused kernels
+    assert _forward_path(16, 512, 512, s1, 1, 7, 7, True) == "folded"  # small, wide
+    assert _forward_path(32, 1, 16, s1, 1, 8, 8, True) == "folded"  # C*kh*kw = 9
+    assert _forward_path(16, 64, 64, s1, 1, 8, 8, True) == "flat"  # small, narrow
+    assert _forward_path(2, 8, 6, s2, 1, 36, 36, True) == "im2col"
+    assert _forward_path(16, 256, 256, s2, 1, 28, 28, True) == "folded"

@@ -117,7 +117,8 @@ def test_the_independent_meter_agrees_with_the_plan(arena):
 CONV_PATHS = [  # (x shape, attrs): every kernel path of conv2d's three kernels
     ((2, 8, 12, 12), {"out_channels": 6, "kernel": 1}),  # pointwise
     ((2, 8, 20, 20), {"out_channels": 6, "kernel": 3, "padding": 1}),  # flat shift
-    ((2, 8, 12, 12), {"out_channels": 6, "kernel": 3, "stride": 2, "padding": 1}),  # folded
+    ((2, 4, 12, 12), {"out_channels": 6, "kernel": 3, "stride": 2, "padding": 1}),  # folded
+    ((2, 8, 12, 12), {"out_channels": 6, "kernel": 3, "stride": 2, "padding": 1}),  # im2col
     ((2, 8, 36, 36), {"out_channels": 6, "kernel": 3, "stride": 2, "padding": 1}),  # im2col
     ((2, 64, 4, 4), {"out_channels": 48, "kernel": 1}),  # pointwise, dW folded
     ((2, 8, 12, 12), {"out_channels": 8, "kernel": 1, "stride": 2, "bias": False}),

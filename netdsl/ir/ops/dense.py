@@ -108,15 +108,18 @@ register(OpDef("embedding_grad",
 
 
 # -- kernels ----------------------------------------------------------------------------------
+def _rows_times(xp, x, w):
+    """x @ w over x's last dim; x of rank > 2 as one 2-d GEMM over all its leading dims
+    (matmul would broadcast into a batched GEMM of small ones: twice the time for a
+    transformer's [N, T, d] activations)."""
+    if x.ndim > 2 and x.flags.c_contiguous:
+        return xp.matmul(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (w.shape[1],))
+    return xp.matmul(x, w)
+
+
 @kernel("linear")
 def _linear(xp, ins, a, ctx):
-    x, w = ins[0], ins[1]
-    if x.ndim > 2 and x.flags.c_contiguous:
-        # one 2-d GEMM over all leading dims (matmul would broadcast into a batched GEMM
-        # of small ones: twice the time for a transformer's [N, T, d] activations)
-        y = xp.matmul(x.reshape(-1, x.shape[-1]), w.T).reshape(x.shape[:-1] + (w.shape[0],))
-    else:
-        y = xp.matmul(x, w.T)
+    y = _rows_times(xp, ins[0], ins[1].T)
     if len(ins) > 2:
         y += ins[2]
     return y
@@ -124,8 +127,7 @@ def _linear(xp, ins, a, ctx):
 
 @kernel("linear_grad_input")
 def _linear_gi(xp, ins, a, ctx):
-    dy, w = ins
-    return xp.matmul(dy, w)
+    return _rows_times(xp, ins[0], ins[1])
 
 
 @kernel("linear_grad_weight")

@@ -40,9 +40,10 @@ def test_totals_counted_by_hand():
     # every op output in float32 bytes; inputs and params are not activations
     assert s.activation_bytes == 4 * (512 * 2 + 512 * 10 + 512 + 20 + 1)
     assert s.nodes == 2 + 10 + 3 and s.convs == 6 and s.batch == 2
-    # the 3x3 conv's flat-shift scratch: the padded input (with kw - 1 spare columns),
-    # the reordered weight and two [N, O, Ho, Wp] accumulators, in float32
-    assert s.workspace_peak == 4 * (2 * 3 * (10 * 10 + 2) + 9 * 4 * 3 + 2 * 2 * 4 * 8 * 10)
+    # the 3x3 conv's scratch with the batch folded (3 input channels, 8x8 output): the
+    # padded input, the [C*kh*kw, N*Ho*Wo] columns and the [O, N*Ho*Wo] GEMM result,
+    # in float32
+    assert s.workspace_peak == 4 * (2 * 3 * 10 * 10 + 3 * 9 * 2 * 8 * 8 + 4 * 2 * 8 * 8)
     n = s.per_node["stem.bn"]
     assert (n.params, n.buffers, n.flops, n.out_bytes) == (8, 8, bn, 2048)
 

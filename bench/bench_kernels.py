@@ -1,4 +1,5 @@
-"""Single kernels against PyTorch's in the same run (issue 8): pooling and linear.
+"""Single kernels against PyTorch's in the same run (issue 8): pooling, linear and, with
+--conv, conv2d's forward, input gradient and weight gradient.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OPENBLAS_NUM_THREADS=1 \
         .venv/bin/python bench/bench_kernels.py [--src DIR]
@@ -30,6 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", help="import netdsl from this directory")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--conv", action="store_true",
+                    help="also conv2d's three kernels on ResNet/VGG/digits shapes")
     a = ap.parse_args()
     if a.src:
         sys.path.insert(0, a.src)
@@ -81,6 +84,50 @@ def main() -> None:
     t = best_ms(lambda: F.linear(torch.from_numpy(x), torch.from_numpy(w)), 10 * a.repeats)
     print(f"{'linear [32, 32, 64] x [64, 256]':<44} {'forward':<9} {m:>10.3f} {t:>9.3f} "
           f"{m / t:>6.2f}")
+    if a.conv:
+        conv_cases(np, torch, ops, Ctx, rng, a.repeats)
+
+
+CONVS = [  # name, x shape, out channels, kernel, stride, padding
+    ("ResNet-50 3x3, 64 ch, 56x56", (16, 64, 56, 56), 64, 3, 1, 1),
+    ("ResNet-50 3x3, 128 ch, 28x28", (16, 128, 28, 28), 128, 3, 1, 1),
+    ("ResNet-50 3x3, 256 ch, 14x14", (16, 256, 14, 14), 256, 3, 1, 1),
+    ("ResNet-50 3x3, 512 ch, 7x7", (16, 512, 7, 7), 512, 3, 1, 1),
+    ("ResNet-50 3x3/2, 256 ch, 28x28", (16, 256, 28, 28), 256, 3, 2, 1),
+    ("ResNet-50 1x1, 2048 <- 512, 7x7", (16, 512, 7, 7), 2048, 1, 1, 0),
+    ("VGG-16 3x3, 64 ch, 224x224", (8, 64, 224, 224), 64, 3, 1, 1),
+    ("VGG-16 3x3, 256 ch, 56x56", (8, 256, 56, 56), 256, 3, 1, 1),
+    ("VGG-16 3x3, 512 ch, 14x14", (8, 512, 14, 14), 512, 3, 1, 1),
+    ("ResNet-164 3x3, 16 ch, 32x32", (16, 16, 32, 32), 16, 3, 1, 1),
+    ("digits-cnn 3x3, 1 -> 16 ch, 8x8", (32, 1, 8, 8), 16, 3, 1, 1),
+]
+
+
+def conv_cases(np, torch, ops, ctx, rng, repeats) -> None:
+    """conv2d forward, input gradient and weight gradient (the executor's three kernels)
+    against torch's convolution and convolution_backward, float32, 1 thread."""
+    for name, shape, o, k, s, p in CONVS:
+        x = rng.standard_normal(shape).astype(np.float32)
+        w = (rng.standard_normal((o, shape[1], k, k)) / 10).astype(np.float32)
+        geom = {"kernel": k, "stride": s, "padding": p, "dilation": 1, "groups": 1}
+        y = ops["conv2d"].kernel(np, [x, w], geom, ctx)
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        tx, tw, tdy = (torch.from_numpy(v) for v in (x, w, dy))
+        bwd = torch.ops.aten.convolution_backward
+        ours = {
+            "forward": lambda: ops["conv2d"].kernel(np, [x, w], geom, ctx),
+            "dx": lambda: ops["conv2d_grad_input"].kernel(
+                np, [dy, w], {**geom, "shape": x.shape}, ctx),
+            "dw": lambda: ops["conv2d_grad_weight"].kernel(
+                np, [dy, x], {**geom, "shape": w.shape}, ctx)}
+        args = ([s, s], [p, p], [1, 1], False, [0, 0], 1)
+        theirs = {
+            "forward": lambda: torch.nn.functional.conv2d(tx, tw, stride=s, padding=p),
+            "dx": lambda: bwd(tdy, tx, tw, None, *args, [True, False, False]),
+            "dw": lambda: bwd(tdy, tx, tw, None, *args, [False, True, False])}
+        for part in ours:
+            m, t = best_ms(ours[part], repeats), best_ms(theirs[part], repeats)
+            print(f"{name:<44} {part:<9} {m:>10.3f} {t:>9.3f} {m / t:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":

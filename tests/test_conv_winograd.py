@@ -91,6 +91,7 @@ def test_where_winograd_applies():
     assert not conv_winograd.applies((3, 3, 2, 2, 1, 1, 1, 1), 1, 8, 64, 64, 28, 28, budget)
     assert not conv_winograd.applies((3, 3, 1, 1, 2, 2, 2, 2), 1, 8, 64, 64, 56, 56, budget)
     assert not conv_winograd.applies(big, 1, 2, 64, 64, 7, 7, budget)  # 32 tiles
+    assert not conv_winograd.applies(big, 1, 64, 512, 512, 7, 7, budget)  # 7x7 images
 
 
 NET = """

@@ -32,10 +32,12 @@ _GS = {np.dtype(t): _G.astype(t) for t in (np.float32, np.float64)}  # exact in 
 def applies(geom, groups: int, n: int, c: int, o: int, ho: int, wo: int,
             budget: int) -> bool:
     """Where this kernel runs: 3x3, stride 1, undilated, ungrouped, at least 32 channels
-    each way, and at least 256 tiles per chunk, below which its 16 small GEMMs lose to the
-    flat shift's 9 larger ones (measured: docs/benchmarks.md)."""
+    each way, an output of at least 14x14, and at least 256 tiles per chunk, below which
+    its 16 small GEMMs lose to the flat shift's 9 larger ones or to the folded im2col GEMM
+    (ResNet-50's 7x7 weight gradient: 54 against 36 ms; docs/benchmarks.md)."""
     kh, kw, sh, sw, _ph, _pw, dh, dw = geom
-    if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32:
+    if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32 \
+            or min(ho, wo) < 14:
         return False
     th, tw = tiles(ho, wo)
     return chunk(n, c, o, ho, wo, budget)[0] * th * tw >= 256

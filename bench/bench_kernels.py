@@ -46,10 +46,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     from netdsl.backends.numpy import NumpyBackend
+    from netdsl.runtime.executor import KernelContext
 
-    class Ctx:  # as the executor calls kernels: with the backend's fused kernels if loaded
-        out = None
-        backend = NumpyBackend()
+    # as the executor calls kernels: with the backend's fused kernels where they load
+    Ctx = KernelContext(True, NumpyBackend(), "float32")  # noqa: N806
 
     pool = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True}
     cases = [  # name, op, input shape, attrs
@@ -84,6 +84,18 @@ def main() -> None:
     t = best_ms(lambda: F.linear(torch.from_numpy(x), torch.from_numpy(w)), 10 * a.repeats)
     print(f"{'linear [32, 32, 64] x [64, 256]':<44} {'forward':<9} {m:>10.3f} {t:>9.3f} "
           f"{m / t:>6.2f}")
+    x = rng.standard_normal((32, 32, 256)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    tx = torch.from_numpy(x).requires_grad_()
+    g = {"approximate": "none"}
+    for part, ours, theirs in (
+            ("forward", lambda: ops["gelu"].kernel(np, [x], g, Ctx),
+             lambda: F.gelu(tx.detach())),
+            ("backward", lambda: ops["gelu_grad"].kernel(np, [dy, x], g, Ctx),
+             lambda: torch.autograd.grad(F.gelu(tx), tx, torch.from_numpy(dy)))):
+        m, t = best_ms(ours, 10 * a.repeats), best_ms(theirs, 10 * a.repeats)
+        print(f"{'gelu [32, 32, 256] (torch: fwd + bwd)':<44} {part:<9} {m:>10.3f} "
+              f"{t:>9.3f} {m / t:>6.2f}")
     if a.conv:
         conv_cases(np, torch, ops, Ctx, rng, a.repeats)
 

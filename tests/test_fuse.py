@@ -251,6 +251,29 @@ def test_fused_sgd_is_the_reference_bit_for_bit(dtype, momentum, nesterov, wd):
     assert not np.array_equal(out[0][0], p0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("wd,decoupled", [(0.0, False), (0.01, False), (0.01, True)])
+def test_fused_adam_is_the_reference_bit_for_bit(dtype, wd, decoupled):
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(8)
+    p0, g = (rng.standard_normal((4, 6)).astype(dtype) for _ in range(2))
+    a = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": wd,
+         "decoupled": decoupled}
+    ref = NumpyBackend()
+    ref._fused = None
+    out = []
+    for backend in (ref, NumpyBackend()):
+        p, m, v = p0.copy(), np.zeros_like(p0), np.zeros_like(p0)
+        for step in range(1, 4):
+            r = _kernels("adam_update", [p, g * step, np.array(1e-3), m, v,
+                                         np.array(step, np.int64)], a, backend)
+            assert r is p
+        out.append((p, m, v))
+    for u, w in zip(*out, strict=True):
+        assert np.array_equal(u, w)
+    assert not np.array_equal(out[0][0], p0)
+
+
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
     assert NumpyBackend().fused is None

@@ -246,6 +246,23 @@ def sgd_update(p, g, buf, lr, momentum, weight_decay, nesterov):
         p[i] = p[i] - lr * gi
 
 
+@numba.njit(**_EXACT)
+def adam_update(p, g, m, v, decay, wd, b1, c1, b2, c2, step_size, bc2_sqrt, eps):
+    """In place on 1-d p, m and v: the Adam / AdamW step of the NumPy kernel, element by
+    element in the same order (decay is 1 - lr * wd for AdamW, else 1 and wd the L2
+    weight decay). The scalars are in p's dtype."""
+    for i in range(p.size):
+        pi = p[i] * decay
+        gi = g[i]
+        if wd != 0:
+            gi = gi + wd * pi
+        mi = m[i] * b1 + c1 * gi
+        vi = v[i] * b2 + c2 * (gi * gi)
+        m[i] = mi
+        v[i] = vi
+        p[i] = pi - step_size * (mi / (math.sqrt(vi) / bc2_sqrt + eps))
+
+
 # -- GELU in float32 --------------------------------------------------------------------------
 # erf(z) on [-4, 4] as the rational function z * P(z^2) / Q(z^2) that Eigen and XLA use for
 # float32 (outside it erf is +-1 in float32), with no exp and no branch, so LLVM vectorises
@@ -320,6 +337,7 @@ class FusedKernels:
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
     ln_forward = staticmethod(ln_forward)
     sgd_update = staticmethod(sgd_update)
+    adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
     ln_grad_input = staticmethod(ln_grad_input)
     ln_grad_weight = staticmethod(ln_grad_weight)
@@ -337,6 +355,7 @@ class FusedKernels:
             bn_grad_input(x, x, st, w, w, True, x, True, y)
             r2, d1 = np.ones((1, 2), dt), np.ones(2, dt)
             sgd_update(d1, d1, d1.copy(), dt(0), dt(0), dt(0), False)
+            adam_update(d1, d1, d1.copy(), d1.copy(), *(dt(1),) * 9)
             q = np.ones((1, 1, 2, 2), dt)
             maxpool2d_grad(q, q, 1, 1, 1, 1, 0, 0, q.copy())
             ln_forward(r2, d1, d1, 1e-5, r2.copy())

@@ -36,7 +36,7 @@ register(OpDef(
      Arg("beta2", "float", 0.999), Arg("eps", "float", 1e-8), Arg("weight_decay", "float", 0.0),
      Arg("decoupled", "bool", False)),
     _like_param("adam_update"), "optimizer", flops=lambda ins, out, a: 12 * out.numel(),
-    differentiable=False, writes=(0, 3, 4), view_of=0,
+    differentiable=False, writes=(0, 3, 4), view_of=0, extra={"fused_kernels": True},
     doc="Adam (decoupled=false: L2 decay in the gradient) or AdamW (decoupled=true)"))
 
 
@@ -79,6 +79,17 @@ def _adam(xp, ins, a, ctx):
     p, g, lr, m, v, step = ins
     b1, b2 = a["beta1"], a["beta2"]
     lr = lr.astype(p.dtype)
+    f = fused_kernels(ctx, p, g, m, v)
+    if f is not None and p.dtype == g.dtype == m.dtype == v.dtype:
+        # one pass, bit for bit the code below: its scalars, rounded as NumPy rounds them
+        t, wd = p.dtype.type, a["weight_decay"]
+        decoupled = bool(wd) and a["decoupled"]
+        n = step.astype(p.dtype)
+        f.adam_update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                      t(1.0 - lr * wd) if decoupled else t(1), t(0 if decoupled else wd),
+                      t(b1), t(1.0 - b1), t(b2), t(1.0 - b2), t(lr / (1.0 - b1 ** n)),
+                      t(xp.sqrt(1.0 - b2 ** n)), t(a["eps"]))
+        return p
     if a["weight_decay"]:
         if a["decoupled"]:
             p *= 1.0 - lr * a["weight_decay"]

@@ -274,6 +274,47 @@ def test_fused_adam_is_the_reference_bit_for_bit(dtype, wd, decoupled):
     assert not np.array_equal(out[0][0], p0)
 
 
+_NO_COMPILE_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numba
+from _examples import example_feeds, load
+from netdsl.backends import numpy_fused, numpy_winograd
+from netdsl.backends.numpy import NumpyBackend
+from netdsl.passes.autodiff import autodiff
+from netdsl.passes.fuse import fuse, fuse_grads
+from netdsl.passes.optimizer import add_optimizer
+from netdsl.runtime.executor import Executor
+be = NumpyBackend()
+assert be.fused is not None
+kernels = [f for m in (numpy_fused, numpy_winograd) for f in vars(m).values()
+           if isinstance(f, numba.core.registry.CPUDispatcher)]
+before = [len(k.signatures) for k in kernels]
+for name, batch, dtype, opt in (("resnet20-cifar.net", 16, "f32", "sgd"),
+                                ("transformer-tiny.net", 4, "f32", "adamw"),
+                                ("digits-cnn.net", 8, "f64", "adam")):
+    g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
+                                 enabled=True), opt)
+    Executor(g, be, dtype=dtype, seed=0).run(example_feeds(g), roles=("loss", "updates"))
+print(json.dumps([k.__name__ for k, b in zip(kernels, before) if len(k.signatures) != b]))
+"""
+
+
+def test_no_fused_kernel_compiles_inside_a_step():
+    """Every signature the training steps call (Winograd's strided tile matrices, GELU,
+    layernorm, both optimizers, max pooling, f32 and f64) is loaded when the kernels load,
+    in a fresh process: a compile, or a load from Numba's cache, inside a step would be
+    in its time and in its tracemalloc peak (`run --mem` measured 63% over its plan)."""
+    pytest.importorskip("numba")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILE_PROBE, str(Path(__file__).parent)],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
+
+
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
     assert NumpyBackend().fused is None

@@ -362,7 +362,9 @@ class FusedKernels:
             ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
             ln_grad_weight(r2, r2, 1e-5, np.zeros(2))
             t = np.ones((1, 1, 2, 2), dt)
-            tiles = np.empty((16, 1, 1), dt)
+            # the tile matrices are strided views (conv_winograd._tile_matrices): a
+            # different Numba type from a C-contiguous array, so warmed up as one
+            tiles = np.empty((16, 2), dt)[:, :1].reshape(16, 1, 1)
             numpy_winograd.input_tiles(t, 1, 1, 0, 1, 1, 1, tiles)
             numpy_winograd.output_tiles(tiles, 0, 1, 1, 1, t)
             numpy_winograd.output_tiles_adjoint(t, 0, 1, 1, 1, tiles)

@@ -229,6 +229,29 @@ def test_fused_layernorm_matches_the_reference(shape, axis, affine, dtype, tol):
         np.testing.assert_allclose(v, u, rtol=0, atol=tol * scale, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-13), (np.float32, 1e-6)])
+@pytest.mark.parametrize("shape,axis", [((5, 7), -1), ((2, 3, 4, 6), 3), ((3, 4, 5), 1)])
+def test_fused_softmax_matches_the_reference(shape, axis, dtype, tol):
+    """Rows of the last axis in Numba (another axis keeps the NumPy kernel); large and
+    equal logits (max shift), -inf (a zero probability)."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 30).astype(dtype)
+    x.flat[0:3] = 500.0
+    x.flat[5] = -np.inf
+    dy = rng.standard_normal(shape).astype(dtype)
+    ref = NumpyBackend()
+    ref._fused = None
+    res = []
+    for backend in (ref, NumpyBackend()):
+        y = _kernels("softmax", [x], {"axis": axis}, backend)
+        res.append((y, _kernels("softmax_grad", [dy, y], {"axis": axis}, backend)))
+    for u, v in zip(*res, strict=True):
+        assert u.dtype == v.dtype == dtype
+        np.testing.assert_allclose(v, u, rtol=0, atol=tol * max(float(np.abs(u).max()), 1.0))
+    np.testing.assert_allclose(res[1][0].sum(axis=axis), 1.0, rtol=tol * 10)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("momentum,nesterov,wd", [(0.0, False, 0.0), (0.9, False, 0.0),
                                                   (0.9, True, 5e-4), (0.0, False, 1e-2)])

@@ -190,6 +190,38 @@ def ln_grad_weight(dy2, x2, eps, acc):
             acc[j] += np.float64(dy2[r, j] * ((x2[r, j] - mt) * it))
 
 
+# -- softmax over rows ---------------------------------------------------------------------------
+@numba.njit(**_PAR)
+def softmax_rows(x2, y2):
+    """y = exp(x - max) / sum per row of the (R, D) x2; the sum in float64."""
+    d_ = x2.shape[1]
+    for r in numba.prange(x2.shape[0]):
+        m = x2[r, 0]
+        for j in range(1, d_):
+            m = max(m, x2[r, j])
+        s = 0.0
+        for j in range(d_):
+            e = math.exp(x2[r, j] - m)
+            y2[r, j] = e
+            s += np.float64(e)
+        inv = _consts(x2, 1.0 / s, 0.0, 0.0, 0.0)[0]
+        for j in range(d_):
+            y2[r, j] = y2[r, j] * inv
+
+
+@numba.njit(**_PAR)
+def softmax_grad_rows(dy2, y2, dx2):
+    """dx = y * (dy - sum(dy * y)) per row; the sum in float64."""
+    d_ = y2.shape[1]
+    for r in numba.prange(y2.shape[0]):
+        s = 0.0
+        for j in range(d_):
+            s += np.float64(dy2[r, j]) * np.float64(y2[r, j])
+        st = _consts(y2, s, 0.0, 0.0, 0.0)[0]
+        for j in range(d_):
+            dx2[r, j] = y2[r, j] * (dy2[r, j] - st)
+
+
 # -- 2-d max pooling's backward ------------------------------------------------------------------
 @numba.njit(**_PAR)
 def maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx):
@@ -339,6 +371,8 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
+    softmax_rows = staticmethod(softmax_rows)
+    softmax_grad_rows = staticmethod(softmax_grad_rows)
     ln_grad_input = staticmethod(ln_grad_input)
     ln_grad_weight = staticmethod(ln_grad_weight)
 
@@ -361,6 +395,8 @@ class FusedKernels:
             ln_forward(r2, d1, d1, 1e-5, r2.copy())
             ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
             ln_grad_weight(r2, r2, 1e-5, np.zeros(2))
+            softmax_rows(r2, r2.copy())
+            softmax_grad_rows(r2, r2, r2.copy())
             t = np.ones((1, 1, 2, 2), dt)
             # the tile matrices are strided views (conv_winograd._tile_matrices): a
             # different Numba type from a C-contiguous array, so warmed up as one

@@ -8,7 +8,7 @@ summed weights of the counted labels. The class axis is PyTorch's: dim 1 of [N, 
 [N, C, d1, ...] scores, or `axis=` (e.g. -1 for a language model's [N, T, C]).
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float, norm_axis
+from netdsl.ir.ops._util import fused_kernels, need_float, norm_axis
 from netdsl.ir.registry import NON_NEGATIVE, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -21,7 +21,8 @@ def _softmax_shape(ins, a):
 
 register(OpDef("softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
-               doc="softmax along an axis (the last by default)"))
+               doc="softmax along an axis (the last by default)",
+               extra={"fused_kernels": True}))
 register(OpDef("log_softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
                doc="log of softmax along an axis, computed stably (x - logsumexp(x))"))
@@ -115,7 +116,8 @@ register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor"),
 # -- backward operators -----------------------------------------------------------------------
 register(OpDef("softmax_grad", (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
-               differentiable=False, doc="dx = y * (dy - sum(dy * y)) along the axis"))
+               differentiable=False, doc="dx = y * (dy - sum(dy * y)) along the axis",
+               extra={"fused_kernels": True}))
 register(OpDef("log_softmax_grad",
                (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
@@ -144,14 +146,30 @@ def _softmax_fn(xp, x, axis):
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def _last_axis(x, axis) -> bool:
+    return axis % x.ndim == x.ndim - 1
+
+
 @kernel("softmax")
 def _softmax(xp, ins, a, ctx):
-    return _softmax_fn(xp, ins[0], a["axis"])
+    x = ins[0]
+    f = fused_kernels(ctx, x)
+    if f is not None and _last_axis(x, a["axis"]):  # rows in one pass each (Numba)
+        y = xp.empty_like(x)
+        f.softmax_rows(x.reshape(-1, x.shape[-1]), y.reshape(-1, x.shape[-1]))
+        return y
+    return _softmax_fn(xp, x, a["axis"])
 
 
 @kernel("softmax_grad")
 def _softmax_grad(xp, ins, a, ctx):
     dy, y = ins
+    f = fused_kernels(ctx, dy, y)
+    if f is not None and _last_axis(y, a["axis"]):
+        dx = xp.empty_like(y)
+        d = y.shape[-1]
+        f.softmax_grad_rows(dy.reshape(-1, d), y.reshape(-1, d), dx.reshape(-1, d))
+        return dx
     return y * (dy - (dy * y).sum(axis=a["axis"], keepdims=True))
 
 

@@ -105,7 +105,7 @@ def _gelu(xp, ins, a, ctx):
     x = ins[0]
     if a["approximate"] == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         return 0.5 * x * (1.0 + xp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
-    f = fused_kernels(ctx, x)  # float32: a vectorised loop (see numpy_fused.gelu_f32)
+    f = fused_kernels(ctx, x)  # float32: a vectorised loop (numpy_fused_activation)
     y = f.gelu(x) if f is not None else None
     return y if y is not None else 0.5 * x * (1.0 + ctx.erf(x * _SQRT1_2))  # x * Phi(x)
 

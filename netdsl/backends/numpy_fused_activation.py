@@ -1,0 +1,57 @@
+"""GELU in float32 for the NumPy backend's fused kernels (Numba, the `fast` extra)."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+# erf(z) on [-4, 4] as the rational function z * P(z^2) / Q(z^2) that Eigen and XLA use for
+# float32 (outside it erf is +-1 in float32), with no exp and no branch, so LLVM vectorises
+# the loop: 0.13 ms for 262,144 elements against 2.9 ms for SciPy's erf (docs/benchmarks.md).
+# Within 1e-6 of the exact GELU over [-6, 6] (1.8e-7 relative to |x|; PyTorch's float32
+# kernel is within 1.1e-6). The backward's density term takes exp (scalar, 0.8 ms): the
+# rational function's own derivative is 2e-6 off near the ends. float64 keeps SciPy's erf.
+# error_model="numpy": a division may not raise, which is what lets the loops vectorise;
+# no "nnan"/"ninf", so NaN and inf behave as in the reference.
+_VEC = {"cache": True, "nogil": True, "error_model": "numpy",
+        "fastmath": {"nsz", "arcp", "contract", "afn", "reassoc"}}
+_ERF_P = tuple(np.float32(v) for v in (
+    -2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+    -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+    -1.60960333262415e-02))  # z^13 ... z^1
+_ERF_Q = tuple(np.float32(v) for v in (
+    -1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+    -7.37332916720468e-03, -1.42647390514189e-02))  # z^8 ... z^0
+_P13, _P11, _P9, _P7, _P5, _P3, _P1 = _ERF_P
+_Q8, _Q6, _Q4, _Q2, _Q0 = _ERF_Q
+_F32 = np.float32
+
+
+@numba.njit(inline="always", **_VEC)
+def _half_erf_plus_half(v):
+    """Phi(v) = (1 + erf(v / sqrt 2)) / 2 in float32, kept in [0, 1] (the rational erf
+    overshoots +-1 by about 1e-7 near the ends, which would give gelu(x) the wrong sign)."""
+    z = min(max(v * _F32(0.7071067811865476), _F32(-4.0)), _F32(4.0))
+    z2 = z * z
+    p = ((((((_P13 * z2 + _P11) * z2 + _P9) * z2 + _P7) * z2 + _P5) * z2 + _P3) * z2
+         + _P1) * z
+    q = (((_Q8 * z2 + _Q6) * z2 + _Q4) * z2 + _Q2) * z2 + _Q0
+    return min(max(_F32(0.5) + _F32(0.5) * (p / q), _F32(0.0)), _F32(1.0))
+
+
+@numba.njit(**_VEC)
+def gelu_f32(x, y):
+    """y = x * Phi(x) over 1-d float32 arrays."""
+    for i in range(x.size):
+        v = x[i]
+        y[i] = v * _half_erf_plus_half(v)
+
+
+@numba.njit(**_VEC)
+def gelu_grad_f32(dy, x, dx):
+    """dx = dy * (Phi(x) + x * phi(x)) over 1-d float32 arrays."""
+    for i in range(x.size):
+        v = x[i]
+        pdf = math.exp(_F32(-0.5) * v * v) * _F32(0.3989422804014327)
+        dx[i] = dy[i] * (_half_erf_plus_half(v) + v * pdf)

@@ -1,0 +1,220 @@
+"""Normalisation loops for the NumPy backend's fused kernels (Numba, the `fast` extra):
+batchnorm (+ relu) forward and backward, layernorm and softmax over rows.
+
+NumPy runs one pass over memory per ufunc, so batchnorm + relu forward and backward make
+18 or more passes over tensors of the activation's size. These loops go channel by
+channel over a (N, C, P) view of NCHW data (P = the spatial size): one channel's slice
+(N chunks of P contiguous elements) stays in the cache between the passes over it, so a
+kernel reads each input from memory about once and writes its output once.
+
+Numerics (the same definitions as the NumPy reference kernels in netdsl.ir.ops.norm and
+norm_fused, which the tests compare these against):
+- the batch mean and biased variance are accumulated in float64 whatever the data's
+  dtype, in one pass over data shifted by the channel's first element (so the variance
+  does not cancel: the shift is a sample, within a few standard deviations of the mean);
+- the affine step is z = (x - mean) * (inv * w) + b with mean, inv = 1/sqrt(var + eps),
+  w and b first rounded to the data's dtype, computed in the data's dtype - the forward and
+  both backward kernels compute z identically, so the relu mask the backward recomputes
+  is the forward's exactly;
+- the backward's per-channel sums are accumulated in float64.
+
+Compiled with `cache=True`: the machine code is kept in `__pycache__` next to this file,
+so only the first process after an install pays the compile. `reassoc` lets the
+reductions use SIMD lanes (a different summation order, not a less exact one).
+Layernorm and softmax go row by row (rows in parallel), their sums in float64 too.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+_JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc"}}
+_PAR = {**_JIT, "parallel": True}  # channels in parallel: each is independent of the others
+
+
+@numba.njit(**_JIT)
+def _channel_moments(x3, c):
+    """float64 mean and biased variance of x3[:, c, :] (one pass, shifted data)."""
+    n, _, p = x3.shape
+    k = np.float64(x3[0, c, 0])
+    s1 = 0.0
+    s2 = 0.0
+    for i in range(n):
+        for j in range(p):
+            d = np.float64(x3[i, c, j]) - k
+            s1 += d
+            s2 += d * d
+    m = n * p
+    mu = s1 / m
+    return k + mu, max(s2 / m - mu * mu, 0.0)
+
+
+@numba.njit(**_JIT)
+def _consts(x3, mean, inv, w, b):
+    """mean, inv, scale = inv * w, shift = b and 0 in the data's dtype (a setitem casts;
+    arithmetic with a float64 would promote the whole loop to float64)."""
+    t = np.empty(5, x3.dtype)
+    t[0] = mean
+    t[1] = inv
+    t[2] = w
+    t[3] = b
+    t[4] = 0
+    return t[0], t[1], t[1] * t[2], t[3], t[4]
+
+
+@numba.njit(**_PAR)
+def bn_forward(x3, w, b, eps, relu, y3, moments):
+    """Training-mode batchnorm (+ relu) of x3 (N, C, P) into y3; moments[0] and [1] get
+    each channel's mean and biased variance (float64) for the running statistics."""
+    n, nc, p = x3.shape
+    for c in numba.prange(nc):
+        mean, var = _channel_moments(x3, c)
+        moments[0, c] = mean
+        moments[1, c] = var
+        mt, _it, scale, shift, zero = _consts(x3, mean, 1.0 / math.sqrt(var + eps),
+                                              w[c], b[c])
+        for i in range(n):
+            for j in range(p):
+                z = (x3[i, c, j] - mt) * scale + shift
+                if relu and not z > zero:  # NaN stays NaN; z > 0 is the backward's mask
+                    z = zero if z == z else z
+                y3[i, c, j] = z
+
+
+@numba.njit(**_PAR)
+def bn_grad_stats(dy3, x3, w, b, eps, relu, out):
+    """Batchnorm's backward statistics into out (4, C): sum(g * x_hat), sum(g), the batch
+    mean and 1/std, where g is dy (times the relu mask z > 0 with `relu`)."""
+    n, nc, p = x3.shape
+    for c in numba.prange(nc):
+        mean, var = _channel_moments(x3, c)
+        mt, it, scale, shift, zero = _consts(x3, mean, 1.0 / math.sqrt(var + eps),
+                                             w[c], b[c])
+        sg = 0.0
+        sgd = 0.0
+        for i in range(n):
+            for j in range(p):
+                d = x3[i, c, j] - mt
+                g = dy3[i, c, j]
+                if relu and not d * scale + shift > zero:
+                    g = zero
+                sg += np.float64(g)
+                sgd += np.float64(g) * np.float64(d)
+        out[0, c] = sgd * np.float64(it)
+        out[1, c] = sg
+        out[2, c] = mt
+        out[3, c] = it
+
+
+@numba.njit(**_PAR)
+def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3):
+    """dx of batchnorm (+ relu) from bn_grad_stats' rows into dx3:
+    w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), plus acc3 with
+    `accumulate` (acc3 may be dx3 itself otherwise: it is not read then)."""
+    n, nc, p = x3.shape
+    m = n * p
+    for c in numba.prange(nc):
+        gw, sg = np.float64(st[0, c]), np.float64(st[1, c])
+        mt, it, scale, shift, zero = _consts(x3, st[2, c], st[3, c], w[c], b[c])
+        k_dev, k_sum, _s, _b, _z = _consts(x3, -np.float64(it) * gw / m, -sg / m, 0.0, 0.0)
+        for i in range(n):
+            for j in range(p):
+                d = x3[i, c, j] - mt
+                g = dy3[i, c, j]
+                if relu and not d * scale + shift > zero:
+                    g = zero
+                v = (d * k_dev + k_sum + g) * scale
+                if accumulate:
+                    v += acc3[i, c, j]
+                dx3[i, c, j] = v
+
+
+# -- layernorm over rows -----------------------------------------------------------------------
+# x2 is (R, D): R rows each normalised over its D elements. The statistics are accumulated
+# in float64 over data shifted by the row's first element (as batchnorm's, above), rows in
+# parallel; w and b are (D,) (ones and zeros without affine).
+@numba.njit(inline="always")
+def _row_moments(x2, r):
+    d_ = x2.shape[1]
+    k = np.float64(x2[r, 0])
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(d_):
+        d = np.float64(x2[r, j]) - k
+        s1 += d
+        s2 += d * d
+    mu = s1 / d_
+    return k + mu, max(s2 / d_ - mu * mu, 0.0)
+
+
+@numba.njit(**_PAR)
+def ln_forward(x2, w, b, eps, y2):
+    """y = (x - mean) * inv * w + b per row, in the data's dtype."""
+    for r in numba.prange(x2.shape[0]):
+        mean, var = _row_moments(x2, r)
+        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+        for j in range(x2.shape[1]):
+            y2[r, j] = (x2[r, j] - mt) * it * w[j] + b[j]
+
+
+@numba.njit(**_PAR)
+def ln_grad_input(dy2, x2, w, eps, dx2):
+    """dx = inv * (g - mean(g) - x_hat * mean(g * x_hat)) per row, g = dy * w."""
+    d_ = x2.shape[1]
+    for r in numba.prange(x2.shape[0]):
+        mean, var = _row_moments(x2, r)
+        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+        sg = 0.0
+        sgx = 0.0
+        for j in range(d_):
+            g = np.float64(dy2[r, j] * w[j])
+            sg += g
+            sgx += g * np.float64((x2[r, j] - mt) * it)
+        k_sum, k_hat, _s, _b, _z = _consts(x2, sg / d_, sgx / d_, 0.0, 0.0)
+        for j in range(d_):
+            xh = (x2[r, j] - mt) * it
+            dx2[r, j] = it * (dy2[r, j] * w[j] - k_sum - xh * k_hat)
+
+
+@numba.njit(**_JIT)
+def ln_grad_weight(dy2, x2, eps, acc):
+    """acc[j] += sum over rows of dy * x_hat (acc float64)."""
+    for r in range(x2.shape[0]):
+        mean, var = _row_moments(x2, r)
+        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+        for j in range(x2.shape[1]):
+            acc[j] += np.float64(dy2[r, j] * ((x2[r, j] - mt) * it))
+
+
+# -- softmax over rows ---------------------------------------------------------------------------
+@numba.njit(**_PAR)
+def softmax_rows(x2, y2):
+    """y = exp(x - max) / sum per row of the (R, D) x2; the sum in float64."""
+    d_ = x2.shape[1]
+    for r in numba.prange(x2.shape[0]):
+        m = x2[r, 0]
+        for j in range(1, d_):
+            m = max(m, x2[r, j])
+        s = 0.0
+        for j in range(d_):
+            e = math.exp(x2[r, j] - m)
+            y2[r, j] = e
+            s += np.float64(e)
+        inv = _consts(x2, 1.0 / s, 0.0, 0.0, 0.0)[0]
+        for j in range(d_):
+            y2[r, j] = y2[r, j] * inv
+
+
+@numba.njit(**_PAR)
+def softmax_grad_rows(dy2, y2, dx2):
+    """dx = y * (dy - sum(dy * y)) per row; the sum in float64."""
+    d_ = y2.shape[1]
+    for r in numba.prange(y2.shape[0]):
+        s = 0.0
+        for j in range(d_):
+            s += np.float64(dy2[r, j]) * np.float64(y2[r, j])
+        st = _consts(y2, s, 0.0, 0.0, 0.0)[0]
+        for j in range(d_):
+            dx2[r, j] = y2[r, j] * (dy2[r, j] - st)

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from netdsl.backends import numpy_winograd
-from netdsl.backends.numpy_fused_activation import gelu_f32, gelu_grad_f32
+from netdsl.backends.numpy_fused_activation import gelu_f32, gelu_grad, gelu_grad_f32
 from netdsl.backends.numpy_fused_norm import (
     bn_forward,
     bn_grad_input,
@@ -111,9 +111,7 @@ class FusedKernels:
         """GELU's dx for float32 (None for other dtypes)."""
         if x.dtype != np.float32 or dy.dtype != np.float32:
             return None
-        dx = np.empty_like(x)
-        gelu_grad_f32(dy.reshape(-1), x.reshape(-1), dx.reshape(-1))
-        return dx
+        return gelu_grad(dy, x)
 
     @staticmethod
     def accepts(*arrays) -> bool:

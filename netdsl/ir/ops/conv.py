@@ -181,9 +181,9 @@ def _flat_shift_gw_scratch(n, c, o, kernel, g, hp, wp, ho) -> int:
 # Below this many output pixels per image, a GEMM per image is too small to run well; the
 # batch is folded into one GEMM where that GEMM is big enough to pay for the column copy
 # (>= 128 channels each way) or the per-offset GEMMs are worse still (C*kh*kw <= 64).
-# Measured on 8x8 to 14x14 images, batch 16-32: digits-cnn's first conv 0.62 -> 0.035 ms,
-# ResNet-50's 7x7 stage 65 -> 33 ms; 64 channels at 8x8 stays with the flat shift (0.89
-# against 1.15 ms folded).
+# bench/bench_kernels.py --conv: digits-cnn's first conv 0.65 -> 0.065 ms and ResNet-50's
+# 7x7 stage 71 -> 36 ms forward; 64 channels at 8x8 (ResNet-164's last stage) measured
+# slower folded, so it keeps the flat shift.
 _FOLD_MAX_PIXELS = 196
 
 

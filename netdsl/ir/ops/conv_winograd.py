@@ -62,7 +62,7 @@ def chunk(n: int, c: int, o: int, ho: int, wo: int, budget: int) -> tuple[int, i
 
 # The 16 tile matrices of a chunk lie _SKEW elements further apart than their size: rows
 # a power-of-two multiple of 4 KiB apart map to the same cache sets, and the transforms,
-# which write (or read) all 16 at once, ran 8x slower that way.
+# which write (or read) all 16 at once, ran several times slower than their GEMMs so.
 _SKEW = 16
 
 

@@ -14,7 +14,7 @@ from netdsl.backends.numpy import NumpyBackend
 from netdsl.ir import registry
 from netdsl.memory.strategies import apply_decisions
 from netdsl.passes.autodiff import autodiff
-from netdsl.passes.fuse import fuse, fuse_grads
+from netdsl.passes.fuse import fuse, fuse_grads, join_slice_grads
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime.executor import Executor, KernelContext
@@ -95,6 +95,51 @@ def test_fused_step_matches_the_unfused_step(example, batch):
     assert ref_state.keys() == got_state.keys()
     for k in ref_state:  # parameters, momentum, BN running statistics
         np.testing.assert_allclose(got_state[k], ref_state[k], rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+SLICES = """
+network slices {
+    input x: f32[N, 6]
+    input y: i64[N]
+    h = linear(x, 9)
+    k = linear(x, 8)
+    m = linear(x, 6)
+    a = slice(h, axis=1, start=0, stop=3)
+    b = slice(h, axis=1, start=3, stop=6)
+    c = slice(h, axis=1, start=6, stop=9)
+    e = slice(k, axis=1, start=0, stop=3)
+    f = slice(k, axis=1, start=5, stop=8)
+    p = slice(m, axis=1, start=0, stop=3)
+    q = slice(m, axis=1, start=0, stop=3)
+    r = slice(m, axis=1, start=3, stop=6)
+    logits = tanh(c) * b + a + tanh(e) * f + p * q + r
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+"""
+
+
+@pytest.mark.parametrize("example,batch,joins", [("transformer-tiny", 2, 2), ("slices", 3, 1)])
+def test_slice_gradients_that_tile_an_axis_join_into_one_concat(example, batch, joins):
+    """q, k and v cut from one projection: their gradients' sum becomes one concat, and
+    the step's losses and every gradient are those of the graph as autodiff wrote it. A
+    sum whose slices leave a gap (e and f) or overlap (p and q) stays as it was."""
+    fwd = (netdsl.loads(SLICES) if example == "slices" else load(f"{example}.net")).lower(batch)
+    g = add_optimizer(autodiff(fwd), "sgd", lr=0.05, momentum=0.9)
+    h = join_slice_grads(g)
+    joined = h.by_op("concat")
+    assert len(joined) == joins and all(n.meta["joined"] for n in joined)
+    assert all("sums_gradient_of" not in n.meta and n.name in g for n in joined)
+    assert len(h.by_op("slice_grad")) == len(g.by_op("slice_grad")) - 3 * joins
+    assert len(h.by_op("add")) == len(g.by_op("add")) - 2 * joins
+    feeds = example_feeds(g)
+    ref, ref_state, _ = run_steps(g, feeds)
+    got, got_state, _ = run_steps(h, feeds)
+    for a_step, b_step in zip(ref, got, strict=True):  # losses and every gradient
+        for a, b in zip(a_step, b_step, strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
+    for k in ref_state:
+        np.testing.assert_allclose(got_state[k], ref_state[k], rtol=1e-12, atol=1e-14)
 
 
 def test_fused_step_under_recompute_and_in_the_arena():
@@ -297,12 +342,32 @@ def test_fused_adam_is_the_reference_bit_for_bit(dtype, wd, decoupled):
     assert not np.array_equal(out[0][0], p0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_scatter_add_is_add_at_bit_for_bit(dtype):
+    """embedding_grad and gather_grad (axis 0) scatter rows with one Numba loop: repeated
+    ids accumulate in add.at's order, so the sums are the same to the bit."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 7, size=(5, 6))  # 30 ids over 7 rows: most rows repeat
+    dy = rng.standard_normal((5, 6, 3)).astype(dtype)
+    ref = NumpyBackend()
+    ref._fused = None
+    for op, a in (("embedding_grad", {"num": 7}),
+                  ("gather_grad", {"shape": (7, 3), "axis": 0})):
+        u, v = (_kernels(op, [dy, ids], a, backend) for backend in (ref, NumpyBackend()))
+        assert u.dtype == v.dtype == dtype and u.shape == v.shape == (7, 3)
+        assert np.array_equal(u, v), op
+        np.testing.assert_allclose(u[3], dy[ids == 3].sum(axis=0), rtol=1e-6)
+
+
 _NO_COMPILE_PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import numba
 from _examples import example_feeds, load
-from netdsl.backends import numpy_fused, numpy_winograd
+from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_norm,
+                             numpy_fused_optim, numpy_fused_pool, numpy_fused_scatter,
+                             numpy_winograd)
 from netdsl.backends.numpy import NumpyBackend
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.fuse import fuse, fuse_grads
@@ -310,7 +375,9 @@ from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime.executor import Executor
 be = NumpyBackend()
 assert be.fused is not None
-kernels = [f for m in (numpy_fused, numpy_winograd) for f in vars(m).values()
+modules = (numpy_fused_activation, numpy_fused_norm, numpy_fused_optim, numpy_fused_pool,
+           numpy_fused_scatter, numpy_winograd)
+kernels = [f for m in modules for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
 before = [len(k.signatures) for k in kernels]
 for name, batch, dtype, opt in (("resnet20-cifar.net", 16, "f32", "sgd"),

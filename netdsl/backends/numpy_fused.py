@@ -6,6 +6,7 @@ each input about once and write each output once. By job:
 - numpy_fused_activation: float32 GELU (a vectorised rational erf);
 - numpy_fused_optim: the SGD and Adam updates, bit for bit the NumPy kernels;
 - numpy_fused_pool: 2-d max pooling's backward;
+- numpy_fused_scatter: scatter-add of rows (the embedding and gather gradients);
 - numpy_winograd: Winograd F(2x2, 3x3)'s tile transforms (netdsl.ir.ops.conv_winograd).
 
 The NumPy kernels in netdsl.ir.ops stay the reference the tests compare these against.
@@ -34,6 +35,7 @@ from netdsl.backends.numpy_fused_norm import (
 )
 from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
 from netdsl.backends.numpy_fused_pool import maxpool2d_grad
+from netdsl.backends.numpy_fused_scatter import scatter_add_rows
 
 
 def thread_count() -> int:
@@ -63,6 +65,7 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
+    scatter_add_rows = staticmethod(scatter_add_rows)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
 
     def __init__(self):
@@ -86,6 +89,7 @@ class FusedKernels:
             ln_grad_weight(r2, r2, 1e-5, np.zeros(2))
             softmax_rows(r2, r2.copy())
             softmax_grad_rows(r2, r2, r2.copy())
+            scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
             t = np.ones((1, 1, 2, 2), dt)
             # the tile matrices are strided views (conv_winograd._tile_matrices): a
             # different Numba type from a C-contiguous array, so warmed up as one

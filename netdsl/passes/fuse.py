@@ -13,6 +13,13 @@
   input gradient: batchnorm's dx plus the shortcut's). The fused node takes the add's
   name and place.
 
+- `join_slice_grads` (on a training graph, after autodiff): a gradient sum whose terms
+  are all `slice_grad`s of one value, read by nothing else, whose unit-step slices tile
+  the sliced axis (a transformer's q, k and v cut from one projection) becomes one
+  `concat` of the slices' gradients: no zero-filled full-size tensors and no adds. The
+  concat takes the sum's name and place. It runs whatever the fused kernels (it is faster
+  in NumPy alone).
+
 Only nodes without a device placement are fused (a split graph's are left as they are).
 By default both run where the fused CPU kernels can (Numba is installed: the `fast`
 extra); without them the fused ops' NumPy reference code recomputes the relu mask and is
@@ -124,3 +131,65 @@ def _with_acc(g: Graph, d, other: str) -> tuple[str, ...] | None:
     if len(d.inputs) == 4 and fwd is not None and fwd.op == "batchnorm":
         return d.inputs + (fwd.inputs[2], other)  # (x, weight, bias, ...): its bias
     return None
+
+
+@register_pass("join_slice_grads")
+def join_slice_grads(g: Graph) -> Graph:
+    """add(slice_grad(a), slice_grad(b), ...) -> concat(a, b, ...) where the slices tile
+    their axis (autodiff's gradient sums)."""
+    readers = g.consumers()
+    outputs = {x for names in g.outputs.values() for x in names}
+    sums: dict[str, list] = {}  # the value summed -> its sum's add nodes, in order
+    for n in g.nodes:
+        if n.op == "add" and "sums_gradient_of" in n.meta:
+            sums.setdefault(n.meta["sums_gradient_of"], []).append(n)
+    joins = {}  # the last add's name -> (concat inputs, axis)
+    dropped = set()
+    for adds in sums.values():
+        names = {a.name for a in adds}
+        terms = [i for a in adds for i in a.inputs if i not in names]
+        parts = _tiling(g, terms, readers, outputs, names)
+        if parts is not None:
+            joins[adds[-1].name] = parts
+            dropped |= names - {adds[-1].name} | set(terms)
+    if not joins:
+        return g
+    g = g.copy()
+    nodes = []
+    for n in g.nodes:
+        if n.name in dropped:
+            continue
+        if n.name in joins:
+            ins, axis = joins[n.name]
+            meta = {k: v for k, v in n.meta.items() if k != "sums_gradient_of"}
+            n = make_node(g, n.name, "concat", ins, {"axis": axis}, like=n,
+                          meta={**meta, "joined": True})
+        nodes.append(n)
+    g.nodes = nodes
+    return g
+
+
+def _tiling(g: Graph, terms: list[str], readers, outputs, adds: set[str]):
+    """(the slices' gradients ordered along the axis, the axis) if `terms` are unit-step
+    slice_grads, each read only by the sum, that cover their axis once; else None."""
+    ds = [g[t] for t in terms]
+    if len(ds) < 2 or any(
+            d.op != "slice_grad" or d.device is not None or d.attrs["step"] != 1
+            or d.name in outputs or not set(readers[d.name]) <= adds
+            or len(readers[d.name]) != 1 for d in ds):
+        return None
+    shape = tuple(ds[0].attrs["shape"])
+    axis = ds[0].attrs["axis"] % len(shape)
+    if any(tuple(d.attrs["shape"]) != shape or d.attrs["axis"] % len(shape) != axis
+           or d.device is not None for d in ds):
+        return None
+    spans = sorted(((d.attrs["start"], d.attrs["start"] + g[d.inputs[0]].type.shape[axis], d)
+                    for d in ds), key=lambda s: s[:2])
+    at = 0
+    for start, stop, _ in spans:
+        if start != at:
+            return None
+        at = stop
+    if at != shape[axis]:
+        return None
+    return tuple(d.inputs[0] for _, _, d in spans), axis

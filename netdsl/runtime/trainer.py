@@ -252,8 +252,9 @@ def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
-    # leaves the graph as written)
-    return run_pipeline(forward, ["fuse", "autodiff", "fuse_grads",
+    # leaves the graph as written); join_slice_grads: q/k/v-style slices' gradients as
+    # one concat
+    return run_pipeline(forward, ["fuse", "autodiff", "fuse_grads", "join_slice_grads",
                                   ("optimizer", {"kind": kind, **opt})])
 
 

@@ -2,7 +2,7 @@
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import broadcast, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
-from netdsl.ir.ops.shape_ops import checked_indices
+from netdsl.ir.ops.shape_ops import checked_indices, scatter_add_rows
 from netdsl.ir.registry import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -104,7 +104,8 @@ register(OpDef("embedding_grad",
                (Arg("dy", "tensor"), Arg("ids", "tensor"), Arg("num", "int", range=POSITIVE)),
                _emb_grad_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: ins[0].numel(),
-               doc="scatter-add dy rows into a [num, dim] table at the ids"))
+               doc="scatter-add dy rows into a [num, dim] table at the ids",
+               extra={"fused_kernels": True}))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def _embedding_grad(xp, ins, a, ctx):
     dy, ids = ins
     ids = checked_indices(xp, ids, a["num"], ctx, negative=False, what="id")
     dw = xp.zeros((a["num"], dy.shape[-1]), dtype=dy.dtype)
-    xp.add.at(dw, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))  # repeated ids accumulate
+    scatter_add_rows(xp, ctx, dw, ids.reshape(-1), dy.reshape(-1, dy.shape[-1]))
     return dw
 
 

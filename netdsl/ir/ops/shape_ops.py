@@ -3,7 +3,7 @@ squeeze, unsqueeze, expand, gather."""
 
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import norm_axis
+from netdsl.ir.ops._util import fused_kernels, norm_axis
 from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import Dim, TensorType, mul_dims
 
@@ -248,7 +248,8 @@ register(OpDef("gather_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),
                                Arg("shape", "shape"), Arg("axis", "axis", 0)),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
                differentiable=False, flops=lambda ins, out, a: ins[0].numel(),
-               doc="scatter-add dy into zeros of x's shape at the indices"))
+               doc="scatter-add dy into zeros of x's shape at the indices",
+               extra={"fused_kernels": True}))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -344,6 +345,18 @@ def checked_indices(xp, idx, size, ctx, negative=True, what="index"):
     return idx
 
 
+def scatter_add_rows(xp, ctx, out, idx, rows):
+    """out[idx] += rows with repeated indices accumulating in order (np.add.at): out is
+    [size, ...], idx checked non-negative (checked_indices), rows idx.shape + out.shape[1:].
+    One Numba loop where the fused kernels take the arrays (add.at is slow)."""
+    f = fused_kernels(ctx, out, rows)
+    if f is not None and out.ndim >= 1:
+        f.scatter_add_rows(out.reshape(out.shape[0], -1), xp.ascontiguousarray(idx).reshape(-1),
+                           rows.reshape(idx.size, -1))
+    else:
+        xp.add.at(out, idx, rows)
+
+
 def _element_index(xp, idx, ax):
     """The full advanced index that `take_along_axis(x, idx, ax)` reads."""
     out = []
@@ -390,7 +403,7 @@ def _gather_grad(xp, ins, a, ctx):
     k = idx.ndim
     dyv = xp.moveaxis(dy, tuple(range(ax, ax + k)), tuple(range(k)))
     dx = xp.zeros((shape[ax],) + shape[:ax] + shape[ax + 1:], dtype=dy.dtype)
-    xp.add.at(dx, idx, dyv)  # repeated indices accumulate
+    scatter_add_rows(xp, ctx, dx, idx, dyv)
     return xp.ascontiguousarray(xp.moveaxis(dx, 0, ax))
 
 

@@ -10,7 +10,8 @@ import netdsl
 from netdsl.config import Cosine, Step
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Loader, Split
+from netdsl.runtime import data as data_mod
+from netdsl.runtime.data import DrawnSplit, Loader, Split, synthetic
 from netdsl.runtime.schedule import lr_at
 from netdsl.runtime.trainer import RunOptions, Trainer
 
@@ -136,6 +137,41 @@ def test_loader_is_seeded_and_restorable():
     c = Loader(split, 3, seed=1)
     c.restore(b.state())
     assert [c.next()[0].tolist() for _ in range(3)] == seq[4:]
+
+
+def test_large_synthetic_data_is_drawn_per_batch_with_the_same_values(monkeypatch):
+    """A synthetic split over HELD_SYNTHETIC_BYTES is not held: each batch draws its
+    samples, the same values (inputs and learnable labels) as the held split, so the
+    loader's batches and an evaluation's are the same either way."""
+    import tracemalloc
+    from netdsl.config import Synthetic
+    g = netdsl.loads(SMALL).graph
+    cfg = Synthetic(samples=40, test_samples=12)
+    held = synthetic(g, cfg, seed=3)
+    assert isinstance(held.train, Split)
+    monkeypatch.setattr(data_mod, "HELD_SYNTHETIC_BYTES", 1000)
+    drawn = synthetic(g, cfg, seed=3)
+    assert isinstance(drawn.train, DrawnSplit) and len(drawn.train) == 40
+    assert len(drawn.test) == 12 and isinstance(drawn.test, DrawnSplit)
+    for a, b in zip(held.train.arrays, drawn.train.take(np.arange(40)), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert len(np.unique(held.train.arrays[1])) > 1  # learnable labels, not a constant
+    x, y = held.test.take(slice(3, 9))
+    assert np.array_equal(x, drawn.test.take(slice(3, 9))[0])
+    assert np.array_equal(y, drawn.test.take(np.arange(3, 9))[1])
+    assert not np.array_equal(x, held.train.arrays[0][3:9])  # the splits differ
+    for u, v in zip(Loader(held.train, 8, 3).next(), Loader(drawn.train, 8, 3).next(),
+                    strict=True):
+        assert np.array_equal(u, v)
+    big = Synthetic(samples=1_000_000, test_samples=0)  # 432 MB of [3, 6, 6] images
+    tracemalloc.start()
+    try:
+        d = synthetic(g, big, seed=3)
+        batch = Loader(d.train, 8, 3).next()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert batch[0].shape == (8, 3, 6, 6) and peak < 50 * 2**20
 
 
 def test_schedules():

@@ -24,6 +24,27 @@ class Split:
     def __len__(self) -> int:
         return len(self.arrays[0]) if self.arrays else 0
 
+    def take(self, idx) -> list[np.ndarray]:
+        """The samples at `idx` (an index array or a slice), one array per input."""
+        return [a[idx] for a in self.arrays]
+
+
+class DrawnSplit:
+    """Samples drawn when a batch asks for them and not kept: synthetic data too large to
+    hold (ImageNet-sized images: 1,280 of them are 770 MB). `draw(indices)` gives the
+    arrays of those samples, each a fixed function of its index."""
+
+    def __init__(self, count: int, draw):
+        self.count, self.draw = count, draw
+
+    def __len__(self) -> int:
+        return self.count
+
+    def take(self, idx) -> list[np.ndarray]:
+        if isinstance(idx, slice):
+            idx = np.arange(self.count)[idx]
+        return self.draw(np.asarray(idx, dtype=np.int64))
+
 
 @dataclass
 class Dataset:
@@ -63,43 +84,78 @@ def _inputs(g: Graph):
     return [n for n in g.nodes if n.op == "input" and n.attrs.get("role") != "lr"]
 
 
+# a synthetic split up to this size is drawn once and held; a larger one is drawn batch by
+# batch (the same values either way: each sample comes from its own random stream)
+HELD_SYNTHETIC_BYTES = 64 << 20
+
+
 def synthetic(g: Graph, cfg: Synthetic, seed: int) -> Dataset:
     """Seeded random data of the network's input shapes; labels are a fixed function of x
     (the class of a random linear projection) so that a network can learn something.
     Labels may have any rank: one per sample, per pixel ([N, H, W] for [N, C, H, W]
-    images), or per token: [N, T] labels of [N, T] token ids make a next-token task."""
-    rng = np.random.default_rng(seed)
+    images), or per token: [N, T] labels of [N, T] token ids make a next-token task.
+
+    Sample i of a split is drawn from its own counter-based stream (Philox keyed by the
+    seed and the split, its counter starting at i), so it depends on (seed, split, i) only:
+    a split is held when it is small (HELD_SYNTHETIC_BYTES) and drawn per batch when it is
+    not, with the same values."""
     ins = _inputs(g)
+    specs = []  # (shape of a sample, dtype, None for floats or the ints' upper bound)
+    for n in ins:
+        dtype = np.dtype(NUMPY_DTYPE[n.type.dtype])
+        hi = None
+        if not n.type.is_float:
+            hi = cfg.classes if (cfg.classes and _is_label(g, n.name)) else None
+            hi = hi or _int_range(g, n.name) or cfg.classes or 2
+        specs.append((tuple(n.type.shape[1:]), dtype, hi))
+    labels = _label_rule(g, ins, specs, cfg, seed)
+    sample_bytes = sum(int(np.prod(sh)) * dt.itemsize for sh, dt, _ in specs)
     splits = []
-    for count in (cfg.samples, cfg.test_samples):
-        arrays = []
-        for n in ins:
-            shape = (count,) + tuple(n.type.shape[1:])
-            dtype = np.dtype(NUMPY_DTYPE[n.type.dtype])
-            if n.type.is_float:  # drawn in its own dtype: no float64 copy first
-                gen = dtype if dtype in (np.float32, np.float64) else np.float32
-                arrays.append(rng.standard_normal(shape, dtype=gen).astype(dtype, copy=False))
+    for part, count in enumerate((cfg.samples, cfg.test_samples)):
+        def draw(idx, part=part):
+            return labels(_draw(specs, seed, part, idx))
+        held = count * sample_bytes <= HELD_SYNTHETIC_BYTES
+        splits.append(Split(draw(np.arange(count))) if held else DrawnSplit(count, draw))
+    test = splits[1] if cfg.test_samples else None
+    return Dataset("synthetic", splits[0], test, [n.name for n in ins])
+
+
+def _draw(specs, seed: int, part: int, idx: np.ndarray) -> list[np.ndarray]:
+    """The inputs of samples `idx`: standard normal floats (drawn in their own dtype: no
+    float64 copy first) and uniform integers below their bound."""
+    out = [np.empty((len(idx),) + sh, dtype=dt) for sh, dt, _ in specs]
+    for k, i in enumerate(idx):
+        rng = np.random.Generator(np.random.Philox(key=[seed, part], counter=[0, int(i), 0, 0]))
+        for a, (sh, dt, hi) in zip(out, specs):
+            if hi is None:
+                gen = dt if dt in (np.float32, np.float64) else np.float32
+                a[k] = rng.standard_normal(sh, dtype=gen)
             else:
-                hi = cfg.classes if (cfg.classes and _is_label(g, n.name)) else None
-                hi = hi or _int_range(g, n.name) or cfg.classes or 2
-                arrays.append(rng.integers(0, hi, size=shape).astype(dtype))
-        splits.append(arrays)
+                a[k] = rng.integers(0, hi, size=sh)
+    return out
+
+
+def _label_rule(g: Graph, ins, specs, cfg: Synthetic, seed: int):
+    """What makes a batch's labels learnable: arrays -> arrays (unchanged without a
+    softmax cross-entropy over an input's labels)."""
     found = loss_labels(g)
-    if len(ins) >= 2 and found is not None and found[1] != ins[0].name:
-        at = [n.name for n in ins].index(found[1])
-        classes = _int_range(g, found[1]) or cfg.classes or 2
-        x_t, y_t = ins[0].type, ins[at].type
-        for arrays in splits:
-            if not len(arrays[0]):
-                continue
-            if not x_t.is_float and x_t.rank == 2 and y_t.shape == x_t.shape:
-                arrays[0], arrays[at] = _next_token(arrays[0], arrays[at], classes, g,
-                                                    ins[0].name, rng, seed)
-            else:
-                arrays[at] = _learnable_labels(ins[0], arrays[0], arrays[at], classes, g,
-                                               seed).astype(arrays[at].dtype)
-    test = Split(splits[1]) if cfg.test_samples else None
-    return Dataset("synthetic", Split(splits[0]), test, [n.name for n in ins])
+    if not (len(ins) >= 2 and found is not None and found[1] != ins[0].name):
+        return lambda arrays: arrays
+    at = [n.name for n in ins].index(found[1])
+    classes = _int_range(g, found[1]) or cfg.classes or 2
+    x_t, y_t = ins[0].type, ins[at].type
+    vocab = specs[0][2]  # the token ids' bound (None for float inputs)
+
+    def rule(arrays):
+        if not len(arrays[0]):
+            return arrays
+        if not x_t.is_float and x_t.rank == 2 and y_t.shape == x_t.shape:
+            arrays[0], arrays[at] = _next_token(arrays[0], arrays[at], classes, vocab, seed)
+        else:
+            arrays[at] = _learnable_labels(ins[0], arrays[0], arrays[at], classes, vocab,
+                                           seed).astype(arrays[at].dtype)
+        return arrays
+    return rule
 
 
 # features are pooled to at most this many before the label projection: a full [C*H*W,
@@ -117,26 +173,26 @@ def _pooled(x: np.ndarray, k: int) -> np.ndarray:
     return sums / np.diff(edges).astype(np.float32)
 
 
-def _next_token(x: np.ndarray, y: np.ndarray, classes: int, g: Graph, x_name: str, rng,
+def _next_token(x: np.ndarray, y: np.ndarray, classes: int, vocab: int,
                 seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Next-token prediction for [N, T] tokens and [N, T] labels: sequences that follow a
-    fixed random successor table, the labels being the tokens shifted by one, so a causal
-    model can learn the table (it must look at the previous token)."""
-    vocab = min(_int_range(g, x_name) or 2, classes)
+    fixed random successor table from each sample's own random first token, the labels
+    being the tokens shifted by one, so a causal model can learn the table (it must look
+    at the previous token)."""
+    vocab = min(vocab, classes)
     succ = np.random.default_rng(seed + 1).permutation(vocab)
     seq = np.empty((len(x), x.shape[1] + 1), dtype=np.int64)
-    seq[:, 0] = rng.integers(0, vocab, len(x))
+    seq[:, 0] = x[:, 0] % vocab
     for t in range(x.shape[1]):
         seq[:, t + 1] = succ[seq[:, t]]
     return seq[:, :-1].astype(x.dtype), seq[:, 1:].astype(y.dtype)
 
 
-def _learnable_labels(x_node, x: np.ndarray, labels: np.ndarray, classes: int, g: Graph,
-                      seed: int) -> np.ndarray:
+def _learnable_labels(x_node, x: np.ndarray, labels: np.ndarray, classes: int,
+                      vocab: int | None, seed: int) -> np.ndarray:
     n, lshape = len(x), labels.shape[1:]
     proj_rng = np.random.default_rng(seed + 1)
     if not x_node.type.is_float:  # token ids: a fixed class per token (per position)
-        vocab = _int_range(g, x_node.name) or int(x.max()) + 1
         table = proj_rng.standard_normal((vocab, classes))
         if x.shape == labels.shape:  # one label per token: a language model's targets
             return table[x].argmax(-1)
@@ -297,7 +353,7 @@ class Loader:
             self._perm = self._permutation()
         idx = self._perm[self.pos:self.pos + self.batch]
         self.pos += self.batch
-        return [a[idx] for a in self.split.arrays]
+        return self.split.take(idx)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -307,7 +363,7 @@ class Loader:
         self._perm = self._permutation()
 
 
-def batches(split: Split, batch: int):
+def batches(split: Split | DrawnSplit, batch: int):
     """The whole split in order, in batches; the last one may be smaller (evaluation)."""
     for i in range(0, len(split), batch):
-        yield [a[i:i + batch] for a in split.arrays]
+        yield split.take(slice(i, i + batch))

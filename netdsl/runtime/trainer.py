@@ -441,7 +441,7 @@ class Trainer:
                                            self.executor.backend, self.opts.dtype,
                                            self.cfg.seed)
             self._eval_base.load_state_dict(sd, strict=False)
-        test = Split([a[:limit] for a in self.data.test.arrays])
+        test = Split(self.data.test.take(slice(0, limit)))
         total = -(-limit // self.batch)
         progress = getattr(self.cb, "on_eval_progress", None)
         losses, correct, seen = [], 0, 0

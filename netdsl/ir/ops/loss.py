@@ -248,8 +248,7 @@ def _scale(xp, dy, denom, a, m):
 def _sce(xp, ins, a, ctx):
     z, t = _flat(xp, *ins, a["axis"])
     _check_labels(xp, t, z.shape[1], a, ctx)
-    if a["weight"] is None and not a["label_smoothing"] and \
-            not bool((t == a["ignore_index"]).any()):  # plain: log-sum-exp minus the pick
+    if _plain(xp, t, a):  # log-sum-exp minus the pick
         m = z.max(axis=1, keepdims=True)
         lse = xp.log(xp.exp(z - m).sum(axis=1)) + m[:, 0]
         picked = xp.take_along_axis(z, t[:, None].astype(xp.int64), axis=1)[:, 0]
@@ -264,10 +263,20 @@ def _sce(xp, ins, a, ctx):
 def _sce_grad(xp, ins, a, ctx):
     dy, logits, labels = ins
     z, t = _flat(xp, logits, labels, a["axis"])
-    c, denom = _coefficients(xp, t, z.shape[1], a, z.dtype, a["label_smoothing"])
     p = _softmax_fn(xp, z, 1)
+    if _plain(xp, t, a):  # softmax minus the one-hot label: the forward's plain case
+        m = z.shape[0]
+        p[xp.arange(m), t] -= 1
+        return _unflat(xp, p * _scale(xp, dy, m, a, m), logits.shape, a["axis"])
+    c, denom = _coefficients(xp, t, z.shape[1], a, z.dtype, a["label_smoothing"])
     g = p * c.sum(axis=1, keepdims=True) - c
     return _unflat(xp, g * _scale(xp, dy, denom, a, z.shape[0]), logits.shape, a["axis"])
+
+
+def _plain(xp, t, a) -> bool:
+    """No class weights, no smoothing and no ignored label: every position counts once."""
+    return (a["weight"] is None and not a["label_smoothing"]
+            and not bool((t == a["ignore_index"]).any()))
 
 
 @kernel("nll")

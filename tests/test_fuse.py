@@ -86,6 +86,11 @@ def test_fused_step_matches_the_unfused_step(example, batch):
     assert h.by_op("batchnorm_relu") and len(h.by_op("relu_grad")) < len(g.by_op("relu_grad"))
     if example == "branchy":  # both gradient sums of a batchnorm's input folded into its dx
         assert sum(len(n.inputs) == 6 for n in h.by_op("batchnorm_grad_from_stats")) == 2
+    else:  # post-activation blocks: relu(bn(conv) + shortcut), its input's gradient sum
+        assert len(h.by_op("add_relu")) == 9
+        assert sum(len(n.inputs) == 3 for n in h.by_op("relu_grad")) == 8
+        # the stem's output (a batchnorm_relu's) keeps its sum: its backward reads dy twice
+        assert [n.meta["sums_gradient_of"] for n in h.by_op("add")] == ["cifar_stem.relu"]
     feeds = example_feeds(g)
     ref, ref_state, _ = run_steps(g, feeds)
     got, got_state, _ = run_steps(h, feeds)
@@ -340,6 +345,32 @@ def test_fused_adam_is_the_reference_bit_for_bit(dtype, wd, decoupled):
     for u, w in zip(*out, strict=True):
         assert np.array_equal(u, w)
     assert not np.array_equal(out[0][0], p0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype):
+    """add_relu and relu_grad (with and without the folded sum) in one Numba pass each, to
+    the bit of the NumPy kernels: NaN, inf and signed zeros included."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(10)
+    a, b, dy, acc = (rng.standard_normal((3, 4, 5)).astype(dtype) for _ in range(4))
+    a.flat[:6] = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1.0]
+    b.flat[:6] = [1.0, -np.inf, 1.0, 0.0, -0.0, -1.0]
+    dy.flat[:3] = [np.inf, np.nan, -0.5]
+    ref = NumpyBackend()
+    ref._fused = None
+    out = []
+    with np.errstate(invalid="ignore"):  # inf - inf, inf * 0: NaN, as in the reference
+        for backend in (ref, NumpyBackend()):
+            y = _kernels("add_relu", [a, b], {}, backend)
+            out.append((y, _kernels("relu_grad", [dy, y], {}, backend),
+                        _kernels("relu_grad", [dy, y, acc], {}, backend)))
+        want = (dy + acc) * (out[0][0] > 0)
+    for u, v in zip(*out, strict=True):
+        assert u.dtype == v.dtype == dtype
+        assert np.array_equal(u.view(f"u{u.itemsize}"), v.view(f"u{v.itemsize}"))  # bits
+    assert np.isnan(out[1][0].flat[0]) and out[1][0].flat[3] == 0 and (out[1][0] >= 0).sum() > 50
+    np.testing.assert_array_equal(out[1][2], want)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -260,18 +260,18 @@ def test_dropout_is_the_identity_in_the_export(tmp_path):
     assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)
 
 
-def test_fused_batchnorm_relu_exports_as_two_nodes(tmp_path):
-    """The fuse pass's batchnorm_relu becomes BatchNormalization + Relu, with the outputs
-    of the unfused network."""
+def test_fused_batchnorm_relu_and_add_relu_export_as_two_nodes(tmp_path):
+    """The fuse pass's batchnorm_relu becomes BatchNormalization + Relu, and add_relu Add +
+    Relu, with the outputs of the unfused network."""
     from netdsl.passes.fuse import fuse
     net = load("resnet20-cifar.net")
     g = net.lower(2)
     feeds = example_feeds(g)
     state = calibrated_state(g, feeds)
     fused = fuse(net.lower(), enabled=True)
-    assert fused.by_op("batchnorm_relu")
+    assert fused.by_op("batchnorm_relu") and fused.by_op("add_relu")
     export_onnx(fused, lambda n: state[n.name], tmp_path / "m.onnx")
     model = onnx.load(tmp_path / "m.onnx")
     ops = [n.op_type for body in [model.graph, *model.functions] for n in body.node]
-    assert "BatchNormalization" in ops and "Relu" in ops
+    assert "BatchNormalization" in ops and "Relu" in ops and "Add" in ops
     assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)

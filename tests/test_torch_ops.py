@@ -109,6 +109,7 @@ TORCH = {
     "cast": lambda t, a: t["in0"].to(torch.float64),
     # activations
     "relu6": lambda t, a: F.relu6(t["in0"]),
+    "add_relu": lambda t, a: F.relu(t["in0"] + t["in1"]),
     "clip": lambda t, a: torch.clamp(t["in0"], a["min"], a["max"]),
     "hardswish": lambda t, a: F.hardswish(t["in0"]),
     "hardsigmoid": lambda t, a: F.hardsigmoid(t["in0"]),

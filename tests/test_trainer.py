@@ -144,6 +144,7 @@ def test_large_synthetic_data_is_drawn_per_batch_with_the_same_values(monkeypatc
     samples, the same values (inputs and learnable labels) as the held split, so the
     loader's batches and an evaluation's are the same either way."""
     import tracemalloc
+
     from netdsl.config import Synthetic
     g = netdsl.loads(SMALL).graph
     cfg = Synthetic(samples=40, test_samples=12)

@@ -3,7 +3,8 @@
 NumPy runs one pass over memory per ufunc and cannot fuse loops; these Numba loops read
 each input about once and write each output once. By job:
 - numpy_fused_norm: batchnorm (+ relu), layernorm and softmax;
-- numpy_fused_activation: float32 GELU (a vectorised rational erf);
+- numpy_fused_activation: float32 GELU (a vectorised rational erf), relu(a + b) and relu's
+  gradient (with a gradient sum folded in);
 - numpy_fused_optim: the SGD and Adam updates, bit for bit the NumPy kernels;
 - numpy_fused_pool: 2-d max pooling's backward;
 - numpy_fused_scatter: scatter-add of rows (the embedding and gather gradients);
@@ -22,7 +23,13 @@ import numba
 import numpy as np
 
 from netdsl.backends import numpy_winograd
-from netdsl.backends.numpy_fused_activation import gelu_f32, gelu_grad, gelu_grad_f32
+from netdsl.backends.numpy_fused_activation import (
+    add_relu,
+    gelu_f32,
+    gelu_grad,
+    gelu_grad_f32,
+    relu_grad,
+)
 from netdsl.backends.numpy_fused_norm import (
     bn_forward,
     bn_grad_input,
@@ -65,6 +72,8 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
+    add_relu = staticmethod(add_relu)
+    relu_grad = staticmethod(relu_grad)
     scatter_add_rows = staticmethod(scatter_add_rows)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
 
@@ -90,6 +99,8 @@ class FusedKernels:
             softmax_rows(r2, r2.copy())
             softmax_grad_rows(r2, r2, r2.copy())
             scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
+            add_relu(d1, d1, d1.copy())
+            relu_grad(d1, d1, d1, True, d1.copy())
             t = np.ones((1, 1, 2, 2), dt)
             # the tile matrices are strided views (conv_winograd._tile_matrices): a
             # different Numba type from a C-contiguous array, so warmed up as one

@@ -1,4 +1,6 @@
-"""GELU in float32 for the NumPy backend's fused kernels (Numba, the `fast` extra)."""
+"""Activations for the NumPy backend's fused kernels (Numba, the `fast` extra): GELU in
+float32, and relu's one-pass forms: relu(a + b) and relu's gradient with a gradient sum's
+other term folded in (the fuse passes' add_relu and relu_grad with `acc`)."""
 from __future__ import annotations
 
 import numba
@@ -65,3 +67,23 @@ def gelu_grad(dy, x):
     np.exp(dx, out=dx)
     gelu_grad_f32(dy.reshape(-1), x.reshape(-1), dx.reshape(-1))
     return dx
+
+
+_RELU = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+
+@numba.njit(**_RELU)
+def add_relu(a, b, y):
+    """y = max(a + b, 0) over 1-d arrays, as np.maximum(a + b, 0): NaN and -0.0 pass."""
+    for i in range(y.size):
+        v = a[i] + b[i]
+        y[i] = 0.0 if v < 0 else v
+
+
+@numba.njit(**_RELU)
+def relu_grad(dy, y, acc, with_acc, dx):
+    """dx = (dy + acc) * (y > 0) over 1-d arrays (acc only if with_acc): a product with
+    the 0/1 mask as NumPy's, so NaN, inf and -0.0 come out as they do there."""
+    for i in range(dx.size):
+        s = dy[i] + acc[i] if with_acc else dy[i]
+        dx[i] = s * (1.0 if y[i] > 0 else 0.0)

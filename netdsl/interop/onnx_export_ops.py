@@ -52,6 +52,10 @@ def _batchnorm_relu(e, n, xs):  # the fuse pass's op: unfused again
                              epsilon=n.attrs["eps"])])
 
 
+def _add_relu(e, n, xs):  # the fuse pass's op: unfused again
+    e.result("Relu", [e.emit("Add", xs)])
+
+
 def _scale(e, n, xs):
     e.result("Mul", [xs[0], e.scalar(n.attrs["factor"], "factor")])
 
@@ -235,6 +239,7 @@ EXPORTERS = {
     "adaptive_maxpool": layers.adaptive("MaxPool", "ReduceMax"),
     "batchnorm": _batchnorm,
     "batchnorm_relu": _batchnorm_relu,
+    "add_relu": _add_relu,
     "layernorm": layers.layernorm,
     "groupnorm": layers.groupnorm,
     "instancenorm": layers.instancenorm,

@@ -3,16 +3,19 @@
 - `fuse` (on a forward graph, before autodiff, which then uses the fused op's gradient
   rule): `relu(batchnorm(x))` where the relu is the batchnorm's only reader and the
   batchnorm's value is no graph output becomes `batchnorm_relu(x)` (see
-  netdsl.ir.ops.norm_fused). The fused node takes the relu's name (its readers and output
-  roles are unchanged) and the batchnorm's inputs, attributes, source location and scope;
-  the batchnorm node goes. A recompute replay (`replay` attribute) is left alone.
+  netdsl.ir.ops.norm_fused); `relu(add(a, b))` of two tensors of one type (a
+  post-activation residual block's output) becomes `add_relu(a, b)` likewise. The fused
+  node takes the relu's name (its readers and output roles are unchanged) and the first
+  node's inputs, attributes, source location and scope; that node goes. A recompute
+  replay (`replay` attribute) is left alone.
 - `fuse_grads` (on a training graph, after autodiff): an `add` of a gradient sum (autodiff
   tags them `sums_gradient_of`) one of whose inputs is an affine batchnorm's
   `batchnorm_grad_from_stats` read by nothing else becomes that node with the other input
   as its `acc`: dx is written with the sum in one pass (a pre-activation ResNet block's
   input gradient: batchnorm's dx plus the shortcut's). The fused node takes the add's
-  name and place.
-
+  name and place. Then a `relu_grad` whose gradient is such a sum, read by nothing else,
+  takes the sum's two terms (the second as its `acc`) and the add goes (a
+  post-activation block's input gradient, masked by the previous block's relu).
 - `join_slice_grads` (on a training graph, after autodiff): a gradient sum whose terms
   are all `slice_grad`s of one value, read by nothing else, whose unit-step slices tile
   the sliced axis (a transformer's q, k and v cut from one projection) becomes one
@@ -21,10 +24,10 @@
   in NumPy alone).
 
 Only nodes without a device placement are fused (a split graph's are left as they are).
-By default both run where the fused CPU kernels can (Numba is installed: the `fast`
-extra); without them the fused ops' NumPy reference code recomputes the relu mask and is
-slower than the unfused ops, so the graph is left as written. `NETDSL_FUSE=1` or `0` (or
-a pass's `enabled`) forces either way, to compare.
+By default `fuse` and `fuse_grads` run where the fused CPU kernels can (Numba is
+installed: the `fast` extra); without them the fused ops' NumPy reference code recomputes
+the relu mask and is slower than the unfused ops, so the graph is left as written.
+`NETDSL_FUSE=1` or `0` (or a pass's `enabled`) forces either way, to compare.
 """
 from __future__ import annotations
 
@@ -47,34 +50,41 @@ def fusion_enabled() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+# the forward pairs `fuse` makes: (first op, its fused form with relu)
+_WITH_RELU = {"batchnorm": "batchnorm_relu", "add": "add_relu"}
+
+
 @register_pass("fuse")
 def fuse(g: Graph, enabled: bool | None = None) -> Graph:
-    """relu(batchnorm(x)) -> batchnorm_relu(x) where the relu is the only reader."""
+    """relu(batchnorm(x)) -> batchnorm_relu(x) and relu(add(a, b)) -> add_relu(a, b) where
+    the relu is the only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
     readers = g.consumers()
     outputs = {x for names in g.outputs.values() for x in names}
-    pairs = {}  # relu name -> batchnorm node
+    pairs = {}  # relu name -> the node it reads
     for n in g.nodes:
         if n.op != "relu" or n.device is not None:
             continue
-        bn = g[n.inputs[0]]
-        if (bn.op == "batchnorm" and not bn.attrs.get("replay") and bn.device is None
-                and readers[bn.name] == [n.name] and bn.name not in outputs):
-            pairs[n.name] = bn
+        first = g[n.inputs[0]]
+        if (first.op in _WITH_RELU and not first.attrs.get("replay") and first.device is None
+                and readers[first.name] == [n.name] and first.name not in outputs
+                and (first.op != "add" or g[first.inputs[0]].type == g[first.inputs[1]].type
+                     == first.type)):  # (not a broadcasting add)
+            pairs[n.name] = first
     if not pairs:
         return g
     g = g.copy()
-    dropped = {bn.name for bn in pairs.values()}
+    dropped = {first.name for first in pairs.values()}
     nodes = []
     for n in g.nodes:
         if n.name in dropped:
             continue
-        bn = pairs.get(n.name)
-        if bn is not None:
-            f = make_node(g, n.name, "batchnorm_relu", bn.inputs, bn.attrs, like=bn,
-                          meta={**bn.meta, "fused": (bn.name, n.name)})
-            f.annotations = {**bn.annotations, **n.annotations}
+        first = pairs.get(n.name)
+        if first is not None:
+            f = make_node(g, n.name, _WITH_RELU[first.op], first.inputs, first.attrs,
+                          like=first, meta={**first.meta, "fused": (first.name, n.name)})
+            f.annotations = {**first.annotations, **n.annotations}
             n = f
         nodes.append(n)
     g.nodes = nodes
@@ -84,9 +94,13 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
 @register_pass("fuse_grads")
 def fuse_grads(g: Graph, enabled: bool | None = None) -> Graph:
     """add(batchnorm_grad_from_stats(...), other) -> batchnorm_grad_from_stats(..., acc=other)
-    for autodiff's gradient sums."""
+    and relu_grad(add(a, b), y) -> relu_grad(a, y, acc=b) for autodiff's gradient sums."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
+    return _sums_into_relu_grads(_sums_into_batchnorm_dx(g))
+
+
+def _sums_into_batchnorm_dx(g: Graph) -> Graph:
     readers = g.consumers()
     outputs = {x for names in g.outputs.values() for x in names}
     fused = {}  # add name -> (from_stats node, its inputs with acc)
@@ -117,6 +131,37 @@ def fuse_grads(g: Graph, enabled: bool | None = None) -> Graph:
             d, ins = fused[n.name]
             n = make_node(g, n.name, d.op, ins, d.attrs, like=d,
                           meta={**n.meta, "fused": (d.name, n.name)})
+        nodes.append(n)
+    g.nodes = nodes
+    return g
+
+
+def _sums_into_relu_grads(g: Graph) -> Graph:
+    """relu_grad(sum, y) -> relu_grad(a, y, acc=b) where `sum` is autodiff's add(a, b) of a
+    value's gradients read by nothing else (a post-activation block's input gradient)."""
+    readers = g.consumers()
+    outputs = {x for names in g.outputs.values() for x in names}
+    folded = {}  # relu_grad name -> the sum it takes in
+    for n in g.nodes:
+        if n.op != "relu_grad" or len(n.inputs) != 2 or n.device is not None:
+            continue
+        s = g[n.inputs[0]]
+        if (s.op == "add" and "sums_gradient_of" in s.meta and s.device is None
+                and len(s.inputs) == 2 and readers[s.name] == [n.name] and s.name not in outputs
+                and g[s.inputs[0]].type == g[s.inputs[1]].type == s.type == n.type):
+            folded[n.name] = s
+    if not folded:
+        return g
+    g = g.copy()
+    dropped = {s.name for s in folded.values()}
+    nodes = []
+    for n in g.nodes:
+        if n.name in dropped:
+            continue
+        s = folded.get(n.name)
+        if s is not None:
+            n = make_node(g, n.name, "relu_grad", (s.inputs[0], n.inputs[1], s.inputs[1]),
+                          like=n, meta={**n.meta, "fused": (s.name, n.name)})
         nodes.append(n)
     g.nodes = nodes
     return g

@@ -40,6 +40,22 @@ for _name, _k, _ret, _extra in _ACTS:
                    flops=_per_elem(_k), retains=_ret, doc=f"element-wise {_name}",
                    extra={"fused_kernels": _name == "gelu"}))
 
+
+def _add_relu_shape(ins, a):
+    x, y = ins
+    need_float(x, "add_relu", "a")
+    if x != y:
+        raise ShapeError(f"add_relu adds tensors of one type, but {{a}} is {x} and {{b}} is {y}")
+    return x
+
+
+register(OpDef(
+    "add_relu", (Arg("a", "tensor"), Arg("b", "tensor")), _add_relu_shape, "activation",
+    flops=_per_elem(2), retains=("output",), extra={"fused_kernels": True},
+    doc="relu(a + b) in one kernel (made by the `fuse` pass from an add of two tensors of "
+        "one type read only by a relu: a post-activation residual block's output)"))
+
+
 def _dropout_shape(ins, a):
     if not 0.0 <= a["p"] <= 1.0:
         raise ShapeError(f"dropout probability p must be in [0, 1], not {a['p']}")
@@ -60,7 +76,19 @@ register(OpDef(
 
 
 # -- backward operators: (dy, y) or (dy, x) -> dx -------------------------------------------
-for _name, _k, _extra in (("relu_grad", 1, ()), ("leaky_relu_grad", 2, (Arg("slope", "float"),)),
+def _relu_grad_shape(ins, a):
+    if len(ins) > 2 and ins[2] != ins[0]:
+        raise ShapeError(f"relu_grad: the gradient {ins[0]} and the sum's other term "
+                         f"{ins[2]} differ")
+    return grad_shape("relu_grad")(ins[:2], a)
+
+
+register(OpDef("relu_grad", (Arg("dy", "tensor"), Arg("v", "tensor"), Arg("acc", "tensor", None)),
+               _relu_grad_shape, "backward", flops=_per_elem(1), differentiable=False,
+               extra={"fused_kernels": True},
+               doc="backward of relu: (dy + acc) where the output v is positive, else 0 (acc, "
+                   "the other term of a gradient sum, folded in by the fuse_grads pass)"))
+for _name, _k, _extra in (("leaky_relu_grad", 2, (Arg("slope", "float"),)),
                           ("gelu_grad", 12, (Arg("approximate", "str", "none",
                                                  choices=("none", "tanh")),)),
                           ("sigmoid_grad", 3, ()), ("tanh_grad", 3, ())):
@@ -75,9 +103,32 @@ def _relu(xp, ins, a, ctx):
     return ctx.into(xp.maximum, ins[0], 0)
 
 
+@kernel("add_relu")
+def _add_relu(xp, ins, a, ctx):
+    x, y = ins
+    f = fused_kernels(ctx, x, y)
+    if f is not None and x.dtype == y.dtype:  # one pass
+        out = ctx.out if ctx.out is not None else xp.empty_like(x)
+        f.add_relu(x.reshape(-1), y.reshape(-1), out.reshape(-1))
+        return out
+    out = ctx.into(xp.add, x, y)
+    return xp.maximum(out, 0, out=out)
+
+
 @kernel("relu_grad")
 def _relu_grad(xp, ins, a, ctx):
-    dy, y = ins
+    dy, y = ins[0], ins[1]
+    acc = ins[2] if len(ins) > 2 else None
+    f = fused_kernels(ctx, dy, y, acc)
+    if f is not None and dy.dtype == y.dtype and (acc is None or acc.dtype == dy.dtype):
+        # one pass, bit for bit the code below (a product with the 0/1 mask, not a select)
+        out = ctx.out if ctx.out is not None else xp.empty_like(dy)
+        f.relu_grad(dy.reshape(-1), y.reshape(-1),
+                    (dy if acc is None else acc).reshape(-1), acc is not None,
+                    out.reshape(-1))
+        return out
+    if acc is not None:
+        dy = dy + acc
     return ctx.into(xp.multiply, dy, y > 0)
 
 
@@ -182,6 +233,12 @@ def _dropout(xp, ins, a, ctx):
 @grad_rule("relu")
 def _relu_rule(n, b, gy):
     return [b.emit("relu_grad", [gy, n.name])]
+
+
+@grad_rule("add_relu")
+def _add_relu_rule(n, b, gy):
+    g = b.emit("relu_grad", [gy, n.name])
+    return [g, g]
 
 
 @grad_rule("leaky_relu")

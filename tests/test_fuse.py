@@ -436,6 +436,34 @@ def test_no_fused_kernel_compiles_inside_a_step():
     assert json.loads(out.strip().splitlines()[-1]) == []
 
 
+_WAIT_PROBE = """
+import os
+import numba
+import numba.np.ufunc.parallel as parallel
+from netdsl.backends.numpy import NumpyBackend
+assert not parallel._is_initialized  # libgomp not loaded yet: it reads the policy on load
+assert NumpyBackend().fused is not None
+print(os.environ.get("OMP_WAIT_POLICY"), parallel._is_initialized, numba.threading_layer())
+"""
+
+
+@pytest.mark.parametrize("user", [None, "active"])
+def test_numba_threads_wait_passively_unless_the_user_says(user):
+    """libgomp's spinning idle threads took the cores from OpenBLAS's (ResNet-164's step
+    5x slower with two threads): the loops' threads are started with passive waits, set
+    before Numba loads libgomp; the user's own OMP_WAIT_POLICY stands."""
+    pytest.importorskip("numba")
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if user:
+        env["OMP_WAIT_POLICY"] = user
+    out = subprocess.run([sys.executable, "-c", _WAIT_PROBE], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[:2] == [user or "PASSIVE", "True"]
+
+
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", "0")
     assert NumpyBackend().fused is None

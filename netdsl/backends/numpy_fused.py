@@ -57,6 +57,19 @@ def thread_count() -> int:
     return pool
 
 
+# Numba's parallel loops run on libgomp, whose idle threads spin ("active" waits) by
+# default. OpenBLAS's threads spin between GEMMs too, and the two took the cores from each
+# other: with two threads on this 2-core machine ResNet-164's step took 3.06 s against
+# 0.58 s with passive waits, and transformer-tiny's 116 against 12 ms
+# (bench/refs/netdsl_step.py --threads 2). libgomp reads the policy when Numba loads it,
+# the first time the loops' threads are set; a policy the user set stands.
+WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def passive_waits() -> None:
+    os.environ.setdefault(*WAIT_POLICY)
+
+
 class FusedKernels:
     """What kernels see as `ctx.backend.fused`: the compiled loops, for float32 and
     float64 C-contiguous arrays (callers fall back to the NumPy reference otherwise)."""
@@ -79,6 +92,7 @@ class FusedKernels:
 
     def __init__(self):
         self.threads = thread_count()
+        passive_waits()
         numba.set_num_threads(self.threads)
         # each compiled signature is loaded from the cache (or compiled) on its first call:
         # make those calls now, on tiny arrays, so none happens inside a measured step

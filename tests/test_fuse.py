@@ -91,15 +91,21 @@ def test_fused_step_matches_the_unfused_step(example, batch):
         assert sum(len(n.inputs) == 3 for n in h.by_op("relu_grad")) == 8
         # the stem's output (a batchnorm_relu's) keeps its sum: its backward reads dy twice
         assert [n.meta["sums_gradient_of"] for n in h.by_op("add")] == ["cifar_stem.relu"]
+    assert_same_steps(g, h, rtol=1e-9, atol=1e-12)
+
+
+def assert_same_steps(g, h, rtol, atol):
+    """Training steps of graphs g and h give the same losses, every gradient and the same
+    state after (parameters, momentum, BN running statistics)."""
     feeds = example_feeds(g)
     ref, ref_state, _ = run_steps(g, feeds)
     got, got_state, _ = run_steps(h, feeds)
-    for a_step, b_step in zip(ref, got, strict=True):  # losses and every gradient
+    for a_step, b_step in zip(ref, got, strict=True):
         for a, b in zip(a_step, b_step, strict=True):
-            np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
+            np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
     assert ref_state.keys() == got_state.keys()
-    for k in ref_state:  # parameters, momentum, BN running statistics
-        np.testing.assert_allclose(got_state[k], ref_state[k], rtol=1e-9, atol=1e-12, err_msg=k)
+    for k in ref_state:
+        np.testing.assert_allclose(got_state[k], ref_state[k], rtol=rtol, atol=atol, err_msg=k)
 
 
 SLICES = """
@@ -137,14 +143,7 @@ def test_slice_gradients_that_tile_an_axis_join_into_one_concat(example, batch, 
     assert all("sums_gradient_of" not in n.meta and n.name in g for n in joined)
     assert len(h.by_op("slice_grad")) == len(g.by_op("slice_grad")) - 3 * joins
     assert len(h.by_op("add")) == len(g.by_op("add")) - 2 * joins
-    feeds = example_feeds(g)
-    ref, ref_state, _ = run_steps(g, feeds)
-    got, got_state, _ = run_steps(h, feeds)
-    for a_step, b_step in zip(ref, got, strict=True):  # losses and every gradient
-        for a, b in zip(a_step, b_step, strict=True):
-            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
-    for k in ref_state:
-        np.testing.assert_allclose(got_state[k], ref_state[k], rtol=1e-12, atol=1e-14)
+    assert_same_steps(g, h, rtol=1e-12, atol=1e-14)
 
 
 def test_fused_step_under_recompute_and_in_the_arena():

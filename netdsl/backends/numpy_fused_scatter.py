@@ -1,6 +1,7 @@
 """Scatter-add for the NumPy backend's fused kernels (Numba, the `fast` extra): the
-gradient of a row lookup (embedding, gather along the first axis). NumPy's `add.at`
-takes 0.6 ms for a [1024, 64] embedding gradient; this loop about 0.03 ms."""
+gradient of a row lookup (embedding, gather along the first axis). transformer-tiny's
+[1024, 64] embedding gradient took 0.64 ms with NumPy's `add.at` and takes 0.04 ms so
+(bench/refs/netdsl_step.py --profile, per-op times)."""
 from __future__ import annotations
 
 import numba

@@ -74,20 +74,21 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
             pairs[n.name] = first
     if not pairs:
         return g
+    def fused(g, n):
+        first = pairs[n.name]
+        f = make_node(g, n.name, _WITH_RELU[first.op], first.inputs, first.attrs, like=first,
+                      meta={**first.meta, "fused": (first.name, n.name)})
+        f.annotations = {**first.annotations, **n.annotations}
+        return f
+    return _rebuilt(g, {first.name for first in pairs.values()}, dict.fromkeys(pairs, fused))
+
+
+def _rebuilt(g: Graph, dropped: set[str], remake: dict) -> Graph:
+    """A copy of g without the `dropped` nodes and with each node named in `remake`
+    replaced, in its place, by remake[name](the copy, the node)."""
     g = g.copy()
-    dropped = {first.name for first in pairs.values()}
-    nodes = []
-    for n in g.nodes:
-        if n.name in dropped:
-            continue
-        first = pairs.get(n.name)
-        if first is not None:
-            f = make_node(g, n.name, _WITH_RELU[first.op], first.inputs, first.attrs,
-                          like=first, meta={**first.meta, "fused": (first.name, n.name)})
-            f.annotations = {**first.annotations, **n.annotations}
-            n = f
-        nodes.append(n)
-    g.nodes = nodes
+    g.nodes = [remake[n.name](g, n) if n.name in remake else n
+               for n in g.nodes if n.name not in dropped]
     return g
 
 
@@ -122,18 +123,11 @@ def _sums_into_batchnorm_dx(g: Graph) -> Graph:
                 break
     if not fused:
         return g
-    g = g.copy()
-    nodes = []
-    for n in g.nodes:
-        if n.name in taken:
-            continue
-        if n.name in fused:
-            d, ins = fused[n.name]
-            n = make_node(g, n.name, d.op, ins, d.attrs, like=d,
-                          meta={**n.meta, "fused": (d.name, n.name)})
-        nodes.append(n)
-    g.nodes = nodes
-    return g
+    def with_acc(g, n):
+        d, ins = fused[n.name]
+        return make_node(g, n.name, d.op, ins, d.attrs, like=d,
+                         meta={**n.meta, "fused": (d.name, n.name)})
+    return _rebuilt(g, taken, dict.fromkeys(fused, with_acc))
 
 
 def _sums_into_relu_grads(g: Graph) -> Graph:
@@ -152,19 +146,11 @@ def _sums_into_relu_grads(g: Graph) -> Graph:
             folded[n.name] = s
     if not folded:
         return g
-    g = g.copy()
-    dropped = {s.name for s in folded.values()}
-    nodes = []
-    for n in g.nodes:
-        if n.name in dropped:
-            continue
-        s = folded.get(n.name)
-        if s is not None:
-            n = make_node(g, n.name, "relu_grad", (s.inputs[0], n.inputs[1], s.inputs[1]),
-                          like=n, meta={**n.meta, "fused": (s.name, n.name)})
-        nodes.append(n)
-    g.nodes = nodes
-    return g
+    def with_acc(g, n):
+        s = folded[n.name]
+        return make_node(g, n.name, "relu_grad", (s.inputs[0], n.inputs[1], s.inputs[1]),
+                         like=n, meta={**n.meta, "fused": (s.name, n.name)})
+    return _rebuilt(g, {s.name for s in folded.values()}, dict.fromkeys(folded, with_acc))
 
 
 def _with_acc(g: Graph, d, other: str) -> tuple[str, ...] | None:
@@ -199,19 +185,12 @@ def join_slice_grads(g: Graph) -> Graph:
             dropped |= names - {adds[-1].name} | set(terms)
     if not joins:
         return g
-    g = g.copy()
-    nodes = []
-    for n in g.nodes:
-        if n.name in dropped:
-            continue
-        if n.name in joins:
-            ins, axis = joins[n.name]
-            meta = {k: v for k, v in n.meta.items() if k != "sums_gradient_of"}
-            n = make_node(g, n.name, "concat", ins, {"axis": axis}, like=n,
-                          meta={**meta, "joined": True})
-        nodes.append(n)
-    g.nodes = nodes
-    return g
+    def concat(g, n):
+        ins, axis = joins[n.name]
+        meta = {k: v for k, v in n.meta.items() if k != "sums_gradient_of"}
+        return make_node(g, n.name, "concat", ins, {"axis": axis}, like=n,
+                         meta={**meta, "joined": True})
+    return _rebuilt(g, dropped, dict.fromkeys(joins, concat))
 
 
 def _tiling(g: Graph, terms: list[str], readers, outputs, adds: set[str]):

@@ -83,7 +83,8 @@ def _adam_scalars(dtype, lr, step, b1, b2, eps, wd, decoupled):
     """The fused Adam loop's scalars in the parameter's dtype, rounded as the NumPy code
     below rounds them (0-d arrays of that dtype; lr and step hold their values exactly as
     Python numbers). One step's parameters share them: cached, not rebuilt per tensor
-    (about 10 us each: a third of the update's time on a small transformer)."""
+    (transformer-tiny's 30 updates took 0.52 ms with them rebuilt, 0.32 ms cached:
+    bench/refs/netdsl_step.py --profile)."""
     t = np.dtype(dtype).type
     lr, n = np.asarray(lr).astype(dtype), np.asarray(step).astype(dtype)
     decoupled = bool(wd) and decoupled

@@ -373,6 +373,31 @@ def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [
+    ((3, 3), (2, 2), (1, 1), (1, 1), 1), ((3, 3), (2, 2), (2, 2), (2, 2), 1),
+    ((2, 3), (3, 2), (0, 1), (1, 1), 2), ((1, 1), (2, 2), (0, 0), (1, 1), 1)])
+def test_fused_col2im_is_the_reference_bit_for_bit(dtype, kernel, stride, padding,
+                                                    dilation, groups):
+    """A strided convolution's input gradient scatters its columns back with one Numba
+    pass per plane: the offsets in NumPy's order, so the same sums to the bit."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(11)
+    n, c, o, h, w = 3, 4, 6, 9, 8
+    a = {"kernel": kernel, "stride": stride, "padding": padding, "dilation": dilation,
+         "groups": groups, "shape": (n, c, h, w)}
+    ho = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    wo = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    dy = rng.standard_normal((n, o, ho, wo)).astype(dtype)
+    wt = rng.standard_normal((o, c // groups) + kernel).astype(dtype)
+    ref = NumpyBackend()
+    ref._fused = None
+    u, v = (_kernels("conv2d_grad_input", [dy, wt], a, backend)
+            for backend in (ref, NumpyBackend()))
+    assert u.shape == v.shape == (n, c, h, w) and u.dtype == v.dtype == dtype
+    assert np.array_equal(u, v) and np.abs(u).max() > 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fused_scatter_add_is_add_at_bit_for_bit(dtype):
     """embedding_grad and gather_grad (axis 0) scatter rows with one Numba loop: repeated
     ids accumulate in add.at's order, so the sums are the same to the bit."""

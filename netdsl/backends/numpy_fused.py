@@ -7,7 +7,8 @@ each input about once and write each output once. By job:
   gradient (with a gradient sum folded in);
 - numpy_fused_optim: the SGD and Adam updates, bit for bit the NumPy kernels;
 - numpy_fused_pool: 2-d max pooling's backward;
-- numpy_fused_scatter: scatter-add of rows (the embedding and gather gradients);
+- numpy_fused_scatter: scatter-adds: rows (the embedding and gather gradients) and a
+  strided convolution's col2im;
 - numpy_winograd: Winograd F(2x2, 3x3)'s tile transforms (netdsl.ir.ops.conv_winograd).
 
 The NumPy kernels in netdsl.ir.ops stay the reference the tests compare these against.
@@ -42,7 +43,7 @@ from netdsl.backends.numpy_fused_norm import (
 )
 from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
 from netdsl.backends.numpy_fused_pool import maxpool2d_grad
-from netdsl.backends.numpy_fused_scatter import scatter_add_rows
+from netdsl.backends.numpy_fused_scatter import col2im_add, scatter_add_rows
 
 
 def thread_count() -> int:
@@ -88,6 +89,7 @@ class FusedKernels:
     add_relu = staticmethod(add_relu)
     relu_grad = staticmethod(relu_grad)
     scatter_add_rows = staticmethod(scatter_add_rows)
+    col2im_add = staticmethod(col2im_add)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
 
     def __init__(self):
@@ -113,6 +115,7 @@ class FusedKernels:
             softmax_rows(r2, r2.copy())
             softmax_grad_rows(r2, r2, r2.copy())
             scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
+            col2im_add(np.zeros((1, 2, 2), dt), np.ones((1, 1, 1, 1, 1), dt), 1, 1, 1, 1)
             add_relu(d1, d1, d1.copy())
             relu_grad(d1, d1, d1, True, d1.copy())
             t = np.ones((1, 1, 2, 2), dt)

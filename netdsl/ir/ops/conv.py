@@ -300,14 +300,20 @@ def pad2d(xp, x, ph, pw, value=0.0):
     return out
 
 
-def col2im_add(xp, dxpad, cols, kh, kw, sh, sw, dh, dw):
-    """Scatter-add `cols` [N, C, Ho, Wo, kh, kw] back onto padded input `dxpad` in place:
-    one strided add per kernel offset (the adjoint of `windows`)."""
-    ho, wo = cols.shape[2], cols.shape[3]
+def col2im_add(xp, dxpad, dcols, sh, sw, dh, dw, fast=None):
+    """Scatter-add `dcols` [N, C, kh, kw, Ho, Wo] onto the padded input gradient `dxpad`
+    [N, C, Hp, Wp] in place (the adjoint of `windows`): one strided add per kernel offset,
+    or with `fast` (the fused kernels) one Numba pass per plane, the same sums."""
+    n, c, kh, kw, ho, wo = dcols.shape
+    if fast is not None and fast.accepts(dxpad, dcols):
+        fast.col2im_add(dxpad.reshape(n * c, *dxpad.shape[2:]),
+                        dcols.reshape(n * c, kh, kw, ho, wo), sh, sw, dh, dw)
+        return
     for i in range(kh):
         for j in range(kw):
-            r, c = i * dh, j * dw
-            dxpad[:, :, r:r + sh * (ho - 1) + 1:sh, c:c + sw * (wo - 1) + 1:sw] += cols[..., i, j]
+            r, q = i * dh, j * dw
+            dxpad[:, :, r:r + sh * (ho - 1) + 1:sh, q:q + sw * (wo - 1) + 1:sw] += \
+                dcols[:, :, i, j]
 
 
 def _is_pointwise(a):
@@ -509,11 +515,7 @@ def _conv2d_gi(xp, ins, a, out, fast):
     wt = w.reshape(g, og, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]
     dcols = xp.matmul(wt, dy.reshape(n, g, og, ho * wo)).reshape(n, c, kh, kw, ho, wo)
     dxpad = xp.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            r, q = i * dh, j * dw
-            dxpad[:, :, r:r + sh * (ho - 1) + 1:sh, q:q + sw * (wo - 1) + 1:sw] += \
-                dcols[:, :, i, j]
+    col2im_add(xp, dxpad, dcols, sh, sw, dh, dw, fast)
     return xp.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + wd])
 
 

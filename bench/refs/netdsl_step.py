@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import resource
 import statistics
@@ -132,6 +133,9 @@ def main() -> None:
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     threadpool_limits(a.threads)
+    # the fused kernels' Numba threads follow OMP_NUM_THREADS (numpy_fused.thread_count),
+    # which bench_step.py sets for every framework; run alone, this script sets it too
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
     t0 = time.perf_counter()
     net = netdsl.load(a.file)
     extra = 2 if a.profile else 0

@@ -157,6 +157,10 @@ def test_large_synthetic_data_is_drawn_per_batch_with_the_same_values(monkeypatc
     for a, b in zip(held.train.arrays, drawn.train.take(np.arange(40)), strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     assert len(np.unique(held.train.arrays[1])) > 1  # learnable labels, not a constant
+    # sample 5 of the test split (part 1): its own stream, whatever was drawn before it
+    own = np.random.Generator(np.random.Philox(key=[3, 1], counter=[0, 5, 0, 0]))
+    assert np.array_equal(held.test.arrays[0][5],
+                          own.standard_normal((3, 6, 6), dtype=np.float32))
     x, y = held.test.take(slice(3, 9))
     assert np.array_equal(x, drawn.test.take(slice(3, 9))[0])
     assert np.array_equal(y, drawn.test.take(np.arange(3, 9))[1])

@@ -124,8 +124,14 @@ def _draw(specs, seed: int, part: int, idx: np.ndarray) -> list[np.ndarray]:
     """The inputs of samples `idx`: standard normal floats (drawn in their own dtype: no
     float64 copy first) and uniform integers below their bound."""
     out = [np.empty((len(idx),) + sh, dtype=dt) for sh, dt, _ in specs]
+    bits = np.random.Philox(key=[seed, part])
+    rng, state = np.random.Generator(bits), bits.state
     for k, i in enumerate(idx):
-        rng = np.random.Generator(np.random.Philox(key=[seed, part], counter=[0, int(i), 0, 0]))
+        # sample i's stream: Philox(key=[seed, part], counter=[0, i, 0, 0]), its buffer
+        # empty; set in place (2.7 us a sample) rather than made anew (7.8 us)
+        state["state"]["counter"] = np.array([0, int(i), 0, 0], dtype=np.uint64)
+        state.update(buffer_pos=4, has_uint32=0, uinteger=0)
+        bits.state = state
         for a, (sh, dt, hi) in zip(out, specs):
             if hi is None:
                 gen = dt if dt in (np.float32, np.float64) else np.float32

@@ -2,7 +2,7 @@
 --conv, conv2d's forward, input gradient and weight gradient.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OPENBLAS_NUM_THREADS=1 \
-        .venv/bin/python bench/bench_kernels.py [--src DIR]
+        .venv/bin/python bench/bench_kernels.py [--src DIR] [--conv [--conv-only TEXT]]
 
 Each case runs netdsl's kernel (called as the executor calls it, float32) and the same
 operation in torch (CPU, 1 thread; the backward through autograd), the best of --repeats
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--conv", action="store_true",
                     help="also conv2d's three kernels on ResNet/VGG/digits shapes")
+    ap.add_argument("--conv-only", metavar="TEXT", action="append",
+                    help="with --conv, only the shapes whose names contain TEXT (repeatable)")
     a = ap.parse_args()
     if a.src:
         sys.path.insert(0, a.src)
@@ -97,7 +99,7 @@ def main() -> None:
         print(f"{'gelu [32, 32, 256] (torch: fwd + bwd)':<44} {part:<9} {m:>10.3f} "
               f"{t:>9.3f} {m / t:>6.2f}")
     if a.conv:
-        conv_cases(np, torch, ops, Ctx, rng, a.repeats)
+        conv_cases(np, torch, ops, Ctx, rng, a.repeats, a.conv_only)
 
 
 CONVS = [  # name, x shape, out channels, kernel, stride, padding
@@ -106,6 +108,7 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding
     ("ResNet-50 3x3, 256 ch, 14x14", (16, 256, 14, 14), 256, 3, 1, 1),
     ("ResNet-50 3x3, 512 ch, 7x7", (16, 512, 7, 7), 512, 3, 1, 1),
     ("ResNet-50 3x3/2, 256 ch, 28x28", (16, 256, 28, 28), 256, 3, 2, 1),
+    ("ResNet-50 7x7/2 stem, 3 -> 64 ch, 224x224", (16, 3, 224, 224), 64, 7, 2, 3),
     ("ResNet-50 1x1, 2048 <- 512, 7x7", (16, 512, 7, 7), 2048, 1, 1, 0),
     ("VGG-16 3x3, 64 ch, 224x224", (8, 64, 224, 224), 64, 3, 1, 1),
     ("VGG-16 3x3, 256 ch, 56x56", (8, 256, 56, 56), 256, 3, 1, 1),
@@ -115,10 +118,12 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding
 ]
 
 
-def conv_cases(np, torch, ops, ctx, rng, repeats) -> None:
+def conv_cases(np, torch, ops, ctx, rng, repeats, only=None) -> None:
     """conv2d forward, input gradient and weight gradient (the executor's three kernels)
     against torch's convolution and convolution_backward, float32, 1 thread."""
     for name, shape, o, k, s, p in CONVS:
+        if only and not any(t in name for t in only):
+            continue
         x = rng.standard_normal(shape).astype(np.float32)
         w = (rng.standard_normal((o, shape[1], k, k)) / 10).astype(np.float32)
         geom = {"kernel": k, "stride": s, "padding": p, "dilation": 1, "groups": 1}

@@ -60,10 +60,10 @@ def thread_count() -> int:
 
 # Numba's parallel loops run on libgomp, whose idle threads spin ("active" waits) by
 # default. OpenBLAS's threads spin between GEMMs too, and the two took the cores from each
-# other: with two threads on this 2-core machine ResNet-164's step took 3.06 s against
-# 0.58 s with passive waits, and transformer-tiny's 116 against 12 ms
-# (bench/refs/netdsl_step.py --threads 2). libgomp reads the policy when Numba loads it,
-# the first time the loops' threads are set; a policy the user set stands.
+# other: with two threads on this 2-core machine ResNet-164's step took 3.0 s against
+# 0.59 s with passive waits, and transformer-tiny's 116 against 10 ms (bench/bench_step.py
+# --threads 2 --baseline a7b74b3; docs/benchmarks.md). libgomp reads the policy when
+# Numba loads it, the first time the loops' threads are set; a policy the user set stands.
 WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -50,6 +50,14 @@ def fusion_enabled() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def _sole_reader(g: Graph):
+    """only(x, r): value x is read by node r alone and is no graph output, so a fusion into
+    r may drop it."""
+    readers = g.consumers()
+    outputs = {x for names in g.outputs.values() for x in names}
+    return lambda x, r: readers[x] == [r] and x not in outputs
+
+
 # the forward pairs `fuse` makes: (first op, its fused form with relu)
 _WITH_RELU = {"batchnorm": "batchnorm_relu", "add": "add_relu"}
 
@@ -60,15 +68,14 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
     the relu is the only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
-    readers = g.consumers()
-    outputs = {x for names in g.outputs.values() for x in names}
+    only = _sole_reader(g)
     pairs = {}  # relu name -> the node it reads
     for n in g.nodes:
         if n.op != "relu" or n.device is not None:
             continue
         first = g[n.inputs[0]]
         if (first.op in _WITH_RELU and not first.attrs.get("replay") and first.device is None
-                and readers[first.name] == [n.name] and first.name not in outputs
+                and only(first.name, n.name)
                 and (first.op != "add" or g[first.inputs[0]].type == g[first.inputs[1]].type
                      == first.type)):  # (not a broadcasting add)
             pairs[n.name] = first
@@ -102,8 +109,7 @@ def fuse_grads(g: Graph, enabled: bool | None = None) -> Graph:
 
 
 def _sums_into_batchnorm_dx(g: Graph) -> Graph:
-    readers = g.consumers()
-    outputs = {x for names in g.outputs.values() for x in names}
+    only = _sole_reader(g)
     fused = {}  # add name -> (from_stats node, its inputs with acc)
     taken = set()
     for n in g.nodes:
@@ -113,7 +119,7 @@ def _sums_into_batchnorm_dx(g: Graph) -> Graph:
         for k, i in enumerate(n.inputs):
             d, other = g[i], n.inputs[1 - k]
             if not (d.op == "batchnorm_grad_from_stats" and d.device is None
-                    and readers[i] == [n.name] and i not in outputs and i not in taken
+                    and only(i, n.name) and i not in taken
                     and d.type == n.type == g[other].type):
                 continue
             ins = _with_acc(g, d, other)
@@ -133,15 +139,14 @@ def _sums_into_batchnorm_dx(g: Graph) -> Graph:
 def _sums_into_relu_grads(g: Graph) -> Graph:
     """relu_grad(sum, y) -> relu_grad(a, y, acc=b) where `sum` is autodiff's add(a, b) of a
     value's gradients read by nothing else (a post-activation block's input gradient)."""
-    readers = g.consumers()
-    outputs = {x for names in g.outputs.values() for x in names}
+    only = _sole_reader(g)
     folded = {}  # relu_grad name -> the sum it takes in
     for n in g.nodes:
         if n.op != "relu_grad" or len(n.inputs) != 2 or n.device is not None:
             continue
         s = g[n.inputs[0]]
         if (s.op == "add" and "sums_gradient_of" in s.meta and s.device is None
-                and len(s.inputs) == 2 and readers[s.name] == [n.name] and s.name not in outputs
+                and len(s.inputs) == 2 and only(s.name, n.name)
                 and g[s.inputs[0]].type == g[s.inputs[1]].type == s.type == n.type):
             folded[n.name] = s
     if not folded:
@@ -168,8 +173,7 @@ def _with_acc(g: Graph, d, other: str) -> tuple[str, ...] | None:
 def join_slice_grads(g: Graph) -> Graph:
     """add(slice_grad(a), slice_grad(b), ...) -> concat(a, b, ...) where the slices tile
     their axis (autodiff's gradient sums)."""
-    readers = g.consumers()
-    outputs = {x for names in g.outputs.values() for x in names}
+    only = _sole_reader(g)
     sums: dict[str, list] = {}  # the value summed -> its sum's add nodes, in order
     for n in g.nodes:
         if n.op == "add" and "sums_gradient_of" in n.meta:
@@ -179,7 +183,7 @@ def join_slice_grads(g: Graph) -> Graph:
     for adds in sums.values():
         names = {a.name for a in adds}
         terms = [i for a in adds for i in a.inputs if i not in names]
-        parts = _tiling(g, terms, readers, outputs, names)
+        parts = _tiling(g, terms, only, names)
         if parts is not None:
             joins[adds[-1].name] = parts
             dropped |= names - {adds[-1].name} | set(terms)
@@ -193,19 +197,18 @@ def join_slice_grads(g: Graph) -> Graph:
     return _rebuilt(g, dropped, dict.fromkeys(joins, concat))
 
 
-def _tiling(g: Graph, terms: list[str], readers, outputs, adds: set[str]):
+def _tiling(g: Graph, terms: list[str], only, adds: set[str]):
     """(the slices' gradients ordered along the axis, the axis) if `terms` are unit-step
     slice_grads, each read only by the sum, that cover their axis once; else None."""
     ds = [g[t] for t in terms]
     if len(ds) < 2 or any(
             d.op != "slice_grad" or d.device is not None or d.attrs["step"] != 1
-            or d.name in outputs or not set(readers[d.name]) <= adds
-            or len(readers[d.name]) != 1 for d in ds):
+            or not any(only(d.name, a) for a in adds) for d in ds):
         return None
     shape = tuple(ds[0].attrs["shape"])
     axis = ds[0].attrs["axis"] % len(shape)
     if any(tuple(d.attrs["shape"]) != shape or d.attrs["axis"] % len(shape) != axis
-           or d.device is not None for d in ds):
+           for d in ds):
         return None
     spans = sorted(((d.attrs["start"], d.attrs["start"] + g[d.inputs[0]].type.shape[axis], d)
                     for d in ds), key=lambda s: s[:2])

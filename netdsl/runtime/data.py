@@ -128,7 +128,7 @@ def _draw(specs, seed: int, part: int, idx: np.ndarray) -> list[np.ndarray]:
     rng, state = np.random.Generator(bits), bits.state
     for k, i in enumerate(idx):
         # sample i's stream: Philox(key=[seed, part], counter=[0, i, 0, 0]), its buffer
-        # empty; set in place (2.7 us a sample) rather than made anew (7.8 us)
+        # empty; set in place, which costs less than making a generator per sample
         state["state"]["counter"] = np.array([0, int(i), 0, 0], dtype=np.uint64)
         state.update(buffer_pos=4, has_uint32=0, uinteger=0)
         bits.state = state

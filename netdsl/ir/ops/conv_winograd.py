@@ -49,8 +49,8 @@ def tiles(ho: int, wo: int) -> tuple[int, int]:
 
 # A chunk needs no more tiles than this for its GEMMs to run at full speed: VGG-16's
 # 224x224 images (12,544 tiles each) go one at a time instead of three, beside the step's
-# largest activations (64 channels, batch 8: the forward's tracemalloc peak 392 -> 196 MB
-# with its 98 MB output, and no slower: docs/benchmarks.md).
+# largest activations (64 channels, batch 8: tile buffers of 104 instead of 309 MB, by
+# chunk()'s count), no slower (bench/bench_kernels.py --conv; docs/benchmarks.md).
 _ENOUGH_TILES = 4096
 
 

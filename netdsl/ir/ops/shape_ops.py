@@ -350,7 +350,7 @@ def scatter_add_rows(xp, ctx, out, idx, rows):
     [size, ...], idx checked non-negative (checked_indices), rows idx.shape + out.shape[1:].
     One Numba loop where the fused kernels take the arrays (add.at is slow)."""
     f = fused_kernels(ctx, out, rows)
-    if f is not None and out.ndim >= 1:
+    if f is not None:
         f.scatter_add_rows(out.reshape(out.shape[0], -1), xp.ascontiguousarray(idx).reshape(-1),
                            rows.reshape(idx.size, -1))
     else:

@@ -420,9 +420,9 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import numba
 from _examples import example_feeds, load
-from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_norm,
-                             numpy_fused_optim, numpy_fused_pool, numpy_fused_scatter,
-                             numpy_winograd)
+from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_gemm,
+                             numpy_fused_norm, numpy_fused_optim, numpy_fused_pool,
+                             numpy_fused_scatter, numpy_winograd)
 from netdsl.backends.numpy import NumpyBackend
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.fuse import fuse, fuse_grads
@@ -430,8 +430,8 @@ from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime.executor import Executor
 be = NumpyBackend()
 assert be.fused is not None
-modules = (numpy_fused_activation, numpy_fused_norm, numpy_fused_optim, numpy_fused_pool,
-           numpy_fused_scatter, numpy_winograd)
+modules = (numpy_fused_activation, numpy_fused_gemm, numpy_fused_norm, numpy_fused_optim,
+           numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
 kernels = [f for m in modules for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
 before = [len(k.signatures) for k in kernels]
@@ -462,30 +462,47 @@ def test_no_fused_kernel_compiles_inside_a_step():
 
 _WAIT_PROBE = """
 import os
+import sys
 import numba
 import numba.np.ufunc.parallel as parallel
+from netdsl.backends import numpy_fused
 from netdsl.backends.numpy import NumpyBackend
+if sys.argv[1] == "elsewhere":  # NumPy linked to a BLAS the pooled GEMMs cannot call
+    numpy_fused.find_numpy_cblas = lambda: None
 assert not parallel._is_initialized  # libgomp not loaded yet: it reads the policy on load
-assert NumpyBackend().fused is not None
-print(os.environ.get("OMP_WAIT_POLICY"), parallel._is_initialized, numba.threading_layer())
+f = NumpyBackend().fused
+print(os.environ.get("OMP_WAIT_POLICY"), parallel._is_initialized, f.gemm is not None)
 """
 
 
-@pytest.mark.parametrize("user", [None, "active"])
-def test_numba_threads_wait_passively_unless_the_user_says(user):
+@pytest.mark.parametrize("threads, blas, user, expect", [
+    ("2", "numpy's", None, ["None", "True", "True"]),
+    ("2", "elsewhere", None, ["PASSIVE", "True", "False"]),
+    ("1", "numpy's", None, ["PASSIVE", "True", "False"]),
+    ("2", "numpy's", "active", ["active", "True", "True"]),
+])
+def test_numba_threads_wait_passively_where_two_pools_share_the_cores(threads, blas, user,
+                                                                      expect):
     """libgomp's spinning idle threads took the cores from OpenBLAS's (ResNet-164's step
-    5x slower with two threads): the loops' threads are started with passive waits, set
-    before Numba loads libgomp; the user's own OMP_WAIT_POLICY stands."""
+    5x slower with two threads): where OpenBLAS keeps its own threads the loops' threads
+    start with passive waits, set before Numba loads libgomp. Where the GEMMs run on the
+    loops' threads instead (two threads and NumPy's own OpenBLAS found), OpenBLAS has one
+    thread during a step and libgomp keeps its default; the user's OMP_WAIT_POLICY stands."""
     pytest.importorskip("numba")
     import os
     import subprocess
     import sys
+
+    from netdsl.backends.numpy_fused_gemm import find_numpy_cblas
+    if blas == "numpy's" and threads != "1" and find_numpy_cblas() is None:
+        pytest.skip("NumPy does not link the scipy-openblas64 build here")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OMP_NUM_THREADS"] = threads
     if user:
         env["OMP_WAIT_POLICY"] = user
-    out = subprocess.run([sys.executable, "-c", _WAIT_PROBE], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out[:2] == [user or "PASSIVE", "True"]
+    out = subprocess.run([sys.executable, "-c", _WAIT_PROBE, blas], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == expect
 
 
 def test_fused_kernels_are_switched_off_by_env(monkeypatch):
@@ -543,3 +560,107 @@ def test_fusion_defaults_to_where_the_fused_kernels_run(monkeypatch):
     assert not fuse_mod.fusion_enabled()
     monkeypatch.setenv("NETDSL_FUSE", "1")
     assert fuse_mod.fusion_enabled()
+
+
+# -- GEMMs on the loops' threads (numpy_fused_gemm) ---------------------------------------------
+def _pooled_gemm():
+    pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
+    cblas = find_numpy_cblas()
+    if cblas is None:
+        pytest.skip("NumPy does not link the scipy-openblas64 build here")
+    gemm = PooledGemm(cblas, 2)
+    gemm.warm_up()
+    return gemm
+
+
+def _gemm_operands(dtype):
+    """(a, b) pairs of every layout the convolutions and linear layers hand over: 2-d and
+    3-d, shared or batched, transposed views, rows further apart than their length (the flat
+    shift's slices), and products small enough to be split into row or column blocks."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((16, 24, 40)).astype(dtype)
+    b = rng.standard_normal((16, 40, 300)).astype(dtype)
+    wide = rng.standard_normal((16, 40, 310)).astype(dtype)
+    yield a, b
+    yield a[0], b
+    yield a, b[0]
+    yield a[3], b[5]
+    yield a.transpose(0, 2, 1)[:, :24, :], b[:, :24]
+    yield a, np.ascontiguousarray(b.transpose(0, 2, 1)).transpose(0, 2, 1)
+    yield a, wide[..., 7:307]
+    yield a[1], wide[2][:, 3:290]
+    yield np.ascontiguousarray(a[0].T).T, b[2]
+    yield b[0].T, a[0].T  # [300, 40] @ [40, 24]: split into row blocks
+    yield a[:2], b[:2]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pooled_gemm_matches_numpy_on_every_layout(dtype):
+    """Each block is one call of NumPy's own OpenBLAS: the products equal np.matmul's to
+    rounding, on every layout, accumulated into `out` or not."""
+    gemm = _pooled_gemm()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for a, b in _gemm_operands(dtype):
+        ref = np.matmul(a, b)
+        y = gemm(a, b)
+        assert y is not None and y.shape == ref.shape and y.dtype == dtype, (a.shape, b.shape)
+        np.testing.assert_allclose(y, ref, rtol=tol, atol=tol * np.abs(ref).max())
+        acc = np.ones_like(ref)
+        assert gemm(a, b, acc, accumulate=True) is acc
+        np.testing.assert_allclose(acc, ref + 1, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take():
+    gemm = _pooled_gemm()
+    a = np.ones((8, 32, 64), np.float32)
+    b = np.ones((8, 64, 64), np.float32)
+    assert gemm(a, b) is not None
+    np.testing.assert_array_equal(gemm(a[:, ::2], b), np.matmul(a[:, ::2], b))  # rows apart
+    assert gemm(a[..., ::2], b[:, ::2]) is None  # no unit stride along either axis
+    assert gemm(a.astype(np.float64), b) is None  # mixed dtypes
+    assert gemm(a.astype(np.int64), b.astype(np.int64)) is None
+    assert gemm(a[None], b[None]) is None  # rank 4
+    assert gemm(a[:1, :2, :3], b[:1, :3, :2]) is None  # too small to split
+    assert gemm(a, b, np.empty((8, 64, 32), np.float32).transpose(0, 2, 1)) is None
+    apart = np.zeros((8, 40, 70), np.float32)[:, 3:35, 2:66]  # rows and matrices apart
+    assert gemm(a, b, apart) is apart
+    np.testing.assert_array_equal(apart, np.matmul(a, b))
+    assert gemm(a, b, accumulate=True) is None  # nothing to add into
+
+
+def test_one_blas_thread_inside_a_run_and_restored_after():
+    gemm = _pooled_gemm()
+    cblas = gemm.cblas
+    before = cblas._get()
+    cblas._set(2)
+    try:
+        with cblas.one_thread():
+            assert cblas._get() == 1
+        assert cblas._get() == 2
+        with pytest.raises(RuntimeError), cblas.one_thread():
+            raise RuntimeError
+        assert cblas._get() == 2
+    finally:
+        cblas._set(before)
+
+
+def test_steps_with_pooled_gemms_match_numpys_gemms():
+    """A whole fused ResNet-20 step (every convolution path: pointwise, flat shift,
+    Winograd, strided im2col) and a transformer step, with the GEMMs on the loops' threads
+    and with NumPy's matmul: the same losses, gradients and updated state."""
+    gemm = _pooled_gemm()
+    for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
+        g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
+                                     enabled=True), "sgd")
+        feeds = example_feeds(g)
+        runs = []
+        for pooled in (gemm, None):
+            be = NumpyBackend()
+            be.fused.gemm = pooled
+            ex = Executor(g, be, dtype="f32", seed=3)
+            r = ex.run(feeds, roles=("loss", "grads", "updates"))
+            runs.append([np.array(v, np.float64) for k in ("loss", "grads", "updates")
+                         for v in r[k]])
+        for a, b in zip(*runs, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(np.abs(b).max(), 1))

@@ -33,6 +33,10 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         """Wait for queued device work (for timing and memory measurements)."""
 
+    def running(self) -> Any:
+        """A context manager the executor holds around each run of a graph (the NumPy
+        backend's thread set-up for its fused kernels; nothing on a GPU)."""
+
     def erf(self, x) -> Any:
         """The error function, element-wise (NumPy has none; gelu needs it)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import tracemalloc
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -101,6 +102,12 @@ class NumpyBackend:
 
     def synchronize(self) -> None:
         pass
+
+    def running(self):
+        """Held around each run of a graph: the fused kernels' thread set-up, once they are
+        loaded (NumPy's BLAS at one thread while GEMMs share their threads)."""
+        f = self._fused
+        return nullcontext() if f is _UNSET or f is None else f.running()
 
     def erf(self, x):
         if self._erf is not None:

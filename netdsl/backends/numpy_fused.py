@@ -9,7 +9,9 @@ each input about once and write each output once. By job:
 - numpy_fused_pool: 2-d max pooling's backward;
 - numpy_fused_scatter: scatter-adds: rows (the embedding and gather gradients) and a
   strided convolution's col2im;
-- numpy_winograd: Winograd F(2x2, 3x3)'s tile transforms (netdsl.ir.ops.conv_winograd).
+- numpy_winograd: Winograd F(2x2, 3x3)'s tile transforms (netdsl.ir.ops.conv_winograd);
+- numpy_fused_gemm: with two or more threads, batches of GEMMs spread over the loops'
+  threads, NumPy's own BLAS held to one thread during a step (one pool of threads).
 
 The NumPy kernels in netdsl.ir.ops stay the reference the tests compare these against.
 Compiled with `cache=True`: the machine code is kept in `__pycache__` next to each file,
@@ -19,6 +21,7 @@ imported lazily by `NumpyBackend.fused` (through this one), nowhere else.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import numba
 import numpy as np
@@ -31,6 +34,7 @@ from netdsl.backends.numpy_fused_activation import (
     gelu_grad_f32,
     relu_grad,
 )
+from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
 from netdsl.backends.numpy_fused_norm import (
     bn_forward,
     bn_grad_input,
@@ -62,8 +66,11 @@ def thread_count() -> int:
 # default. OpenBLAS's threads spin between GEMMs too, and the two took the cores from each
 # other: with two threads on this 2-core machine ResNet-164's step took 3.0 s against
 # 0.59 s with passive waits, and transformer-tiny's 116 against 10 ms (bench/bench_step.py
-# --threads 2 --baseline a7b74b3; docs/benchmarks.md). libgomp reads the policy when
-# Numba loads it, the first time the loops' threads are set; a policy the user set stands.
+# --threads 2 --baseline a7b74b3; docs/benchmarks.md). Passive waits are only needed where
+# both pools run: where the GEMMs go on the loops' threads (numpy_fused_gemm) NumPy's BLAS
+# has one thread during a step and libgomp keeps its default (a short spin, then sleep).
+# libgomp reads the policy when Numba loads it, the first time the loops' threads are set;
+# a policy the user set stands.
 WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -94,8 +101,14 @@ class FusedKernels:
 
     def __init__(self):
         self.threads = thread_count()
-        passive_waits()
+        cblas = find_numpy_cblas() if self.threads > 1 else None
+        if cblas is None:
+            passive_waits()
         numba.set_num_threads(self.threads)
+        # None: NumPy's matmul (its BLAS's own threads) runs every product
+        self.gemm = PooledGemm(cblas, self.threads) if cblas is not None else None
+        if self.gemm is not None:
+            self.gemm.warm_up()
         # each compiled signature is loaded from the cache (or compiled) on its first call:
         # make those calls now, on tiny arrays, so none happens inside a measured step
         for dt in (np.float32, np.float64):
@@ -145,10 +158,21 @@ class FusedKernels:
             return None
         return gelu_grad(dy, x)
 
+    def matmul(self, a, b, out=None, accumulate=False):
+        """a @ b on the loops' threads (numpy_fused_gemm.PooledGemm), or None where it runs
+        as NumPy's matmul."""
+        return None if self.gemm is None else self.gemm(a, b, out, accumulate)
+
+    def running(self):
+        """Held around each run of a graph: NumPy's BLAS at one thread while the GEMMs
+        share the loops' threads (nothing to do with one thread)."""
+        return nullcontext() if self.gemm is None else self.gemm.cblas.one_thread()
+
     @staticmethod
     def accepts(*arrays) -> bool:
         return all(isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64)
                    and a.flags.c_contiguous and a.size > 0 for a in arrays)
 
     def __repr__(self) -> str:
-        return f"FusedKernels(numba {numba.__version__}, {self.threads} threads)"
+        gemm = ", GEMMs on them" if self.gemm is not None else ""
+        return f"FusedKernels(numba {numba.__version__}, {self.threads} threads{gemm})"

@@ -283,31 +283,32 @@ class Executor:
         for d, w in spaces.items():
             self._alloc(d, w)
         try:
-            for k, name in enumerate(plan.order):
-                n = g[name]
-                if n.op in STATE_OPS:
-                    values[name] = self.state[name]
-                else:
-                    if slots is not None:
-                        ctx.out = slots.get(name)
-                    v = (self._feed(n, feeds) if n.op == "input"
-                         else self._call(n, [values[i] for i in n.inputs], ctx))
-                    nb = plan.sizes.get(name)
-                    if nb is not None:
-                        if v.nbytes != nb:
-                            raise NetdslError(
-                                f"internal error: {node_line(n)} returned {v.nbytes} bytes "
-                                f"({tuple(v.shape)} {v.dtype}) but the plan holds {nb} for it")
-                        if slots is not None and name in slots:
-                            v = self._into_slot(v, slots[name])
-                        held[name] = nb
-                        self._hold(name, nb, plan, +1)
-                    values[name] = v
-                for dead in plan.frees[k]:
-                    values.pop(dead, None)
-                    nb = held.pop(dead, 0)
-                    if nb:
-                        self._hold(dead, nb, plan, -1)
+            with self.backend.running():  # the NumPy backend's threads (numpy_fused)
+                for k, name in enumerate(plan.order):
+                    n = g[name]
+                    if n.op in STATE_OPS:
+                        values[name] = self.state[name]
+                    else:
+                        if slots is not None:
+                            ctx.out = slots.get(name)
+                        v = (self._feed(n, feeds) if n.op == "input"
+                             else self._call(n, [values[i] for i in n.inputs], ctx))
+                        nb = plan.sizes.get(name)
+                        if nb is not None:
+                            if v.nbytes != nb:
+                                raise NetdslError(
+                                    f"internal error: {node_line(n)} returned {v.nbytes} bytes "
+                                    f"({tuple(v.shape)} {v.dtype}) but the plan holds {nb} for it")
+                            if slots is not None and name in slots:
+                                v = self._into_slot(v, slots[name])
+                            held[name] = nb
+                            self._hold(name, nb, plan, +1)
+                        values[name] = v
+                    for dead in plan.frees[k]:
+                        values.pop(dead, None)
+                        nb = held.pop(dead, 0)
+                        if nb:
+                            self._hold(dead, nb, plan, -1)
             self.comm.finish_step()
             return {r: [values[name] for name in g.outputs[r]] for r in roles}
         finally:

@@ -72,6 +72,20 @@ def grad_shape(op: str):
     return shape
 
 
+def matmul(xp, a, b, out=None, fast=None, accumulate=False):
+    """a @ b (into `out` if given; added to it with `accumulate`): on the fused kernels'
+    threads where they take the product (netdsl.backends.numpy_fused_gemm), else
+    xp.matmul."""
+    if fast is not None:
+        y = fast.matmul(a, b, out, accumulate)
+        if y is not None:
+            return y
+    if accumulate:
+        out += xp.matmul(a, b)
+        return out
+    return xp.matmul(a, b, out=out)
+
+
 def fused_kernels(ctx, *arrays):
     """The backend's fused kernels (Numba loops, netdsl.backends.numpy_fused) if they take
     these arrays (float, contiguous), else None: the NumPy reference kernels run. An op

@@ -8,7 +8,7 @@ zero-padded onto x first (and cropped off dx).
 """
 from netdsl.errors import ShapeError
 from netdsl.ir.ops import conv_winograd as winograd
-from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, out_size, pair
+from netdsl.ir.ops._util import fused_kernels, matmul, need_float, need_rank, out_size, pair
 from netdsl.ir.registry import (
     NON_NEGATIVE,
     POSITIVE,
@@ -356,15 +356,16 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
     if path == "pointwise":
         # one GEMM per image (folding the batch into one GEMM needs two transposing copies
         # in NCHW, which cost more than they save: docs/benchmarks.md), straight into `out`
-        return xp.matmul(w.reshape(o, -1), x.reshape(n, x.shape[1], -1),
-                         out=_flat_out(out, n, o)).reshape(n, o, ho, wo)
+        return matmul(xp, w.reshape(o, -1), x.reshape(n, x.shape[1], -1),
+                      _flat_out(out, n, o), fast).reshape(n, o, ho, wo)
     if path == "folded":
         # small images: the batch folded into one GEMM over [C*kh*kw, N*Ho*Wo] columns (a
         # GEMM per image would be too small), its [O, N, Ho, Wo] result transposed to NCHW
         win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
         cols = xp.ascontiguousarray(win.transpose(1, 4, 5, 0, 2, 3))
         del win
-        y = (w.reshape(o, -1) @ cols.reshape(-1, n * ho * wo)).reshape(o, n, ho, wo)
+        y = matmul(xp, w.reshape(o, -1), cols.reshape(-1, n * ho * wo),
+                   fast=fast).reshape(o, n, ho, wo)
         del cols
         if out is None:
             return xp.ascontiguousarray(y.transpose(1, 0, 2, 3))
@@ -379,18 +380,20 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
         length = ho * wp
         buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
         wt = xp.ascontiguousarray(w.reshape(g, og, cg, kh * kw).transpose(3, 0, 1, 2))
-        y = tmp = None
+        if g == 1:  # 3-d operands, which the fused kernels' GEMMs take
+            buf, wt = buf[:, 0], wt[:, 0]
+        y = None
         for i in range(kh):
             for j in range(kw):
                 off = i * dh * wp + j * dw
                 part = buf[..., off:off + length]
-                if y is None:
-                    y = xp.matmul(wt[i * kw + j], part)
-                else:
-                    tmp = xp.matmul(wt[i * kw + j], part, out=tmp)
-                    y += tmp
+                # the later offsets add into y (inside the GEMM where the fused kernels
+                # run it, else through a temporary)
+                y = matmul(xp, wt[i * kw + j], part, y, fast, accumulate=y is not None)
         return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
     cols = _im2col(xp, x, geom, g, ho, wo)
+    if g == 1:
+        return matmul(xp, w.reshape(o, -1), cols[:, 0], fast=fast).reshape(n, o, ho, wo)
     return xp.matmul(w.reshape(g, o // g, -1), cols).reshape(n, o, ho, wo)
 
 
@@ -461,10 +464,10 @@ def _conv2d_gw(xp, ins, a, fast):
             # transposing copies of dy and x, less than N products of [O, C] to sum
             d = xp.ascontiguousarray(dy.reshape(n, o, p).transpose(1, 0, 2)).reshape(o, -1)
             xt = xp.ascontiguousarray(x.reshape(n, c, p).transpose(1, 0, 2)).reshape(c, -1)
-            return (d @ xt.T).reshape(tuple(a["shape"]))
+            return matmul(xp, d, xt.T, fast=fast).reshape(tuple(a["shape"]))
         # sum over n of dy[n] @ x[n]^T (a transposed view: no copy)
-        return xp.matmul(dy.reshape(n, o, -1), x.reshape(n, c, -1).transpose(0, 2, 1)) \
-            .sum(axis=0).reshape(tuple(a["shape"]))
+        return matmul(xp, dy.reshape(n, o, -1), x.reshape(n, c, -1).transpose(0, 2, 1),
+                      fast=fast).sum(axis=0).reshape(tuple(a["shape"]))
     if fast is not None:
         hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
         budget = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
@@ -479,19 +482,23 @@ def _conv2d_gw(xp, ins, a, fast):
         dyp = xp.zeros((n, g, og, ho, wp), dtype=dy.dtype)
         dyp[..., :wo] = dy.reshape(n, g, og, ho, wo)
         dyp = dyp.reshape(n, g, og, length)
+        if g == 1:  # 3-d operands, which the fused kernels' GEMMs take
+            buf, dyp = buf[:, 0], dyp[:, 0]
         gw = xp.empty((g, og, cg, kh, kw), dtype=dy.dtype)
         for i in range(kh):
             for j in range(kw):
                 off = i * dh * wp + j * dw
-                gw[:, :, :, i, j] = xp.matmul(
-                    dyp, buf[..., off:off + length].transpose(0, 1, 3, 2)).sum(axis=0)
+                prods = matmul(xp, dyp, buf[..., off:off + length].swapaxes(-1, -2),
+                               fast=fast)
+                gw[:, :, :, i, j] = prods.sum(axis=0).reshape(g, og, cg)
         return gw.reshape(tuple(a["shape"]))
     # one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]
     win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
     win = win.reshape(n, g, cg, ho, wo, kh, kw).transpose(1, 2, 5, 6, 0, 3, 4)
     cols = xp.ascontiguousarray(win).reshape(g, cg * kh * kw, n * ho * wo)
     dym = xp.ascontiguousarray(dy.reshape(n, g, og, ho * wo).transpose(1, 2, 0, 3))
-    return xp.matmul(dym.reshape(g, og, -1), cols.transpose(0, 2, 1)).reshape(tuple(a["shape"]))
+    return matmul(xp, dym.reshape(g, og, -1), cols.transpose(0, 2, 1),
+                  fast=fast).reshape(tuple(a["shape"]))
 
 
 def _conv2d_gi(xp, ins, a, out, fast):
@@ -502,8 +509,8 @@ def _conv2d_gi(xp, ins, a, out, fast):
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
     if _is_pointwise(a):
-        return xp.matmul(w.reshape(o, -1).T, dy.reshape(n, o, -1),
-                         out=_flat_out(out, n, c)).reshape(n, c, h, wd)
+        return matmul(xp, w.reshape(o, -1).T, dy.reshape(n, o, -1), _flat_out(out, n, c),
+                      fast).reshape(n, c, h, wd)
     qh, qw = (kh - 1) * dh - ph, (kw - 1) * dw - pw
     if (sh, sw) == (1, 1) and qh >= 0 and qw >= 0:
         # stride 1: dx is dy convolved with the flipped kernel, in/out channels swapped
@@ -513,7 +520,11 @@ def _conv2d_gi(xp, ins, a, out, fast):
     # columns [N, G, C/G, kh, kw, Ho, Wo] (W^T @ dy per group, straight from NCHW dy), then
     # one strided add per kernel offset into the padded dx
     wt = w.reshape(g, og, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]
-    dcols = xp.matmul(wt, dy.reshape(n, g, og, ho * wo)).reshape(n, c, kh, kw, ho, wo)
+    if g == 1:
+        dcols = matmul(xp, wt[0], dy.reshape(n, og, ho * wo), fast=fast)
+    else:
+        dcols = xp.matmul(wt, dy.reshape(n, g, og, ho * wo))
+    dcols = dcols.reshape(n, c, kh, kw, ho, wo)
     dxpad = xp.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
     col2im_add(xp, dxpad, dcols, sh, sw, dh, dw, fast)
     return xp.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + wd])

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from netdsl.ir.ops._util import matmul
+
 _G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
 _GS = {np.dtype(t): _G.astype(t) for t in (np.float32, np.float64)}  # exact in either
 
@@ -101,7 +103,7 @@ def conv(fast, x, w, ph: int, pw: int, budget: int, out=None):
         p = (n1 - n0) * th * tw
         vv, mm = _tile_matrices(v, c, p), _tile_matrices(m, o, p)
         fast.winograd.input_tiles(x, ph, pw, n0, n1, th, tw, vv)
-        np.matmul(u, vv, out=mm)
+        matmul(np, u, vv, mm, fast)
         fast.winograd.output_tiles(mm, n0, n1, th, tw, y)
     return y
 
@@ -114,14 +116,13 @@ def grad_weight(fast, dy, x, ph: int, pw: int, budget: int):
     per = chunk(n, c, o, ho, wo, budget)[0]
     v, dm = _buffer(c, per, th, tw, x.dtype), _buffer(o, per, th, tw, x.dtype)
     du = np.zeros((16, o, c), x.dtype)
-    part = np.empty_like(du)
     for n0 in range(0, n, per):
         n1 = min(n, n0 + per)
         p = (n1 - n0) * th * tw
         vv, mm = _tile_matrices(v, c, p), _tile_matrices(dm, o, p)
         fast.winograd.input_tiles(x, ph, pw, n0, n1, th, tw, vv)
         fast.winograd.output_tiles_adjoint(dy, n0, n1, th, tw, mm)
-        du += np.matmul(mm, vv.transpose(0, 2, 1), out=part)
-    del v, dm, part
+        matmul(np, mm, vv.transpose(0, 2, 1), du, fast, accumulate=True)
+    del v, dm
     g = _GS[x.dtype]
     return g.T @ du.reshape(4, 4, o, c).transpose(2, 3, 0, 1) @ g  # G^T dU G per filter

@@ -1,6 +1,6 @@
 """Dense algebra: linear layers, batched matrix products, embeddings."""
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import broadcast, need_float
+from netdsl.ir.ops._util import broadcast, fused_kernels, matmul, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
 from netdsl.ir.ops.shape_ops import checked_indices, scatter_add_rows
 from netdsl.ir.registry import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
@@ -32,7 +32,8 @@ register(OpDef(
     (Arg("x", "tensor"), Arg("out_features", "int", range=POSITIVE), Arg("bias", "bool", True)),
     _linear_shape, "linear", _linear_params,
     lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs", "weight"),
-    doc="y = x W^T + b over the last dimension; weight [out, in]"))
+    doc="y = x W^T + b over the last dimension; weight [out, in]",
+    extra={"fused_kernels": True}))
 
 
 def _matmul_shape(ins, a):
@@ -88,11 +89,12 @@ def _lin_gw_shape(ins, a):
 register(OpDef("linear_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor")),
                _lin_gi_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: 2 * out.numel() * ins[1].shape[0],
-               doc="dx = dy W"))
+               doc="dx = dy W", extra={"fused_kernels": True}))
 register(OpDef("linear_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor")),
                _lin_gw_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: 2 * ins[0].numel() * ins[1].shape[-1],
-               doc="dW = dy^T x, summed over all leading dimensions"))
+               doc="dW = dy^T x, summed over all leading dimensions",
+               extra={"fused_kernels": True}))
 
 
 def _emb_grad_shape(ins, a):
@@ -109,18 +111,19 @@ register(OpDef("embedding_grad",
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def _rows_times(xp, x, w):
+def _rows_times(xp, x, w, fast):
     """x @ w over x's last dim; x of rank > 2 as one 2-d GEMM over all its leading dims
     (matmul would broadcast into a batched GEMM of small ones: twice the time for a
     transformer's [N, T, d] activations)."""
     if x.ndim > 2 and x.flags.c_contiguous:
-        return xp.matmul(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (w.shape[1],))
-    return xp.matmul(x, w)
+        return matmul(xp, x.reshape(-1, x.shape[-1]), w, fast=fast) \
+            .reshape(x.shape[:-1] + (w.shape[1],))
+    return matmul(xp, x, w, fast=fast)
 
 
 @kernel("linear")
 def _linear(xp, ins, a, ctx):
-    y = _rows_times(xp, ins[0], ins[1].T)
+    y = _rows_times(xp, ins[0], ins[1].T, fused_kernels(ctx, ins[0], ins[1]))
     if len(ins) > 2:
         y += ins[2]
     return y
@@ -128,13 +131,14 @@ def _linear(xp, ins, a, ctx):
 
 @kernel("linear_grad_input")
 def _linear_gi(xp, ins, a, ctx):
-    return _rows_times(xp, ins[0], ins[1])
+    return _rows_times(xp, ins[0], ins[1], fused_kernels(ctx, ins[0], ins[1]))
 
 
 @kernel("linear_grad_weight")
 def _linear_gw(xp, ins, a, ctx):
     dy, x = ins
-    return xp.matmul(dy.reshape(-1, dy.shape[-1]).T, x.reshape(-1, x.shape[-1]))
+    return matmul(xp, dy.reshape(-1, dy.shape[-1]).T, x.reshape(-1, x.shape[-1]),
+                  fast=fused_kernels(ctx, dy, x))
 
 
 @kernel("matmul")

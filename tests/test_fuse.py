@@ -347,12 +347,14 @@ def test_fused_adam_is_the_reference_bit_for_bit(dtype, wd, decoupled):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype):
-    """add_relu and relu_grad (with and without the folded sum) in one Numba pass each, to
-    the bit of the NumPy kernels: NaN, inf and signed zeros included."""
+@pytest.mark.parametrize("shape", [(3, 4, 5), (5, 3, 71, 41)])  # one block; several, cut
+def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype, shape):
+    """add, add_relu and relu_grad (with and without the folded sum) in one Numba pass
+    each, blocks of elements on the loops' threads, to the bit of the NumPy kernels: NaN,
+    inf and signed zeros included."""
     pytest.importorskip("numba")
     rng = np.random.default_rng(10)
-    a, b, dy, acc = (rng.standard_normal((3, 4, 5)).astype(dtype) for _ in range(4))
+    a, b, dy, acc = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
     a.flat[:6] = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1.0]
     b.flat[:6] = [1.0, -np.inf, 1.0, 0.0, -0.0, -1.0]
     dy.flat[:3] = [np.inf, np.nan, -0.5]
@@ -363,7 +365,8 @@ def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype):
         for backend in (ref, NumpyBackend()):
             y = _kernels("add_relu", [a, b], {}, backend)
             out.append((y, _kernels("relu_grad", [dy, y], {}, backend),
-                        _kernels("relu_grad", [dy, y, acc], {}, backend)))
+                        _kernels("relu_grad", [dy, y, acc], {}, backend),
+                        _kernels("add", [a, b], {}, backend)))
         want = (dy + acc) * (out[0][0] > 0)
     for u, v in zip(*out, strict=True):
         assert u.dtype == v.dtype == dtype
@@ -563,7 +566,9 @@ def test_fusion_defaults_to_where_the_fused_kernels_run(monkeypatch):
 
 
 # -- GEMMs on the loops' threads (numpy_fused_gemm) ---------------------------------------------
-def _pooled_gemm():
+@pytest.fixture
+def pooled_gemm():
+    """A PooledGemm on two threads, inside its one-BLAS-thread block."""
     pytest.importorskip("numba")
     from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
     cblas = find_numpy_cblas()
@@ -571,7 +576,8 @@ def _pooled_gemm():
         pytest.skip("NumPy does not link the scipy-openblas64 build here")
     gemm = PooledGemm(cblas, 2)
     gemm.warm_up()
-    return gemm
+    with cblas.one_thread():
+        yield gemm
 
 
 def _gemm_operands(dtype):
@@ -579,27 +585,27 @@ def _gemm_operands(dtype):
     3-d, shared or batched, transposed views, rows further apart than their length (the flat
     shift's slices), and products small enough to be split into row or column blocks."""
     rng = np.random.default_rng(11)
-    a = rng.standard_normal((16, 24, 40)).astype(dtype)
-    b = rng.standard_normal((16, 40, 300)).astype(dtype)
-    wide = rng.standard_normal((16, 40, 310)).astype(dtype)
+    a = rng.standard_normal((16, 48, 80)).astype(dtype)
+    b = rng.standard_normal((16, 80, 600)).astype(dtype)
+    wide = rng.standard_normal((16, 80, 620)).astype(dtype)
     yield a, b
     yield a[0], b
     yield a, b[0]
     yield a[3], b[5]
-    yield a.transpose(0, 2, 1)[:, :24, :], b[:, :24]
+    yield np.ascontiguousarray(a.transpose(0, 2, 1)).transpose(0, 2, 1), b
     yield a, np.ascontiguousarray(b.transpose(0, 2, 1)).transpose(0, 2, 1)
-    yield a, wide[..., 7:307]
-    yield a[1], wide[2][:, 3:290]
+    yield a, wide[..., 7:607]
+    yield a[1], wide[2][:, 3:590]
     yield np.ascontiguousarray(a[0].T).T, b[2]
-    yield b[0].T, a[0].T  # [300, 40] @ [40, 24]: split into row blocks
+    yield b[0].T, a[0].T  # [600, 80] @ [80, 48]: split into row blocks
     yield a[:2], b[:2]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_pooled_gemm_matches_numpy_on_every_layout(dtype):
+def test_pooled_gemm_matches_numpy_on_every_layout(pooled_gemm, dtype):
     """Each block is one call of NumPy's own OpenBLAS: the products equal np.matmul's to
     rounding, on every layout, accumulated into `out` or not."""
-    gemm = _pooled_gemm()
+    gemm = pooled_gemm
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for a, b in _gemm_operands(dtype):
         ref = np.matmul(a, b)
@@ -611,31 +617,38 @@ def test_pooled_gemm_matches_numpy_on_every_layout(dtype):
         np.testing.assert_allclose(acc, ref + 1, rtol=tol, atol=tol * np.abs(ref).max())
 
 
-def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take():
-    gemm = _pooled_gemm()
-    a = np.ones((8, 32, 64), np.float32)
-    b = np.ones((8, 64, 64), np.float32)
+def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take(pooled_gemm):
+    gemm = pooled_gemm
+    a = np.ones((8, 64, 64), np.float32)
+    b = np.ones((8, 64, 256), np.float32)
     assert gemm(a, b) is not None
+    gemm.cblas.held -= 1  # outside one_thread(): OpenBLAS may start its own threads
+    try:
+        assert gemm(a, b) is None
+    finally:
+        gemm.cblas.held += 1
     np.testing.assert_array_equal(gemm(a[:, ::2], b), np.matmul(a[:, ::2], b))  # rows apart
     assert gemm(a[..., ::2], b[:, ::2]) is None  # no unit stride along either axis
     assert gemm(a.astype(np.float64), b) is None  # mixed dtypes
     assert gemm(a.astype(np.int64), b.astype(np.int64)) is None
     assert gemm(a[None], b[None]) is None  # rank 4
     assert gemm(a[:1, :2, :3], b[:1, :3, :2]) is None  # too small to split
-    assert gemm(a, b, np.empty((8, 64, 32), np.float32).transpose(0, 2, 1)) is None
-    apart = np.zeros((8, 40, 70), np.float32)[:, 3:35, 2:66]  # rows and matrices apart
+    assert gemm(a, b, np.empty((8, 256, 64), np.float32).transpose(0, 2, 1)) is None
+    apart = np.zeros((8, 70, 270), np.float32)[:, 3:67, 2:258]  # rows and matrices apart
     assert gemm(a, b, apart) is apart
     np.testing.assert_array_equal(apart, np.matmul(a, b))
     assert gemm(a, b, accumulate=True) is None  # nothing to add into
 
 
-def test_one_blas_thread_inside_a_run_and_restored_after():
-    gemm = _pooled_gemm()
-    cblas = gemm.cblas
+def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
+    cblas = pooled_gemm.cblas
     before = cblas._get()
     cblas._set(2)
     try:
         with cblas.one_thread():
+            assert cblas._get() == 1
+            with cblas.one_thread():
+                assert cblas._get() == 1
             assert cblas._get() == 1
         assert cblas._get() == 2
         with pytest.raises(RuntimeError), cblas.one_thread():
@@ -645,11 +658,11 @@ def test_one_blas_thread_inside_a_run_and_restored_after():
         cblas._set(before)
 
 
-def test_steps_with_pooled_gemms_match_numpys_gemms():
+def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
     """A whole fused ResNet-20 step (every convolution path: pointwise, flat shift,
     Winograd, strided im2col) and a transformer step, with the GEMMs on the loops' threads
     and with NumPy's matmul: the same losses, gradients and updated state."""
-    gemm = _pooled_gemm()
+    gemm = pooled_gemm
     for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
         g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
                                      enabled=True), "sgd")

@@ -28,6 +28,7 @@ import numpy as np
 
 from netdsl.backends import numpy_winograd
 from netdsl.backends.numpy_fused_activation import (
+    add,
     add_relu,
     gelu_f32,
     gelu_grad,
@@ -93,6 +94,7 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
+    add = staticmethod(add)
     add_relu = staticmethod(add_relu)
     relu_grad = staticmethod(relu_grad)
     scatter_add_rows = staticmethod(scatter_add_rows)
@@ -129,6 +131,7 @@ class FusedKernels:
             softmax_grad_rows(r2, r2, r2.copy())
             scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
             col2im_add(np.zeros((1, 2, 2), dt), np.ones((1, 1, 1, 1, 1), dt), 1, 1, 1, 1)
+            add(d1, d1, d1.copy())
             add_relu(d1, d1, d1.copy())
             relu_grad(d1, d1, d1, True, d1.copy())
             t = np.ones((1, 1, 2, 2), dt)

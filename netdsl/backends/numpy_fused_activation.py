@@ -1,6 +1,7 @@
 """Activations for the NumPy backend's fused kernels (Numba, the `fast` extra): GELU in
 float32, and relu's one-pass forms: relu(a + b) and relu's gradient with a gradient sum's
-other term folded in (the fuse passes' add_relu and relu_grad with `acc`)."""
+other term folded in (the fuse passes' add_relu and relu_grad with `acc`); and a plain
+a + b, which, unlike NumPy's, runs on the loops' threads."""
 from __future__ import annotations
 
 import numba
@@ -69,21 +70,37 @@ def gelu_grad(dy, x):
     return dx
 
 
-_RELU = {"cache": True, "nogil": True, "error_model": "numpy"}
+# Blocks of _BLOCK elements in parallel (each block one task for the threads), element by
+# element inside, so the results are the same on any number of threads.
+_PAR = {"cache": True, "nogil": True, "error_model": "numpy", "parallel": True}
+_BLOCK = 1 << 14
 
 
-@numba.njit(**_RELU)
+@numba.njit(**_PAR)
+def add(a, b, y):
+    """y = a + b over 1-d arrays (the same sums as np.add)."""
+    n = y.size
+    for t in numba.prange((n + _BLOCK - 1) // _BLOCK):
+        for i in range(t * _BLOCK, min(n, (t + 1) * _BLOCK)):
+            y[i] = a[i] + b[i]
+
+
+@numba.njit(**_PAR)
 def add_relu(a, b, y):
     """y = max(a + b, 0) over 1-d arrays, as np.maximum(a + b, 0): NaN and -0.0 pass."""
-    for i in range(y.size):
-        v = a[i] + b[i]
-        y[i] = 0.0 if v < 0 else v
+    n = y.size
+    for t in numba.prange((n + _BLOCK - 1) // _BLOCK):
+        for i in range(t * _BLOCK, min(n, (t + 1) * _BLOCK)):
+            v = a[i] + b[i]
+            y[i] = 0.0 if v < 0 else v
 
 
-@numba.njit(**_RELU)
+@numba.njit(**_PAR)
 def relu_grad(dy, y, acc, with_acc, dx):
     """dx = (dy + acc) * (y > 0) over 1-d arrays (acc only if with_acc): a product with
     the 0/1 mask as NumPy's, so NaN, inf and -0.0 come out as they do there."""
-    for i in range(dx.size):
-        s = dy[i] + acc[i] if with_acc else dy[i]
-        dx[i] = s * (1.0 if y[i] > 0 else 0.0)
+    n = dx.size
+    for t in numba.prange((n + _BLOCK - 1) // _BLOCK):
+        for i in range(t * _BLOCK, min(n, (t + 1) * _BLOCK)):
+            s = dy[i] + acc[i] if with_acc else dy[i]
+            dx[i] = s * (1.0 if y[i] > 0 else 0.0)

@@ -44,6 +44,7 @@ class NumpyCblas:
         self._get.restype = ctypes.c_int
         self._set = lib.scipy_openblas_set_num_threads64_
         self._set.argtypes = [ctypes.c_int]
+        self.held = 0  # how many one_thread() blocks are open
 
     @contextmanager
     def one_thread(self):
@@ -51,9 +52,11 @@ class NumpyCblas:
         before = self._get()
         if before > 1:
             self._set(1)
+        self.held += 1
         try:
             yield
         finally:
+            self.held -= 1
             if before > 1:
                 self._set(before)
 
@@ -148,9 +151,10 @@ def _batch_stride(x, batch: int) -> int | None:
     return x.strides[0] if batch > 1 else 0
 
 
-# Below this many multiply-adds a product is not worth a parallel region's start and end
-# (a few microseconds each): NumPy's matmul runs it on the calling thread.
-_MIN_MACS = 1 << 17
+# Below this many multiply-adds a product is not worth a parallel region's start, its end
+# and the call's 20 arguments (about 10 us in all): NumPy's matmul runs it on the calling
+# thread. [64, 64] @ [64, 64] twice: 8 against 16 us; 128^3: 36 against 32 us.
+_MIN_MACS = 1 << 21
 
 
 class PooledGemm:
@@ -169,9 +173,10 @@ class PooledGemm:
 
     def __call__(self, a, b, out=None, accumulate=False):
         """The product into `out` (or a new array; added to `out` with `accumulate`), or
-        None where these loops do not take it: other dtypes or ranks, operands or an `out`
-        with no unit stride, or a product too small to split."""
-        if a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (
+        None where these loops do not take it: outside `cblas.one_thread()` (each task's
+        call would start OpenBLAS's own threads), other dtypes or ranks, operands or an
+        `out` with no unit stride, or a product too small to split."""
+        if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (
                 2 <= a.ndim <= 3 and 2 <= b.ndim <= 3):
             return None
         m, k = a.shape[-2:]

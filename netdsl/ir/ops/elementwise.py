@@ -7,7 +7,7 @@ seed d(loss)/d(loss) = 1, and the scalar constants of expressions like `x - 1`).
 from math import prod
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import broadcast, norm_axis
+from netdsl.ir.ops._util import broadcast, fused_kernels, norm_axis
 from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import DTYPES, TensorType
 
@@ -24,7 +24,8 @@ def _binary(op):
 for _name, _ret in (("add", ()), ("sub", ()), ("mul", ("inputs",))):
     register(OpDef(_name, (Arg("a", "tensor"), Arg("b", "tensor")), _binary(_name),
                    "elementwise", flops=lambda ins, out, a: out.numel(), retains=_ret,
-                   doc=f"element-wise {_name} with NumPy broadcasting"))
+                   doc=f"element-wise {_name} with NumPy broadcasting",
+                   extra={"fused_kernels": True} if _name == "add" else {}))
 
 register(OpDef("scale", (Arg("x", "tensor"), Arg("factor", "float")),
                lambda ins, a: ins[0], "elementwise", flops=lambda ins, out, a: out.numel(),
@@ -69,7 +70,13 @@ register(OpDef("fill", (Arg("shape", "shape"), Arg("value", "float", 0.0),
 # -- kernels ----------------------------------------------------------------------------------
 @kernel("add")
 def _add(xp, ins, a, ctx):
-    return ctx.into(xp.add, ins[0], ins[1])
+    x, y = ins
+    f = fused_kernels(ctx, x, y)
+    if f is not None and x.shape == y.shape and x.dtype == y.dtype:  # on the loops' threads
+        out = ctx.out if ctx.out is not None else xp.empty_like(x)
+        f.add(x.reshape(-1), y.reshape(-1), out.reshape(-1))
+        return out
+    return ctx.into(xp.add, x, y)
 
 
 @kernel("sub")

@@ -368,6 +368,10 @@ def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype, shape):
                         _kernels("relu_grad", [dy, y, acc], {}, backend),
                         _kernels("add", [a, b], {}, backend)))
         want = (dy + acc) * (out[0][0] > 0)
+        total = np.empty_like(a)  # the add loop itself (the kernel takes it on 2+ threads)
+        NumpyBackend().fused.add(a.reshape(-1), b.reshape(-1), total.reshape(-1))
+        out[0] += (total,)
+        out[1] += (a + b,)
     for u, v in zip(*out, strict=True):
         assert u.dtype == v.dtype == dtype
         assert np.array_equal(u.view(f"u{u.itemsize}"), v.view(f"u{v.itemsize}"))  # bits
@@ -661,19 +665,35 @@ def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
 def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
     """A whole fused ResNet-20 step (every convolution path: pointwise, flat shift,
     Winograd, strided im2col) and a transformer step, with the GEMMs on the loops' threads
-    and with NumPy's matmul: the same losses, gradients and updated state."""
-    gemm = pooled_gemm
-    for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
-        g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
-                                     enabled=True), "sgd")
-        feeds = example_feeds(g)
-        runs = []
-        for pooled in (gemm, None):
-            be = NumpyBackend()
-            be.fused.gemm = pooled
-            ex = Executor(g, be, dtype="f32", seed=3)
-            r = ex.run(feeds, roles=("loss", "grads", "updates"))
-            runs.append([np.array(v, np.float64) for k in ("loss", "grads", "updates")
-                         for v in r[k]])
-        for a, b in zip(*runs, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(np.abs(b).max(), 1))
+    and with NumPy's matmul: the same losses, gradients and updated state. The pooled
+    GEMMs run because the executor holds NumPy's BLAS to one thread for the run."""
+    class Counting(type(pooled_gemm)):
+        taken = 0
+
+        def __call__(self, *args, **kw):
+            y = super().__call__(*args, **kw)
+            Counting.taken += y is not None
+            return y
+
+    cblas = pooled_gemm.cblas
+    cblas.held -= 1  # the fixture's block closed: only the executor's run opens one
+    try:
+        for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
+            g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch),
+                                                       enabled=True)), enabled=True), "sgd")
+            feeds = example_feeds(g)
+            runs = []
+            for pooled in (Counting(cblas, 2), None):
+                be = NumpyBackend()
+                be.fused.gemm = pooled
+                ex = Executor(g, be, dtype="f32", seed=3)
+                taken = Counting.taken
+                r = ex.run(feeds, roles=("loss", "grads", "updates"))
+                assert (Counting.taken > taken) == (pooled is not None), name
+                runs.append([np.array(v, np.float64) for k in ("loss", "grads", "updates")
+                             for v in r[k]])
+            for a, b in zip(*runs, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-4,
+                                           atol=1e-6 * max(np.abs(b).max(), 1))
+    finally:
+        cblas.held += 1

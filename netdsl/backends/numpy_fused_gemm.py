@@ -4,7 +4,8 @@ With more than one thread, NumPy's OpenBLAS keeps its own pool of threads and Nu
 parallel loops another (libgomp's). Each pool's idle threads either spin, and take the
 cores from the other pool's, or sleep, and pay a wake-up at every call: on this 2-core
 machine ResNet-164's step took 0.58 s with two threads against 0.61 s with one, the
-batchnorm loops no faster with two (bench/refs/netdsl_step.py --threads 2 --profile).
+batchnorm loops no faster with two, and 0.37 s with one pool (bench/bench_step.py
+--threads 2; docs/benchmarks.md).
 Most of a step's GEMMs are small (a convolution's per image or per kernel offset), too
 small for OpenBLAS to split well. So, with two or more threads, a step holds NumPy's
 OpenBLAS to one thread (`one_blas_thread`) and a batch of GEMMs is spread over the Numba
@@ -153,7 +154,7 @@ def _batch_stride(x, batch: int) -> int | None:
 
 # Below this many multiply-adds a product is not worth a parallel region's start, its end
 # and the call's 20 arguments (about 10 us in all): NumPy's matmul runs it on the calling
-# thread. [64, 64] @ [64, 64] twice: 8 against 16 us; 128^3: 36 against 32 us.
+# thread. The break-even measured between 1M and 2M (docs/benchmarks.md).
 _MIN_MACS = 1 << 21
 
 

@@ -4,8 +4,10 @@
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OPENBLAS_NUM_THREADS=1 \
         .venv/bin/python bench/bench_kernels.py [--src DIR] [--conv [--conv-only TEXT]]
 
-Each case runs netdsl's kernel (called as the executor calls it, float32) and the same
-operation in torch (CPU, 1 thread; the backward through autograd), the best of --repeats
+(with `--threads 2`, leave out OPENBLAS_NUM_THREADS=1). Each case runs netdsl's kernel
+(called as the executor calls it, float32, inside the backend's `running()` block as in a
+step) and the same operation in torch (CPU, --threads threads; the backward through
+autograd), the best of --repeats
 timings each, and prints milliseconds and the ratio netdsl / torch. `--src DIR` imports
 netdsl from another checkout (e.g. `git worktree add /tmp/base 804ade2`), which is how a
 before/after of a kernel change is measured with the same script. Needs torch.
@@ -13,6 +15,7 @@ before/after of a kernel change is measured with the same script. Needs torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -35,7 +38,10 @@ def main() -> None:
                     help="also conv2d's three kernels on ResNet/VGG/digits shapes")
     ap.add_argument("--conv-only", metavar="TEXT", action="append",
                     help="with --conv, only the shapes whose names contain TEXT (repeatable)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads for torch and netdsl's fused kernels (default 1)")
     a = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # netdsl's loops follow it
     if a.src:
         sys.path.insert(0, a.src)
     import numpy as np
@@ -43,7 +49,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     from netdsl.ir import registry
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     ops = registry.load_all()
     rng = np.random.default_rng(0)
 
@@ -52,6 +58,13 @@ def main() -> None:
 
     # as the executor calls kernels: with the backend's fused kernels where they load
     Ctx = KernelContext(True, NumpyBackend(), "float32")  # noqa: N806
+    print(f"netdsl from {registry.__file__}; torch {torch.__version__}, {a.threads} "
+          f"thread(s), {Ctx.backend.fused}, float32, best of {a.repeats}")
+    with Ctx.backend.running():  # as in a step: one pool of threads (numpy_fused_gemm)
+        _cases(a, np, torch, F, ops, Ctx, rng)
+
+
+def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
 
     pool = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True}
     cases = [  # name, op, input shape, attrs
@@ -61,8 +74,6 @@ def main() -> None:
          {**pool, "kernel": 3, "stride": 2, "padding": 1}),
         ("digits-cnn maxpool 2x2", "maxpool", (32, 32, 8, 8), {**pool, "kernel": 2}),
     ]
-    print(f"netdsl from {registry.__file__}; torch {torch.__version__}, 1 thread, float32, "
-          f"best of {a.repeats}")
     print(f"{'case':<44} {'pass':<9} {'netdsl ms':>10} {'torch ms':>9} {'ratio':>6}")
     for name, op, shape, attrs in cases:
         x = rng.standard_normal(shape).astype(np.float32)
@@ -114,13 +125,16 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding
     ("VGG-16 3x3, 256 ch, 56x56", (8, 256, 56, 56), 256, 3, 1, 1),
     ("VGG-16 3x3, 512 ch, 14x14", (8, 512, 14, 14), 512, 3, 1, 1),
     ("ResNet-164 3x3, 16 ch, 32x32", (16, 16, 32, 32), 16, 3, 1, 1),
+    ("ResNet-164 1x1, 16 <- 64, 32x32", (16, 64, 32, 32), 16, 1, 1, 0),
+    ("ResNet-164 1x1, 64 <- 16, 32x32", (16, 16, 32, 32), 64, 1, 1, 0),
+    ("ResNet-164 3x3, 64 ch, 8x8", (16, 64, 8, 8), 64, 3, 1, 1),
     ("digits-cnn 3x3, 1 -> 16 ch, 8x8", (32, 1, 8, 8), 16, 3, 1, 1),
 ]
 
 
 def conv_cases(np, torch, ops, ctx, rng, repeats, only=None) -> None:
     """conv2d forward, input gradient and weight gradient (the executor's three kernels)
-    against torch's convolution and convolution_backward, float32, 1 thread."""
+    against torch's convolution and convolution_backward, float32."""
     for name, shape, o, k, s, p in CONVS:
         if only and not any(t in name for t in only):
             continue

@@ -19,8 +19,13 @@ import os
 import sys
 import time
 
+# With more than one thread, each measurement starts after a pause: the other framework's
+# idle threads spin for a while after its last call and would take the cores.
+SETTLE_S = [0.0]
+
 
 def best_ms(f, repeats: int) -> float:
+    time.sleep(SETTLE_S[0])
     f()
     times = []
     for _ in range(repeats):
@@ -42,6 +47,7 @@ def main() -> None:
                     help="threads for torch and netdsl's fused kernels (default 1)")
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # netdsl's loops follow it
+    SETTLE_S[0] = 0.5 if a.threads > 1 else 0.0
     if a.src:
         sys.path.insert(0, a.src)
     import numpy as np

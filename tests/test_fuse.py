@@ -380,6 +380,26 @@ def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("geom", [  # kh, kw, sh, sw, ph, pw, dh, dw
+    (3, 3, 1, 1, 1, 1, 1, 1), (7, 7, 2, 2, 3, 3, 1, 1), (3, 2, 2, 3, 2, 0, 2, 1),
+    (3, 3, 1, 1, 0, 0, 1, 1), (3, 3, 1, 1, 4, 4, 1, 1), (1, 1, 2, 2, 0, 0, 1, 1)])
+def test_fused_im2col_is_the_reference_bit_for_bit(dtype, geom):
+    """The folded convolution's columns, read from the unpadded x by one Numba pass per
+    row (padding wider than the image included), are NumPy's copy of the windows."""
+    pytest.importorskip("numba")
+    from netdsl.ir.ops.conv import _folded_columns
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    x = np.random.default_rng(12).standard_normal((3, 2, 7, 9)).astype(dtype)
+    x.flat[:3] = [np.nan, -0.0, np.inf]
+    ho = (7 + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (9 + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    u = _folded_columns(np, x, geom, ho, wo, None)
+    v = _folded_columns(np, x, geom, ho, wo, NumpyBackend().fused)
+    assert u.shape == v.shape == (2 * kh * kw, 3 * ho * wo) and v.dtype == dtype
+    assert np.array_equal(u.view(f"u{u.itemsize}"), v.view(f"u{v.itemsize}"))  # bits
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [
     ((3, 3), (2, 2), (1, 1), (1, 1), 1), ((3, 3), (2, 2), (2, 2), (2, 2), 1),
     ((2, 3), (3, 2), (0, 1), (1, 1), 2), ((1, 1), (2, 2), (0, 0), (1, 1), 1)])

@@ -48,7 +48,7 @@ from netdsl.backends.numpy_fused_norm import (
 )
 from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
 from netdsl.backends.numpy_fused_pool import maxpool2d_grad
-from netdsl.backends.numpy_fused_scatter import col2im_add, scatter_add_rows
+from netdsl.backends.numpy_fused_scatter import col2im_add, im2col_rows, scatter_add_rows
 
 
 def thread_count() -> int:
@@ -99,6 +99,7 @@ class FusedKernels:
     relu_grad = staticmethod(relu_grad)
     scatter_add_rows = staticmethod(scatter_add_rows)
     col2im_add = staticmethod(col2im_add)
+    im2col_rows = staticmethod(im2col_rows)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
 
     def __init__(self):
@@ -131,6 +132,7 @@ class FusedKernels:
             softmax_grad_rows(r2, r2, r2.copy())
             scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
             col2im_add(np.zeros((1, 2, 2), dt), np.ones((1, 1, 1, 1, 1), dt), 1, 1, 1, 1)
+            im2col_rows(q, 1, 1, 1, 1, 0, 0, 1, 1, np.empty((1, 4), dt))
             add(d1, d1, d1.copy())
             add_relu(d1, d1, d1.copy())
             relu_grad(d1, d1, d1, True, d1.copy())

@@ -331,6 +331,20 @@ def _im2col(xp, x, geom, g, ho, wo):
     return xp.ascontiguousarray(win).reshape(n, g, (c // g) * kh * kw, ho * wo)
 
 
+def _folded_columns(xp, x, geom, ho, wo, fast):
+    """[C*kh*kw, N*Ho*Wo] columns of x, the batch folded into one GEMM: a copy of the
+    strided windows of the padded x, or with `fast` (the fused kernels) one Numba pass
+    per row that reads x unpadded, the same values."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    n, c = x.shape[:2]
+    if fast is not None:
+        cols = xp.empty((c * kh * kw, n * ho * wo), x.dtype)
+        fast.im2col_rows(x, kh, kw, sh, sw, ph, pw, dh, dw, cols)
+        return cols
+    win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
+    return xp.ascontiguousarray(win.transpose(1, 4, 5, 0, 2, 3)).reshape(c * kh * kw, -1)
+
+
 def _flat_padded(xp, x, ph, pw, extra):
     """x zero-padded to [N, C, Hp*Wp + extra] (each padded image flattened, `extra` zeros
     after it so that the last kernel offset's slice stays in bounds)."""
@@ -361,11 +375,8 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
     if path == "folded":
         # small images: the batch folded into one GEMM over [C*kh*kw, N*Ho*Wo] columns (a
         # GEMM per image would be too small), its [O, N, Ho, Wo] result transposed to NCHW
-        win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
-        cols = xp.ascontiguousarray(win.transpose(1, 4, 5, 0, 2, 3))
-        del win
-        y = matmul(xp, w.reshape(o, -1), cols.reshape(-1, n * ho * wo),
-                   fast=fast).reshape(o, n, ho, wo)
+        cols = _folded_columns(xp, x, geom, ho, wo, fast)
+        y = matmul(xp, w.reshape(o, -1), cols, fast=fast).reshape(o, n, ho, wo)
         del cols
         if out is None:
             return xp.ascontiguousarray(y.transpose(1, 0, 2, 3))
@@ -493,9 +504,12 @@ def _conv2d_gw(xp, ins, a, fast):
                 gw[:, :, :, i, j] = prods.sum(axis=0).reshape(g, og, cg)
         return gw.reshape(tuple(a["shape"]))
     # one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]
-    win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
-    win = win.reshape(n, g, cg, ho, wo, kh, kw).transpose(1, 2, 5, 6, 0, 3, 4)
-    cols = xp.ascontiguousarray(win).reshape(g, cg * kh * kw, n * ho * wo)
+    if g == 1:
+        cols = _folded_columns(xp, x, (kh, kw, sh, sw, ph, pw, dh, dw), ho, wo, fast)[None]
+    else:
+        win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
+        win = win.reshape(n, g, cg, ho, wo, kh, kw).transpose(1, 2, 5, 6, 0, 3, 4)
+        cols = xp.ascontiguousarray(win).reshape(g, cg * kh * kw, n * ho * wo)
     dym = xp.ascontiguousarray(dy.reshape(n, g, og, ho * wo).transpose(1, 2, 0, 3))
     return matmul(xp, dym.reshape(g, og, -1), cols.transpose(0, 2, 1),
                   fast=fast).reshape(tuple(a["shape"]))

@@ -199,10 +199,11 @@ class PooledGemm:
                 or (out.ndim == 3 and out.strides[0] < 0):
             return None  # not rows of unit stride (Winograd's tile matrices are, apart)
         # whole products where the batch gives every thread some; else blocks of one
-        # product along its larger side
+        # product along its larger side, one a thread (more blocks pack the other operand
+        # more times, and measured slower for a transformer's [1024, 64] @ [64, 256])
         parts_m = parts_n = 1
-        if batch < 2 * self.threads:
-            split = -(-2 * self.threads // batch)
+        if batch < self.threads:
+            split = -(-self.threads // batch)
             if m >= n:
                 parts_m = min(split, max(1, m // 8))
             else:

@@ -369,7 +369,7 @@ def test_fused_relu_kernels_are_the_reference_bit_for_bit(dtype, shape):
                         _kernels("add", [a, b], {}, backend)))
         want = (dy + acc) * (out[0][0] > 0)
         total = np.empty_like(a)  # the add loop itself (the kernel takes it on 2+ threads)
-        NumpyBackend().fused.add(a.reshape(-1), b.reshape(-1), total.reshape(-1))
+        NumpyBackend().fused.add(a.reshape(-1), b.reshape(-1), False, total.reshape(-1))
         out[0] += (total,)
         out[1] += (a + b,)
     for u, v in zip(*out, strict=True):

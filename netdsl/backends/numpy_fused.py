@@ -29,7 +29,6 @@ import numpy as np
 from netdsl.backends import numpy_winograd
 from netdsl.backends.numpy_fused_activation import (
     add,
-    add_relu,
     gelu_f32,
     gelu_grad,
     gelu_grad_f32,
@@ -94,8 +93,7 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
-    add = staticmethod(add)
-    add_relu = staticmethod(add_relu)
+    add = staticmethod(add)  # a + b, or relu(a + b)
     relu_grad = staticmethod(relu_grad)
     scatter_add_rows = staticmethod(scatter_add_rows)
     col2im_add = staticmethod(col2im_add)
@@ -133,8 +131,7 @@ class FusedKernels:
             scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
             col2im_add(np.zeros((1, 2, 2), dt), np.ones((1, 1, 1, 1, 1), dt), 1, 1, 1, 1)
             im2col_rows(q, 1, 1, 1, 1, 0, 0, 1, 1, np.empty((1, 4), dt))
-            add(d1, d1, d1.copy())
-            add_relu(d1, d1, d1.copy())
+            add(d1, d1, False, d1.copy())
             relu_grad(d1, d1, d1, True, d1.copy())
             t = np.ones((1, 1, 2, 2), dt)
             # the tile matrices are strided views (conv_winograd._tile_matrices): a

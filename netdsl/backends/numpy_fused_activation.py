@@ -117,21 +117,16 @@ def _relu_grad(dy, y, acc, with_acc, dx):
 
 
 @numba.njit(**_PAR)
-def add(a, b, y):
-    """y = a + b over 1-d arrays (the same sums as np.add)."""
+def add(a, b, relu, y):
+    """y = a + b over 1-d arrays (the same sums as np.add), or with `relu` max(a + b, 0),
+    as np.maximum(a + b, 0): NaN and -0.0 pass."""
     n = y.size
     for t in numba.prange((n + _BLOCK - 1) // _BLOCK):
         s, e = t * _BLOCK, min(n, (t + 1) * _BLOCK)
-        _add(a[s:e], b[s:e], y[s:e])
-
-
-@numba.njit(**_PAR)
-def add_relu(a, b, y):
-    """y = max(a + b, 0) over 1-d arrays, as np.maximum(a + b, 0): NaN and -0.0 pass."""
-    n = y.size
-    for t in numba.prange((n + _BLOCK - 1) // _BLOCK):
-        s, e = t * _BLOCK, min(n, (t + 1) * _BLOCK)
-        _add_relu(a[s:e], b[s:e], y[s:e])
+        if relu:
+            _add_relu(a[s:e], b[s:e], y[s:e])
+        else:
+            _add(a[s:e], b[s:e], y[s:e])
 
 
 @numba.njit(**_PAR)

@@ -109,7 +109,7 @@ def _add_relu(xp, ins, a, ctx):
     f = fused_kernels(ctx, x, y)
     if f is not None and x.dtype == y.dtype:  # one pass
         out = ctx.out if ctx.out is not None else xp.empty_like(x)
-        f.add_relu(x.reshape(-1), y.reshape(-1), out.reshape(-1))
+        f.add(x.reshape(-1), y.reshape(-1), True, out.reshape(-1))
         return out
     out = ctx.into(xp.add, x, y)
     return xp.maximum(out, 0, out=out)

@@ -8,8 +8,8 @@ batchnorm loops no faster with two, and 0.37 s with one pool (bench/bench_step.p
 --threads 2; docs/benchmarks.md).
 Most of a step's GEMMs are small (a convolution's per image or per kernel offset), too
 small for OpenBLAS to split well. So, with two or more threads, a step holds NumPy's
-OpenBLAS to one thread (`one_blas_thread`) and a batch of GEMMs is spread over the Numba
-threads, each calling that same OpenBLAS (NumPy's own library, found by its exported
+OpenBLAS to one thread (`NumpyCblas.one_thread`) and a batch of GEMMs is spread over the
+Numba threads, each calling that same OpenBLAS (NumPy's own library, found by its exported
 symbols; `find_numpy_cblas`) on its share: whole products of the batch, or blocks of
 rows or columns of one product. Each block is computed as the single-threaded library
 computes it; the split only changes which thread does it.

@@ -31,8 +31,9 @@ _G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.
 # G (x) G [16, 9]: element (4*i + j, 3*a + b) is G[i, a] * G[j, b], so G g G^T of every
 # filter at once is one GEMM, (G (x) G) @ w.reshape(O*C, 9)^T = U as [16, O, C], and the
 # weight gradient's G^T dU G is dU.reshape(16, O*C)^T @ (G (x) G). Exact in either dtype
-# (products of 0, +-1/2 and 1). Broadcast matmuls of the 4x3 G over every filter instead
-# took 37 ms for 512x512 filters, for each call (one GEMM: about 1 ms).
+# (products of 0, +-1/2 and 1). Broadcast matmuls of the 4x3 G over every filter, as
+# before, made VGG-16's 512-channel 14x14 forward 59 ms instead of 28 (bench_kernels.py
+# --conv; docs/benchmarks.md).
 _KRON = {np.dtype(t): np.kron(_G, _G).astype(t) for t in (np.float32, np.float64)}
 
 

@@ -678,6 +678,13 @@ def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
         with pytest.raises(RuntimeError), cblas.one_thread():
             raise RuntimeError
         assert cblas._get() == 2
+        held = cblas.held
+        with cblas.limit(3):  # at most 3: two stays two, and two is not one
+            assert cblas._get() == 2 and cblas.held == held
+        cblas._set(4)
+        with cblas.limit(2):
+            assert cblas._get() == 2 and cblas.held == held
+        assert cblas._get() == 4
     finally:
         cblas._set(before)
 
@@ -695,25 +702,41 @@ def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
             Counting.taken += y is not None
             return y
 
-    cblas = pooled_gemm.cblas
-    cblas.held -= 1  # the fixture's block closed: only the executor's run opens one
-    try:
-        for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
-            g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch),
-                                                       enabled=True)), enabled=True), "sgd")
-            feeds = example_feeds(g)
-            runs = []
-            for pooled in (Counting(cblas, 2), None):
-                be = NumpyBackend()
-                be.fused.gemm = pooled
-                ex = Executor(g, be, dtype="f32", seed=3)
-                taken = Counting.taken
-                r = ex.run(feeds, roles=("loss", "grads", "updates"))
-                assert (Counting.taken > taken) == (pooled is not None), name
-                runs.append([np.array(v, np.float64) for k in ("loss", "grads", "updates")
-                             for v in r[k]])
-            for a, b in zip(*runs, strict=True):
-                np.testing.assert_allclose(a, b, rtol=1e-4,
-                                           atol=1e-6 * max(np.abs(b).max(), 1))
-    finally:
-        cblas.held += 1
+    for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
+        g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
+                                     enabled=True), "sgd")
+        feeds = example_feeds(g)
+        runs = []
+        for pooled in (True, False):
+            be = NumpyBackend()
+            # the backend's own OpenBLAS handle, whose block only the executor's run opens
+            be.fused.gemm = Counting(be.fused.cblas, 2) if pooled else None
+            assert be.fused.cblas.held == 0
+            ex = Executor(g, be, dtype="f32", seed=3)
+            taken = Counting.taken
+            r = ex.run(feeds, roles=("loss", "grads", "updates"))
+            assert (Counting.taken > taken) == pooled, name
+            runs.append([np.array(v, np.float64) for k in ("loss", "grads", "updates")
+                         for v in r[k]])
+        for a, b in zip(*runs, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(np.abs(b).max(), 1))
+
+
+def test_threads_are_shared_out_among_the_mpi_ranks_of_a_machine(monkeypatch):
+    """Two MPI ranks on one machine take half the cores each (two ranks of all the
+    cores' threads spun against each other: ResNet-164's distributed step 2.6x slower);
+    the user's OMP_NUM_THREADS stands."""
+    numba = pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused import thread_count
+    for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MPI_LOCALNRANKS",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    pool = numba.config.NUMBA_NUM_THREADS
+    assert thread_count() == pool
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    assert thread_count() == max(1, pool // 2)
+    monkeypatch.delenv("MPI_LOCALNRANKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(4 * pool))
+    assert thread_count() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(pool))  # the user's count stands
+    assert thread_count() == pool

@@ -49,16 +49,25 @@ from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
 from netdsl.backends.numpy_fused_pool import maxpool2d_grad
 from netdsl.backends.numpy_fused_scatter import col2im_add, im2col_rows, scatter_add_rows
 
+# How many MPI ranks share this machine, as MPICH (Hydra) and Open MPI tell each rank.
+LOCAL_RANKS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
 
 def thread_count() -> int:
     """The threads the loops run on: as the BLAS is told (OMP_NUM_THREADS or
     OPENBLAS_NUM_THREADS, what `--threads` sets in the benchmarks), else Numba's default
-    (NUMBA_NUM_THREADS, or the cores), never more than Numba's pool."""
+    (NUMBA_NUM_THREADS, or the cores) shared out among the MPI ranks on this machine
+    (`mpiexec -n 2` on two cores: one each, not two ranks of two threads spinning against
+    each other), never more than Numba's pool."""
     pool = numba.config.NUMBA_NUM_THREADS
     for key in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         v = os.environ.get(key, "").strip()
         if v.isdigit() and int(v) > 0:
             return min(int(v), pool)
+    for key in LOCAL_RANKS:
+        v = os.environ.get(key, "").strip()
+        if v.isdigit() and int(v) > 1:
+            return max(1, pool // int(v))
     return pool
 
 
@@ -68,14 +77,23 @@ def thread_count() -> int:
 # 0.59 s with passive waits, and transformer-tiny's 116 against 10 ms (bench/bench_step.py
 # --threads 2 --baseline a7b74b3; docs/benchmarks.md). Passive waits are only needed where
 # both pools run: where the GEMMs go on the loops' threads (numpy_fused_gemm) NumPy's BLAS
-# has one thread during a step and libgomp keeps its default (a short spin, then sleep).
-# libgomp reads the policy when Numba loads it, the first time the loops' threads are set;
-# a policy the user set stands.
+# has one thread during a step and libgomp's threads spin for SPIN_COUNT turns before they
+# sleep. Passive waits made ResNet-164's two-thread step 0.56 s instead of 0.39; libgomp's
+# default spin (300,000 turns) made two such processes on two cores 1.9x slower than
+# passive waits, 10,000 turns 1.5x, at the single process's best speed (docs/benchmarks.md).
+# libgomp reads these when Numba loads it, the first time the loops' threads are set; a
+# policy or spin count the user set stands.
 WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
+SPIN_COUNT = ("GOMP_SPINCOUNT", "10000")
 
 
 def passive_waits() -> None:
     os.environ.setdefault(*WAIT_POLICY)
+
+
+def short_spins() -> None:
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault(*SPIN_COUNT)
 
 
 class FusedKernels:
@@ -102,12 +120,15 @@ class FusedKernels:
 
     def __init__(self):
         self.threads = thread_count()
-        cblas = find_numpy_cblas() if self.threads > 1 else None
-        if cblas is None:
+        self.cblas = find_numpy_cblas()  # None: NumPy links another BLAS
+        pooled = self.cblas is not None and self.threads > 1
+        if pooled:
+            short_spins()
+        else:
             passive_waits()
         numba.set_num_threads(self.threads)
         # None: NumPy's matmul (its BLAS's own threads) runs every product
-        self.gemm = PooledGemm(cblas, self.threads) if cblas is not None else None
+        self.gemm = PooledGemm(self.cblas, self.threads) if pooled else None
         if self.gemm is not None:
             self.gemm.warm_up()
         # each compiled signature is loaded from the cache (or compiled) on its first call:
@@ -167,8 +188,11 @@ class FusedKernels:
 
     def running(self):
         """Held around each run of a graph: NumPy's BLAS at one thread while the GEMMs
-        share the loops' threads (nothing to do with one thread)."""
-        return nullcontext() if self.gemm is None else self.gemm.cblas.one_thread()
+        share the loops' threads, else at no more than the loops' threads (one for each
+        of two MPI ranks on two cores: thread_count)."""
+        if self.cblas is None:
+            return nullcontext()
+        return self.cblas.limit(1 if self.gemm is not None else self.threads)
 
     @staticmethod
     def accepts(*arrays) -> bool:

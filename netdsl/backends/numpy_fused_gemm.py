@@ -45,21 +45,26 @@ class NumpyCblas:
         self._get.restype = ctypes.c_int
         self._set = lib.scipy_openblas_set_num_threads64_
         self._set.argtypes = [ctypes.c_int]
-        self.held = 0  # how many one_thread() blocks are open
+        self.held = 0  # how many blocks holding it to one thread are open
 
     @contextmanager
-    def one_thread(self):
-        """OpenBLAS held to one thread inside (its threads neither spin nor wake)."""
+    def limit(self, threads: int):
+        """OpenBLAS held to at most `threads` threads inside (with one, its threads
+        neither spin nor wake)."""
         before = self._get()
-        if before > 1:
-            self._set(1)
-        self.held += 1
+        if before > threads:
+            self._set(threads)
+        one = min(before, threads) == 1
+        self.held += one
         try:
             yield
         finally:
-            self.held -= 1
-            if before > 1:
+            self.held -= one
+            if before > threads:
                 self._set(before)
+
+    def one_thread(self):
+        return self.limit(1)
 
 
 def _address(fn) -> int:

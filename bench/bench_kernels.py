@@ -43,6 +43,9 @@ def main() -> None:
                     help="also conv2d's three kernels on ResNet/VGG/digits shapes")
     ap.add_argument("--conv-only", metavar="TEXT", action="append",
                     help="with --conv, only the shapes whose names contain TEXT (repeatable)")
+    ap.add_argument("--gemm", action="store_true",
+                    help="with --threads 2 or more: the pooled GEMMs against NumPy's matmul "
+                         "on one thread, below and above their size threshold")
     ap.add_argument("--threads", type=int, default=1,
                     help="threads for torch and netdsl's fused kernels (default 1)")
     a = ap.parse_args()
@@ -117,6 +120,34 @@ def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
               f"{t:>9.3f} {m / t:>6.2f}")
     if a.conv:
         conv_cases(np, torch, ops, Ctx, rng, a.repeats, a.conv_only)
+    if a.gemm:
+        gemm_cases(np, Ctx, rng, a.repeats)
+
+
+GEMMS = [(2, 32, 32, 64), (16, 16, 16, 64), (2, 64, 64, 64), (4, 64, 64, 64),
+         (2, 64, 64, 128), (1, 128, 128, 128), (2, 64, 64, 256), (1, 1024, 64, 256)]
+
+
+def gemm_cases(np, ctx, rng, repeats) -> None:
+    """[B, M, K] @ [B, K, N] on the loops' threads (numpy_fused_gemm.PooledGemm, its size
+    threshold lifted here) against NumPy's matmul (one BLAS thread, as in a step): where
+    the threshold _MIN_MACS comes from."""
+    from netdsl.backends import numpy_fused_gemm
+    gemm = getattr(ctx.backend.fused, "gemm", None)
+    if gemm is None:
+        print("no pooled GEMMs here (one thread, or NumPy links another BLAS)")
+        return
+    threshold, numpy_fused_gemm._MIN_MACS = numpy_fused_gemm._MIN_MACS, 0
+    try:
+        for b, m, k, n in GEMMS:
+            x = rng.standard_normal((b, m, k)).astype(np.float32)
+            y = rng.standard_normal((b, k, n)).astype(np.float32)
+            p = best_ms(lambda: gemm(x, y), 40 * repeats)
+            q = best_ms(lambda: np.matmul(x, y), 40 * repeats)
+            name = f"gemm [{b}, {m}, {k}] @ [{b}, {k}, {n}] ({b * m * k * n:,} MAC)"
+            print(f"{name:<44} {'pooled':<9} {p:>10.4f} {q:>9.4f} {p / q:>6.2f}  (vs numpy)")
+    finally:
+        numpy_fused_gemm._MIN_MACS = threshold
 
 
 CONVS = [  # name, x shape, out channels, kernel, stride, padding

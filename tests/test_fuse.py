@@ -600,7 +600,7 @@ def pooled_gemm():
         pytest.skip("NumPy does not link the scipy-openblas64 build here")
     gemm = PooledGemm(cblas, 2)
     gemm.warm_up()
-    with cblas.one_thread():
+    with cblas.limit(1):
         yield gemm
 
 
@@ -646,7 +646,7 @@ def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take(pooled_gemm):
     a = np.ones((8, 64, 64), np.float32)
     b = np.ones((8, 64, 256), np.float32)
     assert gemm(a, b) is not None
-    gemm.cblas.held -= 1  # outside one_thread(): OpenBLAS may start its own threads
+    gemm.cblas.held -= 1  # outside limit(1): OpenBLAS may start its own threads
     try:
         assert gemm(a, b) is None
     finally:
@@ -669,13 +669,13 @@ def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
     before = cblas._get()
     cblas._set(2)
     try:
-        with cblas.one_thread():
+        with cblas.limit(1):
             assert cblas._get() == 1
-            with cblas.one_thread():
+            with cblas.limit(1):
                 assert cblas._get() == 1
             assert cblas._get() == 1
         assert cblas._get() == 2
-        with pytest.raises(RuntimeError), cblas.one_thread():
+        with pytest.raises(RuntimeError), cblas.limit(1):
             raise RuntimeError
         assert cblas._get() == 2
         held = cblas.held

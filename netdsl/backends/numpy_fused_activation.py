@@ -94,8 +94,6 @@ def gelu_grad(dy, x):
     return dx
 
 
-
-
 @numba.njit(**_SEQ)
 def _add(a, b, y):
     for i in range(y.size):

@@ -8,7 +8,7 @@ batchnorm loops no faster with two, and 0.37 s with one pool (bench/bench_step.p
 --threads 2; docs/benchmarks.md).
 Most of a step's GEMMs are small (a convolution's per image or per kernel offset), too
 small for OpenBLAS to split well. So, with two or more threads, a step holds NumPy's
-OpenBLAS to one thread (`NumpyCblas.one_thread`) and a batch of GEMMs is spread over the
+OpenBLAS to one thread (`NumpyCblas.limit`) and a batch of GEMMs is spread over the
 Numba threads, each calling that same OpenBLAS (NumPy's own library, found by its exported
 symbols; `find_numpy_cblas`) on its share: whole products of the batch, or blocks of
 rows or columns of one product. Each block is computed as the single-threaded library
@@ -62,9 +62,6 @@ class NumpyCblas:
             self.held -= one
             if before > threads:
                 self._set(before)
-
-    def one_thread(self):
-        return self.limit(1)
 
 
 def _address(fn) -> int:
@@ -159,7 +156,8 @@ def _batch_stride(x, batch: int) -> int | None:
 
 # Below this many multiply-adds a product is not worth a parallel region's start, its end
 # and the call's 20 arguments (about 10 us in all): NumPy's matmul runs it on the calling
-# thread. The break-even measured between 1M and 2M (docs/benchmarks.md).
+# thread. The break-even lies between 1M and 2M (bench/bench_kernels.py --threads 2
+# --gemm; docs/benchmarks.md).
 _MIN_MACS = 1 << 21
 
 
@@ -179,7 +177,7 @@ class PooledGemm:
 
     def __call__(self, a, b, out=None, accumulate=False):
         """The product into `out` (or a new array; added to `out` with `accumulate`), or
-        None where these loops do not take it: outside `cblas.one_thread()` (each task's
+        None where these loops do not take it: outside a `cblas.limit(1)` block (each task's
         call would start OpenBLAS's own threads), other dtypes or ranks, operands or an
         `out` with no unit stride, or a product too small to split."""
         if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (

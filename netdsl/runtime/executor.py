@@ -64,6 +64,10 @@ class KernelContext:
         """`ufunc(*args)`, written into the node's planned slot when it has one."""
         return ufunc(*args) if self.out is None else ufunc(*args, out=self.out)
 
+    def out_like(self, x):
+        """The node's planned slot, or a new array like x, for a kernel to write."""
+        return self.out if self.out is not None else self.backend.xp.empty_like(x)
+
     def erf(self, x):
         return self.backend.erf(x)
 

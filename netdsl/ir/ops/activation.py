@@ -108,7 +108,7 @@ def _add_relu(xp, ins, a, ctx):
     x, y = ins
     f = fused_kernels(ctx, x, y)
     if f is not None and x.dtype == y.dtype:  # one pass
-        out = ctx.out if ctx.out is not None else xp.empty_like(x)
+        out = ctx.out_like(x)
         f.add(x.reshape(-1), y.reshape(-1), True, out.reshape(-1))
         return out
     out = ctx.into(xp.add, x, y)
@@ -122,7 +122,7 @@ def _relu_grad(xp, ins, a, ctx):
     f = fused_kernels(ctx, dy, y, acc)
     if f is not None and dy.dtype == y.dtype and (acc is None or acc.dtype == dy.dtype):
         # one pass, bit for bit the code below (a product with the 0/1 mask, not a select)
-        out = ctx.out if ctx.out is not None else xp.empty_like(dy)
+        out = ctx.out_like(dy)
         f.relu_grad(dy.reshape(-1), y.reshape(-1),
                     (dy if acc is None else acc).reshape(-1), acc is not None,
                     out.reshape(-1))

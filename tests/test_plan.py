@@ -176,3 +176,47 @@ def autodiff_of(g):
     add_op(g, "loss", "mse", ["y", "t"], {})
     g.outputs = {"output": ["y"], "loss": ["loss"]}
     return autodiff(g.verify())
+
+
+# every op of a step: a kernel's scratch within its rule ----------------------------------------
+# per call, besides the arrays: the interpreter's objects and ufunc buffers (34 kB measured)
+CALL_SLACK = 64 * 1024
+
+
+@pytest.mark.parametrize("example,batch", [
+    ("digits-cnn", 8), ("transformer-tiny", 4), ("gpt-tiny", 4), ("resnet20-cifar", 2),
+    ("squeezenet1_1", 1), ("mobilenet_v2", 1), ("unet-small", 1)])
+def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, monkeypatch):
+    """An arena run holds, outside the arena, a node's scratch and its result until the
+    result is in its slot; the plan counts the op's workspace rule plus that result
+    (`MemoryPlan.transient_bytes`). tracemalloc's peak inside every kernel call of a
+    training step (dropout's masks, attention's scores, pooling's passes, the losses'
+    softmax included) stays within that."""
+    import tracemalloc
+
+    from netdsl.memory.plan import workspace_bytes
+    g = training_step(example, batch)
+    feeds = example_feeds(g)
+    ex = Executor(g, "numpy", arena=True)
+    ex.run(feeds, roles=ROLES)  # the arena, the plan and the kernels' first calls
+    over = []
+    call = Executor._call
+
+    def measured(self, n, inputs, ctx):
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        out = call(self, n, inputs, ctx)
+        used = tracemalloc.get_traced_memory()[1] - before
+        in_slot = ctx.out is not None and np.may_share_memory(out, ctx.out)
+        allowed = workspace_bytes(g, n) + (0 if in_slot else out.nbytes)
+        if used > allowed + CALL_SLACK:
+            over.append((n.op, n.name, used, allowed))
+        return out
+
+    monkeypatch.setattr(Executor, "_call", measured)
+    tracemalloc.start()
+    try:
+        ex.run(feeds, roles=ROLES)
+    finally:
+        tracemalloc.stop()
+    assert not over, over

@@ -15,8 +15,14 @@ from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 
 def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: int = 1,
           attrs: tuple[Arg, ...] = (), layer_type: str = "activation", doc: str = "",
-          check: Callable | None = None) -> None:
-    """Register `name` and `name_grad`; `check(x_type, attrs)` may raise ShapeError."""
+          check: Callable | None = None, scratch: tuple[float, float] = (0, 0)) -> None:
+    """Register `name` and `name_grad`; `check(x_type, attrs)` may raise ShapeError.
+    `scratch`: the temporaries the forward and the backward kernel hold at once besides
+    their result, in multiples of the result's float32 bytes (a bool mask is 0.25): their
+    workspace rules (tests/test_plan.py measures them with tracemalloc)."""
+    def workspace(k):
+        return lambda ins, out, a: int(k * 4 * out.numel())
+
     def shape(ins, a):
         need_float(ins[0], name)
         if check is not None:
@@ -24,7 +30,7 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
         return ins[0]
 
     register(OpDef(name, (Arg("x", "tensor"),) + attrs, shape, layer_type,
-                   flops=lambda ins, out, a: flops * out.numel(),
+                   flops=lambda ins, out, a: flops * out.numel(), workspace=workspace(scratch[0]),
                    retains=("inputs",) if reads == "input" else ("output",),
                    doc=doc or f"element-wise {name}"))
     # the backward signature repeats the forward attributes without their defaults
@@ -32,6 +38,7 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,
                    grad_shape(f"{name}_grad"), "backward",
                    flops=lambda ins, out, a: (flops + 1) * out.numel(), differentiable=False,
+                   workspace=workspace(scratch[1]),
                    doc=f"backward of {name}: dy * {name}'(x), from the forward {reads}"))
 
     kernel(name)(lambda xp, ins, a, ctx: f(xp, ins[0], a))

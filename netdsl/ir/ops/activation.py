@@ -62,16 +62,19 @@ def _dropout_shape(ins, a):
     return _same("dropout")(ins, a)
 
 
+# scratch: the mask's bool array (one byte an element), and for `dropout` the mask itself
 register(OpDef(
     "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5, range=PROBABILITY)),
     _dropout_shape, "dropout",
-    flops=_per_elem(2), retains=("mask",), random=True,
+    flops=_per_elem(2), workspace=lambda ins, out, a: 5 * out.numel(),
+    retains=("mask",), random=True,
     doc="inverted dropout: zero with probability p in training, identity in evaluation"))
 
 register(OpDef(
     "dropout_mask", (Arg("x", "tensor"), Arg("p", "float", 0.5, range=PROBABILITY)),
     _same("dropout_mask"),
-    "dropout", flops=_per_elem(1), differentiable=False, random=True,
+    "dropout", flops=_per_elem(1), workspace=lambda ins, out, a: out.numel(),
+    differentiable=False, random=True,
     doc="dropout's explicit mask: 0 or 1/(1-p) in training, 1 in evaluation"))
 
 
@@ -209,11 +212,12 @@ def _mask(xp, x, p, ctx):
         return xp.zeros_like(x)
     rows = ctx.node.meta.get("rng_rows")
     if rows is None:
-        keep = ctx.rng_for(ctx.node).random(x.shape, x.dtype) >= p
+        u = ctx.rng_for(ctx.node).random(x.shape, x.dtype)
     else:  # a split graph's part of the batch draws its rows of the whole batch's mask
         lo, hi, batch = rows
-        keep = ctx.rng_for(ctx.node).random((batch,) + x.shape[1:], x.dtype)[lo:hi] >= p
-    return keep.astype(x.dtype) * (1.0 / (1.0 - p))
+        u = xp.array(ctx.rng_for(ctx.node).random((batch,) + x.shape[1:], x.dtype)[lo:hi])
+    # the mask goes into the uniform numbers' array: the bool array is the only scratch
+    return xp.multiply(u >= p, x.dtype.type(1.0 / (1.0 - p)), out=u)
 
 
 @kernel("dropout_mask")

@@ -30,7 +30,7 @@ def _mask(cond, like):
 
 
 unary("relu6", lambda xp, x, a: xp.clip(x, 0.0, 6.0),
-      lambda xp, x, a: _mask((x > 0) & (x < 6), x), doc="min(max(x, 0), 6)")
+      lambda xp, x, a: _mask((x > 0) & (x < 6), x), scratch=(0, 1), doc="min(max(x, 0), 6)")
 
 
 def _bounds(a):
@@ -47,13 +47,14 @@ def _clip_check(x, a):
 unary("clip", lambda xp, x, a: xp.clip(x, *_bounds(a)),
       lambda xp, x, a: _mask((x >= _bounds(a)[0]) & (x <= _bounds(a)[1]), x),
       attrs=(Arg("min", "float", None), Arg("max", "float", None)), check=_clip_check,
+      scratch=(0, 1),
       doc="clamp into [min, max] (either bound may be omitted)")
 unary("hardswish", lambda xp, x, a: x * xp.clip(x + 3.0, 0.0, 6.0) * (1.0 / 6.0),
       lambda xp, x, a: xp.where(x < -3.0, 0.0, xp.where(x <= 3.0, x / 3.0 + 0.5, 1.0)),
-      flops=4, doc="x * relu6(x + 3) / 6 (MobileNetV3)")
+      flops=4, scratch=(1, 1.5), doc="x * relu6(x + 3) / 6 (MobileNetV3)")
 unary("hardsigmoid", lambda xp, x, a: xp.clip(x + 3.0, 0.0, 6.0) * (1.0 / 6.0),
       lambda xp, x, a: _mask((x > -3.0) & (x < 3.0), x) * (1.0 / 6.0),
-      flops=3, doc="relu6(x + 3) / 6")
+      flops=3, scratch=(1, 1), doc="relu6(x + 3) / 6")
 
 
 def _silu_grad(xp, x, a):
@@ -61,7 +62,7 @@ def _silu_grad(xp, x, a):
     return s * (1.0 + x * (1.0 - s))
 
 
-unary("silu", lambda xp, x, a: x * _sigmoid(xp, x), _silu_grad, flops=5,
+unary("silu", lambda xp, x, a: x * _sigmoid(xp, x), _silu_grad, flops=5, scratch=(3.25, 3.25),
       doc="x * sigmoid(x) (also called swish)")
 
 
@@ -71,15 +72,18 @@ def _mish_grad(xp, x, a):
 
 
 unary("mish", lambda xp, x, a: x * xp.tanh(_softplus(xp, x)), _mish_grad, flops=8,
+      scratch=(1, 5.25),
       doc="x * tanh(softplus(x))")
 unary("elu", lambda xp, x, a: xp.where(x > 0, x, a["alpha"] * xp.expm1(xp.minimum(x, 0.0))),
       lambda xp, x, a: xp.where(x > 0, 1.0, a["alpha"] * xp.exp(xp.minimum(x, 0.0))),
-      attrs=(Arg("alpha", "float", 1.0),), flops=4, doc="x if x > 0 else alpha (e^x - 1)")
+      attrs=(Arg("alpha", "float", 1.0),), flops=4, scratch=(1.25, 1.25),
+      doc="x if x > 0 else alpha (e^x - 1)")
 unary("selu", lambda xp, x, a: _SELU_SCALE * xp.where(
           x > 0, x, _SELU_ALPHA * xp.expm1(xp.minimum(x, 0.0))),
       lambda xp, x, a: _SELU_SCALE * xp.where(
           x > 0, 1.0, _SELU_ALPHA * xp.exp(xp.minimum(x, 0.0))),
-      flops=5, doc="scale * elu(x, alpha) with the self-normalising constants")
+      flops=5, scratch=(1.25, 1.25),
+      doc="scale * elu(x, alpha) with the self-normalising constants")
 
 
 def _softplus_fwd(xp, x, a):
@@ -99,6 +103,7 @@ def _softplus_check(x, a):
 
 unary("softplus", _softplus_fwd, _softplus_grad, check=_softplus_check,
       attrs=(Arg("beta", "float", 1.0, range=GT0), Arg("threshold", "float", 20.0)), flops=4,
+      scratch=(2.25, 4.5),
       doc="log(1 + e^(beta x)) / beta; x itself where beta x > threshold")
 
 

@@ -14,13 +14,14 @@ from netdsl.ir.types import DTYPES, TensorType
 
 # -- unary math ---------------------------------------------------------------------------
 unary("sqrt", lambda xp, x, a: xp.sqrt(x), lambda xp, y, a: 0.5 / y, reads="output",
-      layer_type="elementwise", doc="element-wise square root")
+      scratch=(0, 1), layer_type="elementwise", doc="element-wise square root")
 unary("exp", lambda xp, x, a: xp.exp(x), lambda xp, y, a: y, reads="output",
       layer_type="elementwise", doc="element-wise e ** x")
 unary("log", lambda xp, x, a: xp.log(x), lambda xp, x, a: 1.0 / x,
-      layer_type="elementwise", doc="element-wise natural logarithm")
+      scratch=(0, 1), layer_type="elementwise", doc="element-wise natural logarithm")
 unary("abs", lambda xp, x, a: xp.abs(x), lambda xp, x, a: xp.sign(x),
-      layer_type="elementwise", doc="element-wise |x| (gradient 0 at 0, like torch)")
+      scratch=(0, 1), layer_type="elementwise",
+      doc="element-wise |x| (gradient 0 at 0, like torch)")
 
 
 def _same_float(op):

@@ -52,9 +52,16 @@ def _sdpa_flops(ins, out, a):
 
 
 _ATTN = (Arg("causal", "bool", False), Arg("scale", "float", None, range=GT0))
+def _scores_bytes(ins, out, a):
+    """The attention probabilities [..., L, S] the kernel holds while it multiplies v."""
+    q, k = ins[0], ins[1]
+    return 4 * (q.numel() // q.shape[-1]) * k.shape[-2]
+
+
 register(OpDef("scaled_dot_product_attention",
                (Arg("q", "tensor"), Arg("k", "tensor"), Arg("v", "tensor")) + _ATTN,
-               _sdpa_shape, "matmul", flops=_sdpa_flops, retains=("inputs",),
+               _sdpa_shape, "matmul", flops=_sdpa_flops, workspace=_scores_bytes,
+               retains=("inputs",),
                doc="softmax(q k^T * scale) v over [..., L, E] queries, [..., S, E] keys and "
                    "[..., S, Ev] values; scale defaults to 1/sqrt(E); causal=true lets query "
                    "i see keys 0..i"))
@@ -100,13 +107,16 @@ def _keep(xp, ls, ss):
 
 
 def _probs(xp, q, k, a):
+    """In place on the one scores array, which becomes the result: no more scratch."""
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
+    s = xp.matmul(q, xp.swapaxes(k, -1, -2))
+    s *= scale
     if a["causal"]:
-        s = xp.where(_keep(xp, s.shape[-2], s.shape[-1]), s, -xp.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    e = xp.exp(s)
-    return e / e.sum(axis=-1, keepdims=True)
+        xp.copyto(s, -xp.inf, where=~_keep(xp, s.shape[-2], s.shape[-1]))
+    s -= s.max(axis=-1, keepdims=True)
+    xp.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
 
 
 @kernel("scaled_dot_product_attention")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
 from netdsl.ir.ops.conv import (
+    _scratch_elems,
     conv2d_forward,
     conv2d_grad_input,
     conv2d_grad_weight,
@@ -305,21 +306,40 @@ _CT_GEOM = (Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, r
             Arg("padding", "pair", 0, range=NON_NEGATIVE),
             Arg("output_padding", "pair", 0, range=NON_NEGATIVE),
             Arg("dilation", "pair", 1, range=POSITIVE), Arg("groups", "int", 1, range=POSITIVE))
+def _ct_workspace(kind: str):
+    """Float32 bytes of scratch: the full output (below) and the scratch of the conv2d
+    kernel each runs on it (conv2d's rule: forward of the full dy for the input
+    gradient, input gradient into the full output for the forward)."""
+    def rule(ins, out, a):
+        x = out if kind == "grad_input" else (ins[1] if kind == "grad_weight" else ins[0])
+        n, cin = x.shape[0], x.shape[1]
+        o = (ins[0].shape[1] if kind != "forward" else a["out_channels"])
+        (fh, fw), conv = _full(a, x.shape[2:])
+        full = (n, o, fh, fw)
+        conv_kind = {"forward": "grad_input", "grad_input": "forward",
+                     "grad_weight": "grad_weight"}[kind]
+        return 4 * (n * o * fh * fw + _scratch_elems(conv_kind, full, cin, conv))
+    return rule
+
+
 register(OpDef("conv_transpose2d",
                (Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE)) + _CT_GEOM
                + (Arg("bias", "bool", True),),
-               _ct_shape, "conv", _ct_params, _ct_flops, retains=("inputs", "weight"),
+               _ct_shape, "conv", _ct_params, _ct_flops, _ct_workspace("forward"),
+               retains=("inputs", "weight"),
                doc="transposed 2-d convolution (the adjoint of conv2d); weight [in, "
                    "out/groups, kh, kw]; output_padding adds to one side of the output"))
 register(OpDef("conv_transpose2d_grad_input",
                (Arg("dy", "tensor"), Arg("weight", "tensor"), Arg("shape", "shape")) + _CT_GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _ct_flops([out], ins[0], a),
+               workspace=_ct_workspace("grad_input"),
                doc="dx of conv_transpose2d: a conv2d of dy"))
 register(OpDef("conv_transpose2d_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("shape", "shape")) + _CT_GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _ct_flops([ins[1]], ins[0], a),
+               workspace=_ct_workspace("grad_weight"),
                doc="dW of conv_transpose2d: conv2d's weight gradient with x and dy exchanged"))
 
 

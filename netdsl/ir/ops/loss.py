@@ -64,6 +64,9 @@ register(OpDef("softmax_cross_entropy",
                + (Arg("label_smoothing", "float", 0.0, range=Range(0, 1)),),
                _class_loss_shape("softmax_cross_entropy"), "loss",
                flops=lambda ins, out, a: 6 * ins[0].numel(), retains=("inputs",),
+               # the scores with the class axis last (a copy unless it is), the log
+               # softmax's two passes, the class coefficients and their product
+               workspace=lambda ins, out, a: 4 * 4 * ins[0].numel(),
                doc="-log softmax(logits)[label] per position, reduced (torch's cross_entropy "
                    "with class weights, ignore_index and label_smoothing)"))
 register(OpDef("nll", (Arg("logp", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS,
@@ -127,6 +130,8 @@ register(OpDef("softmax_cross_entropy_grad",
                + _CLASS_ARGS + (Arg("label_smoothing", "float", 0.0),),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 6 * out.numel(),
                differentiable=False,
+               # the moved scores, the softmax's two passes, the coefficients, their product
+               workspace=lambda ins, out, a: 5 * 4 * out.numel(),
                doc="d(logits) = dy * (sum(c) softmax(logits) - c) / denominator, c the "
                    "per-class coefficients (one-hot, smoothed, weighted)"))
 register(OpDef("nll_grad", (Arg("dy", "tensor"), Arg("labels", "tensor"),

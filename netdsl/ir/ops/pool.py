@@ -12,6 +12,7 @@ gradient to the first maximum of each window.
 from __future__ import annotations
 
 import itertools
+import math
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import fused_kernels, need_float, need_rank
@@ -82,6 +83,23 @@ def _pool_flops(ins, out, a):
     return out.numel() * n
 
 
+def _pool_workspace(avg: bool):
+    """Float32 bytes of the forward kernels' scratch (below): the padded copy of x, when it
+    pads, and the window reduction's passes but the last (which is the result; averaging
+    then divides it into a new array, so there the last pass counts too)."""
+    def rule(ins, out, a):
+        x = ins[0]
+        k, s, p, sizes, o = _geom(x.shape, a, x.rank - 2)
+        full = tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, _extra(sizes, k, s, p, o)))
+        nc = x.shape[0] * x.shape[1]
+        elems = nc * math.prod(full) if full != sizes else 0
+        last = len(sizes) - (0 if avg else 1)
+        for i in range(last):  # after axis i: reduced up to it, padded after it
+            elems += nc * math.prod(o[:i + 1]) * math.prod(full[i + 1:])
+        return 4 * elems
+    return rule
+
+
 # name -> spatial dims; the 2-d operators keep their historical names
 _DIMS = {"": 2, "1d": 1, "3d": 3}
 _MAX_EXTRA = (Arg("ceil_mode", "bool", False),)
@@ -94,11 +112,11 @@ for _suffix, _d in _DIMS.items():
     _what = {1: "1-d (N, C, L)", 2: "2-d (N, C, H, W)", 3: "3-d (N, C, D, H, W)"}[_d]
     # maxpool's backward recomputes the argmax from x, so it keeps x but not its output
     register(OpDef(f"maxpool{_suffix}", _sig + _MAX_EXTRA, _pool_shape(f"maxpool{_suffix}", _d),
-                   "pool", flops=_pool_flops, retains=("inputs",),
-                   doc=f"{_what} max pooling; stride defaults to kernel",
+                   "pool", flops=_pool_flops, workspace=_pool_workspace(False),
+                   retains=("inputs",), doc=f"{_what} max pooling; stride defaults to kernel",
                    extra={"default_from": {"stride": "kernel"}, "spatial": _d}))
     register(OpDef(f"avgpool{_suffix}", _sig + _AVG_EXTRA, _pool_shape(f"avgpool{_suffix}", _d),
-                   "pool", flops=_pool_flops,
+                   "pool", flops=_pool_flops, workspace=_pool_workspace(True),
                    doc=f"{_what} average pooling; stride defaults to kernel; padding counts "
                        "as zeros unless count_include_pad=false",
                    extra={"default_from": {"stride": "kernel"}, "spatial": _d}))

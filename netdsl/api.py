@@ -105,8 +105,10 @@ def plan(net: Network, mem: int | str, batch: int | None = None,
     from netdsl.runtime.trainer import training_graph
     b = batch if batch is not None else net.default_batch
     step = training_graph(net.lower(b), net.train or TrainConfig())
-    _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, prefetch=prefetch,
-                            progress=progress, offload_state=offload_state, verify=verify)
+    # checked as `run --mem` runs the step: values packed into an arena
+    _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, arena=True,
+                            prefetch=prefetch, progress=progress,
+                            offload_state=offload_state, verify=verify)
     return res
 
 

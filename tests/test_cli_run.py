@@ -95,6 +95,9 @@ def test_run_with_a_memory_budget_plans_and_measures():
     assert r["budget_bytes"] == 30_000_000
     assert r["counted_peak_bytes"] <= r["planned_peak_bytes"] <= r["budget_bytes"]
     assert abs(r["peak_bytes"] / r["planned_peak_bytes"] - 1) < 0.05
+    # measured by tracemalloc, the batch and the interpreter's objects included
+    assert r["peak_bytes"] <= r["budget_bytes"]
+    assert r["memory_plan"]["outside_plan_bytes"] > 16 * 3 * 32 * 32 * 4
     plan = r["memory_plan"]
     assert plan["strategy"] == "auto" and plan["profile"] == "cpu"
     assert plan["decisions"]["recompute"] > 0 and plan["arena_bytes"] > 0

@@ -46,6 +46,24 @@ def value_bytes(t, float_dtype: str = "f32") -> int:
     return t.numel() * size
 
 
+# Where host and device are one memory (the NumPy backend, measured by tracemalloc), a run
+# also holds what the plan places nowhere: the caller's batch (each fed input is copied
+# into its slot while the caller keeps its own array) and the interpreter's objects, which
+# tracemalloc counts with the arrays: each slot's view, the run's dictionaries, the
+# kernels' short-lived objects. Those measured 72-250 bytes a node above the plan and the
+# batch, at most 111 kB on small steps (ResNet-20 to ResNet-1001, transformer-tiny;
+# docs/memory.md, "What a run holds besides the plan").
+OBJECT_BYTES_PER_NODE = 128
+OBJECT_BYTES_FIXED = 160 << 10
+
+
+def unplanned_bytes(g: Graph, float_dtype: str = "f32") -> int:
+    """What a run of `g` holds in unified memory besides the plan (above): the fed inputs'
+    bytes and an allowance for the interpreter's objects."""
+    feeds = sum(value_bytes(n.type, float_dtype) for n in g.nodes if n.op == "input")
+    return feeds + OBJECT_BYTES_FIXED + OBJECT_BYTES_PER_NODE * len(g.nodes)
+
+
 def space_of(n: Node) -> str:
     """Where a value lives: state the planner streams from the host says so in its meta;
     otherwise the op decides (`to_host` values are in the host pool). See

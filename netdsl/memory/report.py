@@ -83,6 +83,7 @@ def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = 
         "prefetch": res.prefetch, "plan_s": res.plan_s,
         "arena_bytes": arena, "lower_bound_bytes": bound,
         "verified_peak_bytes": res.verified_peak_bytes, "verify_s": res.verify_s,
+        "outside_plan_bytes": res.outside_plan_bytes,
         "min_feasible_bytes": res.min_feasible_bytes,
         "dominant": res.dominant or None,
         "decisions": {**{k: res.counts.get(k, 0) for k in DECISIONS},

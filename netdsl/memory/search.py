@@ -114,6 +114,8 @@ class PlanResult:
     state_offloaded: int = 0  # optimizer-state buffers kept in the host pool
     state_buffers: int = 0  # optimizer-state buffers in all
     verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
+    # what a run holds besides the plan, within the budget (plan.unplanned_bytes)
+    outside_plan_bytes: int = 0
     verify_s: float | None = None
     # split steps: per device, the planned peak and what was recomputed / offloaded
     # (`recompute`, `recompute_bytes`, `offload`, `offload_bytes`, `peak_bytes`)
@@ -437,24 +439,35 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     """Plan training step `step` into `mem` and check the plan against the truth: the
     decisions are applied (`strategies.apply_decisions`) and the storage plan of the
     rewritten step (`plan.make_plan`; with `arena`, the packed arena's size, which is what
-    an arena run really holds) gives `verified_peak_bytes`. Were it over the budget, the
-    search runs again with the budget lowered by the excess. Returns (the rewritten step,
-    the result), or (None, the result) when no plan fits (`result.feasible` is False) or
+    an arena run really holds) gives `verified_peak_bytes`. In unified memory a
+    single-device run also holds its batch and the interpreter's objects
+    (`plan.unplanned_bytes`, `outside_plan_bytes`): the search plans into the budget less
+    those, and the check counts them. Were the check over the budget, the search runs
+    again with the budget lowered by the excess; if no plan found that way fits, the
+    smallest plan the search can make is checked too, and its checked peak is
+    `min_feasible_bytes`, the smallest budget that works. Returns (the rewritten step, the
+    result), or (None, the result) when no plan fits (`result.feasible` is False) or
     `verify` is off. Optimizer state the plan offloads is streamed from the host
     (`strategies.apply_decisions`, rule 5). A split step is planned and checked per
     device (`plan.device_peaks`; its values are not packed into arenas)."""
-    from netdsl.memory.plan import device_peaks, make_plan
+    from netdsl.memory.plan import device_peaks, make_plan, unplanned_bytes
     from netdsl.memory.strategies import apply_decisions
     budget = parse_size(mem, "--mem")
-    target = budget
-    res = None
-    for _ in range(4):
-        res = plan_memory(step, target, profile, strategy, float_dtype, prefetch=prefetch,
-                          progress=progress, offload_state=offload_state, roles=roles)
+    profile = get_profile(profile)
+    split = any(n.device is not None for n in step.nodes)
+    outside = unplanned_bytes(step, float_dtype) if profile.unified and not split else 0
+
+    def search(target: int) -> PlanResult:
+        res = plan_memory(step, max(target, 1), profile, strategy, float_dtype,
+                          prefetch=prefetch, progress=progress,
+                          offload_state=offload_state, roles=roles)
         res.budget_bytes = budget
-        res.feasible = res.feasible and res.planned_peak_bytes <= budget
-        if not verify or not res.feasible:
-            return None, res
+        res.outside_plan_bytes = outside
+        res.feasible = res.feasible and res.planned_peak_bytes + outside <= budget
+        return res
+
+    def check(res: PlanResult) -> tuple[Graph, int]:
+        """The rewritten step and its peak as a run holds it."""
         t0 = time.perf_counter()
         g = apply_decisions(step, res.decisions, prefetch=res.prefetch)
         if res.per_device:  # a split step: every device within the budget
@@ -467,17 +480,36 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
             peak = max(peaks.values())
         else:
             mp = make_plan(g, roles, float_dtype, pack_arena=arena)
-            peak = mp.arena_peak_bytes if arena else mp.peak_bytes
+            peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + outside
             if res.profile.unified:  # host and device are one memory: the pool counts too
                 peak += mp.host_bytes if arena else mp.host_peak_bytes
         res.verified_peak_bytes = peak
         res.verify_s = time.perf_counter() - t0
+        return g, peak
+
+    target = budget - outside
+    res = None
+    for _ in range(4):
+        res = search(target)
+        if not verify:
+            return None, res
+        if not res.feasible:
+            break
+        g, peak = check(res)
         if peak <= budget:
             return g, res
         # below the plan just found, by the excess: the same target could find it again
         target = min(target, res.planned_peak_bytes) - (peak - budget)
-    res.feasible = False
-    return None, res
+    # nothing found fits: the smallest plan the search makes, checked, is the smallest
+    # budget that works (the search's own floor leaves out the arena's fragmentation)
+    floor = search(0)
+    g, peak = check(floor)
+    floor.min_feasible_bytes = peak
+    if peak <= budget:
+        floor.feasible, floor.dominant = True, ""
+        return g, floor
+    floor.feasible = False
+    return None, floor
 
 
 def infeasible_error(res: PlanResult) -> BudgetError:

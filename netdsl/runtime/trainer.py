@@ -614,14 +614,17 @@ class Trainer:
     def planned_peak_bytes(self) -> int:
         """The step's peak as its storage plan predicts it before running. The executor's
         count equals it (both follow one schedule and one rule); in an arena run it is the
-        state, the workspace and the packed arena, which the count stays under by the
-        arena's fragmentation."""
+        state, the largest transient and the packed arena, which the count stays under by
+        the arena's fragmentation, plus, in unified memory, what a run holds besides the
+        plan (the batch, the interpreter's objects: `memory.plan.unplanned_bytes`)."""
         if not hasattr(self, "executor"):  # failed before the executor existed
             return make_plan(self.train_graph, self.ROLES, self.opts.dtype,
                              pack_arena=False).peak_bytes
         plan = self.executor.plan(self.ROLES)
+        if not self.executor.arena:
+            return plan.peak_bytes
         # an arena run holds the packed arena, not just the bytes alive at the peak
-        return plan.arena_peak_bytes if self.executor.arena else plan.peak_bytes
+        return plan.arena_peak_bytes + self.mem_plan.outside_plan_bytes
 
     def _planned_by_device(self) -> dict[int, int]:
         """The storage plan's peak of each device of a split step (the one accounting rule,
@@ -640,7 +643,8 @@ class Trainer:
         return {"strategy": p.strategy, "profile": p.profile.name,
                 "decisions": dict(p.counts), "predicted_overhead": p.predicted_overhead,
                 "offload_bytes": p.offload_bytes, "recompute_flops": p.recompute_flops,
-                "arena_bytes": self.executor.plan(self.ROLES).arena_bytes, "plan_s": p.plan_s}
+                "arena_bytes": self.executor.plan(self.ROLES).arena_bytes,
+                "outside_plan_bytes": p.outside_plan_bytes, "plan_s": p.plan_s}
 
     def _measured_peak(self, meter) -> int:
         """The state's arrays (allocated before the steps) plus the steps' high-water mark."""

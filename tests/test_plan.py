@@ -183,21 +183,27 @@ def autodiff_of(g):
 CALL_SLACK = 64 * 1024
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "numpy"])
 @pytest.mark.parametrize("example,batch", [
-    ("digits-cnn", 8), ("transformer-tiny", 4), ("gpt-tiny", 4), ("resnet20-cifar", 2),
+    ("digits-cnn", 64), ("transformer-tiny", 32), ("gpt-tiny", 32), ("resnet20-cifar", 8),
     ("squeezenet1_1", 1), ("mobilenet_v2", 1), ("unet-small", 1)])
-def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, monkeypatch):
+def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, fused,
+                                                                monkeypatch):
     """An arena run holds, outside the arena, a node's scratch and its result until the
     result is in its slot; the plan counts the op's workspace rule plus that result
     (`MemoryPlan.transient_bytes`). tracemalloc's peak inside every kernel call of a
     training step (dropout's masks, attention's scores, pooling's passes, the losses'
-    softmax included) stays within that."""
+    softmax included) stays within that, with the fused kernels and with the NumPy
+    reference kernels alike."""
     import tracemalloc
 
     from netdsl.memory.plan import workspace_bytes
+    monkeypatch.setenv("NETDSL_FUSED_KERNELS", fused)
     g = training_step(example, batch)
     feeds = example_feeds(g)
     ex = Executor(g, "numpy", arena=True)
+    if fused == "0":
+        assert ex.backend.fused is None  # the reference kernels run
     ex.run(feeds, roles=ROLES)  # the arena, the plan and the kernels' first calls
     over = []
     call = Executor._call

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from netdsl.ir.ops._util import grad_shape, need_float
+from netdsl.ir.ops._util import grad_shape, need_float, scratch_rule
 from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 
 
@@ -20,8 +20,6 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     `scratch`: the temporaries the forward and the backward kernel hold at once besides
     their result, in multiples of the result's float32 bytes (a bool mask is 0.25): their
     workspace rules (tests/test_plan.py measures them with tracemalloc)."""
-    def workspace(k):
-        return lambda ins, out, a: int(k * 4 * out.numel())
 
     def shape(ins, a):
         need_float(ins[0], name)
@@ -30,7 +28,8 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
         return ins[0]
 
     register(OpDef(name, (Arg("x", "tensor"),) + attrs, shape, layer_type,
-                   flops=lambda ins, out, a: flops * out.numel(), workspace=workspace(scratch[0]),
+                   flops=lambda ins, out, a: flops * out.numel(),
+                   workspace=scratch_rule(scratch[0]),
                    retains=("inputs",) if reads == "input" else ("output",),
                    doc=doc or f"element-wise {name}"))
     # the backward signature repeats the forward attributes without their defaults
@@ -38,7 +37,7 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,
                    grad_shape(f"{name}_grad"), "backward",
                    flops=lambda ins, out, a: (flops + 1) * out.numel(), differentiable=False,
-                   workspace=workspace(scratch[1]),
+                   workspace=scratch_rule(scratch[1]),
                    doc=f"backward of {name}: dy * {name}'(x), from the forward {reads}"))
 
     kernel(name)(lambda xp, ins, a, ctx: f(xp, ins[0], a))

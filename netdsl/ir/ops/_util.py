@@ -72,6 +72,16 @@ def grad_shape(op: str):
     return shape
 
 
+def scratch_rule(k: float, of: int | None = None):
+    """A workspace rule: k float32 copies of the result (or of input `of`), what the NumPy
+    reference kernel holds at once besides its inputs and result (a bool mask counts 0.25),
+    measured with tracemalloc (tests/test_plan.py). Where the fused kernels run they take
+    no more, and a plan must hold with either."""
+    def rule(ins, out, a):
+        return int(k * 4 * (out if of is None else ins[of]).numel())
+    return rule
+
+
 def matmul(xp, a, b, out=None, fast=None, accumulate=False):
     """a @ b (into `out` if given; added to it with `accumulate`): on the fused kernels'
     threads where they take the product (netdsl.backends.numpy_fused_gemm), else

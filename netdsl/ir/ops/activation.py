@@ -11,7 +11,7 @@ reads only the mask. A forward-only graph keeps the fused `dropout` kernel.
 import math
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float
+from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float, scratch_rule
 from netdsl.ir.registry import PROBABILITY, Arg, OpDef, grad_rule, kernel, register
 
 
@@ -35,9 +35,13 @@ _ACTS = (
     ("sigmoid", 4, ("output",), ()),
     ("tanh", 4, ("output",), ()),
 )
+# the NumPy kernels' temporaries, in float32 copies of the result (_util.scratch_rule)
+_SCRATCH = {"leaky_relu": 1.25, "gelu": 2, "sigmoid": 3.25, "leaky_relu_grad": 1.25,
+            "gelu_grad": 3, "sigmoid_grad": 2, "tanh_grad": 1}
 for _name, _k, _ret, _extra in _ACTS:
     register(OpDef(_name, (Arg("x", "tensor"),) + _extra, _same(_name), "activation",
-                   flops=_per_elem(_k), retains=_ret, doc=f"element-wise {_name}",
+                   flops=_per_elem(_k), workspace=scratch_rule(_SCRATCH.get(_name, 0)),
+                   retains=_ret, doc=f"element-wise {_name}",
                    extra={"fused_kernels": _name == "gelu"}))
 
 
@@ -88,6 +92,8 @@ def _relu_grad_shape(ins, a):
 
 register(OpDef("relu_grad", (Arg("dy", "tensor"), Arg("v", "tensor"), Arg("acc", "tensor", None)),
                _relu_grad_shape, "backward", flops=_per_elem(1), differentiable=False,
+               # NumPy's: the mask (and the sum with acc); the fused kernel's: none
+               workspace=lambda ins, out, a: int((1.5 if len(ins) > 2 else 0.5) * 4 * out.numel()),
                extra={"fused_kernels": True},
                doc="backward of relu: (dy + acc) where the output v is positive, else 0 (acc, "
                    "the other term of a gradient sum, folded in by the fuse_grads pass)"))
@@ -97,6 +103,7 @@ for _name, _k, _extra in (("leaky_relu_grad", 2, (Arg("slope", "float"),)),
                           ("sigmoid_grad", 3, ()), ("tanh_grad", 3, ())):
     register(OpDef(_name, (Arg("dy", "tensor"), Arg("v", "tensor")) + _extra,
                    grad_shape(_name), "backward", flops=_per_elem(_k), differentiable=False,
+                   workspace=scratch_rule(_SCRATCH[_name]),
                    doc=f"backward of {_name[:-5]}", extra={"fused_kernels": _name == "gelu_grad"}))
 
 

@@ -8,7 +8,7 @@ summed weights of the counted labels. The class axis is PyTorch's: dim 1 of [N, 
 [N, C, d1, ...] scores, or `axis=` (e.g. -1 for a language model's [N, T, C]).
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import fused_kernels, need_float, norm_axis
+from netdsl.ir.ops._util import fused_kernels, need_float, norm_axis, scratch_rule
 from netdsl.ir.registry import NON_NEGATIVE, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -21,7 +21,7 @@ def _softmax_shape(ins, a):
 
 register(OpDef("softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
-               doc="softmax along an axis (the last by default)",
+               workspace=scratch_rule(1.25), doc="softmax along an axis (the last by default)",
                extra={"fused_kernels": True}))
 register(OpDef("log_softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
@@ -119,7 +119,8 @@ register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor"),
 # -- backward operators -----------------------------------------------------------------------
 register(OpDef("softmax_grad", (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
-               differentiable=False, doc="dx = y * (dy - sum(dy * y)) along the axis",
+               workspace=scratch_rule(1), differentiable=False,
+               doc="dx = y * (dy - sum(dy * y)) along the axis",
                extra={"fused_kernels": True}))
 register(OpDef("log_softmax_grad",
                (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),

@@ -11,7 +11,7 @@ per-channel sums of the backward (the weight and bias gradients), and
 import math
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis
+from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis, scratch_rule
 from netdsl.ir.registry import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -89,7 +89,7 @@ register(OpDef(
     "layernorm",
     (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0), Arg("affine", "bool", True),
      Arg("axis", "axis", -1)),
-    _ln_shape, "norm", _ln_params, _flops, retains=("inputs", "weight"),
+    _ln_shape, "norm", _ln_params, _flops, scratch_rule(2.25), retains=("inputs", "weight"),
     doc="layer normalisation over the dims from `axis` on (the last by default); weight "
         "and bias have the shape of those dims", extra={"fused_kernels": True}))
 
@@ -109,13 +109,14 @@ register(OpDef("layernorm_grad_input",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
                 Arg("eps", "float", 1e-5, range=GT0), Arg("axis", "axis", -1)),
                _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
-               differentiable=False, extra={"fused_kernels": True},
+               workspace=scratch_rule(4), differentiable=False, extra={"fused_kernels": True},
                doc="dx of layernorm (statistics recomputed from x); weight optional"))
 register(OpDef("layernorm_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
                 Arg("axis", "axis", -1)),
                _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
-               differentiable=False, extra={"fused_kernels": True},
+               workspace=scratch_rule(2.25, of=1), differentiable=False,
+               extra={"fused_kernels": True},
                doc="d(weight) of layernorm: sum of dy * x_hat"))
 
 

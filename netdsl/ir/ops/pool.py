@@ -83,21 +83,36 @@ def _pool_flops(ins, out, a):
     return out.numel() * n
 
 
+def _window_scratch(x, a, passes: int):
+    """(elements of the padded copy of x, 0 when it does not pad; of the padded x; of the
+    window reduction's first `passes` passes; of the result)."""
+    k, s, p, sizes, o = _geom(x.shape, a, x.rank - 2)
+    full = tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, _extra(sizes, k, s, p, o)))
+    nc = x.shape[0] * x.shape[1]
+    padded = nc * math.prod(full)
+    # after axis i: reduced up to it, padded after it
+    reduced = sum(nc * math.prod(o[:i + 1]) * math.prod(full[i + 1:]) for i in range(passes))
+    return (padded if full != sizes else 0), padded, reduced, nc * math.prod(o)
+
+
 def _pool_workspace(avg: bool):
     """Float32 bytes of the forward kernels' scratch (below): the padded copy of x, when it
     pads, and the window reduction's passes but the last (which is the result; averaging
     then divides it into a new array, so there the last pass counts too)."""
     def rule(ins, out, a):
         x = ins[0]
-        k, s, p, sizes, o = _geom(x.shape, a, x.rank - 2)
-        full = tuple(n + 2 * pi + e for n, pi, e in zip(sizes, p, _extra(sizes, k, s, p, o)))
-        nc = x.shape[0] * x.shape[1]
-        elems = nc * math.prod(full) if full != sizes else 0
-        last = len(sizes) - (0 if avg else 1)
-        for i in range(last):  # after axis i: reduced up to it, padded after it
-            elems += nc * math.prod(o[:i + 1]) * math.prod(full[i + 1:])
-        return 4 * elems
+        copy, _, reduced, _ = _window_scratch(x, a, x.rank - 2 - (0 if avg else 1))
+        return 4 * (copy + reduced)
     return rule
+
+
+def _maxpool_grad_workspace(ins, out, a):
+    """Float32 bytes of the NumPy kernel's scratch (the fused one's result is all it
+    allocates): the forward's passes, then the padded x and its gradient (the result
+    itself where nothing pads), the maxima and the masked dy, and three bool masks."""
+    x = ins[1]
+    copy, padded, reduced, o = _window_scratch(x, a, x.rank - 3)
+    return int(4 * max(copy + reduced + o, copy + (padded if copy else 0) + 2.75 * o))
 
 
 # name -> spatial dims; the 2-d operators keep their historical names
@@ -123,6 +138,7 @@ for _suffix, _d in _DIMS.items():
     register(OpDef(f"maxpool{_suffix}_grad",
                    (Arg("dy", "tensor"), Arg("x", "tensor")) + _sig[1:] + _MAX_EXTRA,
                    lambda ins, a: ins[1], "backward", flops=_pool_flops, differentiable=False,
+                   workspace=_maxpool_grad_workspace,
                    doc="route dy to the first maximum of each window (argmax recomputed "
                        "from x)", extra={"spatial": _d, "fused_kernels": _d == 2}))
     register(OpDef(f"avgpool{_suffix}_grad",

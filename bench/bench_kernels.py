@@ -166,6 +166,7 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding
     ("ResNet-164 1x1, 64 <- 16, 32x32", (16, 16, 32, 32), 64, 1, 1, 0),
     ("ResNet-164 3x3, 64 ch, 8x8", (16, 64, 8, 8), 64, 3, 1, 1),
     ("digits-cnn 3x3, 1 -> 16 ch, 8x8", (32, 1, 8, 8), 16, 3, 1, 1),
+    ("digits-cnn 3x3, 16 -> 32 ch, 8x8", (32, 16, 8, 8), 32, 3, 1, 1),
 ]
 
 

@@ -664,6 +664,25 @@ def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take(pooled_gemm):
     assert gemm(a, b, accumulate=True) is None  # nothing to add into
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch", [1, 5])  # fewer images than threads: column blocks
+def test_shifted_gemm_sums_every_offsets_product(pooled_gemm, dtype, batch):
+    """A flat shift's offsets in one call: the sum over offsets of each shifted product,
+    as the per-offset GEMMs make it (a whole step through it: the test below)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((9, 40, 24)).astype(dtype)
+    b = rng.standard_normal((batch, 24, 1200)).astype(dtype)
+    offsets = np.array([0, 1, 2, 34, 35, 36, 68, 69, 70])
+    y = pooled_gemm.shifted(a, b, offsets, 1100)
+    ref = sum(np.matmul(a[o], b[:, :, s:s + 1100]) for o, s in enumerate(offsets))
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert y is not None and y.shape == (batch, 40, 1100) and y.dtype == dtype
+    np.testing.assert_allclose(y, ref, rtol=tol, atol=tol * np.abs(ref).max())
+    assert pooled_gemm.shifted(a, b[..., :100], offsets, 1100) is None  # out of bounds
+    assert pooled_gemm.shifted(a[:, :2, :2], b[:, :2], offsets, 10) is None  # too small
+    assert pooled_gemm.shifted(a, b.astype(np.float16), offsets, 1100) is None
+
+
 def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
     cblas = pooled_gemm.cblas
     before = cblas._get()
@@ -695,11 +714,16 @@ def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
     and with NumPy's matmul: the same losses, gradients and updated state. The pooled
     GEMMs run because the executor holds NumPy's BLAS to one thread for the run."""
     class Counting(type(pooled_gemm)):
-        taken = 0
+        taken = offsets = 0
 
         def __call__(self, *args, **kw):
             y = super().__call__(*args, **kw)
             Counting.taken += y is not None
+            return y
+
+        def shifted(self, *args, **kw):  # the flat shift's offsets in one call
+            y = super().shifted(*args, **kw)
+            Counting.offsets += y is not None
             return y
 
     for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
@@ -713,9 +737,10 @@ def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
             be.fused.gemm = Counting(be.fused.cblas, 2) if pooled else None
             assert be.fused.cblas.held == 0
             ex = Executor(g, be, dtype="f32", seed=3)
-            taken = Counting.taken
+            taken, offsets = Counting.taken, Counting.offsets
             r = ex.run(feeds, roles=("loss", "grads", "updates"))
             assert (Counting.taken > taken) == pooled, name
+            assert (Counting.offsets > offsets) == (pooled and name.startswith("resnet"))
             runs.append([np.array(v, np.float64) for k in ("loss", "grads", "updates")
                          for v in r[k]])
         for a, b in zip(*runs, strict=True):

@@ -189,6 +189,13 @@ class FusedKernels:
         as NumPy's matmul."""
         return None if self.gemm is None else self.gemm(a, b, out, accumulate)
 
+    def shifted_matmul(self, a, b, offsets, n):
+        """A convolution's flat shift in one parallel call
+        (numpy_fused_gemm.PooledGemm.shifted), or None."""
+        if self.gemm is None:
+            return None
+        return self.gemm.shifted(a, b, np.asarray(offsets, dtype=np.int64), n)
+
     def running(self):
         """Held around each run of a graph: NumPy's BLAS at one thread while the GEMMs
         share the loops' threads, else at no more than the loops' threads (one for each

@@ -128,6 +128,26 @@ def gemm_tasks(fn, alpha, beta, size, batch, m, n, k, a, ta, lda, sa, b, tb, ldb
                         ldc)
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def shifted_gemm_tasks(fn, one, size, batch, m, n, k, a, lda, step_a, b, ldb, sb, offsets, c,
+                       ldc, sc, parts_n):
+    """c[i] = sum over o of a[o] @ b[i][:, offsets[o]:offsets[o] + n] for i < batch: a
+    convolution's flat shift, every kernel offset's product added into the result inside
+    the GEMM (beta = 1 after the first). One task per image, or per block of its columns
+    (parts_n); each task sums its offsets in order. a: [offsets, m, k] with lda, step_a
+    bytes between offsets; b, c: addresses with ldb, ldc and sb, sc bytes between images;
+    offsets in elements."""
+    zero = one - one
+    for t in numba.prange(batch * parts_n):
+        i, r = t // parts_n, t % parts_n
+        n0, n1 = r * n // parts_n, (r + 1) * n // parts_n
+        if n1 > n0:
+            for o in range(offsets.size):
+                _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, m, n1 - n0, k, one, a + o * step_a, lda,
+                            b + i * sb + (offsets[o] + n0) * size, ldb, zero if o == 0 else one,
+                            c + i * sc + n0 * size, ldc)
+
+
 def _operand(x, rows: int, cols: int):
     """(transpose flag, leading dimension) that let CBLAS read the 2-d matrices of x as
     they lie, or None (no unit stride along either axis: NumPy copies such operands)."""
@@ -174,6 +194,31 @@ class PooledGemm:
             gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 2, 2, 2,
                        a.ctypes.data, _NO_TRANS, 2, 0, a.ctypes.data, _NO_TRANS, 2, 0,
                        np.empty_like(a).ctypes.data, 2, 0, 1, 1)
+            shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
+                               a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
+                               np.empty_like(a).ctypes.data, 2, 0, 1)
+
+    def shifted(self, a, b, offsets, n):
+        """sum over o of a[o] @ b[:, :, offsets[o]:offsets[o] + n], [batch, m, n], for
+        a [offsets, m, k] and b [batch, k, length] of one float dtype, C-contiguous (the
+        flat shift of a convolution: one parallel call for all its offsets), or None
+        where the loops do not take it (as __call__)."""
+        if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm \
+                or not (a.flags.c_contiguous and b.flags.c_contiguous):
+            return None
+        noff, m, k = a.shape
+        batch, k2, length = b.shape
+        if k != k2 or noff != offsets.size or int(offsets.max()) + n > length \
+                or batch * m * n * k * noff < _MIN_MACS:
+            return None
+        out = np.empty((batch, m, n), a.dtype)
+        parts_n = min(-(-self.threads // batch), max(1, n // 64))
+        size = a.itemsize
+        shifted_gemm_tasks(self.cblas.gemm[a.dtype], a.dtype.type(1), size, batch, m, n, k,
+                           a.ctypes.data, k, m * k * size, b.ctypes.data, length,
+                           k * length * size, offsets, out.ctypes.data, n, m * n * size,
+                           parts_n)
+        return out
 
     def __call__(self, a, b, out=None, accumulate=False):
         """The product into `out` (or a new array; added to `out` with `accumulate`), or

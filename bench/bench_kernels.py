@@ -102,10 +102,11 @@ def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
             print(f"{name:<44} {p:<9} {m:>10.3f} {t:>9.3f} {m / t:>6.2f}")
     x = rng.standard_normal((32, 32, 64)).astype(np.float32)
     w = rng.standard_normal((256, 64)).astype(np.float32)
-    m = best_ms(lambda: ops["linear"].kernel(np, [x, w], {}, Ctx), 10 * a.repeats)
-    t = best_ms(lambda: F.linear(torch.from_numpy(x), torch.from_numpy(w)), 10 * a.repeats)
-    print(f"{'linear [32, 32, 64] x [64, 256]':<44} {'forward':<9} {m:>10.3f} {t:>9.3f} "
-          f"{m / t:>6.2f}")
+    b = rng.standard_normal(256).astype(np.float32)
+    m = best_ms(lambda: ops["linear"].kernel(np, [x, w, b], {}, Ctx), 10 * a.repeats)
+    t = best_ms(lambda: F.linear(*(torch.from_numpy(v) for v in (x, w, b))), 10 * a.repeats)
+    print(f"{'linear [32, 32, 64] x [64, 256] + bias':<44} {'forward':<9} {m:>10.3f} "
+          f"{t:>9.3f} {m / t:>6.2f}")
     x = rng.standard_normal((32, 32, 256)).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)
     tx = torch.from_numpy(x).requires_grad_()

@@ -665,6 +665,29 @@ def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take(pooled_gemm):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pooled_gemm_adds_a_bias_to_each_row(pooled_gemm, dtype):
+    """A linear layer's bias, added by each thread to its block after its GEMM: the same
+    sums as the product then the add (bit for bit), for row blocks, column blocks, a
+    transposed weight and a given `out`; not taken for 3-d products or an `out` that is
+    not C-contiguous."""
+    rng = np.random.default_rng(5)
+    for m, k, n in ((1024, 64, 192), (40, 80, 2000)):  # row blocks; column blocks
+        x = rng.standard_normal((m, k)).astype(dtype)
+        w = rng.standard_normal((n, k)).astype(dtype)
+        bias = rng.standard_normal(n).astype(dtype)
+        want = pooled_gemm(x, w.T)
+        want += bias
+        np.testing.assert_array_equal(pooled_gemm(x, w.T, bias=bias), want)
+        out = np.empty((m, n), dtype)
+        assert pooled_gemm(x, w.T, out, bias=bias) is out
+        np.testing.assert_array_equal(out, want)
+    x3 = rng.standard_normal((4, 64, 64)).astype(dtype)
+    assert pooled_gemm(x3, x3, bias=np.ones(64, dtype)) is None
+    apart = np.empty((m, n + 3), dtype)[:, :n]
+    assert pooled_gemm(x, w.T, apart, bias=bias) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("batch", [1, 5])  # fewer images than threads: column blocks
 def test_shifted_gemm_sums_every_offsets_product(pooled_gemm, dtype, batch):
     """A flat shift's offsets in one call: the sum over offsets of each shifted product,

@@ -184,10 +184,10 @@ class FusedKernels:
             return None
         return gelu_grad(dy, x)
 
-    def matmul(self, a, b, out=None, accumulate=False):
-        """a @ b on the loops' threads (numpy_fused_gemm.PooledGemm), or None where it runs
-        as NumPy's matmul."""
-        return None if self.gemm is None else self.gemm(a, b, out, accumulate)
+    def matmul(self, a, b, out=None, accumulate=False, bias=None):
+        """a @ b (+ bias along its rows) on the loops' threads
+        (numpy_fused_gemm.PooledGemm), or None where it runs as NumPy's matmul."""
+        return None if self.gemm is None else self.gemm(a, b, out, accumulate, bias)
 
     def shifted_matmul(self, a, b, offsets, n):
         """A convolution's flat shift in one parallel call

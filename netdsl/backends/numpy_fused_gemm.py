@@ -107,14 +107,25 @@ def _cblas_gemm(typingctx, fn, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, 
     return sig, codegen
 
 
+@numba.njit(cache=True, nogil=True)
+def _add_to_rows(c, v):
+    """c[r, :] += v for every row of the [m, n] block c (its own function: inside the
+    parallel loop's body the add did not vectorise, and took as long as NumPy's)."""
+    for r in range(c.shape[0]):
+        row = c[r]
+        for j in range(v.size):
+            row[j] += v[j]
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def gemm_tasks(fn, alpha, beta, size, batch, m, n, k, a, ta, lda, sa, b, tb, ldb, sb, c, ldc,
-               sc, parts_m, parts_n):
+               sc, parts_m, parts_n, bias, c2):
     """c[i] = a[i] @ b[i] (plus c[i] with beta = 1) for i < batch, each product cut into
     parts_m x parts_n blocks of rows and columns, every block one task for the threads.
     a, b, c are addresses; sa, sb, sc the bytes between batch items (0: the same matrix
     for all); ta, tb CBLAS's transpose flags with the leading dimensions lda, ldb, ldc;
-    size the item bytes."""
+    size the item bytes. With a `bias` (size n; batch 1), each task then adds it to its
+    block's rows of c2, c as a C-contiguous [m, n] array, while they are in its cache."""
     parts = parts_m * parts_n
     for t in numba.prange(batch * parts):
         i, r = t // parts, t % parts
@@ -126,6 +137,8 @@ def gemm_tasks(fn, alpha, beta, size, batch, m, n, k, a, ta, lda, sa, b, tb, ldb
             co = c + i * sc + (m0 * ldc + n0) * size
             _cblas_gemm(fn, ta, tb, m1 - m0, n1 - n0, k, alpha, ao, lda, bo, ldb, beta, co,
                         ldc)
+            if bias.size:
+                _add_to_rows(c2[m0:m1, n0:n1], bias[n0:n1])
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -187,13 +200,17 @@ class PooledGemm:
     def __init__(self, cblas: NumpyCblas, threads: int):
         self.cblas = cblas
         self.threads = threads
+        # gemm_tasks' arguments for "no bias": an empty bias, a stand-in for the [m, n] view
+        self._no_bias = {np.dtype(dt): (np.empty(0, dt), np.empty((1, 1), dt))
+                         for dt in (np.float32, np.float64)}
 
     def warm_up(self) -> None:
         for dt in (np.float32, np.float64):
             a = np.ones((2, 2), dt)
+            c = np.empty_like(a)
             gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 2, 2, 2,
                        a.ctypes.data, _NO_TRANS, 2, 0, a.ctypes.data, _NO_TRANS, 2, 0,
-                       np.empty_like(a).ctypes.data, 2, 0, 1, 1)
+                       c.ctypes.data, 2, 0, 1, 1, np.ones(2, dt), c)
             shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
                                a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
                                np.empty_like(a).ctypes.data, 2, 0, 1)
@@ -220,13 +237,19 @@ class PooledGemm:
                            parts_n)
         return out
 
-    def __call__(self, a, b, out=None, accumulate=False):
-        """The product into `out` (or a new array; added to `out` with `accumulate`), or
-        None where these loops do not take it: outside a `cblas.limit(1)` block (each task's
-        call would start OpenBLAS's own threads), other dtypes or ranks, operands or an
-        `out` with no unit stride, or a product too small to split."""
+    def __call__(self, a, b, out=None, accumulate=False, bias=None):
+        """The product into `out` (or a new array; added to `out` with `accumulate`), plus
+        `bias` along its rows if given (2-d products only), or None where these loops do not
+        take it: outside a `cblas.limit(1)` block (each task's call would start OpenBLAS's
+        own threads), other dtypes or ranks, operands or an `out` with no unit stride, a
+        bias with a 3-d product or an `out` not C-contiguous, or a product too small to
+        split."""
         if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (
                 2 <= a.ndim <= 3 and 2 <= b.ndim <= 3):
+            return None
+        if bias is not None and (a.ndim != 2 or b.ndim != 2 or bias.dtype != a.dtype
+                                 or bias.shape != (b.shape[1],)
+                                 or (out is not None and not out.flags.c_contiguous)):
             return None
         m, k = a.shape[-2:]
         k2, n = b.shape[-2:]
@@ -257,9 +280,12 @@ class PooledGemm:
             else:
                 parts_n = min(split, max(1, n // 8))
         one = a.dtype.type(1)
+        no_bias = self._no_bias[a.dtype]
         gemm_tasks(self.cblas.gemm[a.dtype], one, one if accumulate else one - one,
                    a.itemsize, batch, m, n, k,
                    a.ctypes.data, fa[0], fa[1], sa, b.ctypes.data, fb[0], fb[1], sb,
                    out.ctypes.data, out.strides[-2] // a.itemsize,
-                   out.strides[0] if out.ndim == 3 else 0, parts_m, parts_n)
+                   out.strides[0] if out.ndim == 3 else 0, parts_m, parts_n,
+                   no_bias[0] if bias is None else np.ascontiguousarray(bias),
+                   no_bias[1] if bias is None else out)
         return out

@@ -82,18 +82,23 @@ def scratch_rule(k: float, of: int | None = None):
     return rule
 
 
-def matmul(xp, a, b, out=None, fast=None, accumulate=False):
-    """a @ b (into `out` if given; added to it with `accumulate`): on the fused kernels'
-    threads where they take the product (netdsl.backends.numpy_fused_gemm), else
-    xp.matmul."""
+def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None):
+    """a @ b (into `out` if given; added to it with `accumulate`), plus `bias` along the
+    last axis if given: on the fused kernels' threads where they take the product (the
+    bias added by each thread to its block; netdsl.backends.numpy_fused_gemm), else
+    xp.matmul and an add. The same sums either way."""
     if fast is not None:
-        y = fast.matmul(a, b, out, accumulate)
+        y = fast.matmul(a, b, out, accumulate, bias)
         if y is not None:
             return y
     if accumulate:
         out += xp.matmul(a, b)
-        return out
-    return xp.matmul(a, b, out=out)
+        y = out
+    else:
+        y = xp.matmul(a, b, out=out)
+    if bias is not None:
+        y += bias
+    return y
 
 
 def fused_kernels(ctx, *arrays):

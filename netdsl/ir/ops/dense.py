@@ -111,22 +111,22 @@ register(OpDef("embedding_grad",
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def _rows_times(xp, x, w, fast):
-    """x @ w over x's last dim; x of rank > 2 as one 2-d GEMM over all its leading dims
-    (matmul would broadcast into a batched GEMM of small ones: twice the time for a
-    transformer's [N, T, d] activations)."""
+def _rows_times(xp, x, w, fast, bias=None):
+    """x @ w (+ bias) over x's last dim; x of rank > 2 as one 2-d GEMM over all its
+    leading dims (matmul would broadcast into a batched GEMM of small ones: twice the time
+    for a transformer's [N, T, d] activations)."""
     if x.ndim > 2 and x.flags.c_contiguous:
-        return matmul(xp, x.reshape(-1, x.shape[-1]), w, fast=fast) \
+        return matmul(xp, x.reshape(-1, x.shape[-1]), w, fast=fast, bias=bias) \
             .reshape(x.shape[:-1] + (w.shape[1],))
-    return matmul(xp, x, w, fast=fast)
+    return matmul(xp, x, w, fast=fast, bias=bias)
 
 
 @kernel("linear")
 def _linear(xp, ins, a, ctx):
-    y = _rows_times(xp, ins[0], ins[1].T, fused_kernels(ctx, ins[0], ins[1]))
-    if len(ins) > 2:
-        y += ins[2]
-    return y
+    # the bias added by each GEMM thread to its block while it is in cache (where the
+    # fused kernels take the product): 0.139 -> 0.11 ms for [1024, 64] @ [64, 192]
+    return _rows_times(xp, ins[0], ins[1].T, fused_kernels(ctx, ins[0], ins[1]),
+                       ins[2] if len(ins) > 2 else None)
 
 
 @kernel("linear_grad_input")

@@ -91,7 +91,9 @@ def test_where_winograd_applies():
     assert not conv_winograd.applies((3, 3, 2, 2, 1, 1, 1, 1), 1, 8, 64, 64, 28, 28, budget)
     assert not conv_winograd.applies((3, 3, 1, 1, 2, 2, 2, 2), 1, 8, 64, 64, 56, 56, budget)
     assert not conv_winograd.applies(big, 1, 2, 64, 64, 7, 7, budget)  # 32 tiles
-    assert not conv_winograd.applies(big, 1, 64, 512, 512, 7, 7, budget)  # 7x7 images
+    assert not conv_winograd.applies(big, 1, 4, 64, 64, 8, 8, budget)  # 64 tiles
+    assert conv_winograd.applies(big, 1, 8, 64, 64, 8, 8, budget)  # 128 tiles
+    assert conv_winograd.applies(big, 1, 64, 512, 512, 7, 7, budget)  # small images too
 
 
 NET = """
@@ -133,8 +135,9 @@ def test_conv2d_picks_its_path_by_shape():
     assert _forward_path(2, 8, 6, (1, 1, 1, 1, 0, 0, 1, 1), 1, 12, 12, True) == "pointwise"
     assert _forward_path(16, 64, 64, s1, 1, 56, 56, True) == "winograd"
     assert _forward_path(16, 64, 64, s1, 1, 56, 56, False) == "flat"  # no fused kernels
-    assert _forward_path(16, 512, 512, s1, 1, 7, 7, True) == "folded"  # small, wide
+    assert _forward_path(16, 512, 512, s1, 1, 7, 7, True) == "winograd"  # 256 tiles
+    assert _forward_path(2, 512, 512, s1, 1, 7, 7, True) == "folded"  # small, wide
     assert _forward_path(32, 1, 16, s1, 1, 8, 8, True) == "folded"  # C*kh*kw = 9
-    assert _forward_path(16, 64, 64, s1, 1, 8, 8, True) == "flat"  # small, narrow
+    assert _forward_path(4, 64, 64, s1, 1, 8, 8, True) == "flat"  # small, narrow
     assert _forward_path(2, 8, 6, s2, 1, 36, 36, True) == "im2col"
     assert _forward_path(16, 256, 256, s2, 1, 28, 28, True) == "folded"

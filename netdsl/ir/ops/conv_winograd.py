@@ -40,15 +40,18 @@ _KRON = {np.dtype(t): np.kron(_G, _G).astype(t) for t in (np.float32, np.float64
 def applies(geom, groups: int, n: int, c: int, o: int, ho: int, wo: int,
             budget: int) -> bool:
     """Where this kernel runs: 3x3, stride 1, undilated, ungrouped, at least 32 channels
-    each way, an output of at least 14x14, and at least 256 tiles per chunk, below which
-    its 16 small GEMMs lose to the flat shift's 9 larger ones or to the folded im2col GEMM
-    (ResNet-50's 7x7 weight gradient: 54 against 36 ms; docs/benchmarks.md)."""
+    each way, and at least 96 tiles per chunk, below which its 16 small GEMMs lose to the
+    flat shift's 9 larger ones or to the folded im2col GEMM (16 channels at 32x32, or 64
+    tiles of 64 channels, on two threads; a weight gradient's chunks of 8x8 images hold 7
+    images, 112 tiles, in the flat shift's scratch). Small images are no exception since
+    the filter transforms became one GEMM and the GEMMs went on the loops' threads:
+    ResNet-50's 512-channel 7x7 layers and ResNet-164's 64-channel 8x8 ones run 1.1-1.5x
+    faster so (bench/bench_kernels.py --conv; docs/benchmarks.md)."""
     kh, kw, sh, sw, _ph, _pw, dh, dw = geom
-    if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32 \
-            or min(ho, wo) < 14:
+    if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32:
         return False
     th, tw = tiles(ho, wo)
-    return chunk(n, c, o, ho, wo, budget)[0] * th * tw >= 256
+    return chunk(n, c, o, ho, wo, budget)[0] * th * tw >= 96
 
 
 def tiles(ho: int, wo: int) -> tuple[int, int]:

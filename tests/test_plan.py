@@ -186,7 +186,7 @@ CALL_SLACK = 64 * 1024
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "numpy"])
 @pytest.mark.parametrize("example,batch", [
     ("digits-cnn", 64), ("transformer-tiny", 32), ("gpt-tiny", 32), ("resnet20-cifar", 8),
-    ("squeezenet1_1", 1), ("mobilenet_v2", 1), ("unet-small", 1)])
+    ("squeezenet1_1", 1), ("mobilenet_v2", 1), ("unet-small", 1), ("densenet121", 1)])
 def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, fused,
                                                                 monkeypatch):
     """An arena run holds, outside the arena, a node's scratch and its result until the

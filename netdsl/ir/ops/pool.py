@@ -106,6 +106,14 @@ def _pool_workspace(avg: bool):
     return rule
 
 
+def _avgpool_grad_workspace(ins, out, a):
+    """Float32 bytes of the kernel's scratch: dy divided by the counts, the padded
+    gradient when it pads (else that is the result itself), and the ufunc buffers of its
+    strided adds (NumPy's 8,192 elements for each of two operands)."""
+    copy, padded, _, o = _window_scratch(out, a, 0)
+    return 4 * (o + (padded if copy else 0) + 2 * 8192)
+
+
 def _maxpool_grad_workspace(ins, out, a):
     """Float32 bytes of the NumPy kernel's scratch (the fused one's result is all it
     allocates): the forward's passes, then the padded x and its gradient (the result
@@ -144,7 +152,7 @@ for _suffix, _d in _DIMS.items():
     register(OpDef(f"avgpool{_suffix}_grad",
                    (Arg("dy", "tensor"), Arg("shape", "shape")) + _sig[1:] + _AVG_EXTRA,
                    lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
-                   flops=_pool_flops, differentiable=False,
+                   flops=_pool_flops, differentiable=False, workspace=_avgpool_grad_workspace,
                    doc="spread dy evenly over each window (divided as the forward divides)",
                    extra={"spatial": _d}))
 

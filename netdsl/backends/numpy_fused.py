@@ -78,16 +78,17 @@ def thread_count() -> int:
 # --threads 2 --baseline a7b74b3; docs/benchmarks.md). Passive waits are only needed where
 # both pools run: where the GEMMs go on the loops' threads (numpy_fused_gemm) NumPy's BLAS
 # has one thread during a step and libgomp's threads spin for SPIN_COUNT turns before they
-# sleep. Passive waits made ResNet-164's two-thread step 0.56 s instead of 0.39. Shorter
-# spins than libgomp's default (300,000 turns) cost the small networks a wake-up at most
-# parallel loops: 100,000 turns against 10,000 made digits-cnn's two-thread step 1.92 ms
-# instead of 2.17, transformer-tiny's 8.2 ms instead of 9.0, ResNet-164's 3% faster, within
-# noise of the default's, at a third of its cost to other processes (MPI ranks on one
-# machine share its cores out instead: thread_count; docs/benchmarks.md). libgomp reads
-# these when Numba loads it, the first time the loops' threads are set; a policy or spin
-# count the user set stands.
+# sleep. Passive waits made ResNet-164's two-thread step 0.56 s instead of 0.39. The spin
+# is short because two processes on the same cores spin against each other: two
+# ResNet-164 runs of two threads at once on two cores took 0.98 s a step each with 10,000
+# turns and 4.7 s with 100,000. Alone on the machine, longer spins spare the small
+# networks a wake-up at most parallel loops (100,000 turns: digits-cnn 1.92 ms a step
+# instead of 2.17, transformer-tiny 8.2 instead of 9.0): GOMP_SPINCOUNT=100000 in the
+# environment gives that (docs/training.md, docs/benchmarks.md). libgomp reads these
+# when Numba loads it, the first time the loops' threads are set; a policy or spin count
+# the user set stands.
 WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
-SPIN_COUNT = ("GOMP_SPINCOUNT", "100000")
+SPIN_COUNT = ("GOMP_SPINCOUNT", "10000")
 
 
 def passive_waits() -> None:

@@ -501,8 +501,10 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         # below the plan just found, by the excess: the same target could find it again
         target = min(target, res.planned_peak_bytes) - (peak - budget)
     # nothing found fits: the smallest plan the search makes, checked, is the smallest
-    # budget that works (the search's own floor leaves out the arena's fragmentation)
-    floor = search(0)
+    # budget that works (the search's own floor leaves out the arena's fragmentation). A
+    # search that found nothing under its budget returned that plan already (the plans it
+    # weighs below the budget do not depend on it: plan_memory, _chain_plans)
+    floor = res if not res.feasible else search(0)
     g, peak = check(floor)
     floor.min_feasible_bytes = peak
     if peak <= budget:

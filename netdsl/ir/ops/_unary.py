@@ -20,7 +20,6 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     `scratch`: the temporaries the forward and the backward kernel hold at once besides
     their result, in multiples of the result's float32 bytes (a bool mask is 0.25): their
     workspace rules (tests/test_plan.py measures them with tracemalloc)."""
-
     def shape(ins, a):
         need_float(ins[0], name)
         if check is not None:

@@ -70,14 +70,14 @@ def _dropout_shape(ins, a):
 register(OpDef(
     "dropout", (Arg("x", "tensor"), Arg("p", "float", 0.5, range=PROBABILITY)),
     _dropout_shape, "dropout",
-    flops=_per_elem(2), workspace=lambda ins, out, a: 5 * out.numel(),
+    flops=_per_elem(2), workspace=scratch_rule(1.25),
     retains=("mask",), random=True,
     doc="inverted dropout: zero with probability p in training, identity in evaluation"))
 
 register(OpDef(
     "dropout_mask", (Arg("x", "tensor"), Arg("p", "float", 0.5, range=PROBABILITY)),
     _same("dropout_mask"),
-    "dropout", flops=_per_elem(1), workspace=lambda ins, out, a: out.numel(),
+    "dropout", flops=_per_elem(1), workspace=scratch_rule(0.25),
     differentiable=False, random=True,
     doc="dropout's explicit mask: 0 or 1/(1-p) in training, 1 in evaluation"))
 

@@ -123,8 +123,9 @@ def _rows_times(xp, x, w, fast, bias=None):
 
 @kernel("linear")
 def _linear(xp, ins, a, ctx):
-    # the bias added by each GEMM thread to its block while it is in cache (where the
-    # fused kernels take the product): 0.139 -> 0.11 ms for [1024, 64] @ [64, 192]
+    # the bias added by each GEMM thread to its block (where the fused kernels take the
+    # product): [32, 32, 64] x [64, 256] + bias 0.185 -> 0.152 ms on two threads
+    # (bench/bench_kernels.py --threads 2; docs/benchmarks.md)
     return _rows_times(xp, ins[0], ins[1].T, fused_kernels(ctx, ins[0], ins[1]),
                        ins[2] if len(ins) > 2 else None)
 

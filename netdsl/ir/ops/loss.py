@@ -66,7 +66,7 @@ register(OpDef("softmax_cross_entropy",
                flops=lambda ins, out, a: 6 * ins[0].numel(), retains=("inputs",),
                # the scores with the class axis last (a copy unless it is), the log
                # softmax's two passes, the class coefficients and their product
-               workspace=lambda ins, out, a: 4 * 4 * ins[0].numel(),
+               workspace=scratch_rule(4, of=0),
                doc="-log softmax(logits)[label] per position, reduced (torch's cross_entropy "
                    "with class weights, ignore_index and label_smoothing)"))
 register(OpDef("nll", (Arg("logp", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS,
@@ -132,7 +132,7 @@ register(OpDef("softmax_cross_entropy_grad",
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 6 * out.numel(),
                differentiable=False,
                # the moved scores, the softmax's two passes, the coefficients, their product
-               workspace=lambda ins, out, a: 5 * 4 * out.numel(),
+               workspace=scratch_rule(5),
                doc="d(logits) = dy * (sum(c) softmax(logits) - c) / denominator, c the "
                    "per-class coefficients (one-hot, smoothed, weighted)"))
 register(OpDef("nll_grad", (Arg("dy", "tensor"), Arg("labels", "tensor"),

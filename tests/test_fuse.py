@@ -220,6 +220,27 @@ def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
         assert np.array_equal(res[0][0] > 0, res[1][0] > 0)
 
 
+def test_vectorised_exp_is_within_an_ulp():
+    """GELU's gradient's exp (Cephes' expf, 2^n from its bits) against float64's: within
+    one float32 ulp over [-87, 0], 0 below -87 (and at -inf), NaN for NaN."""
+    numba = pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused_activation import exp_of_nonpositive
+
+    @numba.njit
+    def exp_all(t, out):
+        for i in range(t.size):
+            out[i] = exp_of_nonpositive(t[i])
+
+    t = np.concatenate([-np.linspace(0, 87, 400001), [-87.5, -100.0, -np.inf, np.nan]])
+    t = t.astype(np.float32)
+    e = np.empty_like(t)
+    exp_all(t, e)
+    want = np.exp(t[:-4].astype(np.float64))
+    assert np.abs(e[:-4] - want).max() <= 2.0 ** -23 * want.max()
+    assert (np.abs(e[:-4] - want) / want).max() < 2.0 ** -23  # 1.19e-7
+    assert list(e[-4:-1]) == [0.0, 0.0, 0.0] and np.isnan(e[-1])
+
+
 def test_fused_gelu_matches_the_exact_erf_in_float32():
     """GELU and its gradient in float32 (a vectorised rational erf) against the reference
     (SciPy's erf, in float64): within 1e-6 absolute over [-6, 6], the same special values,

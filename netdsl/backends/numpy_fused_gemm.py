@@ -108,13 +108,15 @@ def _cblas_gemm(typingctx, fn, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, 
 
 
 @numba.njit(cache=True, nogil=True)
-def _add_to_rows(c, v):
-    """c[r, :] += v for every row of the [m, n] block c (its own function: inside the
-    parallel loop's body the add did not vectorise, and took as long as NumPy's)."""
-    for r in range(c.shape[0]):
-        row = c[r]
-        for j in range(v.size):
-            row[j] += v[j]
+def _add_to_rows(c, start, rows, ld, v):
+    """c[start + r * ld:][:v.size] += v for r < rows: a block's rows of a matrix given flat,
+    C-contiguous. Row slices of a flat array, because a parallel loop's slices of a 2-d
+    array type as of any layout and their adds do not vectorise: adding a [1024, 256]
+    bias took 36 us on two threads so against 11 this way, and 18 on one thread."""
+    for r in range(rows):
+        o = start + r * ld
+        row = c[o:o + v.size]
+        row += v
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -138,7 +140,7 @@ def gemm_tasks(fn, alpha, beta, size, batch, m, n, k, a, ta, lda, sa, b, tb, ldb
             _cblas_gemm(fn, ta, tb, m1 - m0, n1 - n0, k, alpha, ao, lda, bo, ldb, beta, co,
                         ldc)
             if bias.size:
-                _add_to_rows(c2[m0:m1, n0:n1], bias[n0:n1])
+                _add_to_rows(c2, m0 * n + n0, m1 - m0, n, bias[n0:n1])
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -201,7 +203,7 @@ class PooledGemm:
         self.cblas = cblas
         self.threads = threads
         # gemm_tasks' arguments for "no bias": an empty bias, a stand-in for the [m, n] view
-        self._no_bias = {np.dtype(dt): (np.empty(0, dt), np.empty((1, 1), dt))
+        self._no_bias = {np.dtype(dt): (np.empty(0, dt), np.empty(1, dt))
                          for dt in (np.float32, np.float64)}
 
     def warm_up(self) -> None:
@@ -210,7 +212,7 @@ class PooledGemm:
             c = np.empty_like(a)
             gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 2, 2, 2,
                        a.ctypes.data, _NO_TRANS, 2, 0, a.ctypes.data, _NO_TRANS, 2, 0,
-                       c.ctypes.data, 2, 0, 1, 1, np.ones(2, dt), c)
+                       c.ctypes.data, 2, 0, 1, 1, np.ones(2, dt), c.reshape(-1))
             shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
                                a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
                                np.empty_like(a).ctypes.data, 2, 0, 1)
@@ -287,5 +289,5 @@ class PooledGemm:
                    out.ctypes.data, out.strides[-2] // a.itemsize,
                    out.strides[0] if out.ndim == 3 else 0, parts_m, parts_n,
                    no_bias[0] if bias is None else np.ascontiguousarray(bias),
-                   no_bias[1] if bias is None else out)
+                   no_bias[1] if bias is None else out.reshape(-1))
         return out

@@ -131,8 +131,10 @@ CONV_PATHS = [  # (x shape, attrs): every kernel path of conv2d's three kernels
 @pytest.mark.parametrize("shape,attrs", CONV_PATHS, ids=range(len(CONV_PATHS)))
 def test_conv_workspace_rules_cover_what_the_kernels_allocate(shape, attrs):
     """tracemalloc's peak inside each kernel, less its result, stays within the op's
-    declared workspace (and uses most of it: the rule is not a blanket). Measured here:
-    every path's scratch within 4 kB of its rule."""
+    declared workspace with the fused kernels and with the NumPy reference kernels (the
+    plan does not know which will run, so a rule covers the larger), and the larger of
+    the two uses most of it (the rule is not a blanket). Measured here: every path's
+    scratch within 4 kB of its rule."""
     import tracemalloc
 
     from netdsl.ir import registry
@@ -149,25 +151,30 @@ def test_conv_workspace_rules_cover_what_the_kernels_allocate(shape, attrs):
     values = {n.name: rng.standard_normal(n.type.shape).astype(np.float32)
               for n in t.nodes if n.op in ("input", "param")}
     be = Executor(t, "numpy").backend
-    ctx = KernelContext(True, be, "float32")
+    reference = Executor(t, "numpy").backend
+    reference._fused = None
     for n in t.nodes:
         if n.op not in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
             continue
         op = registry.OPS[n.op]
         ins = [values.get(i) if i in values else
                rng.standard_normal(t[i].type.shape).astype(np.float32) for i in n.inputs]
-        ctx.node = n
-        tracemalloc.start()
-        out = op.kernel(np, ins, n.attrs, ctx)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        used = peak - out.nbytes
         declared = op.workspace([t[i].type for i in n.inputs[:op.n_tensor_inputs(
             len(n.inputs))]], n.type, n.attrs)
-        # slack: NumPy's matmul may hold one result-sized temporary of its own
-        assert used <= declared + out.nbytes + 4096, (n.op, used, declared)
+        most = 0
+        for backend in (be, reference):
+            ctx = KernelContext(True, backend, "float32")
+            ctx.node = n
+            tracemalloc.start()
+            out = op.kernel(np, ins, n.attrs, ctx)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            used = peak - out.nbytes
+            most = max(most, used)
+            # slack: NumPy's matmul may hold one result-sized temporary of its own
+            assert used <= declared + out.nbytes + 4096, (n.op, used, declared)
         if declared > 64 * 1024:
-            assert used >= 0.5 * declared, (n.op, used, declared)
+            assert most >= 0.5 * declared, (n.op, most, declared)
 
 
 def autodiff_of(g):

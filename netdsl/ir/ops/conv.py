@@ -408,6 +408,15 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
                 # run it, else through a temporary)
                 y = matmul(xp, wt[i * kw + j], part, y, fast, accumulate=y is not None)
         return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
+    if g == 1 and fast is not None:
+        # columns one image at a time (the fused kernels' parallel copy), each image's GEMM
+        # straight into its rows of y: ResNet-50's 7x7/2 stem 39 -> 24 ms
+        y = xp.empty((n, o, ho * wo), x.dtype) if out is None else _flat_out(out, n, o)
+        cols = xp.empty((x.shape[1] * kh * kw, ho * wo), x.dtype)
+        for i in range(n):
+            fast.im2col_rows(x[i:i + 1], kh, kw, sh, sw, ph, pw, dh, dw, cols)
+            matmul(xp, w.reshape(o, -1), cols, y[i], fast)
+        return y.reshape(n, o, ho, wo)
     cols = _im2col(xp, x, geom, g, ho, wo)
     if g == 1:
         return matmul(xp, w.reshape(o, -1), cols[:, 0], fast=fast).reshape(n, o, ho, wo)
@@ -508,6 +517,15 @@ def _conv2d_gw(xp, ins, a, fast):
                 prods = matmul(xp, dyp, buf[..., off:off + length].swapaxes(-1, -2),
                                fast=fast)
                 gw[:, :, :, i, j] = prods.sum(axis=0).reshape(g, og, cg)
+        return gw.reshape(tuple(a["shape"]))
+    if g == 1 and fast is not None and ho * wo >= 256:
+        # large images: one image's columns at a time (no transposed copy of dy), their
+        # products summed in the GEMM: ResNet-50's 7x7/2 stem 42 -> 29 ms
+        gw = xp.zeros((o, c * kh * kw), dy.dtype)
+        cols = xp.empty((c * kh * kw, ho * wo), x.dtype)
+        for i in range(n):
+            fast.im2col_rows(x[i:i + 1], kh, kw, sh, sw, ph, pw, dh, dw, cols)
+            matmul(xp, dy[i].reshape(o, -1), cols.T, gw, fast, accumulate=True)
         return gw.reshape(tuple(a["shape"]))
     # one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]
     if g == 1:

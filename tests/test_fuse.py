@@ -727,6 +727,52 @@ def test_shifted_gemm_sums_every_offsets_product(pooled_gemm, dtype, batch):
     assert pooled_gemm.shifted(a, b.astype(np.float16), offsets, 1100) is None
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kernel,padding,dilation", [
+    ((3, 3), (1, 1), (1, 1)), ((5, 3), (2, 0), (1, 2)), ((1, 3), (0, 1), (1, 1))])
+def test_convolutions_an_image_a_task_match_the_reference(pooled_gemm, dtype, kernel,
+                                                           padding, dilation):
+    """A stride-1 convolution and its weight gradient with each image one task (padded,
+    multiplied and cropped in the thread's buffers): NumPy's reference kernels' results,
+    for several kernels, paddings and dilations and an odd batch; into a given `out`
+    too; the forward not taken for fewer images than threads or an `out` of another
+    shape; the weight gradient the same to the bit on one thread."""
+    from netdsl.ir.ops.conv import conv2d_forward
+    rng = np.random.default_rng(4)
+    (kh, kw), (ph, pw), (dh, dw) = kernel, padding, dilation
+    x = rng.standard_normal((5, 24, 30, 28)).astype(dtype)
+    w = rng.standard_normal((40, 24, kh, kw)).astype(dtype)
+    wt = np.ascontiguousarray(w.reshape(40, 24, kh * kw).transpose(2, 0, 1))
+    ref = conv2d_forward(np, x, w, {"kernel": kernel, "stride": 1, "padding": padding,
+                                    "dilation": dilation, "groups": 1})
+    y = pooled_gemm.conv(x, wt, kh, kw, ph, pw, dh, dw)
+    assert y is not None and y.shape == ref.shape and y.dtype == dtype
+    np.testing.assert_array_equal(y, ref)  # the same GEMMs, summed in the same order
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    out = np.empty_like(ref)
+    assert pooled_gemm.conv(x, wt, kh, kw, ph, pw, dh, dw, out) is out
+    np.testing.assert_array_equal(out, y)
+    assert pooled_gemm.conv(x[:1], wt, kh, kw, ph, pw, dh, dw) is None  # 1 image, 2 threads
+    assert pooled_gemm.conv(x, wt, kh, kw, ph, pw, dh, dw, out[:, :2]) is None
+    # the weight gradient the same way: NumPy's reference kernel's
+    from netdsl.ir.ops.conv import conv2d_grad_weight
+    dy = rng.standard_normal(ref.shape).astype(dtype)
+    gw_ref = conv2d_grad_weight(np, dy, x, w.shape, {
+        "kernel": kernel, "stride": 1, "padding": padding, "dilation": dilation,
+        "groups": 1})
+    budget = 1 << 30  # elements of scratch: every task fits
+    gw = pooled_gemm.conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, budget)
+    assert gw is not None and gw.shape == w.shape and gw.dtype == dtype
+    np.testing.assert_allclose(gw, gw_ref, rtol=tol, atol=tol * np.abs(gw_ref).max())
+    # the images' products summed in their order: the same bits on one thread
+    from netdsl.backends.numpy_fused_gemm import PooledGemm
+    one = PooledGemm(pooled_gemm.cblas, 1).conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw,
+                                                            budget)
+    np.testing.assert_array_equal(one, gw)
+    # a budget that holds the products and no task's buffers: not taken
+    assert pooled_gemm.conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, gw.size * 5) is None
+
+
 def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
     cblas = pooled_gemm.cblas
     before = cblas._get()
@@ -770,6 +816,11 @@ def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
             Counting.offsets += y is not None
             return y
 
+        def conv(self, *args, **kw):  # the flat shift, an image a task
+            y = super().conv(*args, **kw)
+            Counting.offsets += y is not None
+            return y
+
     for name, batch in (("resnet20-cifar.net", 16), ("transformer-tiny.net", 4)):
         g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
                                      enabled=True), "sgd")
@@ -778,7 +829,7 @@ def test_steps_with_pooled_gemms_match_numpys_gemms(pooled_gemm):
         for pooled in (True, False):
             be = NumpyBackend()
             # the backend's own OpenBLAS handle, whose block only the executor's run opens
-            be.fused.gemm = Counting(be.fused.cblas, 2) if pooled else None
+            be.fused.gemm = be.fused.convs = Counting(be.fused.cblas, 2) if pooled else None
             assert be.fused.cblas.held == 0
             ex = Executor(g, be, dtype="f32", seed=3)
             taken, offsets = Counting.taken, Counting.offsets

@@ -133,8 +133,13 @@ class FusedKernels:
         numba.set_num_threads(self.threads)
         # None: NumPy's matmul (its BLAS's own threads) runs every product
         self.gemm = PooledGemm(self.cblas, self.threads) if pooled else None
-        if self.gemm is not None:
-            self.gemm.warm_up()
+        # the stride-1 convolutions' image-a-task kernels run on one thread too: their
+        # weight gradient sums differently from the other paths, and a step's numbers
+        # must not depend on the thread count (tests/test_mpi.py)
+        self.convs = None if self.cblas is None else \
+            self.gemm or PooledGemm(self.cblas, self.threads)
+        if self.convs is not None:
+            self.convs.warm_up()
         # each compiled signature is loaded from the cache (or compiled) on its first call:
         # make those calls now, on tiny arrays, so none happens inside a measured step
         for dt in (np.float32, np.float64):
@@ -196,6 +201,20 @@ class FusedKernels:
         if self.gemm is None:
             return None
         return self.gemm.shifted(a, b, np.asarray(offsets, dtype=np.int64), n)
+
+    def shifted_conv(self, x, wt, kh, kw, ph, pw, dh, dw, out=None):
+        """A stride-1 convolution by the flat shift with an image a task
+        (numpy_fused_gemm.PooledGemm.conv), or None."""
+        if self.convs is None:
+            return None
+        return self.convs.conv(x, wt, kh, kw, ph, pw, dh, dw, out)
+
+    def shifted_conv_grad_weight(self, dy, x, kh, kw, ph, pw, dh, dw, budget):
+        """A stride-1 convolution's weight gradient, an image a task, within `budget`
+        elements of scratch (numpy_fused_gemm.PooledGemm.conv_grad_weight), or None."""
+        if self.convs is None:
+            return None
+        return self.convs.conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, budget)
 
     def running(self):
         """Held around each run of a graph: NumPy's BLAS at one thread while the GEMMs

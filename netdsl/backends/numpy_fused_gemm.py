@@ -107,6 +107,17 @@ def _cblas_gemm(typingctx, fn, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, 
     return sig, codegen
 
 
+@intrinsic
+def _data_address(typingctx, arr):
+    """The address of an array's first element, inside compiled code (what .ctypes.data
+    gives outside it, which would keep Numba from caching the function)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+
+    return types.int64(arr), codegen
+
+
 @numba.njit(cache=True, nogil=True)
 def _add_to_rows(c, start, rows, ld, v):
     """c[start + r * ld:][:v.size] += v for r < rows: a block's rows of a matrix given flat,
@@ -163,6 +174,92 @@ def shifted_gemm_tasks(fn, one, size, batch, m, n, k, a, lda, step_a, b, ldb, sb
                             c + i * sc + n0 * size, ldc)
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
+    """y = conv2d(x, w), stride 1, by the flat shift with each image's whole convolution
+    one task: its zero-padded, flattened planes copied into a buffer of the thread, the
+    kh*kw offsets' GEMMs (wt[o] @ a shifted slice of the buffer, o = i*kw + j, summed
+    inside the GEMM as shifted_gemm_tasks) into an accumulator of the thread, whose rows
+    less their padding columns are then y's. Padding, products and cropping stay in the
+    thread's cache, where the batch's padded copy and result each took a pass of their
+    own. x [N, C, H, W], wt [kh*kw, O, C], y [N, O, Ho, Wo], all C-contiguous; `threads`
+    tasks of consecutive images, each with its two buffers, [C, Hp*Wp + (kw-1)*dw] and
+    [O, Ho*Wp], allocated here by each thread: as NumPy arrays allocated by the caller
+    and handed in, ResNet-164's 16-channel 3x3 took 0.41-0.46 ms against 0.32-0.33
+    (bench_kernels.py, not kept). Numba allocates through CPython's allocator, so
+    tracemalloc sees them; conv2d's workspace rule covers them (its flat shift reserves
+    the whole batch's padded copy and result). The same products, summed in the same
+    order, as shifted_gemm_tasks and the reference kernel's per-offset GEMMs."""
+    n, c, h, w = x.shape
+    o, ho, wo = y.shape[1], y.shape[2], y.shape[3]
+    wp = w + 2 * pw
+    length = ho * wp
+    size = x.itemsize
+    zero = one - one
+    threads = min(threads, n)  # (numba.get_num_threads() here would stop the caching)
+    for t in numba.prange(threads):
+        buf = np.zeros((c, (h + 2 * ph) * wp + (kw - 1) * dw), x.dtype)  # its border stays 0
+        acc = np.empty((o, length), x.dtype)
+        for i in range(t * n // threads, (t + 1) * n // threads):
+            for ch in range(c):
+                for r in range(h):
+                    dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
+                    dst[:] = x[i, ch, r]
+            for a in range(kh):
+                for b in range(kw):
+                    off = a * dh * wp + b * dw
+                    _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, o, length, c, one,
+                                _data_address(wt[a * kw + b]), c,
+                                _data_address(buf) + off * size,
+                                buf.shape[1], zero if a == 0 and b == 0 else one,
+                                _data_address(acc), length)
+            for oc in range(o):
+                for r in range(ho):
+                    dst = y[i, oc, r]
+                    dst[:] = acc[oc, r * wp:r * wp + wo]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods, threads):
+    """prods[i] = cols(x[i]) @ dy[i]^T for every image i: a stride-1 convolution's weight
+    gradient per image, transposed, [kh*kw*C, O] (offset-major), in `threads` tasks of
+    consecutive images as shifted_conv_tasks. cols(x[i]) [kh*kw*C, Ho*Wp] are the rows of
+    x[i]'s zero-padded, flattened planes at each offset (contiguous copies, in the
+    thread's cache); dy[i] is padded to the same Wp-wide rows with zeros, so the padding
+    columns add nothing. One GEMM an image, K = Ho*Wp, where the per-offset products had
+    [O, C] results of 16 by 16; transposed, because OpenBLAS ran [144, 1088] @ [1088, 16]
+    at 98 GFLOP/s and [16, 1088] @ [1088, 144] at 62 (one thread). The caller sums prods
+    over the images in their order: the same sums on any number of threads."""
+    n, c, h, w = x.shape
+    o, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+    wp = w + 2 * pw
+    length = ho * wp
+    k = kh * kw * c
+    zero = one - one
+    threads = min(threads, n)
+    for t in numba.prange(threads):
+        buf = np.zeros((c, (h + 2 * ph) * wp + (kw - 1) * dw), x.dtype)  # its border stays 0
+        dyp = np.zeros((o, length), x.dtype)  # its padding columns stay 0
+        cols = np.empty((k, length), x.dtype)
+        for i in range(t * n // threads, (t + 1) * n // threads):
+            for ch in range(c):
+                for r in range(h):
+                    dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
+                    dst[:] = x[i, ch, r]
+            for oc in range(o):
+                for r in range(ho):
+                    dst = dyp[oc, r * wp:r * wp + wo]
+                    dst[:] = dy[i, oc, r]
+            for a in range(kh):
+                for b in range(kw):
+                    off = a * dh * wp + b * dw
+                    for ch in range(c):
+                        dst = cols[(a * kw + b) * c + ch]
+                        dst[:] = buf[ch, off:off + length]
+            _cblas_gemm(fn, _NO_TRANS, _TRANS, k, o, length, one, _data_address(cols), length,
+                        _data_address(dyp), length, zero, _data_address(prods[i]), o)
+
+
 def _operand(x, rows: int, cols: int):
     """(transpose flag, leading dimension) that let CBLAS read the 2-d matrices of x as
     they lie, or None (no unit stride along either axis: NumPy copies such operands)."""
@@ -194,6 +291,7 @@ def _batch_stride(x, batch: int) -> int | None:
 # thread. The break-even lies between 1M and 2M (bench/bench_kernels.py --threads 2
 # --gemm; docs/benchmarks.md).
 _MIN_MACS = 1 << 21
+_MIN_CONV_MACS = 1 << 18
 
 
 class PooledGemm:
@@ -213,6 +311,12 @@ class PooledGemm:
             gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 2, 2, 2,
                        a.ctypes.data, _NO_TRANS, 2, 0, a.ctypes.data, _NO_TRANS, 2, 0,
                        c.ctypes.data, 2, 0, 1, 1, np.ones(2, dt), c.reshape(-1))
+            shifted_conv_tasks(self.cblas.gemm[a.dtype], dt(1), a.reshape(1, 1, 2, 2),
+                               a.reshape(1, 2, 2)[:, :1, :1].copy(), 1, 1, 0, 0, 1, 1,
+                               np.empty((1, 1, 2, 2), dt), 1)
+            shifted_conv_grad_weight_tasks(self.cblas.gemm[a.dtype], dt(1),
+                                           a.reshape(1, 1, 2, 2), a.reshape(1, 1, 2, 2),
+                                           1, 1, 0, 0, 1, 1, np.empty((1, 1, 1), dt), 1)
             shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
                                a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
                                np.empty_like(a).ctypes.data, 2, 0, 1)
@@ -238,6 +342,57 @@ class PooledGemm:
                            k * length * size, offsets, out.ctypes.data, n, m * n * size,
                            parts_n)
         return out
+
+    def conv(self, x, wt, kh, kw, ph, pw, dh, dw, out=None):
+        """conv2d of x [N, C, H, W] with wt [kh*kw, O, C] (offsets row-major), stride 1,
+        padding (ph, pw), dilation (dh, dw): shifted_conv_tasks, an image a task, into
+        `out` (or a new [N, O, Ho, Wo] array); None where the loops do not take it (as
+        __call__, or fewer images than threads: `shifted` splits their columns)."""
+        n, c, h, w = x.shape
+        noff, o, c2 = wt.shape
+        ho, wo = h + 2 * ph - dh * (kh - 1), w + 2 * pw - dw * (kw - 1)
+        if not self.cblas.held or x.dtype != wt.dtype or x.dtype not in self.cblas.gemm \
+                or not (x.flags.c_contiguous and wt.flags.c_contiguous) or c != c2 \
+                or noff != kh * kw or n < self.threads or ho < 1 or wo < 1 \
+                or n * o * ho * (w + 2 * pw) * c * noff < _MIN_CONV_MACS:
+            return None
+        if out is None:
+            out = np.empty((n, o, ho, wo), x.dtype)
+        elif out.shape != (n, o, ho, wo) or out.dtype != x.dtype \
+                or not out.flags.c_contiguous:
+            return None
+        shifted_conv_tasks(self.cblas.gemm[x.dtype], x.dtype.type(1), x, wt, kh, kw, ph, pw,
+                           dh, dw, out, self.threads)
+        return out
+
+    def conv_grad_weight(self, dy, x, kh, kw, ph, pw, dh, dw, budget):
+        """The weight gradient [O, C, kh, kw] of a stride-1 convolution of x [N, C, H, W]
+        with padding (ph, pw), dilation (dh, dw), from dy [N, O, Ho, Wo]:
+        shifted_conv_grad_weight_tasks, an image a task, the images' products summed in
+        their order (so the same on one thread as on several). Its scratch, the images'
+        products and each task's padded x, padded dy and shifted rows, stays within
+        `budget` elements (the workspace the plan reserves): fewer tasks than threads
+        where it must. None where the loops do not take it (outside a `cblas.limit(1)`
+        block, other dtypes, operands not C-contiguous, too small, or no task fits)."""
+        n, c, h, w = x.shape
+        o, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+        if not self.cblas.held or x.dtype != dy.dtype or x.dtype not in self.cblas.gemm \
+                or not (x.flags.c_contiguous and dy.flags.c_contiguous) \
+                or dy.shape[0] != n or ho != h + 2 * ph - dh * (kh - 1) \
+                or wo != w + 2 * pw - dw * (kw - 1) \
+                or n * o * ho * (w + 2 * pw) * c * kh * kw < _MIN_CONV_MACS:
+            return None
+        k, wp = kh * kw * c, w + 2 * pw
+        task = c * ((h + 2 * ph) * wp + (kw - 1) * dw) + (o + k) * ho * wp
+        tasks = min(self.threads, n, (budget - n * k * o) // task)
+        if tasks < 1:
+            return None
+        prods = np.empty((n, k, o), x.dtype)
+        shifted_conv_grad_weight_tasks(self.cblas.gemm[x.dtype], x.dtype.type(1), dy, x, kh,
+                                       kw, ph, pw, dh, dw, prods, tasks)
+        for i in range(1, n):  # in the images' order, in place: no scratch but prods
+            prods[0] += prods[i]
+        return prods[0].reshape(kh, kw, c, o).transpose(3, 2, 0, 1).copy()
 
     def __call__(self, a, b, out=None, accumulate=False, bias=None):
         """The product into `out` (or a new array; added to `out` with `accumulate`), plus

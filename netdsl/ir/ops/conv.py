@@ -159,10 +159,16 @@ def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
     flat = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
     if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, flat):
         return extra + max(flat, winograd.chunk(n, c, o, ho, wo, flat)[1])
+    return extra + _gw_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), g, hp, wp, ho, wo)
+
+
+def _gw_scratch(n, c, o, geom, g, hp, wp, ho, wo) -> int:
+    """Scratch elements of _conv2d_gw's flat shift (stride 1, 256+ output pixels) or
+    folded columns; the fused kernels' image tasks, which may run instead, fit in it."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
     if (sh, sw) == (1, 1) and ho * wo >= 256:
-        return extra + flat
-    return extra + (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo \
-        + n * o * ho * wo
+        return _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
+    return (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo + n * o * ho * wo
 
 
 def _flat_shift_scratch(n, cin, cout, kernel, g, hp, wp, ho) -> int:
@@ -389,8 +395,13 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
         og, cg = o // g, c // g
         wp = x.shape[3] + 2 * pw
         length = ho * wp
-        buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
         wt = xp.ascontiguousarray(w.reshape(g, og, cg, kh * kw).transpose(3, 0, 1, 2))
+        if g == 1 and fast is not None:
+            # an image a task: padding, products and cropping in the thread's cache
+            y = fast.shifted_conv(x, wt[:, 0], kh, kw, ph, pw, dh, dw, out)
+            if y is not None:
+                return y
+        buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
         y = None
         if g == 1:  # 3-d operands, which the fused kernels' GEMMs take
             buf, wt = buf[:, 0], wt[:, 0]
@@ -499,6 +510,14 @@ def _conv2d_gw(xp, ins, a, fast):
         budget = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
         if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, budget):
             return winograd.grad_weight(fast, dy, x, ph, pw, budget)
+    if (sh, sw) == (1, 1) and g == 1 and fast is not None:
+        # an image a task: its shifted rows and padded dy in the thread's cache, one GEMM;
+        # as many tasks at once as the scratch the plan reserves for the paths below holds
+        hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+        gw = fast.shifted_conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, _gw_scratch(
+            n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), 1, hp, wp, ho, wo))
+        if gw is not None:
+            return gw
     if (sh, sw) == (1, 1) and ho * wo >= 256:
         # flat shift: per kernel offset, one batched GEMM of the padded dy with a strided
         # slice of the flattened padded x; no im2col buffer

@@ -174,6 +174,18 @@ def shifted_gemm_tasks(fn, one, size, batch, m, n, k, a, lda, step_a, b, ldb, sb
                             c + i * sc + n0 * size, ldc)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pad_planes(image, ph, pw, buf):
+    """An image's [C, H, W] planes into the rows of buf [C, (H+2ph)*(W+2pw) + extra], each
+    plane flattened with its zero padding (buf's padding is left as it is: zero)."""
+    h, w = image.shape[1], image.shape[2]
+    wp = w + 2 * pw
+    for ch in range(image.shape[0]):
+        for r in range(h):
+            dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
+            dst[:] = image[ch, r]
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
     """y = conv2d(x, w), stride 1, by the flat shift with each image's whole convolution
@@ -201,10 +213,7 @@ def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
         buf = np.zeros((c, (h + 2 * ph) * wp + (kw - 1) * dw), x.dtype)  # its border stays 0
         acc = np.empty((o, length), x.dtype)
         for i in range(t * n // threads, (t + 1) * n // threads):
-            for ch in range(c):
-                for r in range(h):
-                    dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
-                    dst[:] = x[i, ch, r]
+            _pad_planes(x[i], ph, pw, buf)
             for a in range(kh):
                 for b in range(kw):
                     off = a * dh * wp + b * dw
@@ -242,10 +251,7 @@ def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods
         dyp = np.zeros((o, length), x.dtype)  # its padding columns stay 0
         cols = np.empty((k, length), x.dtype)
         for i in range(t * n // threads, (t + 1) * n // threads):
-            for ch in range(c):
-                for r in range(h):
-                    dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
-                    dst[:] = x[i, ch, r]
+            _pad_planes(x[i], ph, pw, buf)
             for oc in range(o):
                 for r in range(ho):
                     dst = dyp[oc, r * wp:r * wp + wo]

@@ -123,7 +123,7 @@ def _add_to_rows(c, start, rows, ld, v):
     """c[start + r * ld:][:v.size] += v for r < rows: a block's rows of a matrix given flat,
     C-contiguous. Row slices of a flat array, because a parallel loop's slices of a 2-d
     array type as of any layout and their adds do not vectorise: adding a [1024, 256]
-    bias took 36 us on two threads so against 11 this way, and 18 on one thread."""
+    bias took 36 us on two threads that way against 11 this way (18 on one thread)."""
     for r in range(rows):
         o = start + r * ld
         row = c[o:o + v.size]
@@ -297,6 +297,11 @@ def _batch_stride(x, batch: int) -> int | None:
 # thread. The break-even lies between 1M and 2M (bench/bench_kernels.py --threads 2
 # --gemm; docs/benchmarks.md).
 _MIN_MACS = 1 << 21
+# The image-task convolutions (PooledGemm.conv, conv_grad_weight) pay for their parallel
+# region with more than a GEMM's work (padding, cropping, copies), so they start lower:
+# digits-cnn's 16 -> 32 channel dW, 1.5M multiply-adds, 0.30 -> 0.21 ms on two threads
+# (bench_kernels.py --conv; docs/benchmarks.md). Where between 2^18 and that they stop
+# paying was not measured.
 _MIN_CONV_MACS = 1 << 18
 
 

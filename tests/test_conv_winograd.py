@@ -15,11 +15,13 @@ from netdsl.runtime.executor import Executor, KernelContext
 
 pytest.importorskip("numba")
 
-# (x shape, out channels, padding): each is big enough for Winograd (applies() is checked)
+# (x shape, out channels, padding): each is big enough for Winograd (applies() is checked),
+# and not one the flat shift's image tasks take instead (conv._image_tasks_beat_winograd:
+# two images or more and at most 64 channels)
 CASES = [
-    ((2, 32, 40, 40), 32, 1),
+    ((2, 72, 40, 40), 32, 1),
     ((1, 33, 35, 30), 40, 1),   # odd sizes: the last tile row and column are cropped
-    ((2, 32, 36, 34), 48, 0),   # "valid"
+    ((2, 32, 36, 34), 80, 0),   # "valid"
     ((1, 40, 33, 35), 32, 2),
     ((1, 32, 33, 33), 32, (1, 0, 2, 1)),  # asymmetric: padded by conv.py, then Winograd
 ]
@@ -100,8 +102,8 @@ NET = """
 network wide {
     input x: f32[N, 3, 32, 32]
     input y: i64[N]
-    h = relu(batchnorm(conv2d(x, 32, kernel=3, padding=1)))
-    h = relu(batchnorm(conv2d(h, 32, kernel=3, padding=1))) + h
+    h = relu(batchnorm(conv2d(x, 72, kernel=3, padding=1)))
+    h = relu(batchnorm(conv2d(h, 72, kernel=3, padding=1))) + h
     h = conv2d(h, 48, kernel=3, padding=0)
     logits = linear(flatten(avgpool(h, 6)), 10)
     output logits
@@ -113,7 +115,7 @@ network wide {
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-4)])
 def test_training_step_with_winograd_equals_the_reference(monkeypatch, dtype, tol, calls):
     """The whole step (loss, every gradient) with the fused kernels (Winograd in the two
-    32-channel convolutions) and without (NumPy reference kernels)."""
+    72-channel convolutions) and without (NumPy reference kernels)."""
     from netdsl.passes.autodiff import autodiff
     g = autodiff(netdsl.loads(NET).lower(4))
     rng = np.random.default_rng(0)
@@ -133,8 +135,11 @@ def test_conv2d_picks_its_path_by_shape():
     from netdsl.ir.ops.conv import _forward_path
     s1, s2 = (3, 3, 1, 1, 1, 1, 1, 1), (3, 3, 2, 2, 1, 1, 1, 1)
     assert _forward_path(2, 8, 6, (1, 1, 1, 1, 0, 0, 1, 1), 1, 12, 12, True) == "pointwise"
-    assert _forward_path(16, 64, 64, s1, 1, 56, 56, True) == "winograd"
-    assert _forward_path(16, 64, 64, s1, 1, 56, 56, False) == "flat"  # no fused kernels
+    assert _forward_path(16, 128, 128, s1, 1, 56, 56, True) == "winograd"
+    assert _forward_path(16, 64, 64, s1, 1, 56, 56, True) == "flat"  # an image a task
+    assert _forward_path(1, 64, 64, s1, 1, 56, 56, True) == "winograd"  # one image
+    assert _forward_path(16, 64, 64, s1, 1, 8, 8, True) == "winograd"  # 8x8: 256 tiles
+    assert _forward_path(16, 128, 128, s1, 1, 56, 56, False) == "flat"  # no fused kernels
     assert _forward_path(16, 512, 512, s1, 1, 7, 7, True) == "winograd"  # 256 tiles
     assert _forward_path(2, 512, 512, s1, 1, 7, 7, True) == "folded"  # small, wide
     assert _forward_path(32, 1, 16, s1, 1, 8, 8, True) == "folded"  # C*kh*kw = 9

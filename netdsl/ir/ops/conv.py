@@ -202,11 +202,23 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool) -> str:
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
         return "pointwise"
     if fast and winograd.applies(geom, g, n, cin, cout, ho, wo, _flat_shift_scratch(
-            n, cin, cout, (kh, kw, dh, dw), g, h + 2 * ph, w + 2 * pw, ho)):
+            n, cin, cout, (kh, kw, dh, dw), g, h + 2 * ph, w + 2 * pw, ho)) \
+            and not _image_tasks_beat_winograd(n, cin, cout, g, ho, wo):
         return "winograd"
     if g == 1 and ho * wo <= _FOLD_MAX_PIXELS and (cin * kh * kw <= 64 or min(cin, cout) >= 128):
         return "folded"
     return "flat" if (sh, sw) == (1, 1) else "im2col"
+
+
+def _image_tasks_beat_winograd(n, cin, cout, g, ho, wo) -> bool:
+    """Where the flat shift, an image a task (numpy_fused_gemm.shifted_conv_tasks), is
+    faster than Winograd for a forward or input gradient: up to 64 channels each way on
+    14x14 or larger, two images or more. Two threads, medians of four alternating runs:
+    32 channels at 16x16 0.47 -> 0.30 ms, 64 at 14x14 0.99 -> 0.83, at 56x56 13.6 ->
+    12.7; at 8x8, and at 128 channels and more, Winograd stays ahead (docs/benchmarks.md).
+    It does not depend on the threads, so neither do a step's numbers: with fewer images
+    than threads the flat shift runs as `shifted`, the same sums."""
+    return g == 1 and n >= 2 and max(cin, cout) <= 64 and ho * wo >= 196
 
 
 def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:

@@ -773,6 +773,37 @@ def test_convolutions_an_image_a_task_match_the_reference(pooled_gemm, dtype, ke
     assert pooled_gemm.conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, gw.size * 5) is None
 
 
+@pytest.mark.parametrize("x_shape,out,kernel,stride,padding", [
+    ((3, 3, 64, 64), 16, 7, 2, 3),  # strided: columns an image at a time, 1,024 pixels
+    ((3, 16, 20, 20), 24, 3, 1, 1),  # stride 1: the image tasks
+])
+def test_convolutions_give_the_same_bits_on_one_thread_as_on_two(pooled_gemm, x_shape, out,
+                                                                  kernel, stride, padding):
+    """conv2d's three kernels with the fused kernels on one thread (NumPy's matmul, the
+    image tasks on one thread) and on two (the pooled GEMMs): the same bits, so that a
+    step's numbers do not depend on the thread count (tests/test_mpi.py checks a whole
+    run)."""
+    from netdsl.backends.numpy_fused_gemm import PooledGemm
+    from netdsl.ir import registry
+    from netdsl.runtime.executor import KernelContext
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((out, x_shape[1], kernel, kernel)).astype(np.float32)
+    a = {"kernel": kernel, "stride": stride, "padding": padding, "dilation": 1, "groups": 1}
+    be = NumpyBackend()
+    ctx = KernelContext(True, be, "float32")
+    results = []
+    for gemm, convs in ((None, PooledGemm(pooled_gemm.cblas, 1)), (pooled_gemm, pooled_gemm)):
+        be.fused.gemm, be.fused.convs = gemm, convs
+        y = registry.OPS["conv2d"].kernel(np, [x, w], a, ctx)
+        dy = np.random.default_rng(7).standard_normal(y.shape).astype(np.float32)
+        results.append([y, registry.OPS["conv2d_grad_input"].kernel(
+            np, [dy, w], {**a, "shape": x.shape}, ctx), registry.OPS["conv2d_grad_weight"]
+            .kernel(np, [dy, x], {**a, "shape": w.shape}, ctx)])
+    for name, one, two in zip(("y", "dx", "dw"), *results, strict=True):
+        np.testing.assert_array_equal(one, two, err_msg=name)
+
+
 def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):
     cblas = pooled_gemm.cblas
     before = cblas._get()

@@ -550,13 +550,16 @@ def _conv2d_gw(xp, ins, a, fast):
                 gw[:, :, :, i, j] = prods.sum(axis=0).reshape(g, og, cg)
         return gw.reshape(tuple(a["shape"]))
     if g == 1 and fast is not None and ho * wo >= 256:
-        # large images: one image's columns at a time (no transposed copy of dy), their
-        # products summed in the GEMM: ResNet-50's 7x7/2 stem 42 -> 29 ms
+        # large images: one image's columns at a time (no transposed copy of dy), the
+        # images' products added in their order (not inside the GEMM, whose K blocks would
+        # round otherwise with its threads than NumPy's matmul does on one): ResNet-50's
+        # 7x7/2 stem 42 -> 29 ms
         gw = xp.zeros((o, c * kh * kw), dy.dtype)
+        prod = xp.empty_like(gw)
         cols = xp.empty((c * kh * kw, ho * wo), x.dtype)
         for i in range(n):
             fast.im2col_rows(x[i:i + 1], kh, kw, sh, sw, ph, pw, dh, dw, cols)
-            matmul(xp, dy[i].reshape(o, -1), cols.T, gw, fast, accumulate=True)
+            gw += matmul(xp, dy[i].reshape(o, -1), cols.T, prod, fast)
         return gw.reshape(tuple(a["shape"]))
     # one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]
     if g == 1:

@@ -139,6 +139,7 @@ def test_conv2d_picks_its_path_by_shape():
     assert _forward_path(16, 64, 64, s1, 1, 56, 56, True) == "flat"  # an image a task
     assert _forward_path(1, 64, 64, s1, 1, 56, 56, True) == "winograd"  # one image
     assert _forward_path(16, 64, 64, s1, 1, 8, 8, True) == "winograd"  # 8x8: 256 tiles
+    assert _forward_path(8, 64, 64, s1, 1, 224, 224, True) == "winograd"  # 224x224
     assert _forward_path(16, 128, 128, s1, 1, 56, 56, False) == "flat"  # no fused kernels
     assert _forward_path(16, 512, 512, s1, 1, 7, 7, True) == "winograd"  # 256 tiles
     assert _forward_path(2, 512, 512, s1, 1, 7, 7, True) == "folded"  # small, wide

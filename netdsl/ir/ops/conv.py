@@ -212,13 +212,15 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool) -> str:
 
 def _image_tasks_beat_winograd(n, cin, cout, g, ho, wo) -> bool:
     """Where the flat shift, an image a task (numpy_fused_gemm.shifted_conv_tasks), is
-    faster than Winograd for a forward or input gradient: up to 64 channels each way on
-    14x14 or larger, two images or more. Two threads, medians of four alternating runs:
+    faster than Winograd for a forward or input gradient: up to 64 channels each way from
+    14x14 to 56x56, two images or more. Two threads, medians of four alternating runs:
     32 channels at 16x16 0.47 -> 0.30 ms, 64 at 14x14 0.99 -> 0.83, at 56x56 13.6 ->
     12.7; at 8x8, and at 128 channels and more, Winograd stays ahead (docs/benchmarks.md).
+    At 224x224 (VGG-16's first convolutions) each task's buffers are 13 MB, far from any
+    cache, and VGG-16's step came out 1-3% slower, so Winograd keeps those.
     It does not depend on the threads, so neither do a step's numbers: with fewer images
     than threads the flat shift runs as `shifted`, the same sums."""
-    return g == 1 and n >= 2 and max(cin, cout) <= 64 and ho * wo >= 196
+    return g == 1 and n >= 2 and max(cin, cout) <= 64 and 196 <= ho * wo <= 56 * 56
 
 
 def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:

@@ -175,11 +175,11 @@ def shifted_gemm_tasks(fn, one, size, batch, m, n, k, a, lda, step_a, b, ldb, sb
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _pad_planes(image, ph, pw, buf):
-    """An image's [C, H, W] planes into the rows of buf [C, (H+2ph)*(W+2pw) + extra], each
-    plane flattened with its zero padding (buf's padding is left as it is: zero)."""
+def _pad_planes(image, ph, pw, wp, buf):
+    """An image's [C, H, W] planes into the rows of buf, each plane flattened into rows
+    wp apart, from row ph and column pw (buf's other elements are left as they are: the
+    padding, zero)."""
     h, w = image.shape[1], image.shape[2]
-    wp = w + 2 * pw
     for ch in range(image.shape[0]):
         for r in range(h):
             dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
@@ -213,7 +213,7 @@ def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
         buf = np.zeros((c, (h + 2 * ph) * wp + (kw - 1) * dw), x.dtype)  # its border stays 0
         acc = np.empty((o, length), x.dtype)
         for i in range(t * n // threads, (t + 1) * n // threads):
-            _pad_planes(x[i], ph, pw, buf)
+            _pad_planes(x[i], ph, pw, wp, buf)
             for a in range(kh):
                 for b in range(kw):
                     off = a * dh * wp + b * dw
@@ -240,7 +240,7 @@ def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods
     at 98 GFLOP/s and [16, 1088] @ [1088, 144] at 62 (one thread). The caller sums prods
     over the images in their order: the same sums on any number of threads."""
     n, c, h, w = x.shape
-    o, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+    o, ho = dy.shape[1], dy.shape[2]
     wp = w + 2 * pw
     length = ho * wp
     k = kh * kw * c
@@ -251,11 +251,8 @@ def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods
         dyp = np.zeros((o, length), x.dtype)  # its padding columns stay 0
         cols = np.empty((k, length), x.dtype)
         for i in range(t * n // threads, (t + 1) * n // threads):
-            _pad_planes(x[i], ph, pw, buf)
-            for oc in range(o):
-                for r in range(ho):
-                    dst = dyp[oc, r * wp:r * wp + wo]
-                    dst[:] = dy[i, oc, r]
+            _pad_planes(x[i], ph, pw, wp, buf)
+            _pad_planes(dy[i], 0, 0, wp, dyp)
             for a in range(kh):
                 for b in range(kw):
                     off = a * dh * wp + b * dw

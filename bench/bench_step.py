@@ -213,6 +213,24 @@ def mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.0f}"
 
 
+def machine() -> str:
+    """The CPU the figures were measured on (model, cores this process may use, widest
+    vector extension), for the report: the tables of different sessions come from
+    different machines, and only ratios within one run compare."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = next((f for f in ("avx512f", "avx2", "sse4_2") if f in flags), "?")
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, {isa.upper()}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nets", default="resnet164",
@@ -297,7 +315,8 @@ def main(argv=None) -> int:
           f"threads each; {a.rounds} rounds x ({a.warmup} warm-up + {a.steps} timed steps) "
           f"per framework, taking turns; compared: the median of the quietest round; whole "
           f"run {elapsed:.0f} s")
-    print(f"OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: {pinned or 'unset'}")
+    print(f"Machine: {machine()}; OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: "
+          f"{pinned or 'unset'}")
     print("float32 GEMM rate (2048^3, best of 5, before and after the networks): " + ", ".join(
         f"{r['library']} {r['gflops']:.0f} GFLOP/s" for r in rates.values())
         + f"; % GEMM below is of {gemm:.0f}")

@@ -644,6 +644,22 @@ def _gemm_operands(dtype):
     yield np.ascontiguousarray(a[0].T).T, b[2]
     yield b[0].T, a[0].T  # [600, 80] @ [80, 48]: split into row blocks
     yield a[:2], b[:2]
+    # rank 4: a transformer's heads, [N, heads, T, d] views of a [N, T, 3 * heads * d]
+    # projection (the batch's two levels strided apart), and broadcast leading dimensions
+    q, k = _heads(dtype)
+    probs = np.ascontiguousarray(np.matmul(q, k.swapaxes(-1, -2)))
+    yield q, k.swapaxes(-1, -2)
+    yield probs.swapaxes(-1, -2), k
+    yield q[:1], k.swapaxes(-1, -2)
+    yield q, a[0, :16, :32]
+    yield q[0], k.swapaxes(-1, -2)
+
+
+def _heads(dtype, n=32, t=32, heads=4, d=16):
+    """The q and k heads of a fused q/k/v projection: [n, heads, t, d] views."""
+    qkv = np.random.default_rng(12).standard_normal((n, t, 3 * heads * d)).astype(dtype)
+    q, k, _ = np.split(qkv, 3, axis=2)
+    return (v.reshape(n, t, heads, d).transpose(0, 2, 1, 3) for v in (q, k))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -676,13 +692,27 @@ def test_pooled_gemm_leaves_to_numpy_what_it_cannot_take(pooled_gemm):
     assert gemm(a[..., ::2], b[:, ::2]) is None  # no unit stride along either axis
     assert gemm(a.astype(np.float64), b) is None  # mixed dtypes
     assert gemm(a.astype(np.int64), b.astype(np.int64)) is None
-    assert gemm(a[None], b[None]) is None  # rank 4
+    assert gemm(a[None, None], b[None, None]) is None  # rank 5
+    assert gemm(a[:2], b[:3]) is None  # batches that do not broadcast
     assert gemm(a[:1, :2, :3], b[:1, :3, :2]) is None  # too small to split
     assert gemm(a, b, np.empty((8, 256, 64), np.float32).transpose(0, 2, 1)) is None
     apart = np.zeros((8, 70, 270), np.float32)[:, 3:67, 2:258]  # rows and matrices apart
     assert gemm(a, b, apart) is apart
     np.testing.assert_array_equal(apart, np.matmul(a, b))
     assert gemm(a, b, accumulate=True) is None  # nothing to add into
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_products_on_the_threads_equal_numpys_bits(pooled_gemm, dtype):
+    """The attention's rank-4 products, taken as the views they are: each head's product
+    is one call of the same OpenBLAS that NumPy's matmul makes, so the same bits on two
+    threads as NumPy's on one (a transformer's step does not depend on the threads)."""
+    q, k = _heads(dtype)
+    probs = np.ascontiguousarray(np.matmul(q, k.swapaxes(-1, -2)))
+    for a, b in ((q, k.swapaxes(-1, -2)), (probs, k), (probs.swapaxes(-1, -2), k)):
+        y = pooled_gemm(a, b)
+        assert y is not None
+        np.testing.assert_array_equal(y, np.matmul(a, b))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -131,23 +131,28 @@ def _add_to_rows(c, start, rows, ld, v):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def gemm_tasks(fn, alpha, beta, size, batch, m, n, k, a, ta, lda, sa, b, tb, ldb, sb, c, ldc,
-               sc, parts_m, parts_n, bias, c2):
+def gemm_tasks(fn, alpha, beta, size, batch, inner, m, n, k, a, ta, lda, b, tb, ldb, c, ldc,
+               steps, parts_m, parts_n, bias, c2):
     """c[i] = a[i] @ b[i] (plus c[i] with beta = 1) for i < batch, each product cut into
     parts_m x parts_n blocks of rows and columns, every block one task for the threads.
-    a, b, c are addresses; sa, sb, sc the bytes between batch items (0: the same matrix
-    for all); ta, tb CBLAS's transpose flags with the leading dimensions lda, ldb, ldc;
-    size the item bytes. With a `bias` (size n; batch 1), each task then adds it to its
-    block's rows of c2, c as a C-contiguous [m, n] array, while they are in its cache."""
+    The batch has two levels, i = outer * inner + j (a rank-4 product's [N, heads]):
+    a, b, c are addresses and steps[0], [1], [2] their bytes between outer and inner
+    items (0: the same matrix for all); ta, tb CBLAS's transpose flags with the leading
+    dimensions lda, ldb, ldc; size the item bytes. With a `bias` (size n; batch 1), each
+    task then adds it to its block's rows of c2, c as a C-contiguous [m, n] array, while
+    they are in its cache."""
     parts = parts_m * parts_n
     for t in numba.prange(batch * parts):
         i, r = t // parts, t % parts
+        io, ii = i // inner, i % inner
         m0, m1 = (r // parts_n) * m // parts_m, (r // parts_n + 1) * m // parts_m
         n0, n1 = (r % parts_n) * n // parts_n, (r % parts_n + 1) * n // parts_n
         if m1 > m0 and n1 > n0:
-            ao = a + i * sa + (m0 * lda if ta == _NO_TRANS else m0) * size
-            bo = b + i * sb + (n0 if tb == _NO_TRANS else n0 * ldb) * size
-            co = c + i * sc + (m0 * ldc + n0) * size
+            ao = a + io * steps[0, 0] + ii * steps[0, 1] \
+                + (m0 * lda if ta == _NO_TRANS else m0) * size
+            bo = b + io * steps[1, 0] + ii * steps[1, 1] \
+                + (n0 if tb == _NO_TRANS else n0 * ldb) * size
+            co = c + io * steps[2, 0] + ii * steps[2, 1] + (m0 * ldc + n0) * size
             _cblas_gemm(fn, ta, tb, m1 - m0, n1 - n0, k, alpha, ao, lda, bo, ldb, beta, co,
                         ldc)
             if bias.size:
@@ -280,13 +285,28 @@ def _operand(x, rows: int, cols: int):
     return None
 
 
-def _batch_stride(x, batch: int) -> int | None:
-    """Bytes between the matrices of x (0 for a 2-d x, shared by every product)."""
-    if x.ndim == 2:
-        return 0
-    if x.shape[0] != batch or x.strides[0] < 0:
+def _broadcast(s, t):
+    """NumPy's broadcast of two leading shapes of at most two axes, or None (other ranks,
+    or sizes that do not broadcast). Tuples only: np.broadcast_shapes allocates 6 kB,
+    which the workspace tests count."""
+    if len(s) > 2 or len(t) > 2:
         return None
-    return x.strides[0] if batch > 1 else 0
+    s, t = (1,) * (len(t) - len(s)) + s, (1,) * (len(s) - len(t)) + t
+    if any(d != e and 1 not in (d, e) for d, e in zip(s, t)):
+        return None
+    return tuple(max(d, e) for d, e in zip(s, t))
+
+
+def _batch_steps(x, batch: tuple[int, int]) -> tuple[int, int] | None:
+    """Bytes between the matrices of x along the product's two batch levels (`batch`, the
+    broadcast leading shape padded to two with ones): 0 where x has no such axis or has it
+    of size 1 (broadcast, as NumPy's matmul), None where its size differs or its step is
+    negative."""
+    lead, steps = x.shape[:-2], x.strides[:-2]
+    lead, steps = (1,) * (2 - len(lead)) + lead, (0,) * (2 - len(steps)) + steps
+    if any(d != 1 and (d != b or s < 0) for d, b, s in zip(lead, batch, steps)):
+        return None
+    return tuple(s if d > 1 else 0 for d, s in zip(lead, steps))
 
 
 # Below this many multiply-adds a product is not worth a parallel region's start, its end
@@ -316,9 +336,10 @@ class PooledGemm:
         for dt in (np.float32, np.float64):
             a = np.ones((2, 2), dt)
             c = np.empty_like(a)
-            gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 2, 2, 2,
-                       a.ctypes.data, _NO_TRANS, 2, 0, a.ctypes.data, _NO_TRANS, 2, 0,
-                       c.ctypes.data, 2, 0, 1, 1, np.ones(2, dt), c.reshape(-1))
+            gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 1, 2, 2, 2,
+                       a.ctypes.data, _NO_TRANS, 2, a.ctypes.data, _NO_TRANS, 2,
+                       c.ctypes.data, 2, np.zeros((3, 2), np.int64), 1, 1, np.ones(2, dt),
+                       c.reshape(-1))
             shifted_conv_tasks(self.cblas.gemm[a.dtype], dt(1), a.reshape(1, 1, 2, 2),
                                a.reshape(1, 2, 2)[:, :1, :1].copy(), 1, 1, 0, 0, 1, 1,
                                np.empty((1, 1, 2, 2), dt), 1)
@@ -406,11 +427,11 @@ class PooledGemm:
         """The product into `out` (or a new array; added to `out` with `accumulate`), plus
         `bias` along its rows if given (2-d products only), or None where these loops do not
         take it: outside a `cblas.limit(1)` block (each task's call would start OpenBLAS's
-        own threads), other dtypes or ranks, operands or an `out` with no unit stride, a
-        bias with a 3-d product or an `out` not C-contiguous, or a product too small to
-        split."""
+        own threads), other dtypes, ranks above 4, operands or an `out` with no unit stride,
+        a bias with a batched product or an `out` not C-contiguous, or a product too small
+        to split. Leading dimensions broadcast as in NumPy's matmul."""
         if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (
-                2 <= a.ndim <= 3 and 2 <= b.ndim <= 3):
+                2 <= a.ndim <= 4 and 2 <= b.ndim <= 4):
             return None
         if bias is not None and (a.ndim != 2 or b.ndim != 2 or bias.dtype != a.dtype
                                  or bias.shape != (b.shape[1],)
@@ -418,21 +439,25 @@ class PooledGemm:
             return None
         m, k = a.shape[-2:]
         k2, n = b.shape[-2:]
-        batch = max(a.shape[0] if a.ndim == 3 else 1, b.shape[0] if b.ndim == 3 else 1)
+        lead = _broadcast(a.shape[:-2], b.shape[:-2])
+        if lead is None:
+            return None
+        outer, inner = (1,) * (2 - len(lead)) + lead
+        batch = outer * inner
         if k != k2 or min(m, n, k) < 1 or batch * m * n * k < _MIN_MACS:
             return None
         fa, fb = _operand(a, m, k), _operand(b, k, n)
-        sa, sb = _batch_stride(a, batch), _batch_stride(b, batch)
+        sa, sb = _batch_steps(a, (outer, inner)), _batch_steps(b, (outer, inner))
         if fa is None or fb is None or sa is None or sb is None:
             return None
-        shape = (batch, m, n) if max(a.ndim, b.ndim) == 3 else (m, n)
+        shape = lead + (m, n)
         if out is None:
             if accumulate:
                 return None
             out = np.empty(shape, a.dtype)
         elif out.shape != shape or out.dtype != a.dtype or out.strides[-1] != a.itemsize \
                 or out.strides[-2] % a.itemsize or out.strides[-2] < n * a.itemsize \
-                or (out.ndim == 3 and out.strides[0] < 0):
+                or _batch_steps(out, (outer, inner)) is None:
             return None  # not rows of unit stride (Winograd's tile matrices are, apart)
         # whole products where the batch gives every thread some; else blocks of one
         # product along its larger side, one a thread (more blocks pack the other operand
@@ -446,11 +471,11 @@ class PooledGemm:
                 parts_n = min(split, max(1, n // 8))
         one = a.dtype.type(1)
         no_bias = self._no_bias[a.dtype]
+        steps = np.array([sa, sb, _batch_steps(out, (outer, inner))], np.int64)
         gemm_tasks(self.cblas.gemm[a.dtype], one, one if accumulate else one - one,
-                   a.itemsize, batch, m, n, k,
-                   a.ctypes.data, fa[0], fa[1], sa, b.ctypes.data, fb[0], fb[1], sb,
-                   out.ctypes.data, out.strides[-2] // a.itemsize,
-                   out.strides[0] if out.ndim == 3 else 0, parts_m, parts_n,
+                   a.itemsize, batch, inner, m, n, k, a.ctypes.data, fa[0], fa[1],
+                   b.ctypes.data, fb[0], fb[1], out.ctypes.data,
+                   out.strides[-2] // a.itemsize, steps, parts_m, parts_n,
                    no_bias[0] if bias is None else np.ascontiguousarray(bias),
                    no_bias[1] if bias is None else out.reshape(-1))
         return out

@@ -10,7 +10,7 @@ them, then uses matmul, transpose, softmax_grad and scale.
 import math
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float
+from netdsl.ir.ops._util import fused_kernels, matmul, need_float
 from netdsl.ir.registry import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
@@ -61,7 +61,7 @@ def _scores_bytes(ins, out, a):
 register(OpDef("scaled_dot_product_attention",
                (Arg("q", "tensor"), Arg("k", "tensor"), Arg("v", "tensor")) + _ATTN,
                _sdpa_shape, "matmul", flops=_sdpa_flops, workspace=_scores_bytes,
-               retains=("inputs",),
+               retains=("inputs",), extra={"fused_kernels": True},
                doc="softmax(q k^T * scale) v over [..., L, E] queries, [..., S, E] keys and "
                    "[..., S, Ev] values; scale defaults to 1/sqrt(E); causal=true lets query "
                    "i see keys 0..i"))
@@ -76,7 +76,7 @@ def _probs_shape(ins, a):
 register(OpDef("attention_probs", (Arg("q", "tensor"), Arg("k", "tensor")) + _ATTN,
                _probs_shape, "backward",
                flops=lambda ins, out, a: out.numel() * (2 * ins[0].shape[-1] + 5),
-               differentiable=False,
+               differentiable=False, extra={"fused_kernels": True},
                doc="softmax(q k^T * scale), masked if causal: recomputed for the backward"))
 
 
@@ -106,10 +106,11 @@ def _keep(xp, ls, ss):
     return xp.arange(ss)[None, :] <= xp.arange(ls)[:, None]
 
 
-def _probs(xp, q, k, a):
-    """In place on the one scores array, which becomes the result: no more scratch."""
+def _probs(xp, q, k, a, fast):
+    """In place on the one scores array, which becomes the result: no more scratch. The
+    products on the fused kernels' threads where they take them (`fast`)."""
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2))
+    s = matmul(xp, q, xp.swapaxes(k, -1, -2), fast=fast)
     s *= scale
     if a["causal"]:
         xp.copyto(s, -xp.inf, where=~_keep(xp, s.shape[-2], s.shape[-1]))
@@ -122,12 +123,13 @@ def _probs(xp, q, k, a):
 @kernel("scaled_dot_product_attention")
 def _sdpa(xp, ins, a, ctx):
     q, k, v = ins
-    return xp.matmul(_probs(xp, q, k, a), v)
+    fast = fused_kernels(ctx)
+    return matmul(xp, _probs(xp, q, k, a, fast), v, fast=fast)
 
 
 @kernel("attention_probs")
 def _attention_probs(xp, ins, a, ctx):
-    return _probs(xp, ins[0], ins[1], a)
+    return _probs(xp, ins[0], ins[1], a, fused_kernels(ctx))
 
 
 @kernel("causal_mask")

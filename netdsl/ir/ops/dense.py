@@ -53,7 +53,8 @@ def _matmul_shape(ins, a):
 register(OpDef(
     "matmul", (Arg("a", "tensor"), Arg("b", "tensor")), _matmul_shape, "matmul",
     flops=lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs",),
-    doc="batched matrix product with NumPy broadcasting of the leading dimensions"))
+    doc="batched matrix product with NumPy broadcasting of the leading dimensions",
+    extra={"fused_kernels": True}))
 
 
 def _emb_shape(ins, a):
@@ -144,7 +145,11 @@ def _linear_gw(xp, ins, a, ctx):
 
 @kernel("matmul")
 def _matmul(xp, ins, a, ctx):
-    return xp.matmul(ins[0], ins[1])
+    # on the loops' threads where they take it, views as they lie (a transformer's heads:
+    # [N, heads, T, d] permuted, the batch's two levels strided apart): 8 heads of 64 over
+    # 128 tokens, batch 8, q @ k^T 2.1-2.3 -> 1.0 ms with two threads; transformer-tiny's,
+    # at the size threshold, about as NumPy's (docs/benchmarks.md)
+    return matmul(xp, ins[0], ins[1], fast=fused_kernels(ctx))
 
 
 @kernel("embedding")

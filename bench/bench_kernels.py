@@ -127,20 +127,23 @@ def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
 
 
 def attention_cases(np, torch, ops, ctx, rng, repeats) -> None:
-    """transformer-tiny's attention products (batch 32, 4 heads of 16, 32 tokens): the
-    matmul kernel on the views the step hands it (heads permuted out of the fused q/k/v
-    projection, transposes as views), torch.matmul on the same views."""
-    qkv = rng.standard_normal((32, 32, 192)).astype(np.float32)
-    q, k, v = (t.reshape(32, 32, 4, 16).transpose(0, 2, 1, 3) for t in np.split(qkv, 3, 2))
-    p = rng.standard_normal((32, 4, 32, 32)).astype(np.float32)
-    for name, x, y in (("q @ k^T", q, k.swapaxes(-1, -2)), ("probs @ v", p, v),
-                       ("dy @ v^T", q, v.swapaxes(-1, -2)),
-                       ("probs^T @ dy", p.swapaxes(-1, -2), q)):
-        m = best_ms(lambda: ops["matmul"].kernel(np, [x, y], {}, ctx), repeats)
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        t = best_ms(lambda: torch.matmul(tx, ty), repeats)
-        label = f"attention {name}, {'x'.join(map(str, x.shape))}"
-        print(f"{label:<44} {'forward':<9} {m:>10.3f} {t:>9.3f} {m / t:>6.2f}", flush=True)
+    """Attention products: transformer-tiny's (batch 32, 4 heads of 16, 32 tokens) and a
+    larger one (batch 8, 8 heads of 64, 128 tokens). The matmul kernel on the views a step
+    hands it (heads permuted out of the fused q/k/v projection, transposes as views),
+    torch.matmul on the same views."""
+    for n, t, h, d in ((32, 32, 4, 16), (8, 128, 8, 64)):
+        qkv = rng.standard_normal((n, t, 3 * h * d)).astype(np.float32)
+        q, k, v = (x.reshape(n, t, h, d).transpose(0, 2, 1, 3) for x in np.split(qkv, 3, 2))
+        p = rng.standard_normal((n, h, t, t)).astype(np.float32)
+        for name, x, y in (("q @ k^T", q, k.swapaxes(-1, -2)), ("probs @ v", p, v),
+                           ("dy @ v^T", q, v.swapaxes(-1, -2)),
+                           ("probs^T @ dy", p.swapaxes(-1, -2), q)):
+            m = best_ms(lambda: ops["matmul"].kernel(np, [x, y], {}, ctx), repeats)
+            tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+            t_ = best_ms(lambda: torch.matmul(tx, ty), repeats)
+            label = f"attention {name}, {'x'.join(map(str, x.shape))}"
+            print(f"{label:<44} {'forward':<9} {m:>10.3f} {t_:>9.3f} {m / t_:>6.2f}",
+                  flush=True)
 
 
 GEMMS = [(2, 32, 32, 64), (16, 16, 16, 64), (2, 64, 64, 64), (4, 64, 64, 64),

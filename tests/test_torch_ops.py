@@ -193,6 +193,10 @@ CASES = [
     ("conv2d", [(1, 3, 9, 9)], {"out_channels": 2, "kernel": (3, 2), "dilation": 2,
                                 "bias": False}, {}),
     ("conv2d", [(2, 3, 4, 4)], {"out_channels": 5, "kernel": 1}, {}),
+    # fewer outputs than inputs: the weight gradient as the transposed products
+    ("conv2d", [(2, 8, 4, 4)], {"out_channels": 3, "kernel": 1}, {}),
+    # ... and with the batch folded into one GEMM (O*C > H*W*(O+C))
+    ("conv2d", [(2, 24, 2, 2)], {"out_channels": 16, "kernel": 1, "bias": False}, {}),
     ("conv2d", [(1, 4, 5, 5)], {"out_channels": 4, "kernel": 3, "groups": 4, "padding": 2,
                                 "stride": (1, 2)}, {}),
     ("maxpool", [(2, 3, 7, 7)], {"kernel": 3, "stride": 2, "padding": 1}, {}),

@@ -760,8 +760,9 @@ def test_shifted_gemm_sums_every_offsets_product(pooled_gemm, dtype, batch):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kernel,padding,dilation", [
     ((3, 3), (1, 1), (1, 1)), ((5, 3), (2, 0), (1, 2)), ((1, 3), (0, 1), (1, 1))])
+@pytest.mark.parametrize("cin,cout", [(24, 40), (12, 16)])  # (12, 16): dW a kernel row a GEMM
 def test_convolutions_an_image_a_task_match_the_reference(pooled_gemm, dtype, kernel,
-                                                           padding, dilation):
+                                                           padding, dilation, cin, cout):
     """A stride-1 convolution and its weight gradient with each image one task (padded,
     multiplied and cropped in the thread's buffers): NumPy's reference kernels' results,
     for several kernels, paddings and dilations and an odd batch; into a given `out`
@@ -770,9 +771,9 @@ def test_convolutions_an_image_a_task_match_the_reference(pooled_gemm, dtype, ke
     from netdsl.ir.ops.conv import conv2d_forward
     rng = np.random.default_rng(4)
     (kh, kw), (ph, pw), (dh, dw) = kernel, padding, dilation
-    x = rng.standard_normal((5, 24, 30, 28)).astype(dtype)
-    w = rng.standard_normal((40, 24, kh, kw)).astype(dtype)
-    wt = np.ascontiguousarray(w.reshape(40, 24, kh * kw).transpose(2, 0, 1))
+    x = rng.standard_normal((5, cin, 30, 28)).astype(dtype)
+    w = rng.standard_normal((cout, cin, kh, kw)).astype(dtype)
+    wt = np.ascontiguousarray(w.reshape(cout, cin, kh * kw).transpose(2, 0, 1))
     ref = conv2d_forward(np, x, w, {"kernel": kernel, "stride": 1, "padding": padding,
                                     "dilation": dilation, "groups": 1})
     y = pooled_gemm.conv(x, wt, kh, kw, ph, pw, dh, dw)

@@ -180,15 +180,20 @@ def shifted_gemm_tasks(fn, one, size, batch, m, n, k, a, lda, step_a, b, ldb, sb
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _pad_planes(image, ph, pw, wp, buf):
+def _pad_planes(image, ph, pw, wp, buf, shift=0):
     """An image's [C, H, W] planes into the rows of buf, each plane flattened into rows
-    wp apart, from row ph and column pw (buf's other elements are left as they are: the
+    wp apart, from row ph and column pw, moved `shift` elements towards the start (what
+    falls outside buf's rows is dropped; buf's other elements are left as they are: the
     padding, zero)."""
     h, w = image.shape[1], image.shape[2]
+    n = buf.shape[1]
     for ch in range(image.shape[0]):
         for r in range(h):
-            dst = buf[ch, (r + ph) * wp + pw:(r + ph) * wp + pw + w]
-            dst[:] = image[ch, r]
+            start = (r + ph) * wp + pw - shift
+            c0, c1 = max(0, -start), min(w, n - start)
+            if c1 > c0:
+                dst = buf[ch, start + c0:start + c1]
+                dst[:] = image[ch, r, c0:c1]
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -234,7 +239,8 @@ def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods, threads):
+def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods, threads,
+                                   by_rows):
     """prods[i] = cols(x[i]) @ dy[i]^T for every image i: a stride-1 convolution's weight
     gradient per image, transposed, [kh*kw*C, O] (offset-major), in `threads` tasks of
     consecutive images as shifted_conv_tasks. cols(x[i]) [kh*kw*C, Ho*Wp] are the rows of
@@ -243,21 +249,40 @@ def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods
     columns add nothing. One GEMM an image, K = Ho*Wp, where the per-offset products had
     [O, C] results of 16 by 16; transposed, because OpenBLAS ran [144, 1088] @ [1088, 16]
     at 98 GFLOP/s and [16, 1088] @ [1088, 144] at 62 (one thread). The caller sums prods
-    over the images in their order: the same sums on any number of threads."""
+    over the images in their order: the same sums on any number of threads.
+    With `by_rows`, the planes are copied kw times, once at each column offset, into
+    [kw*C, Hp*Wp] rows, and each kernel row's offsets are one GEMM over a window of them
+    (row a's start a*dh*Wp further on): a third of the copying, kh GEMMs of kw*C rows
+    instead of one of kh*kw*C."""
     n, c, h, w = x.shape
     o, ho = dy.shape[1], dy.shape[2]
-    wp = w + 2 * pw
+    wp, hp = w + 2 * pw, h + 2 * ph
     length = ho * wp
     k = kh * kw * c
+    size = x.itemsize
     zero = one - one
     threads = min(threads, n)
+    # by_rows: the planes at each column offset, no columns; else the padded planes (with
+    # room for the last offset's slice) and the columns. Allocated unconditionally, with
+    # sizes chosen here: allocating in the branches made each task allocate both sets.
+    rows, extra = (kw * c, 0) if by_rows else (c, (kw - 1) * dw)
+    ck, cl = (0, 0) if by_rows else (k, length)
     for t in numba.prange(threads):
-        buf = np.zeros((c, (h + 2 * ph) * wp + (kw - 1) * dw), x.dtype)  # its border stays 0
         dyp = np.zeros((o, length), x.dtype)  # its padding columns stay 0
-        cols = np.empty((k, length), x.dtype)
+        buf = np.zeros((rows, hp * wp + extra), x.dtype)  # its border stays 0
+        cols = np.empty((ck, cl), x.dtype)
         for i in range(t * n // threads, (t + 1) * n // threads):
-            _pad_planes(x[i], ph, pw, wp, buf)
             _pad_planes(dy[i], 0, 0, wp, dyp)
+            if by_rows:
+                for b in range(kw):
+                    _pad_planes(x[i], ph, pw, wp, buf[b * c:(b + 1) * c], b * dw)
+                for a in range(kh):
+                    _cblas_gemm(fn, _NO_TRANS, _TRANS, kw * c, o, length, one,
+                                _data_address(buf) + a * dh * wp * size, hp * wp,
+                                _data_address(dyp), length, zero,
+                                _data_address(prods[i]) + a * kw * c * o * size, o)
+                continue
+            _pad_planes(x[i], ph, pw, wp, buf)
             for a in range(kh):
                 for b in range(kw):
                     off = a * dh * wp + b * dw
@@ -345,7 +370,8 @@ class PooledGemm:
                                np.empty((1, 1, 2, 2), dt), 1)
             shifted_conv_grad_weight_tasks(self.cblas.gemm[a.dtype], dt(1),
                                            a.reshape(1, 1, 2, 2), a.reshape(1, 1, 2, 2),
-                                           1, 1, 0, 0, 1, 1, np.empty((1, 1, 1), dt), 1)
+                                           1, 1, 0, 0, 1, 1, np.empty((1, 1, 1), dt), 1,
+                                           False)
             shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
                                a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
                                np.empty_like(a).ctypes.data, 2, 0, 1)
@@ -417,8 +443,15 @@ class PooledGemm:
         if tasks < 1:
             return None
         prods = np.empty((n, k, o), x.dtype)
+        # a GEMM a kernel row (by_rows) where it measured faster: 8-16 channels each way
+        # (ResNet-164's first stage at 32x32 1.36 -> 0.97 ms on one thread, 0.69-0.79 ->
+        # 0.49-0.61 on two; 8 channels 0.32 -> 0.31), not from 32 channels (32x32 4.4 ->
+        # 4.8 ms), for digits-cnn's 16 -> 32 at 8x8 (0.37 -> 0.50) nor its 1 -> 16 (0.07
+        # -> 0.11; docs/benchmarks.md). Its scratch is less than the single GEMM's, which
+        # `task` counts.
+        by_rows = kw > 1 and 8 <= c <= 16 and o <= 16
         shifted_conv_grad_weight_tasks(self.cblas.gemm[x.dtype], x.dtype.type(1), dy, x, kh,
-                                       kw, ph, pw, dh, dw, prods, tasks)
+                                       kw, ph, pw, dh, dw, prods, tasks, by_rows)
         for i in range(1, n):  # in the images' order, in place: no scratch but prods
             prods[0] += prods[i]
         return prods[0].reshape(kh, kw, c, o).transpose(3, 2, 0, 1).copy()

@@ -67,8 +67,14 @@ def main() -> None:
 
     # as the executor calls kernels: with the backend's fused kernels where they load
     Ctx = KernelContext(True, NumpyBackend(), "float32")  # noqa: N806
-    print(f"netdsl from {registry.__file__}; torch {torch.__version__}, {a.threads} "
-          f"thread(s), {Ctx.backend.fused}, float32, best of {a.repeats}")
+    fused = Ctx.backend.fused
+    # Numba's OpenMP pool can start with NUMBA_NUM_THREADS (the cores) and leave libgomp's
+    # default there, which torch then follows (a probe that imported torch first read 2
+    # after the backend loaded, and its convolutions ran on two threads): set torch's
+    # count again, and print what it is
+    torch.set_num_threads(a.threads)
+    print(f"netdsl from {registry.__file__}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), {fused}, float32, best of {a.repeats}")
     with Ctx.backend.running():  # as in a step: one pool of threads (numpy_fused_gemm)
         _cases(a, np, torch, F, ops, Ctx, rng)
 

@@ -190,6 +190,10 @@ def _pad_planes(image, ph, pw, wp, buf, shift=0):
     for ch in range(image.shape[0]):
         for r in range(h):
             start = (r + ph) * wp + pw - shift
+            if shift == 0:  # whole rows, no bounds to clip: the image tasks' forward and
+                dst = buf[ch, start:start + w]  # dx took 5-8% longer in a step with them
+                dst[:] = image[ch, r]
+                continue
             c0, c1 = max(0, -start), min(w, n - start)
             if c1 > c0:
                 dst = buf[ch, start + c0:start + c1]

@@ -190,11 +190,9 @@ def _pad_planes(image, ph, pw, wp, buf, shift=0):
     for ch in range(image.shape[0]):
         for r in range(h):
             start = (r + ph) * wp + pw - shift
-            if shift == 0:  # whole rows, no bounds to clip: the image tasks' forward and
-                dst = buf[ch, start:start + w]  # dx took 5-8% longer in a step with them
-                dst[:] = image[ch, r]
-                continue
-            c0, c1 = max(0, -start), min(w, n - start)
+            # unshifted: whole rows, no bounds to clip (with the clipping the image tasks'
+            # forward and dx took 5-8% longer in a step)
+            c0, c1 = (0, w) if shift == 0 else (max(0, -start), min(w, n - start))
             if c1 > c0:
                 dst = buf[ch, start + c0:start + c1]
                 dst[:] = image[ch, r, c0:c1]
@@ -448,11 +446,12 @@ class PooledGemm:
             return None
         prods = np.empty((n, k, o), x.dtype)
         # a GEMM a kernel row (by_rows) where it measured faster: 8-16 channels each way
-        # (ResNet-164's first stage at 32x32 1.36 -> 0.97 ms on one thread, 0.69-0.79 ->
-        # 0.49-0.61 on two; 8 channels 0.32 -> 0.31), not from 32 channels (32x32 4.4 ->
-        # 4.8 ms), for digits-cnn's 16 -> 32 at 8x8 (0.37 -> 0.50) nor its 1 -> 16 (0.07
-        # -> 0.11; docs/benchmarks.md). Its scratch is less than the single GEMM's, which
-        # `task` counts.
+        # (ResNet-164's first stage at 32x32 1.40-1.72 -> 1.02-1.21 ms on one thread,
+        # 0.72 -> 0.52 on two, bench_kernels.py --conv-only "16 ch"; in a probe 8
+        # channels 0.32 -> 0.31), not from 32 channels (32x32 4.4 -> 4.8 ms), for
+        # digits-cnn's 16 -> 32 at 8x8 (0.37 -> 0.50) nor its 1 -> 16 (0.07 -> 0.11;
+        # docs/benchmarks.md). Its scratch is less than the single GEMM's, which `task`
+        # counts.
         by_rows = kw > 1 and 8 <= c <= 16 and o <= 16
         shifted_conv_grad_weight_tasks(self.cblas.gemm[x.dtype], x.dtype.type(1), dy, x, kh,
                                        kw, ph, pw, dh, dw, prods, tasks, by_rows)
@@ -493,9 +492,11 @@ class PooledGemm:
                 return None
             out = np.empty(shape, a.dtype)
         elif out.shape != shape or out.dtype != a.dtype or out.strides[-1] != a.itemsize \
-                or out.strides[-2] % a.itemsize or out.strides[-2] < n * a.itemsize \
-                or _batch_steps(out, (outer, inner)) is None:
+                or out.strides[-2] % a.itemsize or out.strides[-2] < n * a.itemsize:
             return None  # not rows of unit stride (Winograd's tile matrices are, apart)
+        sc = _batch_steps(out, (outer, inner))
+        if sc is None:
+            return None
         # whole products where the batch gives every thread some; else blocks of one
         # product along its larger side, one a thread (more blocks pack the other operand
         # more times, and measured slower for a transformer's [1024, 64] @ [64, 256])
@@ -508,7 +509,7 @@ class PooledGemm:
                 parts_n = min(split, max(1, n // 8))
         one = a.dtype.type(1)
         no_bias = self._no_bias[a.dtype]
-        steps = np.array([sa, sb, _batch_steps(out, (outer, inner))], np.int64)
+        steps = np.array([sa, sb, sc], np.int64)
         gemm_tasks(self.cblas.gemm[a.dtype], one, one if accumulate else one - one,
                    a.itemsize, batch, inner, m, n, k, a.ctypes.data, fa[0], fa[1],
                    b.ctypes.data, fb[0], fb[1], out.ctypes.data,

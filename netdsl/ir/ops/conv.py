@@ -521,7 +521,8 @@ def _conv2d_gw(xp, ins, a, fast):
         # than input channels, the transposed products x[n] @ dy[n]^T and one transposing
         # copy of their [C, O] sum: OpenBLAS multiplies [64, 1024] @ [1024, 16] 1.5x
         # faster than [16, 1024] @ [1024, 64], with the same bits (ResNet-164's 16 <- 64
-        # at 32x32: 0.98 -> 0.59-0.72 ms on one thread; docs/benchmarks.md). Not for the
+        # at 32x32: 0.88 -> 0.55 ms on one thread, bench_kernels.py --conv-only 1x1;
+        # docs/benchmarks.md). Not for the
         # folded GEMM above, where ResNet-50's 512 <- 2048 came out 20% slower so.
         dy3, x3 = dy.reshape(n, o, -1), x.reshape(n, c, -1)
         if o < c:

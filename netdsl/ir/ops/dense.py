@@ -147,8 +147,9 @@ def _linear_gw(xp, ins, a, ctx):
 def _matmul(xp, ins, a, ctx):
     # on the loops' threads where they take it, views as they lie (a transformer's heads:
     # [N, heads, T, d] permuted, the batch's two levels strided apart): 8 heads of 64 over
-    # 128 tokens, batch 8, q @ k^T 2.1-2.3 -> 1.0 ms with two threads; transformer-tiny's,
-    # at the size threshold, about as NumPy's (docs/benchmarks.md)
+    # 128 tokens, batch 8, q @ k^T 1.7-1.8 -> 0.9-1.1 ms with two threads (bench_kernels.py
+    # --threads 2); transformer-tiny's, at the size threshold, about as NumPy's
+    # (docs/benchmarks.md)
     return matmul(xp, ins[0], ins[1], fast=fused_kernels(ctx))
 
 

@@ -178,7 +178,7 @@ def gemm_cases(np, ctx, rng, repeats) -> None:
         numpy_fused_gemm._MIN_MACS = threshold
 
 
-CONVS = [  # name, x shape, out channels, kernel, stride, padding
+CONVS = [  # name, x shape, out channels, kernel, stride, padding[, groups]
     ("ResNet-50 3x3, 64 ch, 56x56", (16, 64, 56, 56), 64, 3, 1, 1),
     ("ResNet-50 3x3, 128 ch, 28x28", (16, 128, 28, 28), 128, 3, 1, 1),
     ("ResNet-50 3x3, 256 ch, 14x14", (16, 256, 14, 14), 256, 3, 1, 1),
@@ -196,18 +196,26 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding
     ("ResNet-164 3x3, 64 ch, 8x8", (16, 64, 8, 8), 64, 3, 1, 1),
     ("digits-cnn 3x3, 1 -> 16 ch, 8x8", (32, 1, 8, 8), 16, 3, 1, 1),
     ("digits-cnn 3x3, 16 -> 32 ch, 8x8", (32, 16, 8, 8), 32, 3, 1, 1),
+    # MobileNetV2's depthwise 3x3s (groups = channels), batch 8 as bench_step.py's
+    ("MobileNetV2 depthwise 3x3, 32 ch, 112x112", (8, 32, 112, 112), 32, 3, 1, 1, 32),
+    ("MobileNetV2 depthwise 3x3/2, 96 ch, 112x112", (8, 96, 112, 112), 96, 3, 2, 1, 96),
+    ("MobileNetV2 depthwise 3x3, 144 ch, 56x56", (8, 144, 56, 56), 144, 3, 1, 1, 144),
+    ("MobileNetV2 depthwise 3x3, 192 ch, 28x28", (8, 192, 28, 28), 192, 3, 1, 1, 192),
+    ("MobileNetV2 depthwise 3x3, 384 ch, 14x14", (8, 384, 14, 14), 384, 3, 1, 1, 384),
+    ("MobileNetV2 depthwise 3x3, 960 ch, 7x7", (8, 960, 7, 7), 960, 3, 1, 1, 960),
 ]
 
 
 def conv_cases(np, torch, ops, ctx, rng, repeats, only=None) -> None:
     """conv2d forward, input gradient and weight gradient (the executor's three kernels)
     against torch's convolution and convolution_backward, float32."""
-    for name, shape, o, k, s, p in CONVS:
+    for name, shape, o, k, s, p, *grouped in CONVS:
         if only and not any(t in name for t in only):
             continue
+        g = grouped[0] if grouped else 1
         x = rng.standard_normal(shape).astype(np.float32)
-        w = (rng.standard_normal((o, shape[1], k, k)) / 10).astype(np.float32)
-        geom = {"kernel": k, "stride": s, "padding": p, "dilation": 1, "groups": 1}
+        w = (rng.standard_normal((o, shape[1] // g, k, k)) / 10).astype(np.float32)
+        geom = {"kernel": k, "stride": s, "padding": p, "dilation": 1, "groups": g}
         y = ops["conv2d"].kernel(np, [x, w], geom, ctx)
         dy = rng.standard_normal(y.shape).astype(np.float32)
         tx, tw, tdy = (torch.from_numpy(v) for v in (x, w, dy))
@@ -218,9 +226,10 @@ def conv_cases(np, torch, ops, ctx, rng, repeats, only=None) -> None:
                 np, [dy, w], {**geom, "shape": x.shape}, ctx),
             "dw": lambda: ops["conv2d_grad_weight"].kernel(
                 np, [dy, x], {**geom, "shape": w.shape}, ctx)}
-        args = ([s, s], [p, p], [1, 1], False, [0, 0], 1)
+        args = ([s, s], [p, p], [1, 1], False, [0, 0], g)
         theirs = {
-            "forward": lambda: torch.nn.functional.conv2d(tx, tw, stride=s, padding=p),
+            "forward": lambda: torch.nn.functional.conv2d(tx, tw, stride=s, padding=p,
+                                                          groups=g),
             "dx": lambda: bwd(tdy, tx, tw, None, *args, [True, False, False]),
             "dw": lambda: bwd(tdy, tx, tw, None, *args, [False, True, False])}
         for part in ours:

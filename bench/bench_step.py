@@ -12,6 +12,7 @@ each with its file's optimizer, one full step (forward, backward, optimizer upda
   digits-cnn        examples/digits-cnn.net        batch 32, 8x8
   transformer-tiny  examples/transformer-tiny.net  batch 32, 32 tokens
   vgg16             examples/vgg16.net             batch 8, 224x224
+  mobilenet_v2      examples/mobilenet_v2.net      batch 8, 224x224       (depthwise convs)
 
 Each framework has a small reference program under bench/refs/ and its own process:
 
@@ -70,6 +71,7 @@ NETWORKS = {
     "digits-cnn": ("digits-cnn.net", 32, None),
     "transformer-tiny": ("transformer-tiny.net", 32, None),
     "vgg16": ("vgg16.net", 8, None),
+    "mobilenet_v2": ("mobilenet_v2.net", 8, None),
 }
 
 # name -> (venv, check that the venv is complete, pip installs in order, extra env)

@@ -123,6 +123,9 @@ CONV_PATHS = [  # (x shape, attrs): every kernel path of conv2d's three kernels
     ((2, 64, 4, 4), {"out_channels": 48, "kernel": 1}),  # pointwise, dW folded
     ((2, 8, 12, 12), {"out_channels": 8, "kernel": 1, "stride": 2, "bias": False}),
     ((2, 8, 20, 20), {"out_channels": 8, "kernel": 3, "padding": 1, "groups": 2}),
+    ((2, 8, 20, 20), {"out_channels": 8, "kernel": 3, "padding": 1, "groups": 8}),  # depthwise
+    ((2, 6, 21, 21), {"out_channels": 12, "kernel": 3, "stride": 2, "padding": 1,
+                      "groups": 6}),  # depthwise, strided, two outputs a channel
     ((2, 4, 10, 10), {"out_channels": 4, "kernel": 3, "padding": (0, 1, 1, 2)}),  # asymmetric
     ((2, 32, 40, 40), {"out_channels": 32, "kernel": 3, "padding": 1}),  # Winograd (Numba)
 ]

@@ -10,6 +10,8 @@ against netdsl's by bench_step.py) and trains with the file's optimizer:
   digits-cnn              examples/digits-cnn.net, Adam lr 3e-3
   transformer-tiny        examples/transformer-tiny.net (pre-LN, fused q/k/v projection,
                           exact GELU), AdamW lr 1e-3, wd 0.01
+  mobilenet_v2            examples/mobilenet_v2.net (torchvision's mobilenet_v2, width 1.0:
+                          depthwise 3x3s, ReLU6), SGD lr 0.05, wd 4e-5
 """
 from __future__ import annotations
 
@@ -120,6 +122,43 @@ class VGG16(nn.Module):
         return self.classifier(torch.flatten(self.features(x), 1))
 
 
+def _conv_bn(cin: int, out: int, kernel: int = 3, stride: int = 1, groups: int = 1):
+    return nn.Sequential(nn.Conv2d(cin, out, kernel, stride, (kernel - 1) // 2, groups=groups,
+                                   bias=False), nn.BatchNorm2d(out), nn.ReLU6(inplace=True))
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, out: int, stride: int, expand: int):
+        super().__init__()
+        hidden = cin * expand
+        layers = [] if expand == 1 else [_conv_bn(cin, hidden, 1)]
+        layers += [_conv_bn(hidden, hidden, stride=stride, groups=hidden),
+                   nn.Conv2d(hidden, out, 1, bias=False), nn.BatchNorm2d(out)]
+        self.body = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == out
+
+    def forward(self, x):
+        return x + self.body(x) if self.residual else self.body(x)
+
+
+class MobileNetV2(nn.Module):
+    def __init__(self, classes: int = 1000):
+        super().__init__()
+        layers, cin = [_conv_bn(3, 32, stride=2)], 32
+        for out, blocks, stride, expand in ((16, 1, 1, 1), (24, 2, 2, 6), (32, 3, 2, 6),
+                                            (64, 4, 2, 6), (96, 3, 1, 6), (160, 3, 2, 6),
+                                            (320, 1, 1, 6)):
+            for b in range(blocks):
+                layers.append(InvertedResidual(cin, out, stride if b == 0 else 1, expand))
+                cin = out
+        layers.append(_conv_bn(cin, 1280, 1))
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
 class DigitsCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -192,4 +231,7 @@ NETWORKS = {
     "transformer-tiny": (TransformerTiny,
                          lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
                          _tokens),
+    "mobilenet_v2": (MobileNetV2, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9,
+                                                              weight_decay=4e-5),
+                     _image((3, 224, 224), 1000)),
 }

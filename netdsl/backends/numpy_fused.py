@@ -10,6 +10,7 @@ each input about once and write each output once. By job:
 - numpy_fused_scatter: scatter-adds: rows (the embedding and gather gradients) and a
   strided convolution's col2im;
 - numpy_winograd: Winograd F(2x2, 3x3)'s tile transforms (netdsl.ir.ops.conv_winograd);
+- numpy_fused_depthwise: depthwise convolutions (groups = channels) as direct loops;
 - numpy_fused_gemm: with two or more threads, batches of GEMMs spread over the loops'
   threads, NumPy's own BLAS held to one thread during a step (one pool of threads).
 
@@ -26,7 +27,7 @@ from contextlib import nullcontext
 import numba
 import numpy as np
 
-from netdsl.backends import numpy_winograd
+from netdsl.backends import numpy_fused_depthwise, numpy_winograd
 from netdsl.backends.numpy_fused_activation import (
     add,
     gelu_f32,
@@ -121,6 +122,7 @@ class FusedKernels:
     col2im_add = staticmethod(col2im_add)
     im2col_rows = staticmethod(im2col_rows)
     winograd = numpy_winograd  # F(2x2, 3x3) tile transforms (netdsl.ir.ops.conv_winograd)
+    depthwise = numpy_fused_depthwise  # direct depthwise convolutions (groups = channels)
 
     def __init__(self):
         self.threads = thread_count()
@@ -170,6 +172,13 @@ class FusedKernels:
             numpy_winograd.input_tiles(t, 1, 1, 0, 1, 1, 1, tiles)
             numpy_winograd.output_tiles(tiles, 0, 1, 1, 1, t)
             numpy_winograd.output_tiles_adjoint(t, 0, 1, 1, 1, tiles)
+            geom = (1, 1, 1, 1, 0, 0, 1, 1)
+            w1 = np.ones((1, 1, 1, 1), dt)
+            for call in (lambda: numpy_fused_depthwise.conv(t, w1, geom, 1, 64),
+                         lambda: numpy_fused_depthwise.grad_input(t, w1, t.shape, geom, 1, 64),
+                         lambda: numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1,
+                                                                   64)):
+                assert call() is not None
         v = np.ones(2, np.float32)
         gelu_f32(v, v.copy())
         gelu_grad_f32(v, v, v.copy())

@@ -201,6 +201,8 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool) -> str:
     wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
         return "pointwise"
+    if fast and _is_depthwise(cin, g):
+        return "depthwise"
     if fast and winograd.applies(geom, g, n, cin, cout, ho, wo, _flat_shift_scratch(
             n, cin, cout, (kh, kw, dh, dw), g, h + 2 * ph, w + 2 * pw, ho)) \
             and not _image_tasks_beat_winograd(n, cin, cout, g, ho, wo):
@@ -234,6 +236,9 @@ def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:
     flat = _flat_shift_scratch(n, cin, cout, (kh, kw, dh, dw), g, hp, wp, ho)
     sizes = {
         "pointwise": 0,
+        # a scratch plane a task, as many tasks as the other path's scratch holds (the
+        # kernel is handed this rule's value as its budget)
+        "depthwise": 0,
         "winograd": max(flat, winograd.chunk(n, cin, cout, ho, wo, flat)[1]),
         # the padded copy, the columns, the GEMM's [O, N*Ho*Wo] result
         "folded": padded + n * cin * kh * kw * ho * wo + n * cout * ho * wo,
@@ -336,6 +341,12 @@ def col2im_add(xp, dxpad, dcols, sh, sw, dh, dw, fast=None):
                 dcols[:, :, i, j]
 
 
+def _is_depthwise(c, g) -> bool:
+    """Every group one input channel (MobileNet's depthwise convolutions): the fused
+    kernels' direct loops (numpy_fused_depthwise) take it, not grouped GEMMs."""
+    return g > 1 and c == g
+
+
 def _is_pointwise(a):
     """A 1x1, stride-1, unpadded, ungrouped convolution: a plain matmul over (N, C, H*W)."""
     return (pair(a["kernel"]) == (1, 1) and pair(a["stride"]) == (1, 1)
@@ -383,6 +394,12 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
     ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     path = _forward_path(n, x.shape[1], o, geom, g, x.shape[2], x.shape[3], fast is not None)
+    if path == "depthwise":
+        y = fast.depthwise.conv(x, w, geom, fast.threads, _forward_scratch(
+            n, x.shape[1], o, geom, g, x.shape[2], x.shape[3]), out)
+        if y is not None:
+            return y
+        path = _forward_path(n, x.shape[1], o, geom, g, x.shape[2], x.shape[3], False)
     if path == "winograd":
         budget = _flat_shift_scratch(n, x.shape[1], o, (kh, kw, dh, dw), g,
                                      x.shape[2] + 2 * ph, x.shape[3] + 2 * pw, ho)
@@ -509,6 +526,12 @@ def _conv2d_gw(xp, ins, a, fast):
     g = a["groups"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
+    if fast is not None and _is_depthwise(c, g):
+        gw = fast.depthwise.grad_weight(dy, x, tuple(a["shape"]), _geometry(None, a),
+                                        fast.threads, _scratch_elems("grad_weight", x.shape,
+                                                                     o, a))
+        if gw is not None:
+            return gw
     if _is_pointwise(a):
         p = ho * wo
         if o * c > p * (o + c):
@@ -593,6 +616,11 @@ def _conv2d_gi(xp, ins, a, out, fast):
     _, c, h, wd = a["shape"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
+    if fast is not None and _is_depthwise(c, g):
+        dx = fast.depthwise.grad_input(dy, w, (n, c, h, wd), _geometry(None, a), fast.threads,
+                                       _scratch_elems("grad_input", (n, c, h, wd), o, a), out)
+        if dx is not None:
+            return dx
     if _is_pointwise(a):
         return matmul(xp, w.reshape(o, -1).T, dy.reshape(n, o, -1), _flat_out(out, n, c),
                       fast).reshape(n, c, h, wd)

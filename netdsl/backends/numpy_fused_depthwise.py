@@ -45,39 +45,46 @@ def scratch_elems(h, w, kh, kw, sh, sw, ph, pw, dh, dw) -> int:
 
 
 @numba.njit(inline="always")
-def _load_plane(plane, ph, pw, sh, sw, t, phases):
-    """plane [H, W] into phases [sh*sw, (R+1)*T], zero-padded: padded element (r, p) at
-    phases[(r % sh) * sw + p % sw, (r // sh) * T + p // sw] (the padding was zeroed once
-    and is never written; the extra row is room for the last taps' runs)."""
+def _move_plane(plane, ph, pw, sh, sw, t, phases, load):
+    """With `load`, plane [H, W] into phases [sh*sw, (R+1)*T], zero-padded: padded element
+    (r, p) at phases[(r % sh) * sw + p % sw, (r // sh) * T + p // sw] (the padding was
+    zeroed once and is never written; the extra row is room for the last taps' runs).
+    Else the inverse: plane = the phases' elements inside the padding."""
     h, w = plane.shape
     for r in range(h):
-        src = plane[r]
+        line = plane[r]
         pr = r + ph
         row = (pr // sh) * t
         for qc in range(sw):
             c0 = (qc - pw) % sw  # the first column of the plane in phase qc
             k = (w - c0 + sw - 1) // sw
             start = row + (c0 + pw) // sw
-            dst = phases[(pr % sh) * sw + qc, start:start + k]
-            for j in range(k):
-                dst[j] = src[c0 + j * sw]
+            run = phases[(pr % sh) * sw + qc, start:start + k]
+            if load:
+                for j in range(k):
+                    run[j] = line[c0 + j * sw]
+            else:
+                for j in range(k):
+                    line[c0 + j * sw] = run[j]
 
 
 @numba.njit(inline="always")
-def _store_plane(phases, ph, pw, sh, sw, t, plane):
-    """The inverse of _load_plane: plane [H, W] = the phases' elements inside the padding."""
-    h, w = plane.shape
-    for r in range(h):
-        dst = plane[r]
-        pr = r + ph
-        row = (pr // sh) * t
-        for qc in range(sw):
-            c0 = (qc - pw) % sw
-            k = (w - c0 + sw - 1) // sw
-            start = row + (c0 + pw) // sw
-            src = phases[(pr % sh) * sw + qc, start:start + k]
-            for j in range(k):
-                dst[c0 + j * sw] = src[j]
+def _sizes(x, w, sh, sw, ph, pw, dh, dw):
+    """N, C, m (outputs a channel), kh, kw, Ho, Wo, R, T and Ho*T for an input (or dx)
+    x [N, C, H, W] and weights w [O, 1, kh, kw]."""
+    n, c, h, wd = x.shape
+    o, _one, kh, kw = w.shape
+    ho, wo, r_, t = geometry(h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
+    return n, c, o // c, kh, kw, ho, wo, r_, t, ho * t
+
+
+@numba.njit(inline="always")
+def _spread_rows(plane, t, run):
+    """plane [Ho, Wo]'s rows into run, T apart (run's other columns are left as they are)."""
+    wo = plane.shape[1]
+    for r in range(plane.shape[0]):
+        dst = run[r * t:r * t + wo]
+        dst[:] = plane[r]
 
 
 @numba.njit(inline="always")
@@ -186,18 +193,14 @@ def depthwise_forward(x, w, sh, sw, ph, pw, dh, dw, y, tasks):
     """y = conv2d(x, w) with groups = C: `tasks` tasks of consecutive planes (n, c); each
     output plane is its kh*kw taps added in order into a run of Ho*T, whose first Wo
     columns of each row are y's."""
-    n, c, h, wd = x.shape
-    o, _one, kh, kw = w.shape
-    m = o // c
-    ho, wo, r_, t = geometry(h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
-    length = ho * t
+    n, c, m, kh, kw, ho, wo, r_, t, length = _sizes(x, w, sh, sw, ph, pw, dh, dw)
     planes = n * c
     for task in numba.prange(tasks):
         phases = np.zeros((sh * sw, (r_ + 1) * t), x.dtype)
         acc = np.empty(length, x.dtype)
         for q in range(task * planes // tasks, (task + 1) * planes // tasks):
             i, ch = q // c, q % c
-            _load_plane(x[i, ch], ph, pw, sh, sw, t, phases)
+            _move_plane(x[i, ch], ph, pw, sh, sw, t, phases, True)
             for u in range(m):
                 oc = ch * m + u
                 # in chunks that stay in the L1 cache across the taps, a kernel row's
@@ -229,11 +232,7 @@ def depthwise_grad_input(dy, w, sh, sw, ph, pw, dh, dw, dx, tasks):
     """dx of depthwise_forward: each input plane's phases gather w * dy from its m output
     channels at every tap (the forward's reads, as adds; dy's rows laid out T apart with
     zeros after Wo, so the unused columns add nothing), then their inside is dx's plane."""
-    n, c, h, wd = dx.shape
-    o, _one, kh, kw = w.shape
-    m = o // c
-    ho, wo, r_, t = geometry(h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
-    length = ho * t
+    n, c, m, kh, kw, _ho, _wo, r_, t, length = _sizes(dx, w, sh, sw, ph, pw, dh, dw)
     planes = n * c
     for task in numba.prange(tasks):
         phases = np.empty((sh * sw, (r_ + 1) * t), dx.dtype)
@@ -243,9 +242,7 @@ def depthwise_grad_input(dy, w, sh, sw, ph, pw, dh, dw, dx, tasks):
             phases[:] = 0
             for u in range(m):
                 oc = ch * m + u
-                for r in range(ho):
-                    dst = g[r * t:r * t + wo]
-                    dst[:] = dy[i, oc, r]
+                _spread_rows(dy[i, oc], t, g)
                 for f0 in range(0, length, _CHUNK):  # g's chunk in L1 across the taps
                     src = g[f0:f0 + _CHUNK]
                     f1 = f0 + src.size
@@ -253,7 +250,7 @@ def depthwise_grad_input(dy, w, sh, sw, ph, pw, dh, dw, dx, tasks):
                         for b in range(kw):
                             run = _tap_run(phases, a, b, sh, sw, dh, dw, t, length)[f0:f1]
                             _madd(run, w[oc, 0, a, b], src, False)
-            _store_plane(phases, ph, pw, sh, sw, t, dx[i, ch])
+            _move_plane(dx[i, ch], ph, pw, sh, sw, t, phases, False)
 
 
 # the weight gradient's dot products are summed in the data's dtype over blocks of this
@@ -285,11 +282,7 @@ def depthwise_grad_weight(dy, x, sh, sw, ph, pw, dh, dw, gw, tasks):
     """gw [O, 1, kh, kw] of depthwise_forward: a task per run of input channels, the
     images in order; each tap's sum is the dot product of dy (rows T apart, zeros after
     Wo) with the run of the phase plane that the tap read in the forward."""
-    n, c, h, wd = x.shape
-    o, _one, kh, kw = gw.shape
-    m = o // c
-    ho, wo, r_, t = geometry(h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
-    length = ho * t
+    n, c, m, kh, kw, _ho, _wo, r_, t, length = _sizes(x, gw, sh, sw, ph, pw, dh, dw)
     for task in numba.prange(tasks):
         phases = np.zeros((sh * sw, (r_ + 1) * t), x.dtype)
         g = np.zeros(length, x.dtype)  # its columns from Wo on stay 0
@@ -297,11 +290,9 @@ def depthwise_grad_weight(dy, x, sh, sw, ph, pw, dh, dw, gw, tasks):
         for ch in range(task * c // tasks, (task + 1) * c // tasks):
             acc[:] = 0.0
             for i in range(n):
-                _load_plane(x[i, ch], ph, pw, sh, sw, t, phases)
+                _move_plane(x[i, ch], ph, pw, sh, sw, t, phases, True)
                 for u in range(m):
-                    for r in range(ho):
-                        dst = g[r * t:r * t + wo]
-                        dst[:] = dy[i, ch * m + u, r]
+                    _spread_rows(dy[i, ch * m + u], t, g)
                     for f0 in range(0, length, _BLOCK):
                         gb = g[f0:f0 + _BLOCK]
                         f1 = f0 + gb.size

@@ -233,7 +233,7 @@ def test_fused_float32_moments_are_float32_exact(shape):
     c = shape[1]
     moments = np.empty((2, c))
     f.bn_forward(x, np.ones(c, np.float32), np.zeros(c, np.float32), 1e-5, False,
-                 np.empty_like(x), moments)
+                 np.empty_like(x), moments, 2)
     x64 = x.astype(np.float64)
     # (measured: mean within 1e-10 relative, variance within 1.5e-7; without the shift the
     # variance of data at 1000 +- 3 would lose about 1% to cancellation)
@@ -613,7 +613,7 @@ def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch
     for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
         numba.set_num_threads(threads)
         y, mom = np.empty_like(x), np.empty((2, 6))
-        FusedKernels.bn_forward(x, w, b, 1e-5, True, y, mom)
+        FusedKernels.bn_forward(x, w, b, 1e-5, True, y, mom, threads)
         outs.append((y, mom))
     numba.set_num_threads(FusedKernels().threads)
     assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))

@@ -246,7 +246,7 @@ def bn_forward(xp, ins, a, ctx, relu):
         y = xp.empty_like(x3) if ctx.out is None else _view3(ctx.out)
         moments = xp.empty((2, x3.shape[1]), xp.float64)
         f.bn_forward(x3, *_affine_or_unit(xp, w, bias, x3.shape[1], x.dtype), a["eps"],
-                     relu, y, moments)
+                     relu, y, moments, f.threads)
         mean, var = moments
     else:
         mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
@@ -299,7 +299,7 @@ def _bn_grad_stats(xp, ins, a, ctx):
     f = fused_kernels(ctx, dy, x)
     if f is not None:
         f.bn_grad_stats(dy3, x3, *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"],
-                        a["relu"], out)
+                        a["relu"], out, f.threads)
         return out
     mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
     if a["relu"]:
@@ -325,7 +325,8 @@ def _bn_grad_from_stats(xp, ins, a, ctx):
     if f is not None:
         dx = xp.empty_like(dy3) if ctx.out is None else _view3(ctx.out)
         f.bn_grad_input(dy3, _view3(x), st, *_affine_or_unit(xp, w, b, st.shape[1], x.dtype),
-                        a["relu"], dx if acc is None else _view3(acc), acc is not None, dx)
+                        a["relu"], dx if acc is None else _view3(acc), acc is not None, dx,
+                        f.threads)
         return dx.reshape(x.shape)
     dx = xp.subtract(_view3(x), mean[:, None], out=None if ctx.out is None else _view3(ctx.out))
     if a["relu"]:

@@ -828,6 +828,7 @@ def test_convolutions_an_image_a_task_match_the_reference(pooled_gemm, dtype, ke
 @pytest.mark.parametrize("x_shape,out,kernel,stride,padding", [
     ((3, 3, 64, 64), 16, 7, 2, 3),  # strided: columns an image at a time, 1,024 pixels
     ((3, 16, 20, 20), 24, 3, 1, 1),  # stride 1: the image tasks
+    ((3, 64, 32, 32), 16, 1, 1, 0),  # 1x1: products cut into blocks (small_blocks)
 ])
 def test_convolutions_give_the_same_bits_on_one_thread_as_on_two(pooled_gemm, x_shape, out,
                                                                   kernel, stride, padding):
@@ -854,6 +855,31 @@ def test_convolutions_give_the_same_bits_on_one_thread_as_on_two(pooled_gemm, x_
             .kernel(np, [dy, x], {**a, "shape": w.shape}, ctx)])
     for name, one, two in zip(("y", "dx", "dw"), *results, strict=True):
         np.testing.assert_array_equal(one, two, err_msg=name)
+
+
+def test_products_just_over_openblas_small_limit_are_cut_into_blocks(pooled_gemm,
+                                                                       monkeypatch):
+    """Products of 1M to 8M multiply-adds go in blocks under OpenBLAS's small-matrix limit
+    (1e6), along their larger side; the blocks depend on the shape alone, so one thread
+    and two give the same bits; on one thread only those products leave NumPy's matmul."""
+    from netdsl.backends.numpy_fused import FusedKernels
+    from netdsl.backends.numpy_fused_gemm import PooledGemm, small_blocks
+    assert small_blocks(16, 1024, 64) == (1, 2)  # 2^20: ResNet-164's 1x1 products
+    assert small_blocks(64, 16, 1024) == (2, 1)  # rows, the larger side
+    assert small_blocks(16, 512, 64) == (1, 1)  # under the limit already
+    assert small_blocks(256, 256, 256) == (1, 1)  # 16.8M: packing pays there
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    x = rng.standard_normal((4, 64, 1024)).astype(np.float32)
+    one = PooledGemm(pooled_gemm.cblas, 1)(w, x)
+    np.testing.assert_array_equal(one, pooled_gemm(w, x))
+    np.testing.assert_allclose(one, np.matmul(w, x), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    fk = FusedKernels()
+    assert fk.gemm is None and fk.convs is not None
+    with fk.running():
+        np.testing.assert_array_equal(fk.matmul(w, x), one)
+        assert fk.matmul(w[:, :32], x[:, :32]) is None  # 2^19 a product: NumPy's own call
 
 
 def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):

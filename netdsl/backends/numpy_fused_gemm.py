@@ -349,6 +349,29 @@ _MIN_MACS = 1 << 21
 _MIN_CONV_MACS = 1 << 18
 
 
+# OpenBLAS (NumPy's wheels are built with its SMALL_MATRIX_OPT) multiplies a product of at
+# most 1e6 multiply-adds with its small-matrix kernels, which read the operands as they lie;
+# larger ones are packed first. ResNet-164's 1x1 convolutions' products are [16, 64] @
+# [64, 1024] and the like, 2^20 multiply-adds each: just above it. Cut into blocks of
+# columns (or rows) under it they ran in 0.54-0.85 of the time, and products up to 8M
+# multiply-adds in 0.60-1.02 (one thread, scratch probes; docs/benchmarks.md). Each block
+# is computed as a product of its own, so the split depends on the shape alone: the same
+# blocks, and the same numbers, on any number of threads.
+_SMALL_MACS = 1_000_000
+_SPLIT_MAX_MACS = 1 << 23
+
+
+def small_blocks(m: int, n: int, k: int) -> tuple[int, int]:
+    """(row blocks, column blocks) that bring an [m, k] @ [k, n] product under OpenBLAS's
+    small-matrix limit, along its larger side; (1, 1) where it is there already or too
+    large for the split to pay."""
+    macs = m * n * k
+    if macs <= _SMALL_MACS or macs > _SPLIT_MAX_MACS:
+        return 1, 1
+    parts = -(-macs // _SMALL_MACS)
+    return (1, min(parts, n)) if n >= m else (min(parts, m), 1)
+
+
 class PooledGemm:
     """a @ b for 2-d or 3-d float arrays, spread over `threads` Numba threads."""
 
@@ -497,16 +520,17 @@ class PooledGemm:
         sc = _batch_steps(out, (outer, inner))
         if sc is None:
             return None
-        # whole products where the batch gives every thread some; else blocks of one
+        # blocks under OpenBLAS's small-matrix limit (small_blocks); then whole products
+        # (or those blocks) where the batch gives every thread some, else blocks of one
         # product along its larger side, one a thread (more blocks pack the other operand
         # more times, and measured slower for a transformer's [1024, 64] @ [64, 256])
-        parts_m = parts_n = 1
-        if batch < self.threads:
+        parts_m, parts_n = small_blocks(m, n, k)
+        if batch * parts_m * parts_n < self.threads:
             split = -(-self.threads // batch)
             if m >= n:
-                parts_m = min(split, max(1, m // 8))
+                parts_m = max(parts_m, min(split, max(1, m // 8)))
             else:
-                parts_n = min(split, max(1, n // 8))
+                parts_n = max(parts_n, min(split, max(1, n // 8)))
         one = a.dtype.type(1)
         no_bias = self._no_bias[a.dtype]
         steps = np.array([sa, sb, sc], np.int64)

@@ -859,7 +859,7 @@ def test_convolutions_give_the_same_bits_on_one_thread_as_on_two(pooled_gemm, x_
 
 def test_products_just_over_openblas_small_limit_are_cut_into_blocks(pooled_gemm,
                                                                        monkeypatch):
-    """Products of 1M to 8M multiply-adds go in blocks under OpenBLAS's small-matrix limit
+    """Products of 1M to 4M multiply-adds go in blocks under OpenBLAS's small-matrix limit
     (1e6), along their larger side; the blocks depend on the shape alone, so one thread
     and two give the same bits; on one thread only those products leave NumPy's matmul."""
     from netdsl.backends.numpy_fused import FusedKernels
@@ -867,7 +867,8 @@ def test_products_just_over_openblas_small_limit_are_cut_into_blocks(pooled_gemm
     assert small_blocks(16, 1024, 64) == (1, 2)  # 2^20: ResNet-164's 1x1 products
     assert small_blocks(64, 16, 1024) == (2, 1)  # rows, the larger side
     assert small_blocks(16, 512, 64) == (1, 1)  # under the limit already
-    assert small_blocks(256, 256, 256) == (1, 1)  # 16.8M: packing pays there
+    assert small_blocks(64, 64, 1024) == (1, 5)  # 4.2M: five blocks of 205 columns
+    assert small_blocks(256, 128, 256) == (1, 1)  # 8.4M: packing pays there
     rng = np.random.default_rng(8)
     w = rng.standard_normal((16, 64)).astype(np.float32)
     x = rng.standard_normal((4, 64, 1024)).astype(np.float32)

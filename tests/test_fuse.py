@@ -241,6 +241,29 @@ def test_fused_float32_moments_are_float32_exact(shape):
     np.testing.assert_allclose(moments[1], x64.var(axis=(0, 2)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op,attrs", [("relu6_grad", {}), ("clip_grad", {"min": 0.1, "max": None}),
+                                      ("clip_grad", {"min": -1.5, "max": 2.0})])
+def test_window_gradients_in_one_pass_equal_the_reference_bits(op, attrs, dtype):
+    """relu6's and clip's gradients in the fused kernels' one pass: the reference's product
+    with the 0/1 mask bit for bit, at and around the bounds (open for relu6, closed for
+    clip, compared in the data's dtype), with NaN, inf and -0.0 in x and in dy."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(9)
+    edges = [0.0, -0.0, 6.0, 0.1, -1.5, 2.0, np.nan, np.inf, -np.inf]
+    x = np.concatenate([rng.uniform(-8, 8, 40001), edges, np.nextafter(edges[:6], 9),
+                        np.nextafter(edges[:6], -9)]).astype(dtype)
+    dy = rng.standard_normal(x.size).astype(dtype)
+    dy[:5] = [np.nan, np.inf, -np.inf, -0.0, 0.0]
+    x, dy = x.reshape(2, -1), dy.reshape(2, -1)
+    got = _kernels(op, [dy, x], attrs, NumpyBackend())
+    with np.errstate(invalid="ignore"):  # inf * 0 in the reference's product: NaN, as wanted
+        want = _kernels(op, [dy, x], attrs, _Reference())
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
 def test_vectorised_exp_is_within_an_ulp():
     """GELU's gradient's exp (Cephes' expf, 2^n from its bits) against float64's: within
     one float32 ulp over [-87, 0], 0 below -87 (and at -inf), NaN for NaN."""

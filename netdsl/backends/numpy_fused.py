@@ -34,6 +34,7 @@ from netdsl.backends.numpy_fused_activation import (
     gelu_grad,
     gelu_grad_f32,
     relu_grad,
+    window_grad,
 )
 from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas, small_blocks
 from netdsl.backends.numpy_fused_norm import (
@@ -118,6 +119,7 @@ class FusedKernels:
     maxpool2d_grad = staticmethod(maxpool2d_grad)
     add = staticmethod(add)  # a + b, or relu(a + b)
     relu_grad = staticmethod(relu_grad)
+    window_grad = staticmethod(window_grad)  # relu6's and clip's gradients
     scatter_add_rows = staticmethod(scatter_add_rows)
     col2im_add = staticmethod(col2im_add)
     im2col_rows = staticmethod(im2col_rows)
@@ -165,6 +167,7 @@ class FusedKernels:
             im2col_rows(q, 1, 1, 1, 1, 0, 0, 1, 1, np.empty((1, 4), dt))
             add(d1, d1, False, d1.copy())
             relu_grad(d1, d1, d1, True, d1.copy())
+            window_grad(d1, d1, dt(0), dt(6), dt(1), False, d1.copy())
             t = np.ones((1, 1, 2, 2), dt)
             # the tile matrices are strided views (conv_winograd._tile_matrices): a
             # different Numba type from a C-contiguous array, so warmed up as one

@@ -1,7 +1,8 @@
 """Activations for the NumPy backend's fused kernels (Numba, the `fast` extra): GELU in
 float32, and relu's one-pass forms: relu(a + b) and relu's gradient with a gradient sum's
-other term folded in (the fuse passes' add_relu and relu_grad with `acc`); and a plain
-a + b, which, unlike NumPy's, runs on the loops' threads."""
+other term folded in (the fuse passes' add_relu and relu_grad with `acc`); relu6's and
+clip's gradients in one pass; and a plain a + b, which, unlike NumPy's, runs on the loops'
+threads."""
 from __future__ import annotations
 
 import numba
@@ -158,6 +159,26 @@ def add(a, b, relu, y):
             _add_relu(a[s:e], b[s:e], y[s:e])
         else:
             _add(a[s:e], b[s:e], y[s:e])
+
+
+@numba.njit(**_SEQ)
+def _window_grad(dy, x, lo, hi, one, closed, dx):
+    zero = one - one
+    for i in range(dx.size):
+        v = x[i]
+        inside = (lo <= v and v <= hi) if closed else (lo < v and v < hi)
+        dx[i] = dy[i] * (one if inside else zero)
+
+
+@numba.njit(**_PAR)
+def window_grad(dy, x, lo, hi, one, closed, dx):
+    """dx = dy * (lo < x < hi), or lo <= x <= hi with `closed` (relu6's and clip's
+    gradients) over 1-d arrays in one pass: a product with the 0/1 mask, as NumPy's; lo,
+    hi and one in the data's dtype, so the comparisons are NumPy's too."""
+    n = dx.size
+    for t in numba.prange((n + _BLOCK - 1) // _BLOCK):
+        s, e = t * _BLOCK, min(n, (t + 1) * _BLOCK)
+        _window_grad(dy[s:e], x[s:e], lo, hi, one, closed, dx[s:e])
 
 
 @numba.njit(**_PAR)

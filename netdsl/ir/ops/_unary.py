@@ -4,18 +4,21 @@
 and `name_grad(dy, v, attrs...)`, whose kernel is `dy * df(xp, v, a)`, where `v` is the
 forward input (reads="input") or output (reads="output"), whichever the derivative is
 cheaper from. The gradient rule passes the forward node's attributes on unchanged.
+A derivative that is a 0/1 window of v (relu6, clip) gives `window(a) -> (lo, hi,
+closed)`: the backward kernel is then the fused kernels' one pass where they run.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from netdsl.ir.ops._util import grad_shape, need_float, scratch_rule
+from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float, scratch_rule
 from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 
 
 def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: int = 1,
           attrs: tuple[Arg, ...] = (), layer_type: str = "activation", doc: str = "",
-          check: Callable | None = None, scratch: tuple[float, float] = (0, 0)) -> None:
+          check: Callable | None = None, scratch: tuple[float, float] = (0, 0),
+          window: Callable | None = None) -> None:
     """Register `name` and `name_grad`; `check(x_type, attrs)` may raise ShapeError.
     `scratch`: the temporaries the forward and the backward kernel hold at once besides
     their result, in multiples of the result's float32 bytes (a bool mask is 0.25): their
@@ -36,11 +39,22 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,
                    grad_shape(f"{name}_grad"), "backward",
                    flops=lambda ins, out, a: (flops + 1) * out.numel(), differentiable=False,
-                   workspace=scratch_rule(scratch[1]),
+                   workspace=scratch_rule(scratch[1]), extra={"fused_kernels": window is not None},
                    doc=f"backward of {name}: dy * {name}'(x), from the forward {reads}"))
 
     kernel(name)(lambda xp, ins, a, ctx: f(xp, ins[0], a))
-    kernel(f"{name}_grad")(lambda xp, ins, a, ctx: ins[0] * df(xp, ins[1], a))
+
+    @kernel(f"{name}_grad")
+    def _grad(xp, ins, a, ctx):
+        dy, v = ins
+        fast = None if window is None else fused_kernels(ctx, dy, v)
+        if fast is not None and dy.dtype == v.dtype:  # one pass, bit for bit the product
+            lo, hi, closed = window(a)
+            out, t = ctx.out_like(dy), dy.dtype.type
+            fast.window_grad(dy.reshape(-1), v.reshape(-1), t(lo), t(hi), t(1), closed,
+                             out.reshape(-1))
+            return out
+        return dy * df(xp, v, a)
 
     @grad_rule(name)
     def _rule(n, b, gy):

@@ -94,6 +94,34 @@ def test_fused_step_matches_the_unfused_step(example, batch):
     assert_same_steps(g, h, rtol=1e-9, atol=1e-12)
 
 
+CAPPED = """
+network capped {
+    input x: f32[N, 3, 6, 6]
+    input y: i64[N]
+    h = relu6(batchnorm(conv2d(x, 4, kernel=3, padding=1, bias=false)))
+    h = relu6(batchnorm(conv2d(h, 4, kernel=3, padding=1, groups=4, bias=false)))
+    a = batchnorm(h)
+    h = relu6(a) + a
+    logits = linear(flatten(h), 3)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+"""
+
+
+def test_relu6_after_batchnorm_fuses_with_a_cap_and_matches_the_unfused_step():
+    """relu6(batchnorm(x)) becomes batchnorm_relu(x, cap=6) where the relu6 is the only
+    reader (MobileNets); the step's numbers are the unfused ones'."""
+    fwd = netdsl.loads(CAPPED).lower(3)
+    g, h = step(fwd, False), step(fwd, True)
+    fused = h.by_op("batchnorm_relu")
+    assert len(fused) == 2 and all(n.attrs["cap"] == 6.0 for n in fused)
+    assert len(h.by_op("relu6")) == 1 and len(h.by_op("relu6_grad")) == 1  # `a`: two readers
+    assert all(n.attrs["cap"] == 6.0 and n.attrs["relu"] for n in h.by_op("batchnorm_grad_stats")
+               if n.attrs["relu"])
+    assert_same_steps(g, h, rtol=1e-9, atol=1e-12)
+
+
 def assert_same_steps(g, h, rtol, atol):
     """Training steps of graphs g and h give the same losses, every gradient and the same
     state after (parameters, momentum, BN running statistics)."""
@@ -180,18 +208,19 @@ def _kernels(op, ins, attrs, backend, training=True, out=None):
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 @pytest.mark.parametrize("shape", [(4, 3), (2, 3, 7), (3, 5, 4, 6), (2, 2, 3, 2, 3),
                                    (3, 2, 40, 41)])  # rows of more than one sum block
-@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("relu", [False, True, 0.8])  # 0.8: capped there (as relu6 at 6)
 @pytest.mark.parametrize("affine", [False, True])
 def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
     pytest.importorskip("numba")
+    cap = {"cap": relu} if relu not in (False, True) else {}
     fast = NumpyBackend()
     assert fast.fused is not None
-    rng = np.random.default_rng(sum(shape) + relu + 2 * affine)
+    rng = np.random.default_rng(sum(shape) + (2 if cap else int(relu)) + 3 * affine)
     c = shape[1]
     x = (rng.standard_normal(shape) * 3 + 5).astype(dtype)  # a mean far from 0
     dy = rng.standard_normal(shape).astype(dtype)
     w, b = rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)
-    a = {"eps": 1e-5, "momentum": 0.2, "affine": affine, "zero_init": False}
+    a = {"eps": 1e-5, "momentum": 0.2, "affine": affine, "zero_init": False, **cap}
     op = "batchnorm_relu" if relu else "batchnorm"
     res = []
     for backend in (_Reference(), fast):
@@ -203,14 +232,14 @@ def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
         y = y.copy()
         ev = _kernels(op, [x] + params + [rm, rv], a, backend, training=False)
         mask_in = params if relu else []
-        st = _kernels("batchnorm_grad_stats", [dy, x] + mask_in, {"eps": 1e-5, "relu": relu},
-                      backend)
+        st = _kernels("batchnorm_grad_stats", [dy, x] + mask_in,
+                      {"eps": 1e-5, "relu": bool(relu), **cap}, backend)
         dx = _kernels("batchnorm_grad_from_stats", [dy, x, st] + (mask_in or params[:1]),
-                      {"relu": relu}, backend)
+                      {"relu": bool(relu), **cap}, backend)
         res.append((y, ev, rm, rv, st, dx))
         if affine:  # with a gradient to add (acc, after weight and bias)
             dx_acc = _kernels("batchnorm_grad_from_stats", [dy, x, st, w, b, dy * 3],
-                              {"relu": relu}, backend)
+                              {"relu": bool(relu), **cap}, backend)
             np.testing.assert_allclose(dx_acc, dx + dy * 3, rtol=0, atol=tol * 10)
     for name, u, v in zip(("y", "eval", "running mean", "running var", "stats", "dx"),
                           *res, strict=True):
@@ -219,6 +248,9 @@ def test_fused_kernels_match_the_reference(dtype, tol, shape, relu, affine):
         np.testing.assert_allclose(v, u, rtol=0, atol=tol * scale, err_msg=name)
     if relu:  # the same elements are zero (the mask is the forward's exactly)
         assert np.array_equal(res[0][0] > 0, res[1][0] > 0)
+    if cap:  # the cap bites, and the same elements are under it
+        assert (res[0][0] == relu).any()
+        assert np.array_equal(res[0][0] < relu, res[1][0] < relu)
 
 
 @pytest.mark.parametrize("shape", [(16, 3, 1024), (5, 2, 2500), (16, 4, 64)])
@@ -232,7 +264,7 @@ def test_fused_float32_moments_are_float32_exact(shape):
     x = (rng.standard_normal(shape) * 3 + 1000).astype(np.float32)
     c = shape[1]
     moments = np.empty((2, c))
-    f.bn_forward(x, np.ones(c, np.float32), np.zeros(c, np.float32), 1e-5, False,
+    f.bn_forward(x, np.ones(c, np.float32), np.zeros(c, np.float32), 1e-5, False, np.inf,
                  np.empty_like(x), moments, 2)
     x64 = x.astype(np.float64)
     # (measured: mean within 1e-10 relative, variance within 1.5e-7; without the shift the
@@ -636,7 +668,7 @@ def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch
     for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
         numba.set_num_threads(threads)
         y, mom = np.empty_like(x), np.empty((2, 6))
-        FusedKernels.bn_forward(x, w, b, 1e-5, True, y, mom, threads)
+        FusedKernels.bn_forward(x, w, b, 1e-5, True, np.inf, y, mom, threads)
         outs.append((y, mom))
     numba.set_num_threads(FusedKernels().threads)
     assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))

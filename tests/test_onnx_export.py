@@ -275,3 +275,21 @@ def test_fused_batchnorm_relu_and_add_relu_export_as_two_nodes(tmp_path):
     ops = [n.op_type for body in [model.graph, *model.functions] for n in body.node]
     assert "BatchNormalization" in ops and "Relu" in ops and "Add" in ops
     assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)
+
+
+def test_fused_batchnorm_relu6_exports_as_batchnorm_and_clip(tmp_path):
+    """batchnorm_relu with a cap (the fuse pass's relu6(batchnorm(x))) becomes
+    BatchNormalization + Clip(0, 6), with the outputs of the unfused network."""
+    from netdsl.passes.fuse import fuse
+    net = netdsl.loads("network m { input x: f32[N, 3, 6, 6]\n"
+                       " h = relu6(batchnorm(conv2d(x, 4, kernel=3, padding=1, bias=false)))\n"
+                       " output linear(flatten(h), 3) }")
+    g = net.lower(2)
+    feeds = example_feeds(g)
+    state = calibrated_state(g, feeds)
+    fused = fuse(net.lower(), enabled=True)
+    assert [n.attrs["cap"] for n in fused.by_op("batchnorm_relu")] == [6.0]
+    export_onnx(fused, lambda n: state[n.name], tmp_path / "m.onnx")
+    ops = [n.op_type for n in onnx.load(tmp_path / "m.onnx").graph.node]
+    assert "BatchNormalization" in ops and "Clip" in ops and "Relu" not in ops
+    assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)

@@ -149,9 +149,9 @@ class FusedKernels:
         for dt in (np.float32, np.float64):
             x = np.ones((1, 1, 2), dt)
             w, st, y = np.ones(1, dt), np.ones((4, 1), dt), np.empty_like(x)
-            bn_forward(x, w, w, 1e-5, True, y, np.empty((2, 1)), 1)
-            bn_grad_stats(x, x, w, w, 1e-5, True, st, 1)
-            bn_grad_input(x, x, st, w, w, True, x, True, y, 1)
+            bn_forward(x, w, w, 1e-5, True, np.inf, y, np.empty((2, 1)), 1)
+            bn_grad_stats(x, x, w, w, 1e-5, True, np.inf, st, 1)
+            bn_grad_input(x, x, st, w, w, True, np.inf, x, True, y, 1)
             r2, d1 = np.ones((1, 2), dt), np.ones(2, dt)
             sgd_update(d1, d1, d1.copy(), dt(0), dt(0), dt(0), False)
             adam_update(d1, d1, d1.copy(), d1.copy(), *(dt(1),) * 9)

@@ -83,15 +83,15 @@ def _shifted_sums(r, k):
 
 
 @numba.njit(inline="always")
-def _masked_sums(dy, x, mt, scale, shift, zero, relu):
+def _masked_sums(dy, x, mt, scale, shift, zero, relu, cap, capped):
     """sum(g) and sum(g * (x - mean)) of a 1-d block, in its dtype; g is dy, times the
-    relu mask z > 0 with `relu` (z computed as the forward does)."""
+    relu mask with `relu` (_passes; z computed as the forward does)."""
     sg = zero
     sgd = zero
     for j in range(x.shape[0]):
         d = x[j] - mt
         g = dy[j]
-        if relu and not d * scale + shift > zero:
+        if relu and not _passes(d * scale + shift, zero, cap, capped):
             g = zero
         sg += g
         sgd += g * d
@@ -128,11 +128,19 @@ def _runs(tasks, nc, t):
     return t * nc // tasks, (t + 1) * nc // tasks
 
 
+@numba.njit(inline="always")
+def _passes(z, zero, cap, capped):
+    """The relu's mask, z > 0, and z < cap where capped (relu6's: open at both ends)."""
+    return z > zero and (not capped or z < cap)
+
+
 @numba.njit(**_PAR)
-def bn_forward(x3, w, b, eps, relu, y3, moments, tasks):
-    """Training-mode batchnorm (+ relu) of x3 (N, C, P) into y3; moments[0] and [1] get
-    each channel's mean and biased variance (float64) for the running statistics."""
+def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
+    """Training-mode batchnorm (+ relu, capped at `cap` unless it is inf: relu6 for 6) of
+    x3 (N, C, P) into y3; moments[0] and [1] get each channel's mean and biased variance
+    (float64) for the running statistics."""
     n, nc, p = x3.shape
+    capped = cap < np.inf
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
         _moments(x3, c0, c1, moments)
@@ -140,18 +148,22 @@ def bn_forward(x3, w, b, eps, relu, y3, moments, tasks):
             for c in range(c0, c1):
                 mt, _it, scale, shift, zero = _consts(
                     x3, moments[0, c], 1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
+                top = _like(x3, cap)
                 for j in range(p):
                     z = (x3[i, c, j] - mt) * scale + shift
                     if relu and not z > zero:  # NaN stays NaN; z > 0 is the backward's mask
                         z = zero if z == z else z
+                    if relu and capped and z > top:
+                        z = top
                     y3[i, c, j] = z
 
 
 @numba.njit(**_PAR)
-def bn_grad_stats(dy3, x3, w, b, eps, relu, out, tasks):
+def bn_grad_stats(dy3, x3, w, b, eps, relu, cap, out, tasks):
     """Batchnorm's backward statistics into out (4, C): sum(g * x_hat), sum(g), the batch
-    mean and 1/std, where g is dy (times the relu mask z > 0 with `relu`)."""
+    mean and 1/std, where g is dy (times the relu mask with `relu`: _passes)."""
     n, nc, p = x3.shape
+    capped = cap < np.inf
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
         moments = np.empty((2, nc))  # (its run's columns only)
@@ -164,7 +176,7 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, out, tasks):
                 for j0 in range(0, p, _BLOCK):
                     j1 = j0 + _BLOCK
                     b1, b2 = _masked_sums(dy3[i, c, j0:j1], x3[i, c, j0:j1], mt, scale,
-                                          shift, zero, relu)
+                                          shift, zero, relu, _like(x3, cap), capped)
                     sums[0, c] += np.float64(b1)
                     sums[1, c] += np.float64(b2)
         for c in range(c0, c1):
@@ -177,14 +189,16 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, out, tasks):
 
 
 @numba.njit(**_PAR)
-def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3, tasks):
+def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks):
     """dx of batchnorm (+ relu) from bn_grad_stats' rows into dx3:
     w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), plus acc3 with
     `accumulate` (acc3 may be dx3 itself otherwise: it is not read then)."""
     n, nc, p = x3.shape
     m = n * p
+    capped = cap < np.inf
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
+        top = _like(x3, cap)
         for i in range(n):
             for c in range(c0, c1):
                 gw, sg = np.float64(st[0, c]), np.float64(st[1, c])
@@ -194,7 +208,7 @@ def bn_grad_input(dy3, x3, st, w, b, relu, acc3, accumulate, dx3, tasks):
                 for j in range(p):
                     d = x3[i, c, j] - mt
                     g = dy3[i, c, j]
-                    if relu and not d * scale + shift > zero:
+                    if relu and not _passes(d * scale + shift, zero, top, capped):
                         g = zero
                     v = (d * k_dev + k_sum + g) * scale
                     if accumulate:

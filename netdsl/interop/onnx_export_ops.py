@@ -47,9 +47,12 @@ def _batchnorm(e, n, xs):
     e.result("BatchNormalization", _bn_inputs(e, n, xs), epsilon=n.attrs["eps"])
 
 
-def _batchnorm_relu(e, n, xs):  # the fuse pass's op: unfused again
-    e.result("Relu", [e.emit("BatchNormalization", _bn_inputs(e, n, xs),
-                             epsilon=n.attrs["eps"])])
+def _batchnorm_relu(e, n, xs):  # the fuse pass's op: unfused again (relu6's as a Clip)
+    y = e.emit("BatchNormalization", _bn_inputs(e, n, xs), epsilon=n.attrs["eps"])
+    if n.attrs.get("cap") is None:
+        e.result("Relu", [y])
+    else:
+        _clip(e, n, [y], 0.0, n.attrs["cap"])
 
 
 def _add_relu(e, n, xs):  # the fuse pass's op: unfused again

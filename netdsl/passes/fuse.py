@@ -3,7 +3,8 @@
 - `fuse` (on a forward graph, before autodiff, which then uses the fused op's gradient
   rule): `relu(batchnorm(x))` where the relu is the batchnorm's only reader and the
   batchnorm's value is no graph output becomes `batchnorm_relu(x)` (see
-  netdsl.ir.ops.norm_fused); `relu(add(a, b))` of two tensors of one type (a
+  netdsl.ir.ops.norm_fused), `relu6(batchnorm(x))` likewise `batchnorm_relu(x, cap=6)`
+  (MobileNets); `relu(add(a, b))` of two tensors of one type (a
   post-activation residual block's output) becomes `add_relu(a, b)` likewise. The fused
   node takes the relu's name (its readers and output roles are unchanged) and the first
   node's inputs, attributes, source location and scope; that node goes. A recompute
@@ -64,16 +65,18 @@ _WITH_RELU = {"batchnorm": "batchnorm_relu", "add": "add_relu"}
 
 @register_pass("fuse")
 def fuse(g: Graph, enabled: bool | None = None) -> Graph:
-    """relu(batchnorm(x)) -> batchnorm_relu(x) and relu(add(a, b)) -> add_relu(a, b) where
-    the relu is the only reader."""
+    """relu(batchnorm(x)) -> batchnorm_relu(x), relu6(batchnorm(x)) -> batchnorm_relu(x,
+    cap=6) and relu(add(a, b)) -> add_relu(a, b) where the relu is the only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
     only = _sole_reader(g)
-    pairs = {}  # relu name -> the node it reads
+    pairs = {}  # relu (or relu6) name -> the node it reads
     for n in g.nodes:
-        if n.op != "relu" or n.device is not None:
+        if n.op not in ("relu", "relu6") or n.device is not None:
             continue
         first = g[n.inputs[0]]
+        if n.op == "relu6" and first.op != "batchnorm":  # (add_relu has no cap)
+            continue
         if (first.op in _WITH_RELU and not first.attrs.get("replay") and first.device is None
                 and only(first.name, n.name)
                 and (first.op != "add" or g[first.inputs[0]].type == g[first.inputs[1]].type
@@ -83,7 +86,8 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
         return g
     def fused(g, n):
         first = pairs[n.name]
-        f = make_node(g, n.name, _WITH_RELU[first.op], first.inputs, first.attrs, like=first,
+        attrs = {**first.attrs, "cap": 6.0} if n.op == "relu6" else first.attrs
+        f = make_node(g, n.name, _WITH_RELU[first.op], first.inputs, attrs, like=first,
                       meta={**first.meta, "fused": (first.name, n.name)})
         f.annotations = {**first.annotations, **n.annotations}
         return f

@@ -131,22 +131,23 @@ def _stats_shape(ins, a):
 
 
 def _stats_workspace(ins, out, a):
-    # the deviations x - mean besides the result; with relu also dy * mask
-    return (8 if a["relu"] else 4) * ins[1].numel()
+    # the deviations x - mean besides the result; with relu also dy * mask (and with a cap
+    # the bool z < cap)
+    return (8 + (a.get("cap") is not None) if a["relu"] else 4) * ins[1].numel()
 
 
 register(OpDef("batchnorm_grad_stats",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
                 Arg("bias", "tensor", None), Arg("eps", "float", 1e-5, range=GT0),
-                Arg("relu", "bool", False)),
+                Arg("relu", "bool", False), Arg("cap", "float", None)),
                _stats_shape, "backward",
                flops=lambda ins, out, a: (8 if a["relu"] else 7) * ins[1].numel(),
                workspace=_stats_workspace, differentiable=False,
                extra={"fused_kernels": True},
                doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
                    "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std; "
-                   "relu=true: of batchnorm_relu, dy masked where the output was 0 (the "
-                   "mask recomputed from x, weight and bias)"))
+                   "relu=true: of batchnorm_relu, dy masked where the output was 0 (or "
+                   "`cap`: relu6's; the mask recomputed from x, weight and bias)"))
 def _from_stats_shape(ins, a):
     if len(ins) > 5 and (ins[5].shape != ins[1].shape or ins[5].dtype != ins[0].dtype):
         raise ShapeError(f"batchnorm_grad_from_stats: the gradient to add {{acc}} is "
@@ -157,10 +158,12 @@ def _from_stats_shape(ins, a):
 register(OpDef("batchnorm_grad_from_stats",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("stats", "tensor"),
                 Arg("weight", "tensor", None), Arg("bias", "tensor", None),
-                Arg("acc", "tensor", None), Arg("relu", "bool", False)),
+                Arg("acc", "tensor", None), Arg("relu", "bool", False),
+                Arg("cap", "float", None)),
                _from_stats_shape, "backward",
                flops=lambda ins, out, a: (9 if len(ins) > 5 else 8) * out.numel(),
-               workspace=lambda ins, out, a: (4 if a["relu"] else 0) * out.numel(),
+               workspace=lambda ins, out, a: (
+                   4 + (a.get("cap") is not None) if a["relu"] else 0) * out.numel(),
                differentiable=False, extra={"fused_kernels": True},
                doc="dx of batchnorm (relu=true: of batchnorm_relu) from "
                    "batchnorm_grad_stats' rows (nothing recomputed); weight and bias "
@@ -230,23 +233,33 @@ def bn_inputs(ins, a):
     return ins[0], w, bias, rm, rv
 
 
+def _relu_in_place(xp, y, cap):
+    """relu, or relu6's min(max(y, 0), cap) with a cap, in place (NaN stays NaN)."""
+    xp.maximum(y, 0, out=y)
+    if cap is not None:
+        xp.minimum(y, cap, out=y)
+    return y
+
+
 def bn_forward(xp, ins, a, ctx, relu):
-    """batchnorm's kernel, followed by relu with `relu` (batchnorm_relu's)."""
+    """batchnorm's kernel, followed by relu with `relu` (batchnorm_relu's, capped at its
+    `cap` if it has one)."""
     x, w, bias, rm, rv = bn_inputs(ins, a)
     x3 = _view3(x)
+    cap = a.get("cap") if relu else None
     if not ctx.training:
         inv = 1.0 / xp.sqrt(rv + a["eps"])
         scale = inv if w is None else inv * w
         shift = -rm * scale if bias is None else bias - rm * scale
         y = x3 * scale[:, None]
         y += shift[:, None]
-        return (xp.maximum(y, 0, out=y) if relu else y).reshape(x.shape)
+        return (_relu_in_place(xp, y, cap) if relu else y).reshape(x.shape)
     f = fused_kernels(ctx, x, ctx.out)
     if f is not None:
         y = xp.empty_like(x3) if ctx.out is None else _view3(ctx.out)
         moments = xp.empty((2, x3.shape[1]), xp.float64)
         f.bn_forward(x3, *_affine_or_unit(xp, w, bias, x3.shape[1], x.dtype), a["eps"],
-                     relu, y, moments, f.threads)
+                     relu, _no_cap(cap), y, moments, f.threads)
         mean, var = moments
     else:
         mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
@@ -255,7 +268,7 @@ def bn_forward(xp, ins, a, ctx, relu):
         if bias is not None:
             y += bias[:, None]
         if relu:
-            xp.maximum(y, 0, out=y)
+            _relu_in_place(xp, y, cap)
     if not a.get("replay"):  # a recompute replay must not update the statistics again
         m = a["momentum"]
         count = x3.shape[0] * x3.shape[2]
@@ -279,13 +292,21 @@ def _norm_grad_input(xp, dy, x, w, axes, wshape, eps):
                   - xhat * (dxhat * xhat).mean(axis=axes, keepdims=True))
 
 
-def _masked(xp, dy3, d, inv, w, b):
-    """dy where z = (x - mean) * (inv * w) + b > 0 (z as the forward computed it), else 0:
-    one new array of dy's size."""
+def _no_cap(cap):
+    """The fused kernels' cap: inf for none."""
+    return float("inf") if cap is None else float(cap)
+
+
+def _masked(xp, dy3, d, inv, w, b, cap):
+    """dy where z = (x - mean) * (inv * w) + b > 0 (and z < cap with a cap; z as the forward
+    computed it), else 0: one new array of dy's size (and a bool one with a cap)."""
     g = d * (inv if w is None else inv * w)[:, None]
     if b is not None:
         g += b[:, None]
+    below = None if cap is None else xp.less(g, cap)
     xp.greater(g, 0, out=g)  # 1 or 0
+    if below is not None:
+        g *= below
     g *= dy3
     return g
 
@@ -299,11 +320,11 @@ def _bn_grad_stats(xp, ins, a, ctx):
     f = fused_kernels(ctx, dy, x)
     if f is not None:
         f.bn_grad_stats(dy3, x3, *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"],
-                        a["relu"], out, f.threads)
+                        a["relu"], _no_cap(a.get("cap")), out, f.threads)
         return out
     mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
     if a["relu"]:
-        dy3 = _masked(xp, dy3, d, inv, w, b)
+        dy3 = _masked(xp, dy3, d, inv, w, b, a.get("cap"))
     out[0] = xp.einsum("ncp,ncp->c", dy3, d) * inv
     out[1] = xp.einsum("ncp->c", dy3)
     out[2] = mean
@@ -325,12 +346,12 @@ def _bn_grad_from_stats(xp, ins, a, ctx):
     if f is not None:
         dx = xp.empty_like(dy3) if ctx.out is None else _view3(ctx.out)
         f.bn_grad_input(dy3, _view3(x), st, *_affine_or_unit(xp, w, b, st.shape[1], x.dtype),
-                        a["relu"], dx if acc is None else _view3(acc), acc is not None, dx,
-                        f.threads)
+                        a["relu"], _no_cap(a.get("cap")), dx if acc is None else _view3(acc),
+                        acc is not None, dx, f.threads)
         return dx.reshape(x.shape)
     dx = xp.subtract(_view3(x), mean[:, None], out=None if ctx.out is None else _view3(ctx.out))
     if a["relu"]:
-        dy3 = _masked(xp, dy3, dx, inv, w, b)
+        dy3 = _masked(xp, dy3, dx, inv, w, b, a.get("cap"))
     dx *= (-inv * gw / count)[:, None]
     dx += (-sdy / count)[:, None]
     dx += dy3
@@ -413,7 +434,8 @@ def bn_rule(relu):
         x = n.inputs[0]
         affine = list(n.inputs[1:3]) if n.attrs["affine"] else []
         # the relu mask needs weight and bias (z = x_hat * weight + bias); dx the weight
-        mask_in, attrs = (affine, {"relu": True}) if relu else ([], {})
+        cap = {"cap": n.attrs["cap"]} if n.attrs.get("cap") is not None else {}
+        mask_in, attrs = (affine, {"relu": True, **cap}) if relu else ([], {})
         st = b.emit("batchnorm_grad_stats", [gy, x] + mask_in,
                     {"eps": n.attrs["eps"], **attrs}, tag="stats")
         out = [b.emit("batchnorm_grad_from_stats", [gy, x, st] + (mask_in or affine[:1]),

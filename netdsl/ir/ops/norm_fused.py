@@ -1,6 +1,7 @@
 """batchnorm_relu: relu(batchnorm(x)) as one operator, which the `fuse` pass makes out of a
 batchnorm whose only reader is a relu (pre-activation ResNets, DenseNets, and most
-post-activation blocks).
+post-activation blocks), or a relu6 (MobileNets: `cap=6`, the output clamped to [0, 6]
+and the backward's mask 0 < z < 6, relu6's).
 
 Same arguments, parameters, buffers and running-statistics updates as batchnorm. Its
 backward is batchnorm's two backward nodes with `relu=true`: the relu mask (z > 0, z the
@@ -16,12 +17,14 @@ register(OpDef(
     "batchnorm_relu",
     (Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
      Arg("momentum", "float", 0.1, range=Range(0, 1)),
-     Arg("affine", "bool", True), Arg("zero_init", "bool", False)),
+     Arg("affine", "bool", True), Arg("zero_init", "bool", False),
+     Arg("cap", "float", None, range=GT0)),
     _bn_shape, "norm", _bn_params, lambda ins, out, a: 9 * out.numel(),
     retains=("inputs", "weight", "bias"), writes=_bn_writes,
     extra={"replay": True, "fused_kernels": True},
     doc="relu(batchnorm(x)) in one kernel (made by the `fuse` pass from a batchnorm read "
-        "only by a relu); arguments, parameters and buffers as batchnorm's"))
+        "only by a relu), min(relu(batchnorm(x)), cap) with a cap (from relu6: cap=6); "
+        "arguments, parameters and buffers as batchnorm's"))
 
 
 @kernel("batchnorm_relu")

@@ -544,9 +544,9 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import numba
 from _examples import example_feeds, load
-from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_gemm,
-                             numpy_fused_norm, numpy_fused_optim, numpy_fused_pool,
-                             numpy_fused_scatter, numpy_winograd)
+from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_depthwise,
+                             numpy_fused_gemm, numpy_fused_norm, numpy_fused_optim,
+                             numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
 from netdsl.backends.numpy import NumpyBackend
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.fuse import fuse, fuse_grads
@@ -554,14 +554,15 @@ from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime.executor import Executor
 be = NumpyBackend()
 assert be.fused is not None
-modules = (numpy_fused_activation, numpy_fused_gemm, numpy_fused_norm, numpy_fused_optim,
-           numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
+modules = (numpy_fused_activation, numpy_fused_depthwise, numpy_fused_gemm, numpy_fused_norm,
+           numpy_fused_optim, numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
 kernels = [f for m in modules for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
 before = [len(k.signatures) for k in kernels]
 for name, batch, dtype, opt in (("resnet20-cifar.net", 16, "f32", "sgd"),
                                 ("transformer-tiny.net", 4, "f32", "adamw"),
-                                ("digits-cnn.net", 8, "f64", "adam")):
+                                ("digits-cnn.net", 8, "f64", "adam"),
+                                ("mobilenet_v2.net", 1, "f32", "sgd")):
     g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
                                  enabled=True), opt)
     Executor(g, be, dtype=dtype, seed=0).run(example_feeds(g), roles=("loss", "updates"))
@@ -571,7 +572,8 @@ print(json.dumps([k.__name__ for k, b in zip(kernels, before) if len(k.signature
 
 def test_no_fused_kernel_compiles_inside_a_step():
     """Every signature the training steps call (Winograd's strided tile matrices, GELU,
-    layernorm, both optimizers, max pooling, f32 and f64) is loaded when the kernels load,
+    layernorm, both optimizers, max pooling, depthwise convolutions and batchnorm + relu6,
+    f32 and f64) is loaded when the kernels load,
     in a fresh process: a compile, or a load from Numba's cache, inside a step would be
     in its time and in its tracemalloc peak (`run --mem` measured 63% over its plan)."""
     pytest.importorskip("numba")

@@ -177,11 +177,10 @@ class FusedKernels:
             numpy_winograd.output_tiles_adjoint(t, 0, 1, 1, 1, tiles)
             geom = (1, 1, 1, 1, 0, 0, 1, 1)
             w1 = np.ones((1, 1, 1, 1), dt)
-            for call in (lambda: numpy_fused_depthwise.conv(t, w1, geom, 1, 64),
-                         lambda: numpy_fused_depthwise.grad_input(t, w1, t.shape, geom, 1, 64),
-                         lambda: numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1,
-                                                                   64)):
-                assert call() is not None
+            # (a budget that holds a task, so that each call reaches its loops)
+            numpy_fused_depthwise.conv(t, w1, geom, 1, 64)
+            numpy_fused_depthwise.grad_input(t, w1, t.shape, geom, 1, 64)
+            numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1, 64)
         v = np.ones(2, np.float32)
         gelu_f32(v, v.copy())
         gelu_grad_f32(v, v, v.copy())

@@ -140,7 +140,7 @@ def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
     x3 (N, C, P) into y3; moments[0] and [1] get each channel's mean and biased variance
     (float64) for the running statistics."""
     n, nc, p = x3.shape
-    capped = cap < np.inf
+    capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
         _moments(x3, c0, c1, moments)
@@ -148,7 +148,6 @@ def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
             for c in range(c0, c1):
                 mt, _it, scale, shift, zero = _consts(
                     x3, moments[0, c], 1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
-                top = _like(x3, cap)
                 for j in range(p):
                     z = (x3[i, c, j] - mt) * scale + shift
                     if relu and not z > zero:  # NaN stays NaN; z > 0 is the backward's mask
@@ -163,7 +162,7 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, cap, out, tasks):
     """Batchnorm's backward statistics into out (4, C): sum(g * x_hat), sum(g), the batch
     mean and 1/std, where g is dy (times the relu mask with `relu`: _passes)."""
     n, nc, p = x3.shape
-    capped = cap < np.inf
+    capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
         moments = np.empty((2, nc))  # (its run's columns only)
@@ -176,7 +175,7 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, cap, out, tasks):
                 for j0 in range(0, p, _BLOCK):
                     j1 = j0 + _BLOCK
                     b1, b2 = _masked_sums(dy3[i, c, j0:j1], x3[i, c, j0:j1], mt, scale,
-                                          shift, zero, relu, _like(x3, cap), capped)
+                                          shift, zero, relu, top, capped)
                     sums[0, c] += np.float64(b1)
                     sums[1, c] += np.float64(b2)
         for c in range(c0, c1):
@@ -195,10 +194,9 @@ def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks):
     `accumulate` (acc3 may be dx3 itself otherwise: it is not read then)."""
     n, nc, p = x3.shape
     m = n * p
-    capped = cap < np.inf
+    capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
-        top = _like(x3, cap)
         for i in range(n):
             for c in range(c0, c1):
                 gw, sg = np.float64(st[0, c]), np.float64(st[1, c])

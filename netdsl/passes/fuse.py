@@ -59,8 +59,12 @@ def _sole_reader(g: Graph):
     return lambda x, r: readers[x] == [r] and x not in outputs
 
 
-# the forward pairs `fuse` makes: (first op, its fused form with relu)
-_WITH_RELU = {"batchnorm": "batchnorm_relu", "add": "add_relu"}
+# the forward pairs `fuse` makes: (the reader, the op it reads) -> (the fused op, the
+# attributes it adds to the read op's)
+_FUSED = {("relu", "batchnorm"): ("batchnorm_relu", {}),
+          ("relu6", "batchnorm"): ("batchnorm_relu", {"cap": 6.0}),
+          ("relu", "add"): ("add_relu", {})}
+_READERS = {reader for reader, _ in _FUSED}
 
 
 @register_pass("fuse")
@@ -72,12 +76,11 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
     only = _sole_reader(g)
     pairs = {}  # relu (or relu6) name -> the node it reads
     for n in g.nodes:
-        if n.op not in ("relu", "relu6") or n.device is not None:
+        if n.op not in _READERS or n.device is not None:
             continue
         first = g[n.inputs[0]]
-        if n.op == "relu6" and first.op != "batchnorm":  # (add_relu has no cap)
-            continue
-        if (first.op in _WITH_RELU and not first.attrs.get("replay") and first.device is None
+        if ((n.op, first.op) in _FUSED and not first.attrs.get("replay")
+                and first.device is None
                 and only(first.name, n.name)
                 and (first.op != "add" or g[first.inputs[0]].type == g[first.inputs[1]].type
                      == first.type)):  # (not a broadcasting add)
@@ -86,8 +89,8 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
         return g
     def fused(g, n):
         first = pairs[n.name]
-        attrs = {**first.attrs, "cap": 6.0} if n.op == "relu6" else first.attrs
-        f = make_node(g, n.name, _WITH_RELU[first.op], first.inputs, attrs, like=first,
+        op, added = _FUSED[(n.op, first.op)]
+        f = make_node(g, n.name, op, first.inputs, {**first.attrs, **added}, like=first,
                       meta={**first.meta, "fused": (first.name, n.name)})
         f.annotations = {**first.annotations, **n.annotations}
         return f

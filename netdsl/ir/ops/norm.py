@@ -434,8 +434,8 @@ def bn_rule(relu):
         x = n.inputs[0]
         affine = list(n.inputs[1:3]) if n.attrs["affine"] else []
         # the relu mask needs weight and bias (z = x_hat * weight + bias); dx the weight
-        cap = {"cap": n.attrs["cap"]} if n.attrs.get("cap") is not None else {}
-        mask_in, attrs = (affine, {"relu": True, **cap}) if relu else ([], {})
+        mask_in, attrs = (affine, {"relu": True, "cap": n.attrs.get("cap")}) if relu \
+            else ([], {})
         st = b.emit("batchnorm_grad_stats", [gy, x] + mask_in,
                     {"eps": n.attrs["eps"], **attrs}, tag="stats")
         out = [b.emit("batchnorm_grad_from_stats", [gy, x, st] + (mask_in or affine[:1]),

@@ -25,6 +25,9 @@ CASES = [
     ((2, 3, 7, 8), 1, 3, 1, 2, 2),
     ((1, 2, 5, 40), 1, (1, 3), (1, 2), (0, 1), 1),  # rectangular kernel and stride
     ((2, 16, 70, 70), 1, 3, 1, 1, 1),  # runs of more than one chunk
+    ((6, 4, 14, 14), 1, 3, 1, 1, 1),  # stacks of 6 images (MobileNetV2's 14x14)
+    ((4, 3, 7, 7), 2, 3, 2, 1, 1),  # stacks, strided, two outputs a channel
+    ((6, 2, 30, 30), 1, 3, 1, 1, 1),  # stacks of 2 (3 do not fit a chunk)
 ]
 
 
@@ -94,11 +97,12 @@ def test_depthwise_loops_match_the_grouped_gemms(case, dtype, tol, monkeypatch):
 def test_the_weight_gradient_is_the_same_on_any_number_of_threads():
     """Channels are split among the tasks, each channel's images summed in order: the same
     bits with one task as with three."""
-    x, w, dy = _data((3, 6, 20, 20), 1, 3, 1, 1, 1, np.float32)
     geom = (3, 3, 1, 1, 1, 1, 1, 1)
-    one = dw.grad_weight(dy, x, w.shape, geom, 1, 1 << 30)
-    three = dw.grad_weight(dy, x, w.shape, geom, 3, 1 << 30)
-    assert np.array_equal(one, three)
+    for shape in ((3, 6, 20, 20), (4, 6, 7, 7)):  # one image a stack, and four
+        x, w, dy = _data(shape, 1, 3, 1, 1, 1, np.float32)
+        one = dw.grad_weight(dy, x, w.shape, geom, 1, 1 << 30)
+        three = dw.grad_weight(dy, x, w.shape, geom, 3, 1 << 30)
+        assert np.array_equal(one, three)
 
 
 def test_a_budget_below_one_task_leaves_the_reference_to_run():
@@ -108,3 +112,33 @@ def test_a_budget_below_one_task_leaves_the_reference_to_run():
     assert dw.conv(x, w, geom, 4, plane - 1) is None
     assert dw.grad_input(dy, w, x.shape, geom, 4, plane - 1) is None
     assert dw.conv(x, w, geom, 4, plane) is not None
+
+
+def test_stacks_are_the_images_of_a_channel_that_fit_one_chunk():
+    geom = (3, 3, 1, 1, 1, 1, 1, 1)
+    assert dw.stack(8, 7, 7, *geom) == 8  # 9 x 9 phase planes: 8 x 81 elements a run
+    assert dw.stack(8, 14, 14, *geom) == 8  # 16 x 16: 2,048, one chunk
+    assert dw.stack(8, 28, 28, *geom) == 2  # 30 x 30: 3 would fit, but 3 does not divide 8
+    assert dw.stack(8, 56, 56, *geom) == 1
+    assert dw.stack(7, 14, 14, *geom) == 7
+
+
+@pytest.mark.parametrize("geom", [(3, 3, 1, 1, 1, 1, 1, 1), (3, 3, 2, 2, 1, 1, 1, 1),
+                                  (3, 3, 1, 1, 2, 2, 2, 2)])
+def test_stacked_images_give_the_bits_of_one_image_at_a_time(geom):
+    """Forward and input gradient: each output the same taps in the same order, stacked or
+    not; the stack's unused rows neither reach y nor add into dx."""
+    kh, kw, sh, sw, ph, pw, dh, dwl = geom
+    x, w, dy = _data((8, 3, 7, 7), 2, kh, sh, ph, dh, np.float32)
+    s = dw.stack(8, 7, 7, *geom)
+    assert s == 8
+    ys, dxs = [], []
+    for k in (1, s):
+        y = np.full(dy.shape, np.nan, np.float32)
+        dx = np.full(x.shape, np.nan, np.float32)
+        dw.depthwise_forward(x, w, sh, sw, ph, pw, dh, dwl, y, k, 2)
+        dw.depthwise_grad_input(dy, w, sh, sw, ph, pw, dh, dwl, dx, k, 2)
+        ys.append(y)
+        dxs.append(dx)
+    assert np.array_equal(ys[0], ys[1]) and np.array_equal(dxs[0], dxs[1])
+    assert not np.isnan(ys[1]).any() and not np.isnan(dxs[1]).any()

@@ -28,6 +28,9 @@ CASES = [
     ((6, 4, 14, 14), 1, 3, 1, 1, 1),  # stacks of 6 images (MobileNetV2's 14x14)
     ((4, 3, 7, 7), 2, 3, 2, 1, 1),  # stacks, strided, two outputs a channel
     ((6, 2, 30, 30), 1, 3, 1, 1, 1),  # stacks of 2 (3 do not fit a chunk)
+    ((2, 3, 6, 7), 1, 3, 1, 2, 1),  # stride 1, but padded past "same": phases
+    ((2, 3, 8, 9), 1, 3, 1, 0, 1),  # unpadded: dx as a forward padded past "same"
+    ((3, 2, 9, 10), 2, (3, 5), 1, (0, 1), 1),  # unpadded rows, taps short of the edges
 ]
 
 
@@ -85,7 +88,14 @@ def test_depthwise_loops_match_the_grouped_gemms(case, dtype, tol, monkeypatch):
         monkeypatch.setattr(dw, name, counted)
     slot = np.full(dy.shape, np.nan, dtype)  # a planned slot: written, not copied into
     got = _three(fast, x, w, dy, a, out=slot)
-    assert sorted(calls) == list(KERNELS)  # the conv2d kernels took the loops
+    # the conv2d kernels took the loops; at stride 1 with one output a channel the input
+    # gradient is the forward's loops on dy with the kernel flipped
+    kh, kw = w.shape[2:]
+    dh, dwl = (d, d) if not isinstance(d, tuple) else d
+    (sh, sw), (ph, pw) = (v if isinstance(v, tuple) else (v, v) for v in (s, p))
+    flipped = (sh, sw) == (1, 1) and m == 1 and ph <= dh * (kh - 1) and pw <= dwl * (kw - 1)
+    dx_kernel = "depthwise_forward" if flipped else "depthwise_grad_input"
+    assert sorted(calls) == sorted(["depthwise_forward", dx_kernel, "depthwise_grad_weight"])
     assert np.shares_memory(got[0], slot)
     want = _three(_reference(), x, w, dy, a)
     for name, u, v in zip(("y", "dx", "dw"), got, want, strict=True):

@@ -180,6 +180,9 @@ class FusedKernels:
             # (a budget that holds a task, so that each call reaches its loops)
             numpy_fused_depthwise.conv(t, w1, geom, 1, 64)
             numpy_fused_depthwise.grad_input(t, w1, t.shape, geom, 1, 64)
+            # (two outputs a channel: the scatter loops, not the forward's on dy)
+            numpy_fused_depthwise.grad_input(np.ones((1, 2, 2, 2), dt), np.ones((2, 1, 1, 1), dt),
+                                             t.shape, geom, 1, 64)
             numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1, 64)
         v = np.ones(2, np.float32)
         gelu_f32(v, v.copy())

@@ -203,6 +203,8 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding[, groups]
     ("MobileNetV2 depthwise 3x3, 192 ch, 28x28", (8, 192, 28, 28), 192, 3, 1, 1, 192),
     ("MobileNetV2 depthwise 3x3, 384 ch, 14x14", (8, 384, 14, 14), 384, 3, 1, 1, 384),
     ("MobileNetV2 depthwise 3x3, 960 ch, 7x7", (8, 960, 7, 7), 960, 3, 1, 1, 960),
+    ("MobileNetV2 depthwise 3x3/2, 192 ch, 28x28", (8, 192, 28, 28), 192, 3, 2, 1, 192),
+    ("MobileNetV2 depthwise 3x3/2, 576 ch, 14x14", (8, 576, 14, 14), 576, 3, 2, 1, 576),
 ]
 
 

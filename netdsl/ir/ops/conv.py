@@ -236,7 +236,7 @@ def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:
     flat = _flat_shift_scratch(n, cin, cout, (kh, kw, dh, dw), g, hp, wp, ho)
     sizes = {
         "pointwise": 0,
-        # a scratch plane a task, as many tasks as the other path's scratch holds (the
+        # a stack of scratch planes a task, as many tasks as the other path's scratch holds (the
         # kernel is handed this rule's value as its budget)
         "depthwise": 0,
         "winograd": max(flat, winograd.chunk(n, cin, cout, ho, wo, flat)[1]),

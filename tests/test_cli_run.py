@@ -1,5 +1,6 @@
 """`netdsl run` end to end through the real command (subprocess: exit codes, no traceback)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,24 @@ def test_an_impossible_budget_exits_3_naming_the_smallest():
     assert p.returncode == 3, p.stderr
     assert "no memory plan fits 5.00 MB" in p.stderr and "smallest budget" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+_LOAD_PROBE = """
+import sys
+from netdsl import api
+print(api.load_cpu_kernels("cupy"), "cupy" in sys.modules, api.load_cpu_kernels("numpy"))
+"""
+
+
+def test_the_cpu_kernels_load_before_the_run_not_inside_it():
+    """`netdsl run` loads (on a first run, compiles) the fused kernels under a status line
+    before the trainer starts: api.load_cpu_kernels loads them for the NumPy backend only,
+    without importing CuPy, and says whether they loaded (switched off: False)."""
+    pytest.importorskip("numba")
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False", "True"]
+    off = subprocess.run([sys.executable, "-c", _LOAD_PROBE], capture_output=True, text=True,
+                         check=True, env={**os.environ, "NETDSL_FUSED_KERNELS": "0"}
+                         ).stdout.split()
+    assert off == ["False", "False", "False"]

@@ -18,7 +18,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.app import (
+    JsonOpt,
+    app,
+    console,
+    guard,
+    load_cpu_kernels_shown,
+    load_network,
+    print_json,
+)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -178,7 +186,7 @@ def _run(
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
     bar = _Bar(quiet=json_output)
     with guard(json_output):
-        from netdsl.api import load_cpu_kernels, train
+        from netdsl.api import train
         from netdsl.runtime.trainer import RunOptions
         if steps is not None and epochs is not None:
             from netdsl.errors import NetdslError
@@ -198,11 +206,7 @@ def _run(
                           split=split, microbatches=microbatches, distributed=distributed,
                           schedule=schedule)
         if not json_output:
-            # Numba compiles the fused CPU kernels on a machine's first run: minutes with
-            # nothing on the screen otherwise
-            with console(stderr=True).status("loading the fused CPU kernels (a first run "
-                                             "compiles them: about 2 minutes)"):
-                load_cpu_kernels(backend)
+            load_cpu_kernels_shown(backend)
         try:
             result = train(net, opts, bar)
         finally:

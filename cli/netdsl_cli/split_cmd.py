@@ -11,7 +11,17 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from netdsl_cli.app import BatchOpt, FileArg, JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.app import (
+    BatchOpt,
+    FileArg,
+    JsonOpt,
+    app,
+    console,
+    guard,
+    load_cpu_kernels_shown,
+    load_network,
+    print_json,
+)
 
 
 def _mb(n: float) -> str:
@@ -65,6 +75,8 @@ def split(
         if json_output:
             res = split_api(net, **kw)
         else:
+            if verify:  # the gate runs both steps on the NumPy backend
+                load_cpu_kernels_shown("numpy")
             with Progress(TextColumn("[bold]split"), BarColumn(), TimeElapsedColumn(),
                           console=console(stderr=True), transient=True) as bar:
                 task = bar.add_task("split", total=1.0)

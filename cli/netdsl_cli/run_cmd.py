@@ -18,15 +18,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from netdsl_cli.app import (
-    JsonOpt,
-    app,
-    console,
-    guard,
-    load_cpu_kernels_shown,
-    load_network,
-    print_json,
-)
+from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
 
 
 def _fmt_bytes(n: int) -> str:
@@ -206,6 +198,7 @@ def _run(
                           split=split, microbatches=microbatches, distributed=distributed,
                           schedule=schedule)
         if not json_output:
+            from netdsl_cli.app import load_cpu_kernels_shown
             load_cpu_kernels_shown(backend)
         try:
             result = train(net, opts, bar)

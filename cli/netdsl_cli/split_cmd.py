@@ -11,17 +11,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from netdsl_cli.app import (
-    BatchOpt,
-    FileArg,
-    JsonOpt,
-    app,
-    console,
-    guard,
-    load_cpu_kernels_shown,
-    load_network,
-    print_json,
-)
+from netdsl_cli.app import BatchOpt, FileArg, JsonOpt, app, console, guard, load_network, print_json
 
 
 def _mb(n: float) -> str:
@@ -76,6 +66,7 @@ def split(
             res = split_api(net, **kw)
         else:
             if verify:  # the gate runs both steps on the NumPy backend
+                from netdsl_cli.app import load_cpu_kernels_shown
                 load_cpu_kernels_shown("numpy")
             with Progress(TextColumn("[bold]split"), BarColumn(), TimeElapsedColumn(),
                           console=console(stderr=True), transient=True) as bar:

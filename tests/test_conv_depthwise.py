@@ -31,6 +31,8 @@ CASES = [
     ((2, 3, 6, 7), 1, 3, 1, 2, 1),  # stride 1, but padded past "same": phases
     ((2, 3, 8, 9), 1, 3, 1, 0, 1),  # unpadded: dx as a forward padded past "same"
     ((3, 2, 9, 10), 2, (3, 5), 1, (0, 1), 1),  # unpadded rows, taps short of the edges
+    ((2, 3, 9, 11), 1, 3, (2, 1), 1, 1),  # strided rows only: phases, not unpadded rows
+    ((2, 3, 12, 9), 2, 3, (3, 1), 1, 1),
 ]
 
 

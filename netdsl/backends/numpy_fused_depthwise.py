@@ -41,10 +41,11 @@ _JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc"}}
 
 
 @numba.njit(cache=True)
-def unpadded_rows(kw, sw, pw, dw):
+def unpadded_rows(kw, sh, sw, pw, dw):
     """Whether the planes keep W columns (the column copies) rather than phases: stride
-    1 and a column padding that wraps no tap past its neighbouring row (Wo <= W)."""
-    return sw == 1 and 2 * pw <= dw * (kw - 1)
+    1 both ways (the rows are not split into phases either) and a column padding that
+    wraps no tap past its neighbouring row (Wo <= W)."""
+    return sh == 1 and sw == 1 and 2 * pw <= dw * (kw - 1)
 
 
 @numba.njit(cache=True)
@@ -54,7 +55,7 @@ def geometry(h, w, kh, kw, sh, sw, ph, pw, dh, dw):
     hp, wp = h + 2 * ph, w + 2 * pw
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
     wo = (wp - dw * (kw - 1) - 1) // sw + 1
-    if unpadded_rows(kw, sw, pw, dw):
+    if unpadded_rows(kw, sh, sw, pw, dw):
         return ho, wo, -(-hp // sh), w, kw
     return ho, wo, -(-hp // sh), -(-wp // sw), sh * sw
 
@@ -187,7 +188,7 @@ def _sizes(x, w, sh, sw, ph, pw, dh, dw, s):
     o, _one, kh, kw = w.shape
     ho, wo, r_, t, planes = geometry(h, wd, kh, kw, sh, sw, ph, pw, dh, dw)
     return (n, c, o // c, kh, kw, ho, wo, r_, t, planes, _plane_size(s, r_, t, pw),
-            unpadded_rows(kw, sw, pw, dw), _run_length(s, r_, t, ho))
+            unpadded_rows(kw, sh, sw, pw, dw), _run_length(s, r_, t, ho))
 
 
 @numba.njit(inline="always")
@@ -258,8 +259,7 @@ def grad_input(dy, w, shape, geom, threads, budget, out=None):
     o = w.shape[0]
     ho, wo = geometry(h, wd, *geom)[:2]
     qh, qw = dh * (kh - 1) - ph, dw * (kw - 1) - pw
-    if (sh, sw) == (1, 1) and o == c and qh >= 0 and qw >= 0 and dy.shape == (n, c, ho, wo) \
-            and w.flags.c_contiguous:
+    if (sh, sw) == (1, 1) and o == c and qh >= 0 and qw >= 0 and dy.shape == (n, c, ho, wo):
         # stride 1, one output a channel: dx is dy convolved with the flipped kernel
         # (padding (k-1)*d - p), the forward's gathers rather than the scatters below
         flipped = np.ascontiguousarray(w[:, :, ::-1, ::-1])

@@ -147,14 +147,16 @@ def kernel_of(res: dict) -> str:
                      f" x{p['num_threads']}".replace("  ", " ") for p in pools)
 
 
-def gemm_rate(cmds: dict, threads: int) -> dict:
-    """The float32 GEMM rate of NumPy's BLAS (this interpreter) and of torch, if run."""
+def gemm_rate(cmds: dict, threads: int, gpu: bool = False) -> dict:
+    """The float32 GEMM rate of NumPy's BLAS (this interpreter) and of torch, if run; with
+    `gpu`, of CuPy's cuBLAS and torch on CUDA (8192^3: 2048^3 is too short on a GPU)."""
     rates = {}
     for fw, py in (("netdsl", sys.executable), ("PyTorch", cmds.get("PyTorch", [None])[0])):
         if py is None:
             continue
         cmd = [py, REFS / "gemm_rate.py", "--threads", threads] + (["--torch"] if
                                                                   fw == "PyTorch" else [])
+        cmd += ["--gpu", "--n", 8192, "--repeats", 10] if gpu else []
         rates[fw] = run_json(cmd, child_env(threads), timeout=300)
     return rates
 
@@ -179,13 +181,15 @@ def commands(net: str, fw: str, a, pythons: dict) -> tuple[list, dict] | None:
               "--threads", a.threads]
     if fw == "netdsl":
         return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
-                 *common], child_env(a.threads))
+                 "--backend", a.backend, *common], child_env(a.threads))
     if fw.startswith("netdsl@"):
         return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
-                 "--src", pythons[fw], "--label", fw.split("@", 1)[1], *common],
+                 "--src", pythons[fw], "--label", fw.split("@", 1)[1], "--backend",
+                 a.backend, *common],
                 child_env(a.threads))
     if fw == "PyTorch":
-        return ([pythons[fw], REFS / "torch_step.py", "--net", net, *common],
+        return ([pythons[fw], REFS / "torch_step.py", "--net", net, "--device",
+                 "cuda" if a.backend == "cupy" else "cpu", *common],
                 child_env(a.threads))
     if blocks is None:
         return None
@@ -205,7 +209,7 @@ def summarise(rs: list[dict]) -> dict:
            "rss_peak_bytes": max(res["rss_peak_bytes"] for res in rs),
            "steps": len(times), "kernel": kernel_of(rs[0]), "losses": rs[0]["losses"]}
     for k in ("peak_bytes", "expected_bytes", "cpu_capability", "mkldnn", "step_flops",
-              "batch"):
+              "batch", "device_peak_bytes", "gpu", "cudnn", "cudnn_tf32"):
         if k in rs[0]:
             out[k] = rs[0][k]
     return out
@@ -251,8 +255,15 @@ def main(argv=None) -> int:
                     help="also run netdsl as of this git revision, in the same rotation")
     ap.add_argument("--setup-only", action="store_true", help="make the venvs and stop")
     ap.add_argument("--json-out", help="also write every figure to this JSON file")
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy"),
+                    help="cupy: netdsl on the GPU against PyTorch on CUDA (no Chainer)")
+    ap.add_argument("--torch-python", metavar="PYTHON",
+                    help="run PyTorch with this interpreter instead of bench/.venvs/torch "
+                    "(a GPU machine's own torch with CUDA)")
     a = ap.parse_args(argv)
     frameworks = a.only or ["netdsl", "PyTorch", "Chainer"]
+    if a.backend == "cupy" and "Chainer" in frameworks:
+        frameworks.remove("Chainer")
     nets = list(NETWORKS) if a.nets == "all" else [n.strip() for n in a.nets.split(",")]
     unknown = [n for n in nets if n not in NETWORKS]
     if unknown:
@@ -265,7 +276,8 @@ def main(argv=None) -> int:
     if pinned:
         log(f"WARNING: {pinned} is set: OpenBLAS is pinned to that kernel; unset both with "
             "`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` for the benchmark command")
-    pythons = {fw: ensure_venv(fw) for fw in frameworks if fw != "netdsl"}
+    pythons = {fw: Path(a.torch_python) if fw == "PyTorch" and a.torch_python
+               else ensure_venv(fw) for fw in frameworks if fw != "netdsl"}
     if a.baseline:
         src = export_revision(a.baseline)
         frameworks.insert(1, f"netdsl@{src.name}")
@@ -274,7 +286,9 @@ def main(argv=None) -> int:
         return 0
 
     t_start = time.perf_counter()
-    rates = gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"}, a.threads)
+    gpu = a.backend == "cupy"
+    rates = gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"}, a.threads,
+                      gpu)
     gemm = max(r["gflops"] for r in rates.values())
     log("[gemm] " + ", ".join(f"{r['library']} {r['gflops']:.0f} GFLOP/s"
                               for r in rates.values()))
@@ -298,7 +312,7 @@ def main(argv=None) -> int:
 
     # once more after the networks: on a shared machine the quieter of the two is the rate
     for fw, r in gemm_rate({fw: [py] for fw, py in pythons.items() if fw == "PyTorch"},
-                           a.threads).items():
+                           a.threads, gpu).items():
         if r["gflops"] > rates[fw]["gflops"]:
             rates[fw] = r
     gemm = max(r["gflops"] for r in rates.values())
@@ -319,12 +333,19 @@ def main(argv=None) -> int:
           f"run {elapsed:.0f} s")
     print(f"Machine: {machine()}; OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: "
           f"{pinned or 'unset'}")
-    print("float32 GEMM rate (2048^3, best of 5, before and after the networks): " + ", ".join(
+    if gpu:
+        gpus = {s.get("gpu") for t in table.values() for s in t["summary"].values()}
+        print(f"GPU: {', '.join(sorted(g for g in gpus if g))}; netdsl --backend cupy, PyTorch "
+              "on CUDA (its defaults: cuDNN, TF32 in convolutions); peak MB is each "
+              "framework's device memory pool high-water mark")
+    print(f"float32 GEMM rate ({8192 if gpu else 2048}^3, best of {10 if gpu else 5}, before "
+          "and after the networks): " + ", ".join(
         f"{r['library']} {r['gflops']:.0f} GFLOP/s" for r in rates.values())
         + f"; % GEMM below is of {gemm:.0f}")
     print()
     print("| network | batch | framework | ms/step | images/s | GFLOP/s | % GEMM | "
-          "peak RSS MB | netdsl peak MB | CPU s/step | netdsl / this |")
+          f"peak {'GPU pool' if gpu else 'RSS'} MB | netdsl peak MB | CPU s/step | "
+          "netdsl / this |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for net, t in table.items():
         summ = t["summary"]
@@ -336,7 +357,8 @@ def main(argv=None) -> int:
             ratio = f"{nd['median_s'] / s['median_s']:.2f}" if nd else "-"
             print(f"| {net} | {batch} | {s['framework']} | {1000 * s['median_s']:.1f} | "
                   f"{batch / s['median_s']:.1f} | {f'{gf:.1f}' if gf else '-'} | "
-                  f"{f'{100 * gf / gemm:.1f}' if gf else '-'} | {mb(s['rss_peak_bytes'])} | "
+                  f"{f'{100 * gf / gemm:.1f}' if gf else '-'} | "
+                  f"{mb(s.get('device_peak_bytes') if gpu else s['rss_peak_bytes'])} | "
                   f"{mb(s.get('peak_bytes'))} | {s['cpu_median_s']:.3f} | {ratio} |")
     print()
     for net, t in table.items():

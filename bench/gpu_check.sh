@@ -1,43 +1,110 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a lent GPU machine (device tool): installs CuPy, runs
-# the CuPy tests, ResNet-164/50 training steps with --backend cupy and resnet2504 planned
-# into a 12 GB pool against its unplanned run, ResNet-20 split over two logical devices on
-# the GPU (data, pipeline, tensor, spatial), and writes the results under $OUT (default ./gpu-results). Usage: bash bench/gpu_check.sh
+# The GPU checks, as one script for a lent GPU machine (device tool), in order of value:
+#  1. the CuPy tests (tests/test_gpu.py: every operator case, training steps, planned and
+#     split steps, all against NumPy in float64),
+#  2. issue 8's step table with --backend cupy against PyTorch on CUDA (bench_step.py),
+#  3. `netdsl run --backend cupy`: ResNet-164, resnet2504 unplanned and planned into 12 GB
+#     (CuPy's pool limited to 12 GB), ResNet-20 split over two logical devices.
+# Each check has its own time limit, so one that hangs costs only its share. Results go
+# under $OUT (default ./gpu-results): gpu_check.log (everything printed), gpu-tests.log and
+# .xml, bench-gpu.json, cli-runs.txt.
+#
+# Two ways to run it:
+#  - on the lent machine (no package index; its python3 has CuPy, torch with CUDA, numba,
+#    typer, rich, pytest): carry the wheels of what it lacks in .whl/ (lark, pydantic and
+#    theirs; docs/benchmarks.md, "GPU", says how they were fetched); netdsl runs from this
+#    checkout (PYTHONPATH) and PyTorch is that python3's own;
+#  - elsewhere (no .whl/): a fresh .gpu-venv with netdsl[test] and CuPy from the index; the
+#    PyTorch reference then comes from bench/.venvs/torch (CPU torch: the table compares
+#    netdsl only with itself unless --torch-python names a CUDA torch).
+# Usage: bash bench/gpu_check.sh [--quick]   (--quick: the tests and one network only)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
+QUICK=${1:-}
+export PYTHONUNBUFFERED=1
+# the NumPy reference kernels, not the Numba ones: a cold Numba compile takes minutes, and
+# the tests compare CuPy with NumPy's reference code anyway
+export NETDSL_FUSED_KERNELS=0
+T0=$(date +%s)
+
+step() {  # step SECONDS COMMAND...: one check under its own limit; its status and time logged
+  local limit=$1 t rc
+  shift
+  echo "== $* (limit ${limit} s, at $(($(date +%s) - T0)) s)"
+  t=$(date +%s)
+  timeout "$limit" "$@"
+  rc=$?
+  echo "== rc=$rc after $(($(date +%s) - t)) s"
+  return 0
+}
+
 {
-  nvidia-smi || true
-  python3 -m venv .gpu-venv && . .gpu-venv/bin/activate
-  pip install -q -e '.[test,gpu]'
-  python -c "import cupy; print('cupy', cupy.__version__, cupy.cuda.runtime.getDeviceCount(), 'device(s)')"
-  pytest -q -m gpu tests/test_gpu.py
-  echo "pytest rc=$?"
-  netdsl run examples/resnet164-cifar.net --steps 5 --batch 16 --backend cupy --json \
-      > "$OUT/resnet164-cupy.json"
-  echo "run rc=$?"
-  netdsl run examples/resnet50.net --steps 3 --batch 16 --backend cupy --json \
-      > "$OUT/resnet50-cupy.json"
-  echo "run rc=$?"
-  # memory planning on the device (issue 6): resnet2504 at batch 16 unplanned (about 70 GB:
-  # fits the H200), then planned into 12 GB with CuPy's pool limited to 12 GB; compare the
-  # measured peaks (pool high-water mark) and the step times (overhead of the plan)
-  netdsl run examples/resnet2504.net --steps 2 --batch 16 --backend cupy --eval-samples 0 \
-      --json > "$OUT/resnet2504-unplanned.json"
-  echo "run rc=$?"
-  CUPY_GPU_MEMORY_LIMIT=12000000000 netdsl run examples/resnet2504.net --steps 2 --batch 16 \
-      --backend cupy --mem 12GB --profile h200 --eval-samples 0 --json \
-      > "$OUT/resnet2504-12GB.json"
-  echo "run rc=$?"
-  # splitting (issue 7): data-parallel and pipeline steps over logical devices on the one
-  # GPU (one CuPy backend, byte accounting per device), against the same run on one device
-  for split in data pipeline tensor spatial; do
-    netdsl run examples/resnet20-cifar.net --steps 3 --batch 16 --backend cupy --devices 2 \
-        --split "$split" --eval-samples 0 --json > "$OUT/split-$split-cupy.json"
-    echo "run --devices 2 --split $split rc=$?"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm \
+      --format=csv || true
+  if [ -d .whl ]; then
+    PY=python3
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PWD:$PWD/cli:/tmp/site"
+    TORCH=(--torch-python "$(command -v python3)")
+  else
+    python3 -m venv .gpu-venv && . .gpu-venv/bin/activate
+    pip install -q -e '.[test]' cupy-cuda12x || exit 1
+    PY=python
+    TORCH=()
+  fi
+  $PY - <<'EOF'
+import cupy, numpy, netdsl
+print("cupy", cupy.__version__, "numpy", numpy.__version__, "CUDA runtime",
+      cupy.cuda.runtime.runtimeGetVersion(), "devices", cupy.cuda.runtime.getDeviceCount())
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+          "cudnn", torch.backends.cudnn.version())
+except ImportError as e:
+    print("no torch:", e)
+EOF
+  XDIST=()
+  $PY -c "import xdist, pytest_timeout" 2>/dev/null && XDIST=(-n 8 --timeout 150)
+  step 200 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "${XDIST[@]}" \
+      --tb=short -rfE --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -n 60
+
+  nets=resnet164,resnet50,vgg16,mobilenet_v2,transformer-tiny,digits-cnn
+  [ "$QUICK" = --quick ] && nets=resnet164
+  step 200 $PY bench/bench_step.py --backend cupy "${TORCH[@]}" --nets "$nets" --steps 5 \
+      --warmup 2 --rounds 2 --json-out "$OUT/bench-gpu.json"
+  [ "$QUICK" = --quick ] && exit 0
+  # where a GPU step's time goes: each op timed with the device synchronised around it,
+  # and the host's own time (cProfile), for a deep narrow net and a wide one
+  for f in resnet164-cifar resnet50; do
+    step 60 $PY bench/refs/netdsl_step.py --backend cupy --file "examples/$f.net" --batch 16 \
+        --steps 3 --warmup 2 --profile --top 15 > "$OUT/profile-$f.json"
+    $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median',
+      r['median_s'], 'cpu', r['cpu_times']); [print(o) for o in r['op_times'][:15]]" \
+      "$OUT/profile-$f.json"
   done
-  netdsl run examples/resnet20-cifar.net --steps 3 --batch 16 --backend cupy \
-      --eval-samples 0 --json > "$OUT/split-none-cupy.json"
-  echo "run rc=$?"
+
+  cli() {  # cli NAME LIMIT ARGS...: one `netdsl run` whose --json report goes to cli-runs.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "## $name" >> "$OUT/cli-runs.txt"
+    step "$limit" $PY -m netdsl_cli run "$@" --backend cupy --eval-samples 0 --json \
+        >> "$OUT/cli-runs.txt"
+    tail -c 600 "$OUT/cli-runs.txt"; echo
+  }
+  cli resnet164 60 examples/resnet164-cifar.net --steps 5 --batch 16
+  for split in data pipeline tensor; do
+    cli "resnet20 --devices 2 --split $split" 45 examples/resnet20-cifar.net --steps 3 \
+        --batch 16 --devices 2 --split "$split"
+  done
+  # memory planning on the device (issue 6): resnet2504 at batch 16 unplanned (about 42 GB:
+  # fits the H200), then planned into 12 GB with CuPy's pool limited to 12 GB; compare the
+  # measured peaks (pool high-water mark) and the step times (the plan's overhead)
+  cli "resnet2504 unplanned" 90 examples/resnet2504.net --steps 2 --batch 16
+  CUPY_GPU_MEMORY_LIMIT=12000000000 cli "resnet2504 --mem 12GB" 90 examples/resnet2504.net \
+      --steps 2 --batch 16 --mem 12GB --profile h200
+  echo "== all done at $(($(date +%s) - T0)) s"
 } 2>&1 | tee "$OUT/gpu_check.log"

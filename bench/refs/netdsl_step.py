@@ -98,14 +98,18 @@ def kernel_table(prof: cProfile.Profile, step_s: float, top: int) -> dict:
 
 
 def op_times(tr: Trainer) -> list:
-    """Wall time per op (no profiler): Executor._call timed with perf_counter, one step."""
+    """Wall time per op (no profiler): Executor._call timed with perf_counter, one step.
+    On a GPU the device is synchronised around each op, so the time is the op's own."""
     ex = tr.executor
     orig = ex._call
     acc: dict[str, list] = {}
+    sync = ex.backend.synchronize if ex.backend.name == "cupy" else (lambda: None)
 
     def timed(n, inputs, ctx):
+        sync()
         t0 = time.perf_counter()
         out = orig(n, inputs, ctx)
+        sync()
         e = acc.setdefault(n.op, [0, 0.0])
         e[0] += 1
         e[1] += time.perf_counter() - t0
@@ -130,6 +134,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--label", default="", help="shown after `netdsl` in the report")
     ap.add_argument("--src", help="import netdsl from this directory (see _use_source)")
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy"))
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     threadpool_limits(a.threads)
@@ -140,7 +145,7 @@ def main() -> None:
     net = netdsl.load(a.file)
     extra = 2 if a.profile else 0
     tr = Trainer(net.graph, net.train, RunOptions(steps=a.warmup + a.steps + extra,
-                                                 batch=a.batch))
+                                                 batch=a.batch, backend=a.backend))
     build_s = time.perf_counter() - t0
     times, cpus, losses = [], [], []
     for k in range(a.warmup + a.steps):
@@ -158,6 +163,11 @@ def main() -> None:
            "step_flops": summarize(tr.train_graph).flops_forward,
            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "threadpools": threads_info()}
+    if a.backend == "cupy":  # the pool's high-water mark: what CuPy took from the device
+        cupy = tr.executor.backend.xp
+        res["framework"] = f"netdsl (CuPy {cupy.__version__})"
+        res["device_peak_bytes"] = cupy.get_default_memory_pool().total_bytes()
+        res["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if a.profile:
         res["op_times"] = op_times(tr)
         prof = cProfile.Profile()

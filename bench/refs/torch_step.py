@@ -32,14 +32,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (bench_step --backend cupy)")
     a = ap.parse_args()
+    dev = torch.device(a.device)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     make_model, make_opt, make_batch = NETWORKS[a.net]
-    model = make_model().train()
+    model = make_model().train().to(dev)
     opt = make_opt(model.parameters())
     loss_fn = torch.nn.CrossEntropyLoss()
-    x, y = make_batch(a.batch)
+    x, y = (t.to(dev) for t in make_batch(a.batch))
     times, cpus, losses = [], [], []
     for k in range(a.warmup + a.steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -47,14 +49,24 @@ def main() -> None:
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
-        lv = float(loss)
+        lv = float(loss)  # waits for the step on a GPU too
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         if k >= a.warmup:
             times.append(dt)
             cpus.append(cpu)
             losses.append(lv)
+    gpu = {}
+    if dev.type == "cuda":  # what the caching allocator took from the device, at most
+        gpu = {"device_peak_bytes": torch.cuda.max_memory_reserved(),
+               "device_allocated_peak_bytes": torch.cuda.max_memory_allocated(),
+               "gpu": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
+               "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+               "matmul_tf32": torch.backends.cuda.matmul.allow_tf32}
     print(json.dumps({
-        "framework": f"PyTorch {torch.__version__}",
+        **gpu,
+        "framework": f"PyTorch {torch.__version__}" + (" CUDA" if gpu else ""),
         "params": sum(p.numel() for p in model.parameters()),
         "times": times, "cpu_times": cpus, "median_s": statistics.median(times), "losses": losses,
         "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -162,7 +162,10 @@ def gemm_rate(cmds: dict, threads: int, gpu: bool = False) -> dict:
 
 
 def export_revision(rev: str) -> Path:
-    """netdsl/, stdlib/ and grammar/ as of git revision `rev`, under bench/.baseline/ (reused)."""
+    """netdsl/, stdlib/ and grammar/ as of git revision `rev`, under bench/.baseline/ (reused).
+    `rev` may also name such an export (a machine without the git history: the GPU's)."""
+    if (Path(rev) / "netdsl" / "__init__.py").exists():
+        return Path(rev).resolve()
     sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout.strip()
     dest = BENCH / ".baseline" / sha
@@ -252,7 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="cProfile and per-op times of one netdsl step of the first network")
     ap.add_argument("--baseline", metavar="REV",
-                    help="also run netdsl as of this git revision, in the same rotation")
+                    help="also run netdsl as of this git revision (or from such an export: "
+                    "a directory with netdsl/, stdlib/, grammar/), in the same rotation")
     ap.add_argument("--setup-only", action="store_true", help="make the venvs and stop")
     ap.add_argument("--json-out", help="also write every figure to this JSON file")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy"),

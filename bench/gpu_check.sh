@@ -17,12 +17,21 @@
 #  - elsewhere (no .whl/): a fresh .gpu-venv with netdsl[test] and CuPy from the index; the
 #    PyTorch reference then comes from bench/.venvs/torch (CPU torch: the table compares
 #    netdsl only with itself unless --torch-python names a CUDA torch).
-# Usage: bash bench/gpu_check.sh [--quick]   (--quick: the tests and one network only)
+# Usage: bash bench/gpu_check.sh, with these environment variables to narrow it:
+#   CHECKS    the checks to run (default "tests table profile cli")
+#   NETS      the table's networks (default: six of bench_step.py's)
+#   BASELINE  an export of another revision (bench_step.py --baseline: a directory with its
+#             netdsl/, stdlib/ and grammar/, e.g. bench/.baseline/SHA carried along): netdsl
+#             as of then joins the table, so a change is measured against its base
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-QUICK=${1:-}
+CHECKS=${CHECKS:-tests table profile cli}
+NETS=${NETS:-resnet164,resnet50,vgg16,mobilenet_v2,transformer-tiny,digits-cnn}
+BASE=()
+[ -n "${BASELINE:-}" ] && BASE=(--baseline "$BASELINE")
+has() { [[ " $CHECKS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 # the NumPy reference kernels, not the Numba ones: a cold Numba compile takes minutes, and
 # the tests compare CuPy with NumPy's reference code anyway
@@ -68,24 +77,30 @@ except ImportError as e:
 EOF
   XDIST=()
   $PY -c "import xdist, pytest_timeout" 2>/dev/null && XDIST=(-n 8 --timeout 150)
-  step 200 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "${XDIST[@]}" \
-      --tb=short -rfE --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -n 60
-
-  nets=resnet164,resnet50,vgg16,mobilenet_v2,transformer-tiny,digits-cnn
-  [ "$QUICK" = --quick ] && nets=resnet164
-  step 200 $PY bench/bench_step.py --backend cupy "${TORCH[@]}" --nets "$nets" --steps 5 \
-      --warmup 2 --rounds 2 --json-out "$OUT/bench-gpu.json"
-  [ "$QUICK" = --quick ] && exit 0
+  if has tests; then
+    step 200 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "${XDIST[@]}" \
+        --tb=short -rfE --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -n 60
+  fi
+  if has table; then
+    step 300 $PY bench/bench_step.py --backend cupy "${TORCH[@]}" "${BASE[@]}" --nets "$NETS" \
+        --steps 5 --warmup 2 --rounds 2 --json-out "$OUT/bench-gpu.json"
+  fi
   # where a GPU step's time goes: each op timed with the device synchronised around it,
   # and the host's own time (cProfile), for a deep narrow net and a wide one
   for f in resnet164-cifar resnet50; do
+    has profile || break
     step 60 $PY bench/refs/netdsl_step.py --backend cupy --file "examples/$f.net" --batch 16 \
         --steps 3 --warmup 2 --profile --top 15 > "$OUT/profile-$f.json"
-    $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median',
-      r['median_s'], 'cpu', r['cpu_times']); [print(o) for o in r['op_times'][:15]]" \
-      "$OUT/profile-$f.json"
+    $PY - "$OUT/profile-$f.json" <<'EOF'
+import json, sys
+r = json.loads(next(line for line in open(sys.argv[1]) if line.startswith("{")))
+print(sys.argv[1], "median", r["median_s"], "cpu", r["cpu_times"])
+for op, calls, sec in r["op_times"][:15]:
+    print(f"  {op:28s} {calls:5d} {1000 * sec:8.2f} ms {1e6 * sec / calls:8.1f} us/call")
+EOF
   done
+  if ! has cli; then echo "== done at $(($(date +%s) - T0)) s"; exit 0; fi
 
   cli() {  # cli NAME LIMIT ARGS...: one `netdsl run` whose --json report goes to cli-runs.txt
     local name=$1 limit=$2

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2),
-                                           ("transformer-tiny", 2), ("densenet121", 1)])
+                                           ("transformer-tiny", 2), ("densenet121", 1),
+                                           ("mobilenet_v2", 2)])
 def test_training_step_matches_numpy(example, batch):
     gpu = _gpu_backend()
     g = add_optimizer(autodiff(load(f"{example}.net").lower(batch)), "sgd", lr=0.1,
@@ -45,6 +46,25 @@ def test_training_step_matches_numpy(example, batch):
         np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-10, err_msg=k)
     # the executor's own accounting is backend-independent
     assert gpu_ex.peak_bytes == cpu_ex.peak_bytes
+
+
+@pytest.mark.parametrize("kind,hyper", [("adam", {"weight_decay": 1e-4}),
+                                        ("adamw", {"weight_decay": 0.01})])
+def test_adam_steps_match_numpy(kind, hyper):
+    """Adam and AdamW on the GPU (one CUDA launch a parameter, the learning rate and step
+    counter read on the device) against NumPy's, over three steps."""
+    gpu = _gpu_backend()
+    g = add_optimizer(autodiff(load("transformer-tiny.net").lower(2)), kind, lr=1e-3, **hyper)
+    feeds = example_feeds(g)
+    cpu_ex = Executor(g, "numpy", dtype="f64", seed=1)
+    gpu_ex = Executor(g, gpu, dtype="f64", seed=1)
+    for _ in range(3):
+        a = cpu_ex.run(feeds, roles=("loss", "updates"))
+        b = gpu_ex.run(feeds, roles=("loss", "updates"))
+        np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
+    sa, sb = cpu_ex.state_dict(), gpu_ex.state_dict()
+    for k in sa:
+        np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-10, err_msg=k)
 
 
 def test_float32_step_runs_and_is_finite():
@@ -124,3 +144,39 @@ def test_split_step_matches_numpy(spec):
     for x, y in zip(a["grads"], b["grads"], strict=True):
         np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
     assert gpu_ex.comm.sent_bytes == cpu_ex.comm.sent_bytes
+
+
+@pytest.mark.parametrize("dtype,rtol", [("f64", 1e-9), ("f32", 2e-4)])
+@pytest.mark.parametrize("op,attrs", [("batchnorm", {}), ("batchnorm", {"affine": False}),
+                                      ("batchnorm_relu", {}), ("batchnorm_relu", {"cap": 6.0})])
+def test_cuda_batchnorm_kernels_match_numpy(op, attrs, dtype, rtol, monkeypatch):
+    """The CUDA batchnorm kernels (netdsl.backends.cupy_fused: forward, backward statistics,
+    input gradient, running statistics), which these runs are checked to take, against the
+    NumPy reference kernels: output, loss, gradients and the running statistics."""
+    from gradcheck import op_graph, random_feeds, randomise_params
+    gpu = _gpu_backend()
+    assert gpu.cuda_fused is not None, "NETDSL_CUDA_KERNELS is off"
+    called = set()
+    for name in ("bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input"):
+        def spy(*args, _f=getattr(gpu.cuda_fused, name), _n=name):
+            called.add(_n)
+            return _f(*args)
+        monkeypatch.setattr(gpu.cuda_fused, name, spy)
+    g = autodiff(op_graph(op, [(4, 6, 5, 7)], attrs, {}))
+    cpu_ex = Executor(g, "numpy", dtype=dtype, seed=0)
+    randomise_params(cpu_ex, np.random.default_rng(0), ())
+    gpu_ex = Executor(g, gpu, dtype=dtype, seed=0)
+    gpu_ex.load_state_dict(cpu_ex.state_dict())
+    feeds = random_feeds(g, np.random.default_rng(1))
+    a, b = cpu_ex.run(feeds), gpu_ex.run(feeds)
+    def close(got, want, what):  # float32: near-zero elements against the array's scale
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * float(np.abs(want).max()),
+                                   err_msg=f"{op} {what}")
+    for role in ("output", "loss", "grads"):
+        for x, y in zip(a[role], b[role], strict=True):
+            close(gpu.to_host(y), x, role)
+    sa, sb = cpu_ex.state_dict(), gpu_ex.state_dict()
+    for k in sa:
+        close(sb[k], sa[k], k)
+    assert called == {"bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input"}

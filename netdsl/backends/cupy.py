@@ -2,11 +2,15 @@
 so the rest of netdsl runs (and imports) without it."""
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import numpy as np
 
+from netdsl.backends.cupy_fused import CudaKernels
 from netdsl.errors import DeviceError
+
+CUDA_ENV = "NETDSL_CUDA_KERNELS"
 
 _HELP = ("Install CuPy for your CUDA version (e.g. `pip install cupy-cuda12x`, or "
          "`pip install netdsl[gpu]`) on a machine with an NVIDIA GPU and driver, or run on "
@@ -65,7 +69,9 @@ class PoolMeter:
 
 class CupyBackend:
     name = "cupy"
-    fused = None  # the CPU's Numba kernels do not apply; kernels use their xp code
+    # the CPU's Numba kernels do not apply: kernels run their xp code, except the few ops
+    # that ask for `cuda_fused` too (fused_kernels(..., cuda=True))
+    fused = None
 
     def __init__(self, device: int = 0):
         cupy = _import_cupy()
@@ -84,6 +90,9 @@ class CupyBackend:
         self._dev.use()
         from cupyx.scipy.special import erf
         self._erf = erf
+        # batchnorm and SGD as one launch each; NETDSL_CUDA_KERNELS=0 runs the xp code
+        self.cuda_fused = None if os.environ.get(CUDA_ENV, "1").strip().lower() in (
+            "0", "false", "no", "off") else CudaKernels(cupy)
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._pending: dict[int, tuple] = {}  # host buffer -> (copy-done event, source)
 

@@ -410,18 +410,23 @@ class Executor:
                               stack=n.stack)
         ctx.node = n
         try:
-            out = self.xp.asarray(op.kernel(self.xp, inputs, n.attrs, ctx))
+            out = op.kernel(self.xp, inputs, n.attrs, ctx)
+            # host-space values (to_host: pinned host memory on a GPU) stay where they are;
+            # everything else as a device array (a kernel may return a NumPy scalar)
+            if not (op.extra.get("space") == HOST and isinstance(out, np.ndarray)):
+                out = self.xp.asarray(out)
         except (NetdslError, MemoryError):  # out of memory: the trainer says it in words
             raise
         except Exception as e:
             raise NetdslError(f"while running {node_line(n)}: {type(e).__name__}: {e}",
                               loc=n.loc, stack=n.stack) from e
-        if self.check_numerics and out.dtype.kind == "f" and not bool(self.xp.isfinite(out).all()):
-            bad = "NaN" if bool(self.xp.isnan(out).any()) else "Inf"
+        xp = np if isinstance(out, np.ndarray) else self.xp
+        if self.check_numerics and out.dtype.kind == "f" and not bool(xp.isfinite(out).all()):
+            bad = "NaN" if bool(xp.isnan(out).any()) else "Inf"
             raise NetdslError(f"check-numerics: {_where(n)} produced {bad} "
                               f"({n.type}, phase {n.meta.get('phase', 'forward')})",
                               loc=n.loc, stack=n.stack)
-        if n.name in self.stop_if_nonfinite and not bool(self.xp.isfinite(out).all()):
+        if n.name in self.stop_if_nonfinite and not bool(xp.isfinite(out).all()):
             raise NonFinite(n.name)
         return out
 

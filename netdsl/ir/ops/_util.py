@@ -101,10 +101,15 @@ def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None):
     return y
 
 
-def fused_kernels(ctx, *arrays):
+def fused_kernels(ctx, *arrays, cuda: bool = False):
     """The backend's fused kernels (Numba loops, netdsl.backends.numpy_fused) if they take
     these arrays (float, contiguous), else None: the NumPy reference kernels run. An op
     whose kernel asks for them sets extra={"fused_kernels": True}, so that the executor
-    loads them when it is made, not inside a step."""
-    f = getattr(getattr(ctx, "backend", None), "fused", None)
+    loads them when it is made, not inside a step. With `cuda`, the CuPy backend's CUDA
+    kernels (netdsl.backends.cupy_fused) may answer too: the few ops that pass it call
+    only methods those kernels have, with the same signatures."""
+    be = getattr(ctx, "backend", None)
+    f = getattr(be, "fused", None)
+    if f is None and cuda:
+        f = getattr(be, "cuda_fused", None)
     return f if f is not None and f.accepts(*(a for a in arrays if a is not None)) else None

@@ -254,7 +254,7 @@ def bn_forward(xp, ins, a, ctx, relu):
         y = x3 * scale[:, None]
         y += shift[:, None]
         return (_relu_in_place(xp, y, cap) if relu else y).reshape(x.shape)
-    f = fused_kernels(ctx, x, ctx.out)
+    f = fused_kernels(ctx, x, ctx.out, cuda=True)
     if f is not None:
         y = xp.empty_like(x3) if ctx.out is None else _view3(ctx.out)
         moments = xp.empty((2, x3.shape[1]), xp.float64)
@@ -272,6 +272,9 @@ def bn_forward(xp, ins, a, ctx, relu):
     if not a.get("replay"):  # a recompute replay must not update the statistics again
         m = a["momentum"]
         count = x3.shape[0] * x3.shape[2]
+        if f is not None and hasattr(f, "bn_running") and f.accepts(rm, rv):
+            f.bn_running(rm, rv, moments, m, count)  # one launch on a GPU
+            return y.reshape(x.shape)
         # running statistics in place (PyTorch: unbiased variance in the running var)
         rm *= 1.0 - m
         rm += (m * mean).astype(rm.dtype, copy=False)
@@ -317,7 +320,7 @@ def _bn_grad_stats(xp, ins, a, ctx):
     w, b = (list(ins[2:4]) + [None, None])[:2]
     dy3, x3 = _view3(dy), _view3(x)
     out = xp.empty((len(STAT_ROWS), x3.shape[1]), dtype=dy3.dtype)
-    f = fused_kernels(ctx, dy, x)
+    f = fused_kernels(ctx, dy, x, cuda=True)
     if f is not None:
         f.bn_grad_stats(dy3, x3, *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"],
                         a["relu"], _no_cap(a.get("cap")), out, f.threads)
@@ -342,7 +345,7 @@ def _bn_grad_from_stats(xp, ins, a, ctx):
     dy3 = _view3(dy)
     count = dy3.shape[0] * dy3.shape[2]
     gw, sdy, mean, inv = st[0], st[1], st[2], st[3]
-    f = fused_kernels(ctx, dy, x, acc, ctx.out)
+    f = fused_kernels(ctx, dy, x, acc, ctx.out, cuda=True)
     if f is not None:
         dx = xp.empty_like(dy3) if ctx.out is None else _view3(ctx.out)
         f.bn_grad_input(dy3, _view3(x), st, *_affine_or_unit(xp, w, b, st.shape[1], x.dtype),

@@ -59,13 +59,14 @@ register(OpDef("step_increment", (Arg("step", "tensor"),), _step_shape, "optimiz
 @kernel("sgd_update")
 def _sgd(xp, ins, a, ctx):
     p, g, lr = ins[0], ins[1], ins[2]
-    lr = lr.astype(p.dtype)
+    lr = lr.astype(p.dtype, copy=False)
     buf = ins[3] if a["momentum"] else p  # (not read without momentum)
-    f = fused_kernels(ctx, p, g, buf)
+    f = fused_kernels(ctx, p, g, buf, cuda=True)
     if f is not None and p.dtype == g.dtype == buf.dtype:  # one pass, bit for bit this code
         t = p.dtype.type
-        f.sgd_update(p.reshape(-1), g.reshape(-1), buf.reshape(-1), t(lr), t(a["momentum"]),
-                     t(a["weight_decay"]), bool(a["nesterov"]))
+        f.sgd_update(p.reshape(-1), g.reshape(-1), buf.reshape(-1),
+                     lr if getattr(f, "scalars_on_device", False) else t(lr),
+                     t(a["momentum"]), t(a["weight_decay"]), bool(a["nesterov"]))
         return p
     if a["weight_decay"]:
         g = g + a["weight_decay"] * p
@@ -97,7 +98,15 @@ def _adam_scalars(dtype, lr, step, b1, b2, eps, wd, decoupled):
 def _adam(xp, ins, a, ctx):
     p, g, lr, m, v, step = ins
     b1, b2 = a["beta1"], a["beta2"]
-    f = fused_kernels(ctx, p, g, m, v)
+    f = fused_kernels(ctx, p, g, m, v, cuda=True)
+    if f is not None and getattr(f, "scalars_on_device", False):
+        if p.dtype == g.dtype == m.dtype == v.dtype and step.dtype == np.int64:
+            # CUDA: one launch, lr and the step counter read on the device
+            f.adam_update_device(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                                 lr.astype(p.dtype, copy=False), step, b1, b2, a["eps"],
+                                 a["weight_decay"], bool(a["decoupled"]))
+            return p
+        f = None
     if f is not None and p.dtype == g.dtype == m.dtype == v.dtype:
         # one pass, bit for bit the code below (its scalars as NumPy rounds them)
         f.adam_update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),

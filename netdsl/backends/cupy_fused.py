@@ -1,0 +1,279 @@
+"""Fused CUDA kernels for the CuPy backend: batchnorm (+ relu) and the SGD and Adam updates.
+
+Through CuPy's array API, one batchnorm forward is about fifteen launches (sums, deviations,
+squares, scales, the relu) and its backward about twenty, each paying CuPy's host-side
+dispatch (tens of microseconds); on a GPU as fast as an H200 a small network's step is
+nothing but that overhead (ResNet-164 at batch 16: 0.45 s a step against PyTorch's 34 ms,
+docs/benchmarks.md, "GPU"). Here each of those operators is one launch:
+
+- batchnorm forward: one block a channel; the mean and the variance in two passes over
+  the channel (float64 sums), then y, in the same launch;
+- batchnorm's backward statistics: the same two passes, then sum(g) and sum(g * (x - mean))
+  with the relu mask recomputed (one block a channel);
+- batchnorm's input gradient and the SGD and Adam updates: one element-wise pass each
+  (the optimizers read the learning rate and the step counter on the device: a host
+  scalar would wait for the GPU before every parameter's update).
+
+The methods have the NumPy backend's fused kernels' signatures (netdsl.backends.numpy_fused,
+whose Numba loops define the arithmetic: z = (x - mean) * (inv * w) + b in the data's
+dtype, the relu mask z > 0 and z < cap, the same order of operations in dx and in SGD);
+`threads` is accepted and ignored. Kernels compile on first use per dtype (NVRTC; CuPy
+keeps the binaries in its on-disk cache). CuPy reaches this module only as the object the
+CuPy backend hands it; it imports nothing from cupy itself.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_SOURCE = r"""
+typedef TYPE T;
+#define BLOCK 256
+
+__device__ double block_sum(double v, double* sh) {
+    // the sum over the block's BLOCK threads, returned to every thread
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    double r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// the mean and biased variance of channel ch of (n, c, p) data, two passes in float64
+__device__ void moments(const T* x, int c, int p, long long m, int ch, double* sh,
+                        double* mean, double* var) {
+    double s = 0.0;
+    for (long long k = threadIdx.x; k < m; k += BLOCK) {
+        long long i = k / p;
+        s += (double)x[(i * c + ch) * p + (k - i * p)];
+    }
+    double mu = block_sum(s, sh) / (double)m;
+    s = 0.0;
+    for (long long k = threadIdx.x; k < m; k += BLOCK) {
+        long long i = k / p;
+        double d = (double)x[(i * c + ch) * p + (k - i * p)] - mu;
+        s += d * d;
+    }
+    *mean = mu;
+    *var = block_sum(s, sh) / (double)m;
+}
+
+__device__ bool passes(T z, int capped, T top) {
+    return z > (T)0 && (!capped || z < top);
+}
+
+extern "C" __global__ void bn_forward(const T* x, const T* w, const T* b, T* y,
+                                      double* mom, int n, int c, int p, double eps,
+                                      int relu, int capped, double cap) {
+    __shared__ double sh[BLOCK];
+    int ch = blockIdx.x;
+    long long m = (long long)n * p;
+    double mean, var;
+    moments(x, c, p, m, ch, sh, &mean, &var);
+    T mt = (T)mean, it = (T)(1.0 / sqrt(var + eps));
+    T scale = it * w[ch], shift = b[ch], top = (T)cap;
+    for (long long k = threadIdx.x; k < m; k += BLOCK) {
+        long long i = k / p;
+        long long a = (i * c + ch) * p + (k - i * p);
+        T z = (x[a] - mt) * scale + shift;
+        if (relu) {
+            if (!(z > (T)0)) z = (z == z) ? (T)0 : z;  // NaN stays NaN
+            if (capped && z > top) z = top;
+        }
+        y[a] = z;
+    }
+    if (threadIdx.x == 0) {
+        mom[ch] = mean;
+        mom[c + ch] = var;
+    }
+}
+
+extern "C" __global__ void bn_running(T* rm, T* rv, const double* mom, int c,
+                                      double momentum, double unbias) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch < c) {
+        rm[ch] = rm[ch] * (T)(1.0 - momentum) + (T)(momentum * mom[ch]);
+        rv[ch] = rv[ch] * (T)(1.0 - momentum) + (T)(momentum * unbias * mom[c + ch]);
+    }
+}
+
+extern "C" __global__ void bn_grad_stats(const T* dy, const T* x, const T* w, const T* b,
+                                         T* out, int n, int c, int p, double eps, int relu,
+                                         int capped, double cap) {
+    __shared__ double sh[BLOCK];
+    int ch = blockIdx.x;
+    long long m = (long long)n * p;
+    double mean, var;
+    moments(x, c, p, m, ch, sh, &mean, &var);
+    T mt = (T)mean, it = (T)(1.0 / sqrt(var + eps));
+    T scale = it * w[ch], shift = b[ch], top = (T)cap;
+    double sg = 0.0, sgd = 0.0;
+    for (long long k = threadIdx.x; k < m; k += BLOCK) {
+        long long i = k / p;
+        long long a = (i * c + ch) * p + (k - i * p);
+        T d = x[a] - mt;
+        T g = dy[a];
+        if (relu && !passes(d * scale + shift, capped, top)) g = (T)0;
+        sg += (double)g;
+        sgd += (double)(g * d);
+    }
+    sg = block_sum(sg, sh);
+    sgd = block_sum(sgd, sh);
+    if (threadIdx.x == 0) {
+        out[ch] = (T)(sgd * (double)it);
+        out[c + ch] = (T)sg;
+        out[2 * c + ch] = mt;
+        out[3 * c + ch] = it;
+    }
+}
+
+extern "C" __global__ void bn_grad_input(const T* dy, const T* x, const T* st, const T* w,
+                                         const T* b, const T* acc, T* dx, int n, int c,
+                                         int p, int relu, int capped, double cap,
+                                         int accumulate) {
+    long long total = (long long)n * c * p;
+    double m = (double)n * p;
+    T top = (T)cap;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+         k += (long long)gridDim.x * blockDim.x) {
+        int ch = (int)((k / p) % c);
+        double gw = (double)st[ch], sg = (double)st[c + ch];
+        T mt = st[2 * c + ch], it = st[3 * c + ch];
+        T scale = it * w[ch], shift = b[ch];
+        T k_dev = (T)(-(double)it * gw / m), k_sum = (T)(-sg / m);
+        T d = x[k] - mt;
+        T g = dy[k];
+        if (relu && !passes(d * scale + shift, capped, top)) g = (T)0;
+        T v = (d * k_dev + k_sum + g) * scale;
+        if (accumulate) v += acc[k];
+        dx[k] = v;
+    }
+}
+
+extern "C" __global__ void sgd_update(T* p, const T* g, T* buf, const T* lr, long long size,
+                                      T momentum, T weight_decay, int nesterov) {
+    T rate = lr[0];
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < size;
+         i += (long long)gridDim.x * blockDim.x) {
+        T gi = g[i];
+        if (weight_decay != (T)0) gi = gi + weight_decay * p[i];
+        if (momentum != (T)0) {
+            T bb = buf[i] * momentum + gi;
+            buf[i] = bb;
+            gi = nesterov ? gi + momentum * bb : bb;
+        }
+        p[i] = p[i] - rate * gi;
+    }
+}
+
+extern "C" __global__ void adam_update(T* p, const T* g, T* m, T* v, const T* lr,
+                                       const long long* step, long long size, T b1, T b2,
+                                       T eps, T weight_decay, int decoupled) {
+    T rate = lr[0], t = (T)step[0];
+    T step_size = rate / ((T)1 - pow(b1, t)), bc2_sqrt = sqrt((T)1 - pow(b2, t));
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < size;
+         i += (long long)gridDim.x * blockDim.x) {
+        T pi = p[i], gi = g[i];
+        if (weight_decay != (T)0) {
+            if (decoupled) pi = pi * ((T)1 - rate * weight_decay);
+            else gi = gi + weight_decay * pi;
+        }
+        T mi = m[i] * b1 + ((T)1 - b1) * gi;
+        T vi = v[i] * b2 + ((T)1 - b2) * (gi * gi);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi - step_size * (mi / (sqrt(vi) / bc2_sqrt + eps));
+    }
+}
+"""
+
+_BLOCK = 256  # the source's BLOCK: threads a block (a power of two)
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+class CudaKernels:
+    """The CuPy backend's fused kernels (module docstring); `cupy` is the module."""
+
+    threads = 0  # the Numba kernels' thread count: nothing to set on a GPU
+    # optim.py passes the learning rate as the device array it is (a host scalar would
+    # read it back from the GPU before every update)
+    scalars_on_device = True
+
+    def __init__(self, cupy):
+        self._cupy = cupy
+        self._modules: dict[np.dtype, object] = {}
+
+    def accepts(self, *arrays) -> bool:
+        cp = self._cupy
+        return all(isinstance(a, cp.ndarray) and a.dtype in _CTYPES
+                   and a.flags.c_contiguous and a.size > 0 for a in arrays)
+
+    def _kernel(self, name: str, dtype):
+        dtype = np.dtype(dtype)
+        mod = self._modules.get(dtype)
+        if mod is None:
+            mod = self._cupy.RawModule(code=_SOURCE.replace("TYPE", _CTYPES[dtype], 1),
+                                       options=("--std=c++14",))
+            self._modules[dtype] = mod
+        return mod.get_function(name)
+
+    @staticmethod
+    def _grid(total: int) -> int:
+        return max(1, min((total + _BLOCK - 1) // _BLOCK, 65535))
+
+    # -- batchnorm -----------------------------------------------------------------------
+    def bn_forward(self, x3, w, b, eps, relu, cap, y3, moments, threads=0):
+        n, c, p = x3.shape
+        self._kernel("bn_forward", x3.dtype)(
+            (c,), (_BLOCK,), (x3, w, b, y3, moments, np.int32(n), np.int32(c), np.int32(p),
+                              np.float64(eps), np.int32(relu), np.int32(cap < np.inf),
+                              np.float64(min(cap, np.finfo(np.float64).max))))
+
+    def bn_running(self, rm, rv, moments, momentum, count):
+        """The running statistics' update in place (PyTorch's: the unbiased variance)."""
+        c = rm.shape[0]
+        self._kernel("bn_running", rm.dtype)(
+            (self._grid(c),), (_BLOCK,), (rm, rv, moments, np.int32(c), np.float64(momentum),
+                                          np.float64(count / max(count - 1, 1))))
+
+    def bn_grad_stats(self, dy3, x3, w, b, eps, relu, cap, out, threads=0):
+        n, c, p = x3.shape
+        self._kernel("bn_grad_stats", x3.dtype)(
+            (c,), (_BLOCK,), (dy3, x3, w, b, out, np.int32(n), np.int32(c), np.int32(p),
+                              np.float64(eps), np.int32(relu), np.int32(cap < np.inf),
+                              np.float64(min(cap, np.finfo(np.float64).max))))
+
+    def bn_grad_input(self, dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, threads=0):
+        n, c, p = x3.shape
+        self._kernel("bn_grad_input", x3.dtype)(
+            (self._grid(n * c * p),), (_BLOCK,),
+            (dy3, x3, st, w, b, acc3, dx3, np.int32(n), np.int32(c), np.int32(p),
+             np.int32(relu), np.int32(cap < np.inf),
+             np.float64(min(cap, np.finfo(np.float64).max)), np.int32(accumulate)))
+
+    # -- optimizer -----------------------------------------------------------------------
+    def sgd_update(self, p, g, buf, lr, momentum, weight_decay, nesterov):
+        """In place on 1-d p (and buf with momentum); lr a one-element device array of p's
+        dtype, the other scalars host numbers."""
+        t = p.dtype.type
+        self._kernel("sgd_update", p.dtype)(
+            (self._grid(p.size),), (_BLOCK,),
+            (p, g, buf, lr, np.int64(p.size), t(momentum), t(weight_decay),
+             np.int32(nesterov)))
+
+    def adam_update_device(self, p, g, m, v, lr, step, b1, b2, eps, weight_decay, decoupled):
+        """Adam / AdamW in place on 1-d p, m and v, as the NumPy kernel computes it; lr (p's
+        dtype) and the step counter (int64, already incremented) stay one-element device
+        arrays, the bias corrections are computed from them on the device."""
+        t = p.dtype.type
+        self._kernel("adam_update", p.dtype)(
+            (self._grid(p.size),), (_BLOCK,),
+            (p, g, m, v, lr, step, np.int64(p.size), t(b1), t(b2), t(eps), t(weight_decay),
+             np.int32(decoupled)))
+
+    def __repr__(self) -> str:
+        return "CudaKernels(batchnorm, sgd, adam)"

@@ -115,11 +115,11 @@ EOF
     cli "resnet20 --devices 2 --split $split" 45 examples/resnet20-cifar.net --steps 3 \
         --batch 16 --devices 2 --split "$split"
   done
-  # memory planning on the device (issue 6): resnet2504 at batch 16 unplanned (about 42 GB:
-  # fits the H200), then planned into 12 GB with CuPy's pool limited to 12 GB; compare the
-  # measured peaks (pool high-water mark) and the step times (the plan's overhead)
-  cli "resnet2504 unplanned" 90 examples/resnet2504.net --steps 2 --batch 16
+  # memory planning on the device (issue 6): resnet2504 at batch 16 planned into 12 GB with
+  # CuPy's pool limited to 12 GB, then unplanned (about 42 GB: fits the H200); compare the
+  # measured peaks (pool high-water mark), the losses and the step times (the plan's cost)
   CUPY_GPU_MEMORY_LIMIT=12000000000 cli "resnet2504 --mem 12GB" 90 examples/resnet2504.net \
       --steps 2 --batch 16 --mem 12GB --profile h200
+  cli "resnet2504 unplanned" 90 examples/resnet2504.net --steps 2 --batch 16
   echo "== all done at $(($(date +%s) - T0)) s"
 } 2>&1 | tee "$OUT/gpu_check.log"

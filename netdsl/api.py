@@ -113,10 +113,14 @@ def plan(net: Network, mem: int | str, batch: int | None = None,
     `verified_peak_bytes`; were it over the budget, the search is run again with the
     budget lowered by the excess (`memory.search.plan_and_apply`). Raises NetdslError for
     bad sizes, profiles or strategies."""
+    from netdsl.memory.profiles import get_profile
     from netdsl.memory.search import plan_and_apply
     from netdsl.runtime.trainer import training_graph
     b = batch if batch is not None else net.default_batch
-    step = training_graph(net.lower(b), net.train or TrainConfig())
+    # a GPU's step (its kernels' variants, and their scratch) for a device profile, as
+    # `run --backend cupy --mem` plans it; the CPU's for a unified one
+    step = training_graph(net.lower(b), net.train or TrainConfig(),
+                          "cpu" if get_profile(profile).unified else "gpu")
     # checked as `run --mem` runs the step: values packed into an arena
     _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, arena=True,
                             prefetch=prefetch, progress=progress,

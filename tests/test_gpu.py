@@ -24,13 +24,17 @@ def _gpu_backend():
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
 @pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2),
                                            ("transformer-tiny", 2), ("densenet121", 1),
                                            ("mobilenet_v2", 2)])
-def test_training_step_matches_numpy(example, batch):
+def test_training_step_matches_numpy(example, batch, device):
+    """Two steps on CuPy and on NumPy, the same graph: as written, and with the `device`
+    pass's GPU variants (the columns' convolutions: the Trainer's graph on CuPy)."""
+    from netdsl.passes.device import for_device
     gpu = _gpu_backend()
-    g = add_optimizer(autodiff(load(f"{example}.net").lower(batch)), "sgd", lr=0.1,
-                      momentum=0.9, weight_decay=1e-4)
+    g = for_device(add_optimizer(autodiff(load(f"{example}.net").lower(batch)), "sgd",
+                                 lr=0.1, momentum=0.9, weight_decay=1e-4), device)
     roles = ("loss", "grads", "updates")
     feeds = example_feeds(g)
     cpu_ex = Executor(g, "numpy", dtype="f64", seed=1)

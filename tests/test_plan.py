@@ -131,13 +131,16 @@ CONV_PATHS = [  # (x shape, attrs): every kernel path of conv2d's three kernels
 ]
 
 
+@pytest.mark.parametrize("target", [None, "gpu"])
 @pytest.mark.parametrize("shape,attrs", CONV_PATHS, ids=range(len(CONV_PATHS)))
-def test_conv_workspace_rules_cover_what_the_kernels_allocate(shape, attrs):
+def test_conv_workspace_rules_cover_what_the_kernels_allocate(shape, attrs, target):
     """tracemalloc's peak inside each kernel, less its result, stays within the op's
     declared workspace with the fused kernels and with the NumPy reference kernels (the
     plan does not know which will run, so a rule covers the larger), and the larger of
     the two uses most of it (the rule is not a blanket). Measured here: every path's
-    scratch within 4 kB of its rule."""
+    scratch within 4 kB of its rule. With target "gpu" (nodes the `device` pass marked
+    for a GPU: the columns' paths, the same xp code CuPy runs) the rules count those
+    paths, and the results equal the CPU paths'."""
     import tracemalloc
 
     from netdsl.ir import registry
@@ -150,6 +153,9 @@ def test_conv_workspace_rules_cover_what_the_kernels_allocate(shape, attrs):
     g.add(Node("x", "param", (), TensorType(shape), {"shape": shape, "init": "normal"}))
     add_op(g, "y", "conv2d", ["x"], attrs)
     t = autodiff_of(g)
+    if target is not None:
+        from netdsl.passes.device import for_device
+        t = for_device(t, target)
     rng = np.random.default_rng(0)
     values = {n.name: rng.standard_normal(n.type.shape).astype(np.float32)
               for n in t.nodes if n.op in ("input", "param")}
@@ -175,10 +181,35 @@ def test_conv_workspace_rules_cover_what_the_kernels_allocate(shape, attrs):
                 tracemalloc.stop()
             used = peak - out.nbytes
             most = max(most, used)
+            if target is not None:  # the same numbers as the CPU's paths
+                plain = {k: v for k, v in n.attrs.items() if k != "target"}
+                want = op.kernel(np, ins, plain, ctx)
+                np.testing.assert_allclose(out, want, rtol=1e-4,
+                                           atol=1e-5 * float(np.abs(want).max()))
             # slack: NumPy's matmul may hold one result-sized temporary of its own
             assert used <= declared + out.nbytes + 4096, (n.op, used, declared)
         if declared > 64 * 1024:
             assert most >= 0.5 * declared, (n.op, most, declared)
+
+
+def test_device_pass_marks_the_convolutions_for_a_gpu_only():
+    """`device` kind gpu marks conv2d and its two gradients (target = "gpu"), nothing else;
+    kind cpu changes nothing; the Trainer marks its step on CuPy only."""
+    from netdsl.config import TrainConfig
+    from netdsl.passes.device import for_device
+    from netdsl.runtime.trainer import RunOptions, Trainer, training_graph
+    net = load("resnet20-cifar.net")
+    step = training_graph(net.lower(2), net.train or TrainConfig(), "gpu")
+    convs = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
+    assert {n.op for n in step.nodes if n.attrs.get("target") == "gpu"} == convs
+    assert all(n.attrs.get("target") == "gpu" for n in step.nodes if n.op in convs)
+    cpu = training_graph(net.lower(2), net.train or TrainConfig())
+    assert not any("target" in n.attrs for n in cpu.nodes)
+    assert for_device(cpu, "cpu") is cpu
+    with pytest.raises(NetdslError, match="unknown device kind"):
+        for_device(cpu, "tpu")
+    tr = Trainer(net.graph, net.train, RunOptions(steps=1, batch=2))
+    assert not any("target" in n.attrs for n in tr.train_graph.nodes)
 
 
 def autodiff_of(g):

@@ -73,5 +73,6 @@ def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = N
 
 def _load_builtin_passes() -> None:
     import netdsl.passes.autodiff  # noqa: F401  (registers "autodiff")
+    import netdsl.passes.device  # noqa: F401  (registers "device")
     import netdsl.passes.fuse  # noqa: F401  (registers "fuse")
     import netdsl.passes.optimizer  # noqa: F401  (registers "optimizer")

@@ -245,7 +245,7 @@ def out_of_memory(needed: int, backend, batch: int, when: str) -> NetdslError:
         ", or a smaller network")
 
 
-def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
+def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
     if "loss" not in forward.outputs:
         raise NetdslError(f"network `{forward.name}` declares no `loss`, so it cannot be "
                           "trained; add e.g. `loss softmax_cross_entropy(logits, y)`")
@@ -253,9 +253,10 @@ def training_graph(forward: Graph, cfg: TrainConfig) -> Graph:
     kind = opt.pop("kind")
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
     # leaves the graph as written); join_slice_grads: q/k/v-style slices' gradients as
-    # one concat
+    # one concat; device: the kernels' variants for the device ("gpu" on CuPy)
     return run_pipeline(forward, ["fuse", "autodiff", "fuse_grads", "join_slice_grads",
-                                  ("optimizer", {"kind": kind, **opt})])
+                                  ("optimizer", {"kind": kind, **opt}),
+                                  ("device", {"kind": device})])
 
 
 class Trainer:
@@ -300,7 +301,8 @@ class Trainer:
         if opts.devices > 1:
             self.train_graph, self.split = self._split_step(backend)
         else:
-            self.train_graph = training_graph(bound, self.cfg).verify()
+            self.train_graph = training_graph(
+                bound, self.cfg, "gpu" if backend.name == "cupy" else "cpu").verify()
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]

@@ -143,19 +143,24 @@ def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
     wo = (wp - dw * (kw - 1) - 1) // sw + 1
     pointwise = (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1)
+    gpu = on_gpu(a)
 
     if kind == "forward":
-        return extra + _forward_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), g, h, w)
+        return extra + _forward_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), g, h, w,
+                                        gpu)
     if kind == "grad_input":
         if pointwise:
             return extra
         qh, qw = (kh - 1) * dh - ph, (kw - 1) * dw - pw
         if (sh, sw) == (1, 1) and qh >= 0 and qw >= 0:  # dy convolved with the flipped w
             return extra + c * og * kh * kw + _forward_scratch(
-                n, o, c, (kh, kw, 1, 1, qh, qw, dh, dw), g, ho, wo)
+                n, o, c, (kh, kw, 1, 1, qh, qw, dh, dw), g, ho, wo, gpu)
         return extra + n * c * kh * kw * ho * wo + n * c * hp * wp
     if pointwise:  # grad_weight: the per-sample products before their sum, or the
         return min(n * o * c, n * ho * wo * (o + c))  # transposed copies, the smaller
+    if gpu:
+        return extra + _folded_gw_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), hp, wp,
+                                          ho, wo)
     flat = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
     if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, flat):
         return extra + max(flat, winograd.chunk(n, c, o, ho, wo, flat)[1])
@@ -168,6 +173,13 @@ def _gw_scratch(n, c, o, geom, g, hp, wp, ho, wo) -> int:
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     if (sh, sw) == (1, 1) and ho * wo >= 256:
         return _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
+    return _folded_gw_scratch(n, c, o, geom, hp, wp, ho, wo)
+
+
+def _folded_gw_scratch(n, c, o, geom, hp, wp, ho, wo) -> int:
+    """Scratch elements of _conv2d_gw's folded columns (one GEMM a group over N*Ho*Wo):
+    the padded x, the columns and dy's transposed copy."""
+    kh, kw, _sh, _sw, ph, pw, _dh, _dw = geom
     return (n * c * hp * wp if ph or pw else 0) + n * c * kh * kw * ho * wo + n * o * ho * wo
 
 
@@ -193,14 +205,20 @@ def _flat_shift_gw_scratch(n, c, o, kernel, g, hp, wp, ho) -> int:
 _FOLD_MAX_PIXELS = 196
 
 
-def _forward_path(n, cin, cout, geom, g, h, w, fast: bool) -> str:
+def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) -> str:
     """Which of _conv_forward's paths runs on an [n, cin, h, w] input (`fast`: with the
-    backend's fused kernels): pointwise | winograd | folded | flat | im2col."""
+    backend's fused kernels; `gpu`: a node the `device` pass marked for a GPU):
+    pointwise | winograd | folded | flat | im2col."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if (kh, kw, sh, sw, ph, pw, g) == (1, 1, 1, 1, 0, 0, 1):
         return "pointwise"
+    if gpu:
+        # the columns and one batched GEMM: a GPU is held back by launches, not bytes, and
+        # the flat shift is kh*kw GEMMs and adds (ResNet-164's 3x3 forward on an H200:
+        # about 22 launches, 0.49 ms a call; docs/benchmarks.md, "GPU")
+        return "im2col"
     if fast and _is_depthwise(cin, g):
         return "depthwise"
     if fast and winograd.applies(geom, g, n, cin, cout, ho, wo, _flat_shift_scratch(
@@ -225,9 +243,10 @@ def _image_tasks_beat_winograd(n, cin, cout, g, ho, wo) -> bool:
     return g == 1 and n >= 2 and max(cin, cout) <= 64 and 196 <= ho * wo <= 56 * 56
 
 
-def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:
+def _forward_scratch(n, cin, cout, geom, g, h, w, gpu: bool = False) -> int:
     """Scratch elements of _conv_forward on an [n, cin, h, w] input: the larger of its
-    paths with and without the fused kernels (the plan does not know which will run)."""
+    paths with and without the fused kernels (the plan does not know which will run), or
+    the GPU's path for a node marked for one."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     hp, wp = h + 2 * ph, w + 2 * pw
     ho = (hp - dh * (kh - 1) - 1) // sh + 1
@@ -245,6 +264,8 @@ def _forward_scratch(n, cin, cout, geom, g, h, w) -> int:
         "flat": flat,
         "im2col": padded + n * cin * kh * kw * ho * wo,
     }
+    if gpu:
+        return sizes[_forward_path(n, cin, cout, geom, g, h, w, False, True)]
     return max(sizes[_forward_path(n, cin, cout, geom, g, h, w, fast)]
                for fast in (False, True))
 
@@ -271,7 +292,7 @@ register(OpDef(
     _shape, "conv", _params, _flops, _workspace("forward"), retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
-    extra={"spatial": 2, "fused_kernels": True}))
+    extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -290,14 +311,14 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                flops=lambda ins, out, a: _flops([out], ins[0], a),
                workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
-               extra={"spatial": 2, "fused_kernels": True}))
+               extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _flops([ins[1]], ins[0], a),
                workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
-               extra={"spatial": 2, "fused_kernels": True}))
+               extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -339,6 +360,12 @@ def col2im_add(xp, dxpad, dcols, sh, sw, dh, dw, fast=None):
             r, q = i * dh, j * dw
             dxpad[:, :, r:r + sh * (ho - 1) + 1:sh, q:q + sw * (wo - 1) + 1:sw] += \
                 dcols[:, :, i, j]
+
+
+def on_gpu(a) -> bool:
+    """Whether the `device` pass marked this node for a GPU (netdsl.passes.device): its
+    kernel takes the columns' paths, and its workspace rule counts those."""
+    return a.get("target") == "gpu"
 
 
 def _is_depthwise(c, g) -> bool:
@@ -386,14 +413,16 @@ def _flat_padded(xp, x, ph, pw, extra):
     return buf
 
 
-def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
+def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False):
     """y = conv2d(x, w); `fast`: the backend's fused kernels, for Winograd where it applies
-    (conv_winograd.applies); `out`: the node's planned slot, where a path can write it."""
+    (conv_winograd.applies); `out`: the node's planned slot, where a path can write it;
+    `gpu`: the node is marked for a GPU (the columns' path)."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, o = x.shape[0], w.shape[0]
     ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    path = _forward_path(n, x.shape[1], o, geom, g, x.shape[2], x.shape[3], fast is not None)
+    path = _forward_path(n, x.shape[1], o, geom, g, x.shape[2], x.shape[3], fast is not None,
+                         gpu)
     if path == "depthwise":
         y = fast.depthwise.conv(x, w, geom, fast.threads, _forward_scratch(
             n, x.shape[1], o, geom, g, x.shape[2], x.shape[3]), out)
@@ -450,7 +479,7 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None):
                 # run it, else through a temporary)
                 y = matmul(xp, wt[i * kw + j], part, y, fast, accumulate=y is not None)
         return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
-    if g == 1 and fast is not None:
+    if g == 1 and fast is not None and not gpu:
         # columns one image at a time (the fused kernels' parallel copy), each image's GEMM
         # straight into its rows of y: ResNet-50's 7x7/2 stem 39 -> 24 ms
         y = xp.empty((n, o, ho * wo), x.dtype) if out is None else _flat_out(out, n, o)
@@ -478,7 +507,7 @@ def conv2d_forward(xp, x, w, a, out=None, fast=None):
     backend's fused kernels (Winograd), or None."""
     a, extra = _split(a)
     return _conv_forward(xp, _pad_extra(xp, x, extra), w, _geometry(None, a), a["groups"],
-                         out, fast)
+                         out, fast, on_gpu(a))
 
 
 def conv2d_grad_input(xp, dy, w, shape, a, out=None, fast=None):
@@ -526,6 +555,8 @@ def _conv2d_gw(xp, ins, a, fast):
     g = a["groups"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
+    if on_gpu(a):
+        fast = None  # the folded columns below (one GEMM a group), as the rule counts them
     if fast is not None and _is_depthwise(c, g):
         gw = fast.depthwise.grad_weight(dy, x, tuple(a["shape"]), _geometry(None, a),
                                         fast.threads, _scratch_elems("grad_weight", x.shape,
@@ -566,7 +597,7 @@ def _conv2d_gw(xp, ins, a, fast):
             n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), 1, hp, wp, ho, wo))
         if gw is not None:
             return gw
-    if (sh, sw) == (1, 1) and ho * wo >= 256:
+    if (sh, sw) == (1, 1) and ho * wo >= 256 and not on_gpu(a):
         # flat shift: per kernel offset, one batched GEMM of the padded dy with a strided
         # slice of the flattened padded x; no im2col buffer
         wp = x.shape[3] + 2 * pw
@@ -616,6 +647,8 @@ def _conv2d_gi(xp, ins, a, out, fast):
     _, c, h, wd = a["shape"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
+    if on_gpu(a):
+        fast = None  # the columns' paths, as the rule counts them
     if fast is not None and _is_depthwise(c, g):
         dx = fast.depthwise.grad_input(dy, w, (n, c, h, wd), _geometry(None, a), fast.threads,
                                        _scratch_elems("grad_input", (n, c, h, wd), o, a), out)
@@ -629,7 +662,8 @@ def _conv2d_gi(xp, ins, a, out, fast):
         # stride 1: dx is dy convolved with the flipped kernel, in/out channels swapped
         wt = w.reshape(g, og, cg, kh, kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1]
         wt = xp.ascontiguousarray(wt).reshape(c, og, kh, kw)
-        return _conv_forward(xp, dy, wt, (kh, kw, 1, 1, qh, qw, dh, dw), g, fast=fast)
+        return _conv_forward(xp, dy, wt, (kh, kw, 1, 1, qh, qw, dh, dw), g, fast=fast,
+                             gpu=on_gpu(a))
     # columns [N, G, C/G, kh, kw, Ho, Wo] (W^T @ dy per group, straight from NCHW dy), then
     # one strided add per kernel offset into the padded dx
     wt = w.reshape(g, og, -1).transpose(0, 2, 1)  # [G, C/G*kh*kw, O/G]

@@ -185,6 +185,11 @@ def commands(net: str, fw: str, a, pythons: dict) -> tuple[list, dict] | None:
     if fw == "netdsl":
         return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
                  "--backend", a.backend, *common], child_env(a.threads))
+    if fw.startswith("netdsl+"):  # a --variant: this checkout with its environment
+        label = fw.split("+", 1)[1]
+        return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
+                 "--label", label, "--backend", a.backend, *common],
+                child_env(a.threads, a.variants[label]))
     if fw.startswith("netdsl@"):
         return ([sys.executable, REFS / "netdsl_step.py", "--file", ROOT / "examples" / file,
                  "--src", pythons[fw], "--label", fw.split("@", 1)[1], "--backend",
@@ -261,6 +266,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", help="also write every figure to this JSON file")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy"),
                     help="cupy: netdsl on the GPU against PyTorch on CUDA (no Chainer)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:VAR=VALUE",
+                    help="also run this checkout with these environment variables (comma-"
+                    "separated), e.g. graphs:NETDSL_CUDA_GRAPH=1; repeatable")
     ap.add_argument("--torch-python", metavar="PYTHON",
                     help="run PyTorch with this interpreter instead of bench/.venvs/torch "
                     "(a GPU machine's own torch with CUDA)")
@@ -268,6 +276,11 @@ def main(argv=None) -> int:
     frameworks = a.only or ["netdsl", "PyTorch", "Chainer"]
     if a.backend == "cupy" and "Chainer" in frameworks:
         frameworks.remove("Chainer")
+    a.variants = {}
+    for v in a.variant:
+        label, _, assigns = v.partition(":")
+        a.variants[label] = dict(kv.split("=", 1) for kv in assigns.split(",") if kv)
+        frameworks.insert(1, f"netdsl+{label}")
     nets = list(NETWORKS) if a.nets == "all" else [n.strip() for n in a.nets.split(",")]
     unknown = [n for n in nets if n not in NETWORKS]
     if unknown:
@@ -281,7 +294,8 @@ def main(argv=None) -> int:
         log(f"WARNING: {pinned} is set: OpenBLAS is pinned to that kernel; unset both with "
             "`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` for the benchmark command")
     pythons = {fw: Path(a.torch_python) if fw == "PyTorch" and a.torch_python
-               else ensure_venv(fw) for fw in frameworks if fw != "netdsl"}
+               else ensure_venv(fw) for fw in frameworks
+               if fw in ("PyTorch", "Chainer")}
     if a.baseline:
         src = export_revision(a.baseline)
         frameworks.insert(1, f"netdsl@{src.name}")
@@ -302,13 +316,17 @@ def main(argv=None) -> int:
         runs: dict[str, list[dict]] = {fw: [] for fw in cmds}
         for r in range(a.rounds):
             for fw, (cmd, env) in cmds.items():
-                res = run_json(cmd, env, timeout=1800)
+                try:
+                    res = run_json(cmd, env, timeout=1800)
+                except SystemExit as e:  # one framework's failure costs only its column
+                    log(f"[{net} round {r + 1}/{a.rounds}] {fw} FAILED: {e}")
+                    continue
                 runs[fw].append(res)
                 log(f"[{net} round {r + 1}/{a.rounds}] {fw:8s} median {res['median_s']:.3f} "
                     f"s/step (steps {', '.join(f'{t:.2f}' for t in res['times'])}; load "
                     f"{res['load'][0]:.1f}->{res['load'][1]:.1f}; RSS "
                     f"{mb(res['rss_peak_bytes'])} MB)")
-        summary = {fw: summarise(rs) for fw, rs in runs.items()}
+        summary = {fw: summarise(rs) for fw, rs in runs.items() if rs}
         counts = {fw: s["params"] for fw, s in summary.items()}
         if len(set(counts.values())) > 1:
             raise SystemExit(f"{net}: parameter counts disagree: {counts}")

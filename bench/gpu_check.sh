@@ -23,6 +23,8 @@
 #   BASELINE  an export of another revision (bench_step.py --baseline: a directory with its
 #             netdsl/, stdlib/ and grammar/, e.g. bench/.baseline/SHA carried along): netdsl
 #             as of then joins the table, so a change is measured against its base
+#   VARIANTS  bench_step.py --variant entries, space-separated (graphs:NETDSL_CUDA_GRAPH=1)
+#   ROUNDS    the table's rounds (default 2)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-results}
@@ -31,6 +33,7 @@ CHECKS=${CHECKS:-tests table profile cli}
 NETS=${NETS:-resnet164,resnet50,vgg16,mobilenet_v2,transformer-tiny,digits-cnn}
 BASE=()
 [ -n "${BASELINE:-}" ] && BASE=(--baseline "$BASELINE")
+for v in ${VARIANTS:-}; do BASE+=(--variant "$v"); done
 has() { [[ " $CHECKS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 # the NumPy reference kernels, not the Numba ones: a cold Numba compile takes minutes, and
@@ -84,7 +87,7 @@ EOF
   fi
   if has table; then
     step 300 $PY bench/bench_step.py --backend cupy "${TORCH[@]}" "${BASE[@]}" --nets "$NETS" \
-        --steps 5 --warmup 2 --rounds 2 --json-out "$OUT/bench-gpu.json"
+        --steps 5 --warmup 2 --rounds "${ROUNDS:-2}" --json-out "$OUT/bench-gpu.json"
   fi
   # where a GPU step's time goes: each op timed with the device synchronised around it,
   # and the host's own time (cProfile), for a deep narrow net and a wide one
@@ -111,6 +114,8 @@ EOF
     tail -c 600 "$OUT/cli-runs.txt"; echo
   }
   cli resnet164 60 examples/resnet164-cifar.net --steps 5 --batch 16
+  NETDSL_CUDA_GRAPH=1 cli "resnet164, CUDA graphs" 60 examples/resnet164-cifar.net --steps 5 \
+      --batch 16
   for split in data pipeline tensor; do
     cli "resnet20 --devices 2 --split $split" 45 examples/resnet20-cifar.net --steps 3 \
         --batch 16 --devices 2 --split "$split"

@@ -163,5 +163,36 @@ class CupyBackend:
     def memory_meter(self) -> PoolMeter:
         return PoolMeter(self.xp)
 
+    # -- CUDA graphs (netdsl.runtime.replay) ---------------------------------------------------
+    def graph_stream(self):
+        """The stream recorded steps run on, as a context manager (`with`). A blocking
+        stream: work on the legacy default stream (a host read of the loss) waits for it.
+        CuPy's pool keeps each stream's freed blocks apart, so a recorded step's scratch is
+        only reused by this stream's work, which runs in order with the replays."""
+        if getattr(self, "_graph_stream", None) is None:
+            with self._dev:
+                self._graph_stream = self.xp.cuda.Stream()
+        return self._graph_stream
+
+    def capture(self, fn):
+        """(graph, fn()) with fn's launches recorded on the graph stream, not run (relaxed
+        mode: the pool may still grow while recording). The capture is ended if fn fails."""
+        s = self.graph_stream()
+        with s:
+            s.begin_capture()
+            try:
+                out = fn()
+            except BaseException:
+                try:
+                    s.end_capture()
+                except Exception:  # an invalidated capture: ending it is all that is left
+                    pass
+                raise
+            graph = s.end_capture()
+        return graph, out
+
+    def replay(self, graph) -> None:
+        graph.launch(stream=self.graph_stream())
+
     def __repr__(self) -> str:
         return f"CupyBackend(device={self.device})"

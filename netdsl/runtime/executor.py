@@ -38,6 +38,7 @@ from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE, TensorType
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
 from netdsl.runtime.comm import Communicator, InProcess
+from netdsl.runtime.replay import StepReplay, wanted
 
 # output roles a training step computes that an evaluation (training=False) leaves out
 TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
@@ -59,6 +60,10 @@ class KernelContext:
     # the planned slot of the node being run (arena mode; None otherwise): a kernel may
     # write its result there (`into`) and return it, saving the copy into the slot
     out: Any = None
+    # the run is being recorded as a CUDA graph (netdsl.runtime.replay): nothing may read
+    # a device value back to the host, so kernels skip such checks (they ran on the
+    # first, unrecorded run)
+    capturing: bool = False
 
     def into(self, ufunc, *args):
         """`ufunc(*args)`, written into the node's planned slot when it has one."""
@@ -200,6 +205,8 @@ class Executor:
         self.host_bytes_current = self.host_peak_bytes = sum(
             self.state[name].nbytes for name in on_host)
         self._plans: dict[tuple[str, ...], MemoryPlan] = {}
+        # NETDSL_CUDA_GRAPH=1 on CuPy: steps recorded once and replayed (runtime/replay.py)
+        self.replay = StepReplay(self) if wanted(self.backend) else None
 
     def _init(self, n: Node, seed: int) -> np.ndarray:
         """Initial values of a state node. A copy made by a split pass draws what the
@@ -271,13 +278,23 @@ class Executor:
             roles = tuple(r for r in g.outputs
                           if training or r not in TRAINING_ONLY_ROLES)
         roles = tuple(roles)
+        if self.replay is not None:
+            return self.replay.run(feeds, training, roles, step)
+        return self._run(feeds, training, roles, step)
+
+    def _run(self, feeds: dict[str, Any], training: bool, roles: tuple[str, ...],
+             step: int | None, inputs: dict[str, Any] | None = None,
+             capturing: bool = False) -> dict[str, list]:
+        """run()'s body; `inputs`: device arrays to use for input nodes instead of their
+        feeds, `capturing`: the run is being recorded (netdsl.runtime.replay)."""
+        g = self.graph
         plan = self.plan(roles)
         if step is None:
             step = self.step
         if training:
             self.step = step + 1
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
-                            seed=self.seed, step=step, comm=self.comm)
+                            seed=self.seed, step=step, comm=self.comm, capturing=capturing)
         slots = self._slots(roles, plan) if self.arena else None
         values: dict[str, Any] = {}
         held: dict[str, int] = {}  # bytes each live value adds to the count
@@ -295,8 +312,10 @@ class Executor:
                     else:
                         if slots is not None:
                             ctx.out = slots.get(name)
-                        v = (self._feed(n, feeds) if n.op == "input"
-                             else self._call(n, [values[i] for i in n.inputs], ctx))
+                        if n.op != "input":
+                            v = self._call(n, [values[i] for i in n.inputs], ctx)
+                        else:
+                            v = inputs[name] if inputs is not None else self._feed(n, feeds)
                         nb = plan.sizes.get(name)
                         if nb is not None:
                             if v.nbytes != nb:
@@ -426,7 +445,8 @@ class Executor:
             raise NetdslError(f"check-numerics: {_where(n)} produced {bad} "
                               f"({n.type}, phase {n.meta.get('phase', 'forward')})",
                               loc=n.loc, stack=n.stack)
-        if n.name in self.stop_if_nonfinite and not bool(xp.isfinite(out).all()):
+        if (n.name in self.stop_if_nonfinite and not ctx.capturing
+                and not bool(xp.isfinite(out).all())):
             raise NonFinite(n.name)
         return out
 

@@ -224,6 +224,8 @@ def _coefficients(xp, t, k, a, dtype, smoothing):
 
 
 def _check_labels(xp, t, k, a, ctx):
+    if getattr(ctx, "capturing", False):  # a recorded step reads nothing back: the labels
+        return  # were checked on its first, unrecorded run
     bad = (t != a["ignore_index"]) & ((t < 0) | (t >= k))
     if bool(bad.any()):
         from netdsl.errors import NetdslError
@@ -254,7 +256,7 @@ def _scale(xp, dy, denom, a, m):
 def _sce(xp, ins, a, ctx):
     z, t = _flat(xp, *ins, a["axis"])
     _check_labels(xp, t, z.shape[1], a, ctx)
-    if _plain(xp, t, a):  # log-sum-exp minus the pick
+    if _plain(xp, t, a, ctx):  # log-sum-exp minus the pick
         m = z.max(axis=1, keepdims=True)
         lse = xp.log(xp.exp(z - m).sum(axis=1)) + m[:, 0]
         picked = xp.take_along_axis(z, t[:, None].astype(xp.int64), axis=1)[:, 0]
@@ -270,7 +272,7 @@ def _sce_grad(xp, ins, a, ctx):
     dy, logits, labels = ins
     z, t = _flat(xp, logits, labels, a["axis"])
     p = _softmax_fn(xp, z, 1)
-    if _plain(xp, t, a):  # softmax minus the one-hot label: the forward's plain case
+    if _plain(xp, t, a, ctx):  # softmax minus the one-hot label: the forward's plain case
         m = z.shape[0]
         p[xp.arange(m), t] -= 1
         return _unflat(xp, p * _scale(xp, dy, m, a, m), logits.shape, a["axis"])
@@ -279,9 +281,11 @@ def _sce_grad(xp, ins, a, ctx):
     return _unflat(xp, g * _scale(xp, dy, denom, a, z.shape[0]), logits.shape, a["axis"])
 
 
-def _plain(xp, t, a) -> bool:
-    """No class weights, no smoothing and no ignored label: every position counts once."""
+def _plain(xp, t, a, ctx) -> bool:
+    """No class weights, no smoothing and no ignored label: every position counts once.
+    (A recorded step cannot look at the labels: it takes the general path, the same sums.)"""
     return (a["weight"] is None and not a["label_smoothing"]
+            and not getattr(ctx, "capturing", False)
             and not bool((t == a["ignore_index"]).any()))
 
 

@@ -302,7 +302,8 @@ def _maxpool_grad(xp, ins, a, ctx):
     xpad, (k, s, p, sizes, out) = _padded_max(xp, x, a)
     y = _window_max(xp, xpad, k, s, out)
     nan = xp.isnan(y)
-    nan = nan if bool(nan.any()) else None
+    # (a recorded step cannot look: it keeps the NaN test, the same result)
+    nan = nan if getattr(ctx, "capturing", False) or bool(nan.any()) else None
     dxpad = xp.zeros(xpad.shape, dtype=dy.dtype)
     taken = xp.zeros(y.shape, dtype=bool)  # windows whose maximum has had its gradient
     hit = xp.empty(y.shape, dtype=bool)

@@ -331,6 +331,9 @@ def checked_indices(xp, idx, size, ctx, negative=True, what="index"):
     silently, and CuPy reads out of bounds without a word."""
     from netdsl.errors import NetdslError
     idx = idx.astype(xp.int64)
+    if idx.size and getattr(ctx, "capturing", False):
+        # a recorded step reads nothing back (checked on its first run): wrap negatives
+        return xp.where(idx < 0, idx + size, idx) if negative else idx
     if idx.size:
         lo, hi = int(idx.min()), int(idx.max())
         low = -size if negative else 0

@@ -26,8 +26,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
 @pytest.mark.parametrize("example,batch", [("digits-cnn", 4), ("resnet20-cifar", 2),
-                                           ("transformer-tiny", 2), ("densenet121", 1),
-                                           ("mobilenet_v2", 2)])
+                                           ("transformer-tiny", 2), ("densenet121", 1)])
 def test_training_step_matches_numpy(example, batch, device):
     """Two steps on CuPy and on NumPy, the same graph: as written, and with the `device`
     pass's GPU variants (the columns' convolutions: the Trainer's graph on CuPy)."""
@@ -212,7 +211,7 @@ def test_cuda_graph_replays_equal_ordinary_steps(example, batch, kind, monkeypat
                                    rtol=1e-9)
         for x, y in zip(a["grads"], b["grads"], strict=True):
             np.testing.assert_allclose(gpu.to_host(y), gpu.to_host(x), rtol=1e-7, atol=1e-10)
-    assert ex.replay.reasons == {}
+    assert not ex.replay.reasons, "\n".join(ex.replay.reasons.values())
     assert isinstance(ex.replay.kinds[(roles, True)], Recorded)
     sa, sb = plain.state_dict(), ex.state_dict()
     for k in sa:

@@ -143,9 +143,11 @@ class CupyBackend:
         return out
 
     def _reap(self) -> None:
-        for entry in self._pending.values():
-            if entry[1] is not None and entry[0].done:
-                entry[1] = None
+        for key in [k for k, e in self._pending.items() if e[1] is not None and e[0].done]:
+            if isinstance(key, tuple):  # a finished copy in: nothing waits for it
+                del self._pending[key]
+            else:  # a finished copy out: copy_to_device still looks for its event
+                self._pending[key][1] = None
 
     def copy_to_device(self, host, out=None):
         """Pinned host -> device on the copy stream; the compute stream waits for it."""
@@ -154,10 +156,19 @@ class CupyBackend:
         if done is not None:
             self._copy_stream.wait_event(done)
         with self._dev:
+            compute = self.xp.cuda.get_current_stream()
             if out is None:
                 out = self.xp.empty(host.shape, dtype=host.dtype)
+            # the pool hands out memory the compute stream freed, which kernels queued
+            # there may still use: the copy starts after them
+            self._copy_stream.wait_event(compute.record())
             out.set(host, stream=self._copy_stream)
-            self.xp.cuda.get_current_stream().wait_event(self._copy_stream.record())
+            copied = self._copy_stream.record()
+            compute.wait_event(copied)
+        # the pinned source must outlive the copy too: CuPy's pinned pool hands a freed
+        # buffer to the next offload at once, whose copy would overwrite it mid-read (the
+        # GPU run of 2026-12-04: an offload-heavy step's gradients came out as garbage)
+        self._pending[("in", id(host))] = [copied, host]
         return out
 
     def memory_meter(self) -> PoolMeter:

@@ -94,7 +94,9 @@ class StepReplay:
             graph, outputs = ex.backend.capture(
                 lambda: ex._run(feeds, training, roles, step, inputs=inputs, capturing=True))
         except Exception as e:  # nothing ran while recording: run it as before
-            why = f"the capture failed: {type(e).__name__}: {e}"
+            cause = e.__cause__ or e  # the array library's own error, under the node's
+            where = f" ({str(e).splitlines()[0][:300]})" if cause is not e else ""
+            why = f"the capture failed: {type(cause).__name__}: {cause}{where}"
             self.kinds[key] = self.reasons[key] = why
             return ex._run(feeds, training, roles, step)
         rec = Recorded(graph, inputs, outputs)

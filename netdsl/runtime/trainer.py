@@ -578,9 +578,18 @@ class Trainer:
             step_time_s=statistics.median(steady) if steady else 0.0,
             test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=train_acc,
-            resumed_from=self.resumed_from, losses=losses, warnings=list(self.warnings))
+            resumed_from=self.resumed_from, losses=losses,
+            warnings=list(self.warnings) + self._replay_warnings())
         self.cb.on_end(result)
         return result
+
+    def _replay_warnings(self) -> list[str]:
+        """NETDSL_CUDA_GRAPH=1: the kinds of run that were not replayed, and why."""
+        rep = self.executor.replay
+        if rep is None:
+            return []
+        return [f"NETDSL_CUDA_GRAPH: {'training' if training else 'evaluation'} runs were not "
+                f"recorded as a CUDA graph: {why}" for (_, training), why in rep.reasons.items()]
 
     def _non_finite(self, e: NonFinite, feeds: dict, lr: float) -> NetdslError:
         """The loss or logits of step `self.step + 1` went NaN/Inf; the step stopped before

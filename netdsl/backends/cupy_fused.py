@@ -43,23 +43,37 @@ __device__ double block_sum(double v, double* sh) {
     return r;
 }
 
-// the mean and biased variance of channel ch of (n, c, p) data, two passes in float64
-__device__ void moments(const T* x, int c, int p, long long m, int ch, double* sh,
-                        double* mean, double* var) {
+// element k (0 <= k < n * p) of channel ch of (n, c, p) data: image k / p, position k % p
+__device__ long long at(long long k, int c, int p, int ch) {
+    long long i = k / p;
+    return (i * c + ch) * p + (k - i * p);
+}
+
+// channel ch's batch statistics (two passes in float64) and the affine step's constants
+// in the data's dtype: z = (x - mt) * scale + shift, as the forward and backward compute it
+struct Channel {
+    double mean, var;
+    T mt, it, scale, shift, top;
+};
+
+__device__ Channel channel(const T* x, const T* w, const T* b, int c, int p, long long m,
+                           int ch, double eps, double cap, double* sh) {
+    Channel k;
     double s = 0.0;
-    for (long long k = threadIdx.x; k < m; k += BLOCK) {
-        long long i = k / p;
-        s += (double)x[(i * c + ch) * p + (k - i * p)];
-    }
-    double mu = block_sum(s, sh) / (double)m;
+    for (long long j = threadIdx.x; j < m; j += BLOCK) s += (double)x[at(j, c, p, ch)];
+    k.mean = block_sum(s, sh) / (double)m;
     s = 0.0;
-    for (long long k = threadIdx.x; k < m; k += BLOCK) {
-        long long i = k / p;
-        double d = (double)x[(i * c + ch) * p + (k - i * p)] - mu;
+    for (long long j = threadIdx.x; j < m; j += BLOCK) {
+        double d = (double)x[at(j, c, p, ch)] - k.mean;
         s += d * d;
     }
-    *mean = mu;
-    *var = block_sum(s, sh) / (double)m;
+    k.var = block_sum(s, sh) / (double)m;
+    k.mt = (T)k.mean;
+    k.it = (T)(1.0 / sqrt(k.var + eps));
+    k.scale = k.it * w[ch];
+    k.shift = b[ch];
+    k.top = (T)cap;
+    return k;
 }
 
 __device__ bool passes(T z, int capped, T top) {
@@ -72,23 +86,19 @@ extern "C" __global__ void bn_forward(const T* x, const T* w, const T* b, T* y,
     __shared__ double sh[BLOCK];
     int ch = blockIdx.x;
     long long m = (long long)n * p;
-    double mean, var;
-    moments(x, c, p, m, ch, sh, &mean, &var);
-    T mt = (T)mean, it = (T)(1.0 / sqrt(var + eps));
-    T scale = it * w[ch], shift = b[ch], top = (T)cap;
-    for (long long k = threadIdx.x; k < m; k += BLOCK) {
-        long long i = k / p;
-        long long a = (i * c + ch) * p + (k - i * p);
-        T z = (x[a] - mt) * scale + shift;
+    Channel k = channel(x, w, b, c, p, m, ch, eps, cap, sh);
+    for (long long j = threadIdx.x; j < m; j += BLOCK) {
+        long long a = at(j, c, p, ch);
+        T z = (x[a] - k.mt) * k.scale + k.shift;
         if (relu) {
             if (!(z > (T)0)) z = (z == z) ? (T)0 : z;  // NaN stays NaN
-            if (capped && z > top) z = top;
+            if (capped && z > k.top) z = k.top;
         }
         y[a] = z;
     }
     if (threadIdx.x == 0) {
-        mom[ch] = mean;
-        mom[c + ch] = var;
+        mom[ch] = k.mean;
+        mom[c + ch] = k.var;
     }
 }
 
@@ -107,27 +117,23 @@ extern "C" __global__ void bn_grad_stats(const T* dy, const T* x, const T* w, co
     __shared__ double sh[BLOCK];
     int ch = blockIdx.x;
     long long m = (long long)n * p;
-    double mean, var;
-    moments(x, c, p, m, ch, sh, &mean, &var);
-    T mt = (T)mean, it = (T)(1.0 / sqrt(var + eps));
-    T scale = it * w[ch], shift = b[ch], top = (T)cap;
+    Channel k = channel(x, w, b, c, p, m, ch, eps, cap, sh);
     double sg = 0.0, sgd = 0.0;
-    for (long long k = threadIdx.x; k < m; k += BLOCK) {
-        long long i = k / p;
-        long long a = (i * c + ch) * p + (k - i * p);
-        T d = x[a] - mt;
+    for (long long j = threadIdx.x; j < m; j += BLOCK) {
+        long long a = at(j, c, p, ch);
+        T d = x[a] - k.mt;
         T g = dy[a];
-        if (relu && !passes(d * scale + shift, capped, top)) g = (T)0;
+        if (relu && !passes(d * k.scale + k.shift, capped, k.top)) g = (T)0;
         sg += (double)g;
         sgd += (double)(g * d);
     }
     sg = block_sum(sg, sh);
     sgd = block_sum(sgd, sh);
     if (threadIdx.x == 0) {
-        out[ch] = (T)(sgd * (double)it);
+        out[ch] = (T)(sgd * (double)k.it);
         out[c + ch] = (T)sg;
-        out[2 * c + ch] = mt;
-        out[3 * c + ch] = it;
+        out[2 * c + ch] = k.mt;
+        out[3 * c + ch] = k.it;
     }
 }
 
@@ -195,6 +201,12 @@ _BLOCK = 256  # the source's BLOCK: threads a block (a power of two)
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
+def _relu_args(relu, cap):
+    """The kernels' relu, capped and cap arguments (cap: inf for none, as the Numba loops')."""
+    return (np.int32(relu), np.int32(cap < np.inf),
+            np.float64(min(cap, np.finfo(np.float64).max)))
+
+
 class CudaKernels:
     """The CuPy backend's fused kernels (module docstring); `cupy` is the module."""
 
@@ -226,12 +238,15 @@ class CudaKernels:
         return max(1, min((total + _BLOCK - 1) // _BLOCK, 65535))
 
     # -- batchnorm -----------------------------------------------------------------------
-    def bn_forward(self, x3, w, b, eps, relu, cap, y3, moments, threads=0):
+    def _per_channel(self, name, x3, arrays, eps, relu, cap):
+        """bn_forward or bn_grad_stats: one block a channel of the (N, C, P) x3."""
         n, c, p = x3.shape
-        self._kernel("bn_forward", x3.dtype)(
-            (c,), (_BLOCK,), (x3, w, b, y3, moments, np.int32(n), np.int32(c), np.int32(p),
-                              np.float64(eps), np.int32(relu), np.int32(cap < np.inf),
-                              np.float64(min(cap, np.finfo(np.float64).max))))
+        self._kernel(name, x3.dtype)(
+            (c,), (_BLOCK,), (*arrays, np.int32(n), np.int32(c), np.int32(p),
+                              np.float64(eps), *_relu_args(relu, cap)))
+
+    def bn_forward(self, x3, w, b, eps, relu, cap, y3, moments, threads=0):
+        self._per_channel("bn_forward", x3, (x3, w, b, y3, moments), eps, relu, cap)
 
     def bn_running(self, rm, rv, moments, momentum, count):
         """The running statistics' update in place (PyTorch's: the unbiased variance)."""
@@ -241,19 +256,14 @@ class CudaKernels:
                                           np.float64(count / max(count - 1, 1))))
 
     def bn_grad_stats(self, dy3, x3, w, b, eps, relu, cap, out, threads=0):
-        n, c, p = x3.shape
-        self._kernel("bn_grad_stats", x3.dtype)(
-            (c,), (_BLOCK,), (dy3, x3, w, b, out, np.int32(n), np.int32(c), np.int32(p),
-                              np.float64(eps), np.int32(relu), np.int32(cap < np.inf),
-                              np.float64(min(cap, np.finfo(np.float64).max))))
+        self._per_channel("bn_grad_stats", x3, (dy3, x3, w, b, out), eps, relu, cap)
 
     def bn_grad_input(self, dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, threads=0):
         n, c, p = x3.shape
         self._kernel("bn_grad_input", x3.dtype)(
             (self._grid(n * c * p),), (_BLOCK,),
             (dy3, x3, st, w, b, acc3, dx3, np.int32(n), np.int32(c), np.int32(p),
-             np.int32(relu), np.int32(cap < np.inf),
-             np.float64(min(cap, np.finfo(np.float64).max)), np.int32(accumulate)))
+             *_relu_args(relu, cap), np.int32(accumulate)))
 
     # -- optimizer -----------------------------------------------------------------------
     def sgd_update(self, p, g, buf, lr, momentum, weight_decay, nesterov):

@@ -3,7 +3,7 @@ so the rest of netdsl runs (and imports) without it."""
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -175,20 +175,36 @@ class CupyBackend:
         return PoolMeter(self.xp)
 
     # -- CUDA graphs (netdsl.runtime.replay) ---------------------------------------------------
-    def graph_stream(self):
-        """The stream recorded steps run on, as a context manager (`with`). A blocking
-        stream: work on the legacy default stream (a host read of the loss) waits for it.
-        CuPy's pool keeps each stream's freed blocks apart, so a recorded step's scratch is
-        only reused by this stream's work, which runs in order with the replays."""
+    def _graph_s(self):
+        # non-blocking, as CuPy's and PyTorch's captures are: on a stream that synchronises
+        # with the legacy default stream, a call that syncs that stream (cudaMalloc, when
+        # the pool grows) invalidates the capture. The first GPU run recorded on a blocking
+        # stream and every capture failed at its first convolution; that this was why is a
+        # guess the next GPU run will check (docs/benchmarks.md, "The GPU").
         if getattr(self, "_graph_stream", None) is None:
             with self._dev:
-                self._graph_stream = self.xp.cuda.Stream()
+                self._graph_stream = self.xp.cuda.Stream(non_blocking=True)
         return self._graph_stream
+
+    @contextmanager
+    def graph_stream(self):
+        """Run the block on the graph stream, ordered after the caller's stream's work and
+        before its next (a host read of the loss waits for the step). CuPy's pool keeps
+        each stream's freed blocks apart, so a recorded step's scratch is only reused by
+        this stream's work, which runs in order with the replays."""
+        caller = self.xp.cuda.get_current_stream()
+        s = self._graph_s()
+        s.wait_event(caller.record())
+        try:
+            with s:
+                yield s
+        finally:
+            caller.wait_event(s.record())
 
     def capture(self, fn):
         """(graph, fn()) with fn's launches recorded on the graph stream, not run (relaxed
         mode: the pool may still grow while recording). The capture is ended if fn fails."""
-        s = self.graph_stream()
+        s = self._graph_s()
         with s:
             s.begin_capture()
             try:
@@ -203,7 +219,7 @@ class CupyBackend:
         return graph, out
 
     def replay(self, graph) -> None:
-        graph.launch(stream=self.graph_stream())
+        graph.launch(stream=self._graph_s())
 
     def __repr__(self) -> str:
         return f"CupyBackend(device={self.device})"

@@ -322,6 +322,8 @@ def main(argv=None) -> int:
                     log(f"[{net} round {r + 1}/{a.rounds}] {fw} FAILED: {e}")
                     continue
                 runs[fw].append(res)
+                for line in (res.get("replay") or {}).get("not_recorded", []):
+                    log(f"[{net}] {fw}: not replayed as a CUDA graph: {line}")
                 log(f"[{net} round {r + 1}/{a.rounds}] {fw:8s} median {res['median_s']:.3f} "
                     f"s/step (steps {', '.join(f'{t:.2f}' for t in res['times'])}; load "
                     f"{res['load'][0]:.1f}->{res['load'][1]:.1f}; RSS "

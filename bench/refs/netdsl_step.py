@@ -163,6 +163,12 @@ def main() -> None:
            "step_flops": summarize(tr.train_graph).flops_forward,
            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "threadpools": threads_info()}
+    rep = tr.executor.replay
+    if rep is not None:  # NETDSL_CUDA_GRAPH=1: was the step recorded, and if not, why
+        res["replay"] = {"recorded": [f"{'/'.join(k[0])} training={k[1]}" for k, v in
+                                      rep.kinds.items() if not isinstance(v, str)],
+                         "not_recorded": [f"{'/'.join(k[0])} training={k[1]}: {why}"
+                                          for k, why in rep.reasons.items()]}
     if a.backend == "cupy":  # the pool's high-water mark: what CuPy took from the device
         cupy = tr.executor.backend.xp
         res["framework"] = f"netdsl (CuPy {cupy.__version__})"

@@ -163,7 +163,7 @@ def main() -> None:
            "step_flops": summarize(tr.train_graph).flops_forward,
            "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "threadpools": threads_info()}
-    rep = tr.executor.replay
+    rep = getattr(tr.executor, "replay", None)  # (None in revisions before CUDA graphs)
     if rep is not None:  # NETDSL_CUDA_GRAPH=1: was the step recorded, and if not, why
         res["replay"] = {"recorded": [f"{'/'.join(k[0])} training={k[1]}" for k, v in
                                       rep.kinds.items() if not isinstance(v, str)],

@@ -6,12 +6,23 @@ Command-line options override fields with `TrainConfig.model_copy(update=...)`.
 """
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # every count (batch, steps, seed...) is a 64-bit integer; every float finite
 INT_MAX = 2 ** 63 - 1
+
+
+def env_switch(name: str, default: bool | None) -> bool | None:
+    """An on/off environment variable (NETDSL_FUSED_KERNELS, NETDSL_CUDA_GRAPH...): off
+    for 0, false, no or off (any case), on for any other value, `default` when unset or
+    empty."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    return v not in ("0", "false", "no", "off")
 
 
 class _Strict(BaseModel):

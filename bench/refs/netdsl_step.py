@@ -165,8 +165,9 @@ def main() -> None:
            "threadpools": threads_info()}
     rep = getattr(tr.executor, "replay", None)  # (None in revisions before CUDA graphs)
     if rep is not None:  # NETDSL_CUDA_GRAPH=1: was the step recorded, and if not, why
+        from netdsl.runtime.replay import Recorded
         res["replay"] = {"recorded": [f"{'/'.join(k[0])} training={k[1]}" for k, v in
-                                      rep.kinds.items() if not isinstance(v, str)],
+                                      rep.kinds.items() if isinstance(v, Recorded)],
                          "not_recorded": [f"{'/'.join(k[0])} training={k[1]}: {why}"
                                           for k, why in rep.reasons.items()]}
     if a.backend == "cupy":  # the pool's high-water mark: what CuPy took from the device

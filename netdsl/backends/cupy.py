@@ -2,12 +2,12 @@
 so the rest of netdsl runs (and imports) without it."""
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
 from netdsl.backends.cupy_fused import CudaKernels
+from netdsl.config import env_switch
 from netdsl.errors import DeviceError
 
 CUDA_ENV = "NETDSL_CUDA_KERNELS"
@@ -91,8 +91,7 @@ class CupyBackend:
         from cupyx.scipy.special import erf
         self._erf = erf
         # batchnorm and SGD as one launch each; NETDSL_CUDA_KERNELS=0 runs the xp code
-        self.cuda_fused = None if os.environ.get(CUDA_ENV, "1").strip().lower() in (
-            "0", "false", "no", "off") else CudaKernels(cupy)
+        self.cuda_fused = CudaKernels(cupy) if env_switch(CUDA_ENV, True) else None
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._pending: dict[int, tuple] = {}  # host buffer -> (copy-done event, source)
 

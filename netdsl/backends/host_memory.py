@@ -17,6 +17,8 @@ import ctypes.util
 import os
 import platform
 
+from netdsl.config import env_switch
+
 SWITCH_ENV = "NETDSL_KEEP_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
 _USER_TUNING = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
@@ -34,7 +36,7 @@ def keep_freed_memory() -> bool:
 
 
 def _tune() -> bool:
-    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_switch(SWITCH_ENV, True):
         return False
     if any(v in os.environ for v in _USER_TUNING) or platform.libc_ver()[0] != "glibc":
         return False

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 import tracemalloc
 from contextlib import nullcontext
 
@@ -10,6 +9,7 @@ import numpy as np
 
 from netdsl.backends.erf import erf as erf_arrays
 from netdsl.backends.host_memory import keep_freed_memory
+from netdsl.config import env_switch
 
 # NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
 FUSED_ENV = "NETDSL_FUSED_KERNELS"
@@ -18,7 +18,7 @@ FUSED_ENV = "NETDSL_FUSED_KERNELS"
 def load_fused():
     """The fused CPU kernels (netdsl.backends.numpy_fused) if Numba is installed and they
     are not switched off, else None. Imported here, on first use, and nowhere else."""
-    if os.environ.get(FUSED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_switch(FUSED_ENV, True):
         return None
     try:
         from netdsl.backends.numpy_fused import FusedKernels

@@ -33,8 +33,8 @@ the relu mask and is slower than the unfused ops, so the graph is left as writte
 from __future__ import annotations
 
 import importlib.util
-import os
 
+from netdsl.config import env_switch
 from netdsl.ir.graph import Graph
 from netdsl.ir.rewrite import make_node
 from netdsl.passes.pipeline import register_pass
@@ -45,10 +45,8 @@ FUSE_ENV = "NETDSL_FUSE"
 def fusion_enabled() -> bool:
     """NETDSL_FUSE if set, else whether Numba (what runs the fused kernels) is installed;
     looked up, not imported."""
-    v = os.environ.get(FUSE_ENV, "").strip().lower()
-    if v:
-        return v not in ("0", "false", "no", "off")
-    return importlib.util.find_spec("numba") is not None
+    forced = env_switch(FUSE_ENV, None)
+    return importlib.util.find_spec("numba") is not None if forced is None else forced
 
 
 def _sole_reader(g: Graph):

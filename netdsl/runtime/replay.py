@@ -24,19 +24,19 @@ What replays differently, so the caller knows (docs/training.md):
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from netdsl.config import env_switch
 from netdsl.ir import registry
 
 GRAPH_ENV = "NETDSL_CUDA_GRAPH"
+_WARM = object()  # a kind run once, to be recorded on its next run
 
 
 def wanted(backend) -> bool:
     """NETDSL_CUDA_GRAPH=1 and a backend that records graphs (CuPy's)."""
-    on = os.environ.get(GRAPH_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-    return on and hasattr(backend, "capture")
+    return env_switch(GRAPH_ENV, False) and hasattr(backend, "capture")
 
 
 @dataclass
@@ -51,8 +51,13 @@ class StepReplay:
 
     def __init__(self, executor):
         self.ex = executor
-        self.kinds: dict[tuple, Any] = {}  # (roles, training) -> "warm" | Recorded | reason
-        self.reasons: dict[tuple, str] = {}  # kinds that run unrecorded, and why
+        # (roles, training) -> _WARM | Recorded | why it runs unrecorded
+        self.kinds: dict[tuple, Any] = {}
+
+    @property
+    def reasons(self) -> dict[tuple, str]:
+        """The kinds of run that run unrecorded, and why."""
+        return {k: v for k, v in self.kinds.items() if isinstance(v, str)}
 
     def blocker(self, roles: tuple[str, ...]) -> str | None:
         """Why a run of `roles` cannot be recorded, or None."""
@@ -75,16 +80,12 @@ class StepReplay:
         kind = self.kinds.get(key)
         with ex.backend.graph_stream():
             if kind is None:
-                why = self.blocker(roles)
-                self.kinds[key] = "warm" if why is None else why
-                if why is not None:
-                    self.reasons[key] = why
-                return ex._run(feeds, training, roles, step)
-            if isinstance(kind, Recorded):
+                self.kinds[key] = self.blocker(roles) or _WARM
+            elif kind is _WARM:
+                return self._record(key, feeds, training, roles, step)
+            elif isinstance(kind, Recorded):
                 return self._replay(kind, feeds, training, step)
-            if kind != "warm":
-                return ex._run(feeds, training, roles, step)
-            return self._record(key, feeds, training, roles, step)
+            return ex._run(feeds, training, roles, step)
 
     def _record(self, key, feeds, training, roles, step):
         ex = self.ex
@@ -97,7 +98,7 @@ class StepReplay:
             cause = e.__cause__ or e  # the array library's own error, under the node's
             where = f" ({str(e).splitlines()[0][:300]})" if cause is not e else ""
             why = f"the capture failed: {type(cause).__name__}: {cause}{where}"
-            self.kinds[key] = self.reasons[key] = why
+            self.kinds[key] = why
             return ex._run(feeds, training, roles, step)
         rec = Recorded(graph, inputs, outputs)
         self.kinds[key] = rec

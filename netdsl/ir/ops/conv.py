@@ -216,8 +216,8 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) ->
         return "pointwise"
     if gpu:
         # the columns and one batched GEMM: a GPU is held back by launches, not bytes, and
-        # the flat shift is kh*kw GEMMs and adds (ResNet-164's 3x3 forward on an H200:
-        # about 22 launches, 0.49 ms a call; docs/benchmarks.md, "GPU")
+        # the flat shift is kh*kw GEMMs and adds (ResNet-164's conv2d on an H200: 485 ->
+        # 144 us a call on average, docs/benchmarks.md, "The GPU")
         return "im2col"
     if fast and _is_depthwise(cin, g):
         return "depthwise"
@@ -479,7 +479,7 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False):
                 # run it, else through a temporary)
                 y = matmul(xp, wt[i * kw + j], part, y, fast, accumulate=y is not None)
         return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
-    if g == 1 and fast is not None and not gpu:
+    if g == 1 and fast is not None:
         # columns one image at a time (the fused kernels' parallel copy), each image's GEMM
         # straight into its rows of y: ResNet-50's 7x7/2 stem 39 -> 24 ms
         y = xp.empty((n, o, ho * wo), x.dtype) if out is None else _flat_out(out, n, o)
@@ -527,10 +527,16 @@ def conv2d_grad_weight(xp, dy, x, shape, a, fast=None):
     return _conv2d_gw(xp, [dy, _pad_extra(xp, x, extra)], {**a, "shape": shape}, fast)
 
 
+def _fast(ctx, a, *arrays):
+    """The fused kernels for a convolution node, but none for one marked for a GPU: it
+    takes the columns' paths, which its workspace rule counts."""
+    return None if on_gpu(a) else fused_kernels(ctx, *arrays)
+
+
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    y = conv2d_forward(xp, x, w, a, ctx.out, fused_kernels(ctx, x, w))
+    y = conv2d_forward(xp, x, w, a, ctx.out, _fast(ctx, a, x, w))
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
@@ -539,13 +545,13 @@ def _conv2d(xp, ins, a, ctx):
 @kernel("conv2d_grad_weight")
 def _conv2d_gw_kernel(xp, ins, a, ctx):
     return conv2d_grad_weight(xp, ins[0], ins[1], tuple(a["shape"]), a,
-                              fused_kernels(ctx, ins[0], ins[1]))
+                              _fast(ctx, a, ins[0], ins[1]))
 
 
 @kernel("conv2d_grad_input")
 def _conv2d_gi_kernel(xp, ins, a, ctx):
     return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a,
-                             ctx.out, fused_kernels(ctx, ins[0], ins[1]))
+                             ctx.out, _fast(ctx, a, ins[0], ins[1]))
 
 
 def _conv2d_gw(xp, ins, a, fast):
@@ -555,8 +561,6 @@ def _conv2d_gw(xp, ins, a, fast):
     g = a["groups"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
-    if on_gpu(a):
-        fast = None  # the folded columns below (one GEMM a group), as the rule counts them
     if fast is not None and _is_depthwise(c, g):
         gw = fast.depthwise.grad_weight(dy, x, tuple(a["shape"]), _geometry(None, a),
                                         fast.threads, _scratch_elems("grad_weight", x.shape,
@@ -647,8 +651,6 @@ def _conv2d_gi(xp, ins, a, out, fast):
     _, c, h, wd = a["shape"]
     og, cg = o // g, c // g
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
-    if on_gpu(a):
-        fast = None  # the columns' paths, as the rule counts them
     if fast is not None and _is_depthwise(c, g):
         dx = fast.depthwise.grad_input(dy, w, (n, c, h, wd), _geometry(None, a), fast.threads,
                                        _scratch_elems("grad_input", (n, c, h, wd), o, a), out)

@@ -197,7 +197,8 @@ def commands(net: str, fw: str, a, pythons: dict) -> tuple[list, dict] | None:
                 child_env(a.threads))
     if fw == "PyTorch":
         return ([pythons[fw], REFS / "torch_step.py", "--net", net, "--device",
-                 "cuda" if a.backend == "cupy" else "cpu", *common],
+                 "cuda" if a.backend == "cupy" else "cpu", *common,
+                 *(["--tf32"] if a.torch_tf32 else [])],
                 child_env(a.threads))
     if blocks is None:
         return None
@@ -269,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:VAR=VALUE",
                     help="also run this checkout with these environment variables (comma-"
                     "separated), e.g. graphs:NETDSL_CUDA_GRAPH=1; repeatable")
+    ap.add_argument("--torch-tf32", action="store_true",
+                    help="--backend cupy: PyTorch's convolutions on TF32 tensor cores, its "
+                         "default (without: float32 arithmetic, as netdsl's)")
     ap.add_argument("--torch-python", metavar="PYTHON",
                     help="run PyTorch with this interpreter instead of bench/.venvs/torch "
                     "(a GPU machine's own torch with CUDA)")

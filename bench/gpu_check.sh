@@ -25,6 +25,8 @@
 #             as of then joins the table, so a change is measured against its base
 #   VARIANTS  bench_step.py --variant entries, space-separated (graphs:NETDSL_CUDA_GRAPH=1)
 #   ROUNDS    the table's rounds (default 2)
+#   TORCH_TF32  1: PyTorch's convolutions on TF32 tensor cores, its default (otherwise
+#             float32 arithmetic, as netdsl's: bench_step.py --torch-tf32)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-gpu-results}
@@ -34,6 +36,7 @@ NETS=${NETS:-resnet164,resnet50,vgg16,mobilenet_v2,transformer-tiny,digits-cnn}
 BASE=()
 [ -n "${BASELINE:-}" ] && BASE=(--baseline "$BASELINE")
 for v in ${VARIANTS:-}; do BASE+=(--variant "$v"); done
+[ "${TORCH_TF32:-0}" = 1 ] && BASE+=(--torch-tf32)
 has() { [[ " $CHECKS " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 # the NumPy reference kernels, not the Numba ones: a cold Numba compile takes minutes, and
@@ -77,6 +80,11 @@ try:
           "cudnn", torch.backends.cudnn.version())
 except ImportError as e:
     print("no torch:", e)
+from netdsl.backends import cudnn, get_backend
+print("cuDNN candidates:", cudnn.candidates()[:4])
+be = get_backend("cupy", 0)
+be.cudnn  # loaded and checked against the definitions (netdsl.backends.cudnn)
+print("netdsl's convolutions:", be.cudnn_status)
 EOF
   XDIST=()
   $PY -c "import xdist, pytest_timeout" 2>/dev/null && XDIST=(-n 8 --timeout 150)

@@ -6,6 +6,7 @@ Skips cleanly unless CuPy is installed and a CUDA device answers. On a GPU machi
 import numpy as np
 import pytest
 from _examples import example_feeds, load
+from _fake_cudnn import GEOMETRIES, conv_attrs, geometry
 from _op_cases import OP_CASES
 
 from netdsl.passes.autodiff import autodiff
@@ -183,6 +184,52 @@ def test_cuda_batchnorm_kernels_match_numpy(op, attrs, dtype, rtol, monkeypatch)
     for k in sa:
         close(sb[k], sa[k], k)
     assert called == {"bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input"}
+
+
+def _cudnn(gpu):
+    """The backend's cuDNN convolutions; a skip where no library is installed or it is
+    turned off, a failure where one loaded but did not pass its check."""
+    dnn = gpu.cudnn
+    status = gpu.cudnn_status
+    if dnn is None and ("could be loaded" in status or status.startswith("off")):
+        pytest.skip(f"cuDNN: {status}")
+    assert dnn is not None, f"cuDNN {status}"
+    return dnn
+
+
+def test_cudnn_is_found_and_passes_its_check():
+    gpu = _gpu_backend()
+    _cudnn(gpu)
+    assert gpu.cudnn_status.startswith("cuDNN "), gpu.cudnn_status
+    print(gpu.cudnn_status)  # (which library: the device run's log says)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-10), ("float32", 1e-4)])
+@pytest.mark.parametrize("shape,o,a", GEOMETRIES, ids=range(len(GEOMETRIES)))
+def test_cudnn_convolutions_match_numpy(shape, o, a, dtype, rtol):
+    """cuDNN's three convolutions (FMA math: no TF32) against the NumPy kernels, and
+    writing into a given output (a planned slot)."""
+    from netdsl.ir.ops.conv import conv2d_forward, conv2d_grad_input, conv2d_grad_weight
+    gpu = _gpu_backend()
+    dnn, cp = _cudnn(gpu), gpu.xp
+    a = conv_attrs(o, a)
+    geom, groups = geometry(a), a["groups"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = rng.standard_normal((o, shape[1] // groups, *geom[:2])).astype(dtype)
+    y = conv2d_forward(np, x, w, a)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    out = cp.full(y.shape, np.nan, dtype)
+    got = (dnn.forward(cp.asarray(x), cp.asarray(w), geom, groups, out, limit=1 << 24),
+           dnn.grad_input(cp.asarray(dy), cp.asarray(w), x.shape, geom, groups, None, 1 << 24),
+           dnn.grad_weight(cp.asarray(dy), cp.asarray(x), w.shape, geom, groups, 1 << 24))
+    assert got[0] is out
+    want = (y, conv2d_grad_input(np, dy, w, x.shape, a), conv2d_grad_weight(np, dy, x, w.shape, a))
+    for what, g, r in zip(("forward", "dx", "dw"), got, want, strict=True):
+        if g is None:
+            pytest.fail(f"cuDNN found no {what} algorithm for {shape} {a}")
+        np.testing.assert_allclose(cp.asnumpy(g), r, rtol=rtol,
+                                   atol=rtol * float(np.abs(r).max()), err_msg=what)
 
 
 @pytest.mark.parametrize("example,batch,kind", [("resnet20-cifar", 4, "sgd"),

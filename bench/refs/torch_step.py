@@ -33,8 +33,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (bench_step --backend cupy)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="on cuda, PyTorch's default: cuDNN's float32 convolutions on TF32 "
+                         "tensor cores (inputs rounded to 10 bits). Without it they stay "
+                         "float32, as netdsl's (and as matmuls are by default)")
     a = ap.parse_args()
     dev = torch.device(a.device)
+    torch.backends.cudnn.allow_tf32 = a.tf32
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     make_model, make_opt, make_batch = NETWORKS[a.net]

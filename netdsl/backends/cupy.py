@@ -6,6 +6,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
+from netdsl.backends import cudnn
 from netdsl.backends.cupy_fused import CudaKernels
 from netdsl.config import env_switch
 from netdsl.errors import DeviceError
@@ -94,6 +95,25 @@ class CupyBackend:
         self.cuda_fused = CudaKernels(cupy) if env_switch(CUDA_ENV, True) else None
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._pending: dict[int, tuple] = {}  # host buffer -> (copy-done event, source)
+        self._cudnn: cudnn.Convolutions | None = None
+        self.cudnn_status = "not loaded (no convolution has asked for it)"
+
+    @property
+    def cudnn(self) -> cudnn.Convolutions | None:
+        """cuDNN's convolutions (netdsl.backends.cudnn), loaded and checked on first use;
+        None where NETDSL_CUDNN=0, where no cuDNN library loads, or where it failed its
+        check: `cudnn_status` says which, and convolutions take the columns' path."""
+        if self.cudnn_status.startswith("not loaded"):
+            self._cudnn, self.cudnn_status = self._load_cudnn()
+        return self._cudnn
+
+    def _load_cudnn(self) -> tuple[cudnn.Convolutions | None, str]:
+        cupy = self.xp
+        with self._dev:
+            return cudnn.open_convolutions(cupy, lambda a: a.data.ptr,
+                                           lambda: cupy.cuda.get_current_stream().ptr,
+                                           cupy.cuda.runtime.getDevice, cupy.asarray,
+                                           cupy.asnumpy)
 
     def asarray(self, host_array, dtype=None):
         with self._dev:

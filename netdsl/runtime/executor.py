@@ -170,6 +170,8 @@ class Executor:
         if any(registry.OPS[n.op].extra.get("fused_kernels") for n in graph.nodes):
             # the backend's fused kernels (Numba) load now, not inside a measured step
             getattr(self.backend, "fused", None)
+        if any(n.attrs.get("target") == "gpu" for n in graph.nodes):
+            getattr(self.backend, "cudnn", None)  # cuDNN too (loaded and checked once)
         self.dtype = dtype
         self.np_dtype = NUMPY_DTYPE[dtype]
         self.seed = seed

@@ -339,6 +339,9 @@ class Trainer:
         except MemoryError:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
+        status = getattr(backend, "cudnn_status", "")
+        if status.startswith("not used"):  # (loaded by the executor: a GPU convolution)
+            self.warnings.append(f"the convolutions run as columns and GEMMs; cuDNN {status}")
         # evaluation runs the forward graph on the step's state; over MPI the state is
         # spread over the ranks, so rank 0 evaluates on a gathered copy (made on first use)
         self._eval_base = self.executor if not opts.distributed else None

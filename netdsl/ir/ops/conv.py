@@ -6,6 +6,8 @@ total d*(k-1) per dim, the odd one at the end, as torch). `explicit_padding` giv
 (begins, ends) of any form. The kernels run on symmetric padding; the asymmetric excess is
 zero-padded onto x first (and cropped off dx).
 """
+import math
+
 from netdsl.errors import ShapeError
 from netdsl.ir.ops import conv_winograd as winograd
 from netdsl.ir.ops._util import fused_kernels, matmul, need_float, need_rank, out_size, pair
@@ -501,42 +503,75 @@ def _flat_out(out, n, c):
     return None if out is None else out.reshape(n, c, -1)
 
 
-def conv2d_forward(xp, x, w, a, out=None, fast=None):
+def conv2d_forward(xp, x, w, a, out=None, fast=None, dnn=None):
     """y = conv2d(x, w) for the attributes `a` (any padding form; no bias); a 1x1
     convolution writes into `out` (the node's planned slot) when given; `fast`: the
-    backend's fused kernels (Winograd), or None."""
-    a, extra = _split(a)
-    return _conv_forward(xp, _pad_extra(xp, x, extra), w, _geometry(None, a), a["groups"],
-                         out, fast, on_gpu(a))
+    backend's fused kernels (Winograd), or None; `dnn`: cuDNN's convolutions (a node
+    marked for a GPU, where the backend has them), or None."""
+    sym, extra = _split(a)
+    xe = _pad_extra(xp, x, extra)
+    geom = _geometry(None, sym)
+    if dnn is not None:
+        y = dnn.forward(xe, w, geom, sym["groups"], out, _dnn_limit(
+            "forward", x.shape, w.shape[0], a, x.itemsize, 0 if xe is x else xe.nbytes))
+        if y is not None:
+            return y
+    return _conv_forward(xp, xe, w, geom, sym["groups"], out, fast, on_gpu(sym))
 
 
-def conv2d_grad_input(xp, dy, w, shape, a, out=None, fast=None):
+def conv2d_grad_input(xp, dy, w, shape, a, out=None, fast=None, dnn=None):
     """dx of conv2d, for x of `shape`; a 1x1 convolution's writes into `out` if given."""
-    a, ((bh, bw), (eh, ew)) = _split(a)
+    sym, ((bh, bw), (eh, ew)) = _split(a)
     n, c, h, wd = shape
     grown = bool(bh or bw or eh or ew)  # dx is cropped from a larger one: not into `out`
-    dx = _conv2d_gi(xp, [dy, w], {**a, "shape": (n, c, h + bh + eh, wd + bw + ew)},
-                    None if grown else out, fast)
+    big = (n, c, h + bh + eh, wd + bw + ew)
+    dx = None
+    if dnn is not None:
+        limit = _dnn_limit("grad_input", shape, dy.shape[1], a, dy.itemsize,
+                           math.prod(big) * dy.itemsize if grown else 0)
+        dx = dnn.grad_input(dy, w, big, _geometry(None, sym), sym["groups"],
+                            None if grown else out, limit)
+    if dx is None:
+        dx = _conv2d_gi(xp, [dy, w], {**sym, "shape": big}, None if grown else out, fast)
     if grown:
         dx = xp.ascontiguousarray(dx[:, :, bh:bh + h, bw:bw + wd])
     return dx
 
 
-def conv2d_grad_weight(xp, dy, x, shape, a, fast=None):
-    a, extra = _split(a)
-    return _conv2d_gw(xp, [dy, _pad_extra(xp, x, extra)], {**a, "shape": shape}, fast)
+def conv2d_grad_weight(xp, dy, x, shape, a, fast=None, dnn=None):
+    sym, extra = _split(a)
+    xe = _pad_extra(xp, x, extra)
+    if dnn is not None:
+        gw = dnn.grad_weight(dy, xe, tuple(shape), _geometry(None, sym), sym["groups"],
+                             _dnn_limit("grad_weight", x.shape, dy.shape[1], a, x.itemsize,
+                                        0 if xe is x else xe.nbytes))
+        if gw is not None:
+            return gw
+    return _conv2d_gw(xp, [dy, xe], {**sym, "shape": shape}, fast)
+
+
+def _dnn_limit(kind: str, x_shape, o: int, a, itemsize: int, held: int = 0) -> int:
+    """The workspace bytes cuDNN may take for a node: what the node's workspace rule grants
+    (the GPU path's), less what the kernel already holds of it (`held`: the asymmetric
+    padding's copy of x, or the larger dx cropped after), so a storage plan stays exact."""
+    return _scratch_elems(kind, x_shape, o, a) * itemsize - held
 
 
 def _fast(ctx, a, *arrays):
     """The fused kernels for a convolution node, but none for one marked for a GPU: it
-    takes the columns' paths, which its workspace rule counts."""
+    takes cuDNN's or the columns' paths, which its workspace rule counts."""
     return None if on_gpu(a) else fused_kernels(ctx, *arrays)
+
+
+def _dnn(ctx, a):
+    """cuDNN's convolutions for a node marked for a GPU, where the backend has them."""
+    return getattr(ctx.backend, "cudnn", None) if on_gpu(a) else None
 
 
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    y = conv2d_forward(xp, x, w, a, ctx.out, _fast(ctx, a, x, w))
+    y = conv2d_forward(xp, x, w, a, ctx.out, _fast(ctx, a, x, w), _dnn(ctx, a))
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
@@ -545,13 +580,13 @@ def _conv2d(xp, ins, a, ctx):
 @kernel("conv2d_grad_weight")
 def _conv2d_gw_kernel(xp, ins, a, ctx):
     return conv2d_grad_weight(xp, ins[0], ins[1], tuple(a["shape"]), a,
-                              _fast(ctx, a, ins[0], ins[1]))
+                              _fast(ctx, a, ins[0], ins[1]), _dnn(ctx, a))
 
 
 @kernel("conv2d_grad_input")
 def _conv2d_gi_kernel(xp, ins, a, ctx):
     return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a,
-                             ctx.out, _fast(ctx, a, ins[0], ins[1]))
+                             ctx.out, _fast(ctx, a, ins[0], ins[1]), _dnn(ctx, a))
 
 
 def _conv2d_gw(xp, ins, a, fast):

@@ -79,6 +79,29 @@ def test_env_switches_the_pass_off(monkeypatch):
     assert len(run_pipeline(fwd, ["fuse"]).by_op("batchnorm_relu")) == 3
 
 
+def test_a_gpu_step_is_fused_without_numba_and_a_cpu_step_only_with_it(monkeypatch):
+    """The CuPy backend's CUDA kernels run the fused ops whether or not Numba is there:
+    a GPU step (the Trainer's on CuPy) is fused unless NETDSL_FUSE=0; a CPU step only
+    where the Numba kernels are."""
+    import importlib.util
+
+    from netdsl.config import TrainConfig
+    from netdsl.runtime.trainer import training_graph
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numba" else real(name, *a))
+    monkeypatch.delenv("NETDSL_FUSE", raising=False)
+    fwd = load("resnet20-cifar.net").lower(2)
+    def fused(device):
+        step = training_graph(fwd, TrainConfig(), device)
+        return len(step.by_op("batchnorm_relu")), len(step.by_op("add_relu"))
+    gpu = fused("gpu")
+    assert gpu[0] >= 10 and gpu[1] == 9  # (resnet20's nine blocks end in relu(add))
+    assert fused("cpu") == (0, 0)
+    monkeypatch.setenv("NETDSL_FUSE", "0")
+    assert fused("gpu") == (0, 0)
+
+
 @pytest.mark.parametrize("example,batch", [("resnet20-cifar", 2), ("branchy", 3)])
 def test_fused_step_matches_the_unfused_step(example, batch):
     fwd = (netdsl.loads(BRANCHY) if example == "branchy" else load(f"{example}.net")).lower(batch)

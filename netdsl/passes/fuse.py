@@ -25,9 +25,10 @@
   in NumPy alone).
 
 Only nodes without a device placement are fused (a split graph's are left as they are).
-By default `fuse` and `fuse_grads` run where the fused CPU kernels can (Numba is
-installed: the `fast` extra); without them the fused ops' NumPy reference code recomputes
-the relu mask and is slower than the unfused ops, so the graph is left as written.
+By default `fuse` and `fuse_grads` run on a GPU's step (the Trainer's on CuPy) and where
+the fused CPU kernels can (Numba is installed: the `fast` extra); without them the fused
+ops' NumPy reference code recomputes the relu mask and is slower than the unfused ops, so
+a CPU step is left as written.
 `NETDSL_FUSE=1` or `0` (or a pass's `enabled`) forces either way, to compare.
 """
 from __future__ import annotations
@@ -42,11 +43,15 @@ from netdsl.passes.pipeline import register_pass
 FUSE_ENV = "NETDSL_FUSE"
 
 
-def fusion_enabled() -> bool:
-    """NETDSL_FUSE if set, else whether Numba (what runs the fused kernels) is installed;
-    looked up, not imported."""
+def fusion_enabled(device: str = "cpu") -> bool:
+    """NETDSL_FUSE if set; else, for a GPU's step, yes (the CuPy backend's CUDA kernels run
+    batchnorm with its relu, and its dx with the gradient sum, in one launch each: a
+    launch and a pass over memory saved either way); else whether Numba (what runs the
+    fused CPU kernels) is installed, looked up, not imported."""
     forced = env_switch(FUSE_ENV, None)
-    return importlib.util.find_spec("numba") is not None if forced is None else forced
+    if forced is not None:
+        return forced
+    return device == "gpu" or importlib.util.find_spec("numba") is not None
 
 
 def _sole_reader(g: Graph):

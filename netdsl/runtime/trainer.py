@@ -33,6 +33,7 @@ from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.plan import device_peaks, make_plan
 from netdsl.memory.profiles import get_profile
+from netdsl.passes.fuse import fusion_enabled
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
@@ -254,8 +255,9 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
     # leaves the graph as written); join_slice_grads: q/k/v-style slices' gradients as
     # one concat; device: the kernels' variants for the device ("gpu" on CuPy)
-    return run_pipeline(forward, ["fuse", "autodiff", "fuse_grads", "join_slice_grads",
-                                  ("optimizer", {"kind": kind, **opt}),
+    fusing = {"enabled": fusion_enabled(device)}
+    return run_pipeline(forward, [("fuse", fusing), "autodiff", ("fuse_grads", fusing),
+                                  "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])
 
 

@@ -66,7 +66,7 @@ step() {  # step SECONDS COMMAND...: one check under its own limit; its status a
     TORCH=(--torch-python "$(command -v python3)")
   else
     python3 -m venv .gpu-venv && . .gpu-venv/bin/activate
-    pip install -q -e '.[test]' cupy-cuda12x || exit 1
+    pip install -q -e '.[test,gpu]' || exit 1
     PY=python
     TORCH=()
   fi

@@ -13,9 +13,9 @@ from netdsl.errors import DeviceError
 
 CUDA_ENV = "NETDSL_CUDA_KERNELS"
 
-_HELP = ("Install CuPy for your CUDA version (e.g. `pip install cupy-cuda12x`, or "
-         "`pip install netdsl[gpu]`) on a machine with an NVIDIA GPU and driver, or run on "
-         "the CPU with the numpy backend.")
+_HELP = ("Install CuPy and cuDNN for your CUDA version (`pip install netdsl[gpu]` for CUDA "
+         "12, `netdsl[gpu-cuda13]` for CUDA 13) on a machine with an NVIDIA GPU and driver, "
+         "or run on the CPU with the numpy backend.")
 
 
 def _import_cupy():

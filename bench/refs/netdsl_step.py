@@ -171,8 +171,12 @@ def main() -> None:
                          "not_recorded": [f"{'/'.join(k[0])} training={k[1]}: {why}"
                                           for k, why in rep.reasons.items()]}
     if a.backend == "cupy":  # the pool's high-water mark: what CuPy took from the device
-        cupy = tr.executor.backend.xp
-        res["framework"] = f"netdsl (CuPy {cupy.__version__})"
+        be = tr.executor.backend
+        cupy = be.xp
+        dnn = getattr(be, "cudnn_status", "")  # (revisions before cuDNN have none)
+        res["framework"] = f"netdsl (CuPy {cupy.__version__}" + (
+            f", {dnn.split(' (')[0]})" if dnn.startswith("cuDNN") else ", no cuDNN)")
+        res["cudnn"] = dnn
         res["device_peak_bytes"] = cupy.get_default_memory_pool().total_bytes()
         res["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if a.profile:

@@ -351,7 +351,9 @@ def self_check(conv: Convolutions, to_device, to_host) -> None:
 
     rng = np.random.default_rng(0)
     geom, groups = (3, 3, 2, 2, 1, 1, 1, 1), 2
-    for dtype, tol in (("float32", 1e-5), ("float64", 1e-12)):
+    # (float32: FFT and Winograd algorithms err by about 1e-6 of the largest value; TF32
+    # products, which FMA math rules out, by about 1e-3)
+    for dtype, tol in (("float32", 1e-4), ("float64", 1e-12)):
         x = rng.standard_normal((2, 4, 7, 6)).astype(dtype)
         w = rng.standard_normal((6, 2, 3, 3)).astype(dtype)
         dy = rng.standard_normal((2, 6, 4, 3)).astype(dtype)  # y's shape

@@ -187,50 +187,44 @@ static cudnnStatus_t run(const tensor_t *x, const filter_t *w, const conv_t *c, 
     return OK;
 }
 
+enum { FWD, DATA, FILTER };
+
+/* kind FWD: (a, b) = (x, w) -> y; DATA: (w, dy) -> dx; FILTER: (x, dy) -> dw */
+static cudnnStatus_t convolve(int kind, tensor_t *X, filter_t *W, conv_t *C, tensor_t *Y,
+                              int algo, void *ws, size_t ws_bytes, const void *alpha,
+                              const void *beta, const void *a, const void *b, void *out) {
+    cudnnStatus_t st = run(X, W, C, Y, algo, ws, ws_bytes);
+    if (st != OK) return st;
+    int dt = X->dtype;
+    size_t count = kind == FWD ? (size_t)Y->n * Y->c * Y->h * Y->w
+                 : kind == DATA ? (size_t)X->n * X->c * X->h * X->w
+                 : (size_t)W->k * W->c * W->h * W->w;
+    double *acc = calloc(count, sizeof(double));
+    FOR_TAPS(X, W, C, Y,
+             if (kind == FWD) acc[yi] += get(a, dt, xi) * get(b, dt, wi);
+             else if (kind == DATA) acc[xi] += get(b, dt, yi) * get(a, dt, wi);
+             else acc[wi] += get(b, dt, yi) * get(a, dt, xi))
+    double al = scalar(alpha, dt), be = scalar(beta, dt);
+    for (size_t k = 0; k < count; k++)
+        put(out, dt, k, al * acc[k] + (be != 0 ? be * get(out, dt, k) : 0));
+    free(acc);
+    return OK;
+}
+
 cudnnStatus_t cudnnConvolutionForward(void *h, const void *alpha, void *xd, const void *x,
                                       void *wd, const void *w, void *cd, int algo, void *ws,
                                       size_t ws_bytes, const void *beta, void *yd, void *y) {
-    tensor_t *X = xd, *Y = yd; filter_t *W = wd; conv_t *C = cd;
-    cudnnStatus_t st = run(X, W, C, Y, algo, ws, ws_bytes);
-    if (st != OK) return st;
-    size_t ny = (size_t)Y->n * Y->c * Y->h * Y->w;
-    double *acc = calloc(ny, sizeof(double));
-    FOR_TAPS(X, W, C, Y, acc[yi] += get(x, X->dtype, xi) * get(w, X->dtype, wi))
-    double a = scalar(alpha, X->dtype), b = scalar(beta, X->dtype);
-    for (size_t k = 0; k < ny; k++)
-        put(y, X->dtype, k, a * acc[k] + (b != 0 ? b * get(y, X->dtype, k) : 0));
-    free(acc);
-    return OK;
+    return convolve(FWD, xd, wd, cd, yd, algo, ws, ws_bytes, alpha, beta, x, w, y);
 }
 
 cudnnStatus_t cudnnConvolutionBackwardData(void *h, const void *alpha, void *wd, const void *w,
                                            void *dyd, const void *dy, void *cd, int algo, void *ws,
                                            size_t ws_bytes, const void *beta, void *dxd, void *dx) {
-    tensor_t *X = dxd, *Y = dyd; filter_t *W = wd; conv_t *C = cd;
-    cudnnStatus_t st = run(X, W, C, Y, algo, ws, ws_bytes);
-    if (st != OK) return st;
-    size_t nx = (size_t)X->n * X->c * X->h * X->w;
-    double *acc = calloc(nx, sizeof(double));
-    FOR_TAPS(X, W, C, Y, acc[xi] += get(dy, X->dtype, yi) * get(w, X->dtype, wi))
-    double a = scalar(alpha, X->dtype), b = scalar(beta, X->dtype);
-    for (size_t k = 0; k < nx; k++)
-        put(dx, X->dtype, k, a * acc[k] + (b != 0 ? b * get(dx, X->dtype, k) : 0));
-    free(acc);
-    return OK;
+    return convolve(DATA, dxd, wd, cd, dyd, algo, ws, ws_bytes, alpha, beta, w, dy, dx);
 }
 
 cudnnStatus_t cudnnConvolutionBackwardFilter(void *h, const void *alpha, void *xd, const void *x,
                                              void *dyd, const void *dy, void *cd, int algo, void *ws,
                                              size_t ws_bytes, const void *beta, void *dwd, void *dw) {
-    tensor_t *X = xd, *Y = dyd; filter_t *W = dwd; conv_t *C = cd;
-    cudnnStatus_t st = run(X, W, C, Y, algo, ws, ws_bytes);
-    if (st != OK) return st;
-    size_t nw = (size_t)W->k * W->c * W->h * W->w;
-    double *acc = calloc(nw, sizeof(double));
-    FOR_TAPS(X, W, C, Y, acc[wi] += get(dy, X->dtype, yi) * get(x, X->dtype, xi))
-    double a = scalar(alpha, X->dtype), b = scalar(beta, X->dtype);
-    for (size_t k = 0; k < nw; k++)
-        put(dw, X->dtype, k, a * acc[k] + (b != 0 ? b * get(dw, X->dtype, k) : 0));
-    free(acc);
-    return OK;
+    return convolve(FILTER, xd, dwd, cd, dyd, algo, ws, ws_bytes, alpha, beta, x, dy, dw);
 }

@@ -38,6 +38,8 @@ def reference(x, dy, a):
 CASES = [
     ("maxpool", (2, 3, 7, 7), {"kernel": 3, "stride": 2, "padding": 1}),
     ("maxpool", (1, 2, 6, 5), {"kernel": 2}),
+    ("maxpool", (2, 3, 8, 8), {"kernel": 2, "stride": 2}),  # (the fused 2x2 loop)
+    ("maxpool", (1, 2, 7, 5), {"kernel": 2, "ceil_mode": True}),  # (windows past the edge)
     ("maxpool", (1, 2, 7, 6), {"kernel": 3, "stride": 2, "ceil_mode": True}),
     ("maxpool", (1, 1, 5, 5), {"kernel": 3, "stride": 1, "padding": 1}),
     ("maxpool1d", (2, 2, 9), {"kernel": 3, "stride": 2, "padding": 1}),
@@ -59,6 +61,7 @@ def test_maxpool_kernels_match_the_window_loop(op, shape, attrs, fused):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 3, shape).astype(np.float64)  # many ties
     x.flat[::7] = np.nan
+    x.flat[3::11] = -np.inf
     y = ops[op].kernel(np, [x], a, ctx)
     dy = rng.standard_normal(y.shape)
     want_y, want_dx = reference(x, dy, a)

@@ -48,7 +48,7 @@ from netdsl.backends.numpy_fused_norm import (
     softmax_rows,
 )
 from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
-from netdsl.backends.numpy_fused_pool import maxpool2d_grad
+from netdsl.backends.numpy_fused_pool import maxpool2d_grad, maxpool2x2_grad
 from netdsl.backends.numpy_fused_scatter import col2im_add, im2col_rows, scatter_add_rows
 
 # How many MPI ranks share this machine, as MPICH (Hydra) and Open MPI tell each rank.
@@ -117,6 +117,7 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
+    maxpool2x2_grad = staticmethod(maxpool2x2_grad)
     add = staticmethod(add)  # a + b, or relu(a + b)
     relu_grad = staticmethod(relu_grad)
     window_grad = staticmethod(window_grad)  # relu6's and clip's gradients
@@ -157,6 +158,7 @@ class FusedKernels:
             adam_update(d1, d1, d1.copy(), d1.copy(), *(dt(1),) * 9)
             q = np.ones((1, 1, 2, 2), dt)
             maxpool2d_grad(q, q, 1, 1, 1, 1, 0, 0, q.copy())
+            maxpool2x2_grad(q[:, :, :1, :1].copy(), q, q.copy())
             ln_forward(r2, d1, d1, 1e-5, r2.copy())
             ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
             ln_grad_weight(r2, r2, 1e-5, np.zeros(2))

@@ -37,6 +37,7 @@ from netdsl.backends.numpy_fused_activation import (
     window_grad,
 )
 from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas, small_blocks
+from netdsl.backends.numpy_fused_loss import sce_forward, sce_grad
 from netdsl.backends.numpy_fused_norm import (
     bn_forward,
     bn_grad_input,
@@ -48,7 +49,7 @@ from netdsl.backends.numpy_fused_norm import (
     softmax_rows,
 )
 from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
-from netdsl.backends.numpy_fused_pool import maxpool2d_grad, maxpool2x2_grad
+from netdsl.backends.numpy_fused_pool import maxpool2d_grad, maxpool2x2, maxpool2x2_grad
 from netdsl.backends.numpy_fused_scatter import col2im_add, im2col_rows, scatter_add_rows
 
 # How many MPI ranks share this machine, as MPICH (Hydra) and Open MPI tell each rank.
@@ -117,7 +118,10 @@ class FusedKernels:
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
+    maxpool2x2 = staticmethod(maxpool2x2)
     maxpool2x2_grad = staticmethod(maxpool2x2_grad)
+    sce_forward = staticmethod(sce_forward)  # softmax cross-entropy, the plain case
+    sce_grad = staticmethod(sce_grad)
     add = staticmethod(add)  # a + b, or relu(a + b)
     relu_grad = staticmethod(relu_grad)
     window_grad = staticmethod(window_grad)  # relu6's and clip's gradients
@@ -159,6 +163,10 @@ class FusedKernels:
             q = np.ones((1, 1, 2, 2), dt)
             maxpool2d_grad(q, q, 1, 1, 1, 1, 0, 0, q.copy())
             maxpool2x2_grad(q[:, :, :1, :1].copy(), q, q.copy())
+            maxpool2x2(q, q[:, :, :1, :1].copy())
+            labels = np.zeros(1, np.int64)
+            sce_forward(r2, labels, -100)
+            sce_grad(r2, labels, -100, 1.0, r2.copy())
             ln_forward(r2, d1, d1, 1e-5, r2.copy())
             ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
             ln_grad_weight(r2, r2, 1e-5, np.zeros(2))

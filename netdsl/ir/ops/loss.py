@@ -68,7 +68,8 @@ register(OpDef("softmax_cross_entropy",
                # softmax's two passes, the class coefficients and their product
                workspace=scratch_rule(4, of=0),
                doc="-log softmax(logits)[label] per position, reduced (torch's cross_entropy "
-                   "with class weights, ignore_index and label_smoothing)"))
+                   "with class weights, ignore_index and label_smoothing)",
+               extra={"fused_kernels": True}))
 register(OpDef("nll", (Arg("logp", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS,
                _class_loss_shape("nll"), "loss",
                flops=lambda ins, out, a: 2 * ins[0].numel(), retains=("input1",),
@@ -134,7 +135,8 @@ register(OpDef("softmax_cross_entropy_grad",
                # the moved scores, the softmax's two passes, the coefficients, their product
                workspace=scratch_rule(5),
                doc="d(logits) = dy * (sum(c) softmax(logits) - c) / denominator, c the "
-                   "per-class coefficients (one-hot, smoothed, weighted)"))
+                   "per-class coefficients (one-hot, smoothed, weighted)",
+               extra={"fused_kernels": True}))
 register(OpDef("nll_grad", (Arg("dy", "tensor"), Arg("labels", "tensor"),
                             Arg("shape", "shape")) + _CLASS_ARGS,
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
@@ -252,9 +254,24 @@ def _scale(xp, dy, denom, a, m):
     return xp.full((m, 1), 1.0, dtype=dy.dtype) * dy
 
 
+def _fused_sce(ctx, z, t, a):
+    """The fused kernels for the plain case (no weights, no smoothing, a mean or a sum;
+    netdsl.backends.numpy_fused_loss), where they take these scores and labels."""
+    if a["weight"] is not None or a["label_smoothing"] or a["reduction"] == "none":
+        return None
+    f = fused_kernels(ctx, z)
+    return f if f is not None and t.dtype == "int64" and t.flags.c_contiguous else None
+
+
 @kernel("softmax_cross_entropy")
 def _sce(xp, ins, a, ctx):
     z, t = _flat(xp, *ins, a["axis"])
+    f = _fused_sce(ctx, z, t, a)
+    if f is not None:
+        total, status = f.sce_forward(z, t, a["ignore_index"])
+        if status == 0:  # (else ignored labels, or a bad one, which is raised below)
+            return xp.asarray(total / z.shape[0] if a["reduction"] == "mean" else total,
+                              dtype=z.dtype)
     _check_labels(xp, t, z.shape[1], a, ctx)
     if _plain(xp, t, a, ctx):  # log-sum-exp minus the pick
         m = z.max(axis=1, keepdims=True)
@@ -271,6 +288,12 @@ def _sce(xp, ins, a, ctx):
 def _sce_grad(xp, ins, a, ctx):
     dy, logits, labels = ins
     z, t = _flat(xp, logits, labels, a["axis"])
+    f = _fused_sce(ctx, z, t, a)
+    if f is not None:
+        g = xp.empty_like(z)
+        scale = float(dy) / (z.shape[0] if a["reduction"] == "mean" else 1)
+        if f.sce_grad(z, t, a["ignore_index"], scale, g) == 0:
+            return _unflat(xp, g, logits.shape, a["axis"])
     p = _softmax_fn(xp, z, 1)
     if _plain(xp, t, a, ctx):  # softmax minus the one-hot label: the forward's plain case
         m = z.shape[0]

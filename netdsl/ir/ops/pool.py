@@ -137,7 +137,8 @@ for _suffix, _d in _DIMS.items():
     register(OpDef(f"maxpool{_suffix}", _sig + _MAX_EXTRA, _pool_shape(f"maxpool{_suffix}", _d),
                    "pool", flops=_pool_flops, workspace=_pool_workspace(False),
                    retains=("inputs",), doc=f"{_what} max pooling; stride defaults to kernel",
-                   extra={"default_from": {"stride": "kernel"}, "spatial": _d}))
+                   extra={"default_from": {"stride": "kernel"}, "spatial": _d,
+                          "fused_kernels": _d == 2}))
     register(OpDef(f"avgpool{_suffix}", _sig + _AVG_EXTRA, _pool_shape(f"avgpool{_suffix}", _d),
                    "pool", flops=_pool_flops, workspace=_pool_workspace(True),
                    doc=f"{_what} average pooling; stride defaults to kernel; padding counts "
@@ -284,8 +285,22 @@ def _window_max(xp, xpad, k, s, out):
     return _window_reduce(xp, xpad, k, s, out, xp.maximum)
 
 
+def _two_by_two(x_shape, a) -> bool:
+    """2x2 windows at stride 2, unpadded, every window inside x (no ceil-mode edge): the
+    fused kernels' own loops (numpy_fused_pool.maxpool2x2*)."""
+    k, s, p, _sizes, out = _geom(x_shape, a, 2)
+    return ((*k, *s, *p) == (2, 2, 2, 2, 0, 0)
+            and 2 * out[0] <= x_shape[2] and 2 * out[1] <= x_shape[3])
+
+
 def _maxpool(xp, ins, a, ctx):
-    xpad, (k, s, _p, _sizes, out) = _padded_max(xp, ins[0], a)
+    x = ins[0]
+    f = fused_kernels(ctx, x)
+    if f is not None and x.ndim == 4 and _two_by_two(x.shape, a):
+        y = xp.empty(x.shape[:2] + tuple(_geom(x.shape, a, 2)[4]), x.dtype)
+        f.maxpool2x2(x, y)
+        return y
+    xpad, (k, s, _p, _sizes, out) = _padded_max(xp, x, a)
     return _window_max(xp, xpad, k, s, out)
 
 
@@ -295,12 +310,11 @@ def _maxpool_grad(xp, ins, a, ctx):
     dy, x = ins
     f = fused_kernels(ctx, dy, x)
     if f is not None and x.ndim == 4:  # one pass over x (Numba), the same rule
-        (kh, kw), (sh, sw), (ph, pw) = _geom(x.shape, a, 2)[:3]
         dx = xp.zeros_like(x)
-        if ((kh, kw, sh, sw, ph, pw) == (2, 2, 2, 2, 0, 0)
-                and 2 * dy.shape[2] <= x.shape[2] and 2 * dy.shape[3] <= x.shape[3]):
-            f.maxpool2x2_grad(dy, x, dx)  # (every window inside x: no ceil-mode edge)
+        if _two_by_two(x.shape, a):
+            f.maxpool2x2_grad(dy, x, dx)
         else:
+            (kh, kw), (sh, sw), (ph, pw) = _geom(x.shape, a, 2)[:3]
             f.maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx)
         return dx
     xpad, (k, s, p, sizes, out) = _padded_max(xp, x, a)

@@ -25,6 +25,14 @@ def _labels(t, k, ignore_index):
     return OK
 
 
+@numba.njit(inline="always")
+def _row_max(z, i):
+    mx = z[i, 0]
+    for c in range(1, z.shape[1]):
+        mx = max(mx, z[i, c])
+    return mx
+
+
 @numba.njit(**_JIT)
 def sce_forward(z, t, ignore_index):
     """(sum over rows of logsumexp(z[i]) - z[i, t[i]], status): the (M, K) scores z and
@@ -34,9 +42,7 @@ def sce_forward(z, t, ignore_index):
         return 0.0, status
     total = 0.0
     for i in range(z.shape[0]):
-        mx = z[i, 0]
-        for c in range(1, z.shape[1]):
-            mx = max(mx, z[i, c])
+        mx = _row_max(z, i)
         s = 0.0
         for c in range(z.shape[1]):
             s += math.exp(z[i, c] - mx)
@@ -52,9 +58,7 @@ def sce_grad(z, t, ignore_index, scale, out):
     if status != OK:
         return status
     for i in range(z.shape[0]):
-        mx = z[i, 0]
-        for c in range(1, z.shape[1]):
-            mx = max(mx, z[i, c])
+        mx = _row_max(z, i)
         s = 0.0
         for c in range(z.shape[1]):
             e = math.exp(z[i, c] - mx)

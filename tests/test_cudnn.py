@@ -98,6 +98,7 @@ def test_refused_descriptors_decline_and_a_failed_convolution_raises(monkeypatch
     assert list(dnn.declined.values()) == [
         "cudnnSetConvolution2dDescriptor failed: CUDNN_STATUS_BAD_PARAM (status 3)"]
     geom = (3, 3, 1, 1, 0, 0, 1, 1)
+    assert dnn.forward(x.astype(np.float16), w.astype(np.float16), geom, 1) is None
     assert dnn.forward(x, w, geom, 1) is not None
     g = next(g for g in dnn._geoms.values() if g is not None)
     monkeypatch.setattr(g, "algorithm", lambda *a: (2, 0))  # tensor-op: not in FMA math

@@ -553,7 +553,7 @@ def conv2d_grad_weight(xp, dy, x, shape, a, fast=None, dnn=None):
 def _dnn_limit(kind: str, x_shape, o: int, a, itemsize: int, held: int = 0) -> int:
     """The workspace bytes cuDNN may take for a node: what the node's workspace rule grants
     (the GPU path's), less what the kernel already holds of it (`held`: the asymmetric
-    padding's copy of x, or the larger dx cropped after), so a storage plan stays exact."""
+    padding's copy of x, or the larger dx cropped after): the step stays within its plan."""
     return _scratch_elems(kind, x_shape, o, a) * itemsize - held
 
 

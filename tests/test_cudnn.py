@@ -114,8 +114,13 @@ def test_the_self_check_passes_a_working_library_and_fails_a_wrong_one(monkeypat
                                                                                   dy.dtype))
     with pytest.raises(cudnn.CudnnError, match="data gradient differs"):
         cudnn.self_check(dnn, np.asarray, np.asarray)
-    monkeypatch.setattr(dnn, "forward", lambda *a, **k: None)
-    with pytest.raises(cudnn.CudnnError, match="forward found no algorithm"):
+    monkeypatch.undo()
+    real = dnn.forward  # declining the grouped case leaves it to the caller...
+    monkeypatch.setattr(dnn, "forward", lambda x, w, geom, groups, *a, **k: None
+                        if groups > 1 else real(x, w, geom, groups, *a, **k))
+    cudnn.self_check(dnn, np.asarray, np.asarray)
+    monkeypatch.setattr(dnn, "forward", lambda *a, **k: None)  # ...but not the plain one
+    with pytest.raises(cudnn.CudnnError, match="forward found no algorithm for a plain"):
         cudnn.self_check(dnn, np.asarray, np.asarray)
 
 

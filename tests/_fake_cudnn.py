@@ -3,6 +3,7 @@ convolutions (netdsl.backends.cudnn) on NumPy arrays through it: the ctypes call
 without a GPU."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import shutil
@@ -22,7 +23,9 @@ def library() -> str | None:
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    out = Path(tempfile.mkdtemp(prefix="netdsl-fake-cudnn-")) / "libfakecudnn.so"
+    folder = tempfile.mkdtemp(prefix="netdsl-fake-cudnn-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # (the process's own copy)
+    out = Path(folder) / "libfakecudnn.so"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(SOURCE)], check=True)
     return str(out)
 

@@ -97,9 +97,10 @@ def kernel_table(prof: cProfile.Profile, step_s: float, top: int) -> dict:
     }
 
 
-def op_times(tr: Trainer) -> list:
-    """Wall time per op (no profiler): Executor._call timed with perf_counter, one step.
-    On a GPU the device is synchronised around each op, so the time is the op's own."""
+def op_times(tr: Trainer, steps: int = 1) -> list:
+    """Wall time per op and step (no profiler): Executor._call timed with perf_counter,
+    summed over `steps` steps and divided by them; calls are per step. On a GPU the device
+    is synchronised around each op, so the time is the op's own."""
     ex = tr.executor
     orig = ex._call
     acc: dict[str, list] = {}
@@ -117,10 +118,12 @@ def op_times(tr: Trainer) -> list:
 
     ex._call = timed
     try:
-        one_step(tr)
+        for _ in range(steps):
+            one_step(tr)
     finally:
         del ex._call
-    return sorted(([op, c, s] for op, (c, s) in acc.items()), key=lambda r: -r[2])
+    return sorted(([op, c // steps, s / steps] for op, (c, s) in acc.items()),
+                  key=lambda r: -r[2])
 
 
 def main() -> None:
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--op-steps", type=int, default=1,
+                    help="with --profile: the per-op times over this many steps (averaged)")
     ap.add_argument("--label", default="", help="shown after `netdsl` in the report")
     ap.add_argument("--src", help="import netdsl from this directory (see _use_source)")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy"))
@@ -143,7 +148,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
     t0 = time.perf_counter()
     net = netdsl.load(a.file)
-    extra = 2 if a.profile else 0
+    extra = 1 + a.op_steps if a.profile else 0
     tr = Trainer(net.graph, net.train, RunOptions(steps=a.warmup + a.steps + extra,
                                                  batch=a.batch, backend=a.backend))
     build_s = time.perf_counter() - t0
@@ -180,7 +185,7 @@ def main() -> None:
         res["device_peak_bytes"] = cupy.get_default_memory_pool().total_bytes()
         res["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if a.profile:
-        res["op_times"] = op_times(tr)
+        res["op_times"] = op_times(tr, a.op_steps)
         prof = cProfile.Profile()
         prof.enable()
         one_step(tr)

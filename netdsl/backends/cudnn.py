@@ -274,11 +274,9 @@ class Convolutions:
         self.lib, self.xp = lib, xp
         self._ptr, self._stream, self._device = pointer, stream, device
         self._geoms: dict[tuple, Geometry | None] = {}
-        self.declined: dict[tuple, str] = {}  # (kind, dtype, shapes, geom, groups) -> why
-
-    @property
-    def version(self) -> str:
-        return self.lib.version_string
+        # why cuDNN left a convolution to the caller: by (dtype, shapes, geom, groups) for
+        # refused descriptors, with the kind first where that kind found no algorithm
+        self.declined: dict[tuple, str] = {}
 
     def _geometry(self, key: tuple) -> Geometry | None:
         if key not in self._geoms:

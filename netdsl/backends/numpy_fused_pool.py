@@ -48,9 +48,9 @@ def maxpool2x2_grad(dy, x, dx):
     three compares whose outcomes are selects, not branches, so the loop over a row of
     windows vectorises and does not pay for the argmax's unpredictable jumps. Each element
     of x is in at most one window, so dx is written, not added to (x's rows and columns
-    past the last window keep dx's zeros). digits-cnn's pool 291 -> 104 us, VGG-16's first
-    (8x64x224x224) 101 -> 48 ms (one thread, eight different inputs in turn; the same
-    bits; docs/benchmarks.md)."""
+    past the last window keep dx's zeros). The same bits; digits-cnn's pool 0.28 -> 0.11
+    ms, VGG-16's first (8x64x224x224) 101 -> 46 ms (bench/bench_kernels.py, one thread,
+    four inputs in turn; docs/benchmarks.md)."""
     n, nc, h, w = x.shape
     oh, ow = dy.shape[2], dy.shape[3]
     xf = x.reshape(x.size)  # C-contiguous (FusedKernels.accepts)
@@ -86,9 +86,9 @@ def maxpool2x2(x, y):
     """y = the maximum of each 2x2 window at stride 2 (no padding, every window inside x;
     a NaN wins): the values the NumPy kernel's np.maximum passes give, a window at a time
     on one thread, as NumPy's passes run (Numba's parallel loop made digits-cnn's small
-    pool twice as slow and VGG-16's no faster). Called alone on eight different inputs in
-    turn: digits-cnn's 32x32x8x8 65 -> 44 us, VGG-16's first pool (8x64x224x224) 31 ->
-    18 ms."""
+    pool twice as slow and VGG-16's no faster). digits-cnn's 32x32x8x8 0.063 -> 0.049 ms,
+    VGG-16's first pool (8x64x224x224) 31.6 -> 18.4 ms (bench/bench_kernels.py, one
+    thread)."""
     n, nc, h, w = x.shape
     oh, ow = y.shape[2], y.shape[3]
     xf = x.reshape(x.size)  # C-contiguous (FusedKernels.accepts)

@@ -300,7 +300,7 @@ class Executor:
                             seed=self.seed, step=step, comm=self.comm, capturing=capturing)
         slots = self._slots(roles, plan) if self.arena else None
         values: dict[str, Any] = {}
-        held: dict[str, int] = {}  # bytes each live value adds to the count
+        held: dict[str, tuple] = {}  # (bytes, where) each live value adds to the count
         # the shared scratch region of each device, reserved for the run (kernels take
         # their scratch transiently, within what their workspace rules declare)
         spaces = self._workspaces(roles, plan)
@@ -389,7 +389,7 @@ class Executor:
         if where is None:
             self.host_bytes_current -= nbytes
         else:
-            self.bytes_by_device[where] -= nbytes
+            self._free(where, nbytes)
 
     def _check_budget(self, name: str, nbytes: int) -> None:
         if self.budget_bytes is None:  # per value, per step: nothing to look up then

@@ -6,7 +6,7 @@ total d*(k-1) per dim, the odd one at the end, as torch). `explicit_padding` giv
 (begins, ends) of any form. The kernels run on symmetric padding; the asymmetric excess is
 zero-padded onto x first (and cropped off dx).
 """
-import math
+import functools
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops import conv_winograd as winograd
@@ -513,7 +513,7 @@ def conv2d_forward(xp, x, w, a, out=None, fast=None, dnn=None):
     geom = _geometry(None, sym)
     if dnn is not None:
         y = dnn.forward(xe, w, geom, sym["groups"], out, _dnn_limit(
-            "forward", x.shape, w.shape[0], a, x.itemsize, 0 if xe is x else xe.nbytes))
+            "forward", xe.shape, w.shape[0], geom, sym["groups"], x.itemsize))
         if y is not None:
             return y
     return _conv_forward(xp, xe, w, geom, sym["groups"], out, fast, on_gpu(sym))
@@ -527,10 +527,10 @@ def conv2d_grad_input(xp, dy, w, shape, a, out=None, fast=None, dnn=None):
     big = (n, c, h + bh + eh, wd + bw + ew)
     dx = None
     if dnn is not None:
-        limit = _dnn_limit("grad_input", shape, dy.shape[1], a, dy.itemsize,
-                           math.prod(big) * dy.itemsize if grown else 0)
-        dx = dnn.grad_input(dy, w, big, _geometry(None, sym), sym["groups"],
-                            None if grown else out, limit)
+        geom = _geometry(None, sym)
+        dx = dnn.grad_input(dy, w, big, geom, sym["groups"], None if grown else out,
+                            _dnn_limit("grad_input", big, dy.shape[1], geom, sym["groups"],
+                                       dy.itemsize))
     if dx is None:
         dx = _conv2d_gi(xp, [dy, w], {**sym, "shape": big}, None if grown else out, fast)
     if grown:
@@ -542,19 +542,27 @@ def conv2d_grad_weight(xp, dy, x, shape, a, fast=None, dnn=None):
     sym, extra = _split(a)
     xe = _pad_extra(xp, x, extra)
     if dnn is not None:
-        gw = dnn.grad_weight(dy, xe, tuple(shape), _geometry(None, sym), sym["groups"],
-                             _dnn_limit("grad_weight", x.shape, dy.shape[1], a, x.itemsize,
-                                        0 if xe is x else xe.nbytes))
+        geom = _geometry(None, sym)
+        gw = dnn.grad_weight(dy, xe, tuple(shape), geom, sym["groups"],
+                             _dnn_limit("grad_weight", xe.shape, dy.shape[1], geom,
+                                        sym["groups"], x.itemsize))
         if gw is not None:
             return gw
     return _conv2d_gw(xp, [dy, xe], {**sym, "shape": shape}, fast)
 
 
-def _dnn_limit(kind: str, x_shape, o: int, a, itemsize: int, held: int = 0) -> int:
+@functools.lru_cache(maxsize=1024)
+def _dnn_limit(kind: str, x_shape: tuple, o: int, geom: tuple, groups: int,
+               itemsize: int) -> int:
     """The workspace bytes cuDNN may take for a node: what the node's workspace rule grants
-    (the GPU path's), less what the kernel already holds of it (`held`: the asymmetric
-    padding's copy of x, or the larger dx cropped after): the step stays within its plan."""
-    return _scratch_elems(kind, x_shape, o, a) * itemsize - held
+    (the GPU path's) past the padded input's copy the kernel already holds (x_shape is
+    that padded shape; dx's before its crop), so the step stays within its plan. It
+    depends on the symmetric geometry alone: computed once per shape, not per call (a
+    few microseconds each, which a host-bound GPU step pays per convolution)."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    a = {"kernel": (kh, kw), "stride": (sh, sw), "padding": (ph, pw),
+         "dilation": (dh, dw), "groups": groups, "target": "gpu"}
+    return _scratch_elems(kind, x_shape, o, a) * itemsize
 
 
 def _fast(ctx, a, *arrays):

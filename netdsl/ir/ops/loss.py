@@ -254,10 +254,15 @@ def _scale(xp, dy, denom, a, m):
     return xp.full((m, 1), 1.0, dtype=dy.dtype) * dy
 
 
+def _unweighted(a) -> bool:
+    """No class weights and no label smoothing: each label's position counts once."""
+    return a["weight"] is None and not a["label_smoothing"]
+
+
 def _fused_sce(ctx, z, t, a):
-    """The fused kernels for the plain case (no weights, no smoothing, a mean or a sum;
+    """The fused kernels for the plain case (unweighted, a mean or a sum;
     netdsl.backends.numpy_fused_loss), where they take these scores and labels."""
-    if a["weight"] is not None or a["label_smoothing"] or a["reduction"] == "none":
+    if not _unweighted(a) or a["reduction"] == "none":
         return None
     f = fused_kernels(ctx, z)
     return f if f is not None and t.dtype == "int64" and t.flags.c_contiguous else None
@@ -307,8 +312,7 @@ def _sce_grad(xp, ins, a, ctx):
 def _plain(xp, t, a, ctx) -> bool:
     """No class weights, no smoothing and no ignored label: every position counts once.
     (A recorded step cannot look at the labels: it takes the general path, the same sums.)"""
-    return (a["weight"] is None and not a["label_smoothing"]
-            and not getattr(ctx, "capturing", False)
+    return (_unweighted(a) and not getattr(ctx, "capturing", False)
             and not bool((t == a["ignore_index"]).any()))
 
 

@@ -285,21 +285,24 @@ def _window_max(xp, xpad, k, s, out):
     return _window_reduce(xp, xpad, k, s, out, xp.maximum)
 
 
-def _two_by_two(x_shape, a) -> bool:
-    """2x2 windows at stride 2, unpadded, every window inside x (no ceil-mode edge): the
-    fused kernels' own loops (numpy_fused_pool.maxpool2x2*)."""
-    k, s, p, _sizes, out = _geom(x_shape, a, 2)
+def _two_by_two(geom) -> bool:
+    """2x2 windows at stride 2, unpadded, every window inside x (no ceil-mode edge), for
+    `_geom`'s 2-d (k, s, p, sizes, out): the fused kernels' own loops
+    (numpy_fused_pool.maxpool2x2*)."""
+    k, s, p, sizes, out = geom
     return ((*k, *s, *p) == (2, 2, 2, 2, 0, 0)
-            and 2 * out[0] <= x_shape[2] and 2 * out[1] <= x_shape[3])
+            and 2 * out[0] <= sizes[0] and 2 * out[1] <= sizes[1])
 
 
 def _maxpool(xp, ins, a, ctx):
     x = ins[0]
     f = fused_kernels(ctx, x)
-    if f is not None and x.ndim == 4 and _two_by_two(x.shape, a):
-        y = xp.empty(x.shape[:2] + tuple(_geom(x.shape, a, 2)[4]), x.dtype)
-        f.maxpool2x2(x, y)
-        return y
+    if f is not None and x.ndim == 4:
+        geom = _geom(x.shape, a, 2)
+        if _two_by_two(geom):
+            y = xp.empty(x.shape[:2] + tuple(geom[4]), x.dtype)
+            f.maxpool2x2(x, y)
+            return y
     xpad, (k, s, _p, _sizes, out) = _padded_max(xp, x, a)
     return _window_max(xp, xpad, k, s, out)
 
@@ -311,10 +314,11 @@ def _maxpool_grad(xp, ins, a, ctx):
     f = fused_kernels(ctx, dy, x)
     if f is not None and x.ndim == 4:  # one pass over x (Numba), the same rule
         dx = xp.zeros_like(x)
-        if _two_by_two(x.shape, a):
+        geom = _geom(x.shape, a, 2)
+        if _two_by_two(geom):
             f.maxpool2x2_grad(dy, x, dx)
         else:
-            (kh, kw), (sh, sw), (ph, pw) = _geom(x.shape, a, 2)[:3]
+            (kh, kw), (sh, sw), (ph, pw) = geom[:3]
             f.maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx)
         return dx
     xpad, (k, s, p, sizes, out) = _padded_max(xp, x, a)

@@ -71,6 +71,30 @@ def test_adam_steps_match_numpy(kind, hyper):
         np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-10, err_msg=k)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("kind,hyper", [("sgd", {"momentum": 0.9, "weight_decay": 1e-4}),
+                                        ("adamw", {"weight_decay": 0.01})])
+def test_grouped_updates_are_the_single_ones_on_the_gpu(kind, hyper, dtype):
+    """One launch for all the parameters (group_updates: a table of their addresses) gives
+    what a launch a parameter gives, bit for bit, and NumPy's numbers."""
+    from netdsl.passes.optimizer import group_updates
+    gpu = _gpu_backend()
+    g = add_optimizer(autodiff(load("digits-cnn.net").lower(4)), kind, lr=1e-2, **hyper)
+    h = group_updates(g)
+    assert h.by_op(f"{'sgd' if kind == 'sgd' else 'adam'}_update_group")
+    feeds = example_feeds(g)
+    runs = [Executor(x, b, dtype=dtype, seed=1) for x, b in ((g, gpu), (h, gpu),
+                                                             (h, "numpy"))]
+    for _ in range(3):
+        for ex in runs:
+            ex.run(feeds, roles=("loss", "updates"))
+    single, grouped, cpu = (ex.state_dict() for ex in runs)
+    for k in single:
+        assert np.array_equal(grouped[k], single[k]), k
+        np.testing.assert_allclose(grouped[k], cpu[k], rtol=1e-4 if dtype == "f32" else 1e-9,
+                                   atol=1e-6 if dtype == "f32" else 1e-12, err_msg=k)
+
+
 def test_float32_step_runs_and_is_finite():
     gpu = _gpu_backend()
     g = add_optimizer(autodiff(load("resnet164-cifar.net").lower(16)), "sgd", lr=0.1,

@@ -12,7 +12,9 @@ docs/benchmarks.md, "GPU"). Here each of those operators is one launch:
   with the relu mask recomputed (one block a channel);
 - batchnorm's input gradient and the SGD and Adam updates: one element-wise pass each
   (the optimizers read the learning rate and the step counter on the device: a host
-  scalar would wait for the GPU before every parameter's update).
+  scalar would wait for the GPU before every parameter's update);
+- a group of parameters' updates (netdsl.passes.optimizer.group_updates): one launch for
+  all of them, over a table of their addresses.
 
 The methods have the NumPy backend's fused kernels' signatures (netdsl.backends.numpy_fused,
 whose Numba loops define the arithmetic: z = (x - mean) * (inv * w) + b in the data's
@@ -160,40 +162,104 @@ extern "C" __global__ void bn_grad_input(const T* dy, const T* x, const T* st, c
     }
 }
 
+// one parameter element's SGD and Adam steps (the single and the grouped kernels share them)
+__device__ void sgd_step(T* p, const T* g, T* buf, long long i, T rate, T momentum,
+                         T weight_decay, int nesterov) {
+    T gi = g[i];
+    if (weight_decay != (T)0) gi = gi + weight_decay * p[i];
+    if (momentum != (T)0) {
+        T bb = buf[i] * momentum + gi;
+        buf[i] = bb;
+        gi = nesterov ? gi + momentum * bb : bb;
+    }
+    p[i] = p[i] - rate * gi;
+}
+
+struct AdamScalars {
+    T rate, step_size, bc2_sqrt;
+};
+
+__device__ AdamScalars adam_scalars(const T* lr, const long long* step, T b1, T b2) {
+    AdamScalars s;
+    T t = (T)step[0];
+    s.rate = lr[0];
+    s.step_size = s.rate / ((T)1 - pow(b1, t));
+    s.bc2_sqrt = sqrt((T)1 - pow(b2, t));
+    return s;
+}
+
+__device__ void adam_step(T* p, const T* g, T* m, T* v, long long i, AdamScalars s, T b1,
+                          T b2, T eps, T weight_decay, int decoupled) {
+    T pi = p[i], gi = g[i];
+    if (weight_decay != (T)0) {
+        if (decoupled) pi = pi * ((T)1 - s.rate * weight_decay);
+        else gi = gi + weight_decay * pi;
+    }
+    T mi = m[i] * b1 + ((T)1 - b1) * gi;
+    T vi = v[i] * b2 + ((T)1 - b2) * (gi * gi);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi - s.step_size * (mi / (sqrt(vi) / s.bc2_sqrt + eps));
+}
+
 extern "C" __global__ void sgd_update(T* p, const T* g, T* buf, const T* lr, long long size,
                                       T momentum, T weight_decay, int nesterov) {
     T rate = lr[0];
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < size;
-         i += (long long)gridDim.x * blockDim.x) {
-        T gi = g[i];
-        if (weight_decay != (T)0) gi = gi + weight_decay * p[i];
-        if (momentum != (T)0) {
-            T bb = buf[i] * momentum + gi;
-            buf[i] = bb;
-            gi = nesterov ? gi + momentum * bb : bb;
-        }
-        p[i] = p[i] - rate * gi;
-    }
+         i += (long long)gridDim.x * blockDim.x)
+        sgd_step(p, g, buf, i, rate, momentum, weight_decay, nesterov);
 }
 
 extern "C" __global__ void adam_update(T* p, const T* g, T* m, T* v, const T* lr,
                                        const long long* step, long long size, T b1, T b2,
                                        T eps, T weight_decay, int decoupled) {
-    T rate = lr[0], t = (T)step[0];
-    T step_size = rate / ((T)1 - pow(b1, t)), bc2_sqrt = sqrt((T)1 - pow(b2, t));
+    AdamScalars s = adam_scalars(lr, step, b1, b2);
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < size;
-         i += (long long)gridDim.x * blockDim.x) {
-        T pi = p[i], gi = g[i];
-        if (weight_decay != (T)0) {
-            if (decoupled) pi = pi * ((T)1 - rate * weight_decay);
-            else gi = gi + weight_decay * pi;
-        }
-        T mi = m[i] * b1 + ((T)1 - b1) * gi;
-        T vi = v[i] * b2 + ((T)1 - b2) * (gi * gi);
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi - step_size * (mi / (sqrt(vi) / bc2_sqrt + eps));
+         i += (long long)gridDim.x * blockDim.x)
+        adam_step(p, g, m, v, i, s, b1, b2, eps, weight_decay, decoupled);
+}
+
+// A group of parameters in one launch. `table` holds, for `count` tensors, `arrays` rows
+// of their addresses (parameter, gradient, then the state) and a last row of the ends of
+// each in the group's elements (inclusive prefix sums of the sizes): tensor k is elements
+// [ends[k-1], ends[k]). A thread finds the tensor of its first element by bisection and
+// then moves forward with its grid-stride loop.
+__device__ int tensor_of(const long long* ends, int count, long long e) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (ends[mid] > e) hi = mid; else lo = mid + 1;
     }
+    return lo;
+}
+
+#define GROUP_LOOP(arrays, BODY)                                                          \
+    const long long* ends = table + (long long)(arrays) * count;                          \
+    long long total = ends[count - 1];                                                    \
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;                       \
+    int k = e < total ? tensor_of(ends, count, e) : 0;                                    \
+    for (; e < total; e += (long long)gridDim.x * blockDim.x) {                           \
+        while (e >= ends[k]) k++;                                                         \
+        long long i = e - (k ? ends[k - 1] : 0);                                          \
+        BODY;                                                                             \
+    }
+
+#define AT(row, type) ((type)table[(long long)(row) * count + k])
+
+extern "C" __global__ void sgd_update_many(const long long* table, int count, int arrays,
+                                           const T* lr, T momentum, T weight_decay,
+                                           int nesterov) {
+    T rate = lr[0];
+    GROUP_LOOP(arrays, sgd_step(AT(0, T*), AT(1, const T*), AT(arrays - 1, T*), i, rate,
+                                momentum, weight_decay, nesterov))
+}
+
+extern "C" __global__ void adam_update_many(const long long* table, int count,
+                                            const T* lr, const long long* step, T b1, T b2,
+                                            T eps, T weight_decay, int decoupled) {
+    AdamScalars s = adam_scalars(lr, step, b1, b2);
+    GROUP_LOOP(4, adam_step(AT(0, T*), AT(1, const T*), AT(2, T*), AT(3, T*), i, s, b1, b2,
+                            eps, weight_decay, decoupled))
 }
 """
 
@@ -221,6 +287,7 @@ class CudaKernels:
         # (name, dtype) -> kernel: RawModule.get_function looks the name up in the module
         # every call (3 us each, 1,146 calls a ResNet-164 step on the H200)
         self._functions: dict[tuple[str, np.dtype], object] = {}
+        self._tables: dict[tuple, object] = {}  # grouped updates' tables (_table)
 
     def accepts(self, *arrays) -> bool:
         cp = self._cupy
@@ -289,6 +356,44 @@ class CudaKernels:
         self._kernel("adam_update", p.dtype)(
             (self._grid(p.size),), (_BLOCK,),
             (p, g, m, v, lr, step, np.int64(p.size), t(b1), t(b2), t(eps), t(weight_decay),
+             np.int32(decoupled)))
+
+    # -- a group of parameters, one launch ------------------------------------------------
+    def _table(self, rows):
+        """The grouped kernels' table (the source's GROUP_LOOP): each row's addresses, then
+        the ends of the tensors, as one int64 device array. Kept for the last few groups
+        seen (with an arena the addresses repeat every step, so the table is uploaded
+        once; a replayed CUDA graph needs that, a host copy cannot be recorded)."""
+        sizes = np.cumsum([x.size for x in rows[0]], dtype=np.int64)
+        key = (*(x.data.ptr for r in rows for x in r), *sizes.tolist())
+        table = self._tables.get(key)
+        if table is None:
+            host = np.array(key, dtype=np.int64)
+            table = self._cupy.asarray(host)
+            if len(self._tables) >= 8:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = table
+        return table, int(sizes[-1])
+
+    def sgd_update_many(self, ps, gs, bufs, lr, momentum, weight_decay, nesterov):
+        """sgd_update on each (p, g, buf), 1-d, in one launch (bufs is ps without momentum:
+        then not read)."""
+        t = ps[0].dtype.type
+        rows = (ps, gs, bufs) if bufs is not ps else (ps, gs)
+        table, total = self._table(rows)
+        self._kernel("sgd_update_many", ps[0].dtype)(
+            (self._grid(total),), (_BLOCK,),
+            (table, np.int32(len(ps)), np.int32(len(rows)), lr, t(momentum), t(weight_decay),
+             np.int32(nesterov)))
+
+    def adam_update_many_device(self, ps, gs, ms, vs, lr, step, b1, b2, eps, weight_decay,
+                                decoupled):
+        """adam_update_device on each (p, g, m, v), 1-d, in one launch."""
+        t = ps[0].dtype.type
+        table, total = self._table((ps, gs, ms, vs))
+        self._kernel("adam_update_many", ps[0].dtype)(
+            (self._grid(total),), (_BLOCK,),
+            (table, np.int32(len(ps)), lr, step, t(b1), t(b2), t(eps), t(weight_decay),
              np.int32(decoupled)))
 
     def __repr__(self) -> str:

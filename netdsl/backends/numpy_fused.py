@@ -48,7 +48,12 @@ from netdsl.backends.numpy_fused_norm import (
     softmax_grad_rows,
     softmax_rows,
 )
-from netdsl.backends.numpy_fused_optim import adam_update, sgd_update
+from netdsl.backends.numpy_fused_optim import (
+    adam_update,
+    adam_update_many,
+    sgd_update,
+    sgd_update_many,
+)
 from netdsl.backends.numpy_fused_pool import maxpool2d_grad, maxpool2x2, maxpool2x2_grad
 from netdsl.backends.numpy_fused_scatter import col2im_add, im2col_rows, scatter_add_rows
 
@@ -117,6 +122,8 @@ class FusedKernels:
     softmax_grad_rows = staticmethod(softmax_grad_rows)
     sgd_update = staticmethod(sgd_update)
     adam_update = staticmethod(adam_update)
+    sgd_update_many = staticmethod(sgd_update_many)  # a group of parameters in one call
+    adam_update_many = staticmethod(adam_update_many)
     maxpool2d_grad = staticmethod(maxpool2d_grad)
     maxpool2x2 = staticmethod(maxpool2x2)
     maxpool2x2_grad = staticmethod(maxpool2x2_grad)

@@ -14,11 +14,17 @@
 Semantics are PyTorch's: SGD(lr, momentum, nesterov, weight_decay) with dampening 0;
 Adam(lr, betas, eps, weight_decay) with L2 decay added to the gradient; AdamW with
 decoupled decay p *= 1 - lr * weight_decay; both with bias correction.
+
+`group_updates(g)` then makes the updates that run one after another (with nothing but
+other updates between them, as `add_optimizer` leaves them at the end of the step) one
+`*_update_group` node per kind, hyper-parameters, dtype and device: PyTorch's
+multi-tensor ("foreach") optimizers, as a rewrite. The numbers do not change.
 """
 from __future__ import annotations
 
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.ops.optim import GROUP_SHARED, group_op, member_inputs
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 from netdsl.passes.pipeline import register_pass
@@ -96,5 +102,68 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
                                    attrs, p))
     g.outputs["updates"] = updates
     g.meta["optimizer"] = {"kind": kind, **h}
+    g.verify()
+    return g
+
+
+@register_pass("group_updates")
+def group_updates(g: Graph) -> Graph:
+    """A copy of `g` whose runs of consecutive updates (source nodes aside) are one group
+    node per (op, hyper-parameters, shared inputs, dtype, device), at the place of the
+    group's last member. Within a run only updates run, each writing its own parameter
+    and state, so their order does not matter; an update whose value something reads (an
+    optimizer state's write-back) stays as it is."""
+    read = {i for n in g.nodes for i in n.inputs}
+    wanted = {x for role, names in g.outputs.items() if role != "updates" for x in names}
+    runs: list[list[Node]] = [[]]
+    for n in g.nodes:
+        if n.op in GROUP_SHARED and n.name not in read and n.name not in wanted:
+            runs[-1].append(n)
+        elif not n.is_source:
+            runs.append([])
+    groups: dict[str, list[Node]] = {}  # the last member's name -> the members
+    for run in runs:
+        by_key: dict[tuple, list[Node]] = {}
+        for n in run:
+            key = (n.op, tuple(sorted(n.attrs.items())), tuple(n.inputs[i] for i in
+                   GROUP_SHARED[n.op]), len(n.inputs), n.type.dtype, n.device)
+            by_key.setdefault(key, []).append(n)
+        for members in by_key.values():
+            if len(members) > 1:
+                groups[members[-1].name] = members
+    if not groups:
+        return g
+    g = g.copy()
+    gone = {m.name for ms in groups.values() for m in ms}
+    made: dict[str, str] = {}  # member -> its group
+    nodes = []
+    for n in g.nodes:
+        if n.name not in gone:
+            nodes.append(n)
+            continue
+        members = groups.get(n.name)
+        if members is None:
+            continue
+        first = members[0]
+        shared = [first.inputs[i] for i in GROUP_SHARED[first.op]]
+        own = [i for m in members for i in member_inputs(first.op, m.inputs)]
+        base, k = f"optimizer.{first.op}_group", 0
+        name = base
+        while name in g or name in made.values():  # (the new nodes are not in g yet)
+            k += 1
+            name = f"{base}_{k}"
+        node = make_node(g, name, group_op(first.op), shared + own,
+                         {**first.attrs, "arity": len(first.inputs) - len(shared)},
+                         like=first, meta={"phase": "optimizer", "members": len(members)})
+        nodes.append(node)
+        made.update((m.name, name) for m in members)
+    g.nodes = nodes
+    ups, seen = [], set()
+    for u in g.outputs["updates"]:
+        u = made.get(u, u)
+        if u not in seen:
+            ups.append(u)
+            seen.add(u)
+    g.outputs["updates"] = ups
     g.verify()
     return g

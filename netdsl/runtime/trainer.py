@@ -34,6 +34,7 @@ from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.plan import device_peaks, make_plan
 from netdsl.memory.profiles import get_profile
 from netdsl.passes.fuse import fusion_enabled
+from netdsl.passes.optimizer import group_updates
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
@@ -331,6 +332,10 @@ class Trainer:
             self.budget = self.mem_plan.budget_bytes
             # where host and device are one memory, the host pool counts against the budget
             self.budget_host = self.mem_plan.profile.unified
+        if opts.mem is None and opts.devices == 1 and not opts.distributed:
+            # the updates as one node per kind and settings (a planned step keeps each
+            # update right after its gradient, which frees the gradient early)
+            self.train_graph = group_updates(self.train_graph)
         try:  # the parameters and optimizer state are allocated here
             # a split step's devices are counted per value, not packed into one arena
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,

@@ -4,6 +4,14 @@ Every update node is in place: its kernel writes into the storage of the inputs 
 `OpDef.writes` (the parameter and its optimizer state, all persistent) and its
 value is the updated parameter itself, so it costs no memory of its own. Semantics follow
 PyTorch's torch.optim.SGD / Adam / AdamW (dampening 0, amsgrad off, maximize off).
+
+`sgd_update_group` and `adam_update_group` are many parameters' updates as one node
+(netdsl.passes.optimizer.group_updates): the inputs the updates share (the learning rate,
+Adam's step counter) once, then each parameter's own inputs, `arity` of them, in the
+single update's order. Each parameter is updated exactly as its own node would update it;
+the group saves the per-node work of the executor and, on a GPU, runs as one launch (the
+CUDA kernels take tables of pointers) where ResNet-164's 494 updates were 494 launches,
+13 ms of a 133 ms H200 step.
 """
 
 import functools
@@ -12,7 +20,7 @@ import numpy as np
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import fused_kernels
-from netdsl.ir.registry import Arg, OpDef, kernel, register
+from netdsl.ir.registry import OPS, Arg, OpDef, kernel, register
 
 
 def _like_param(op):
@@ -42,6 +50,78 @@ register(OpDef(
     _like_param("adam_update"), "optimizer", flops=lambda ins, out, a: 12 * out.numel(),
     differentiable=False, writes=(0, 3, 4), view_of=0, extra={"fused_kernels": True},
     doc="Adam (decoupled=false: L2 decay in the gradient) or AdamW (decoupled=true)"))
+
+
+# a group's shared inputs: the single update's tensor arguments taken once (by position)
+GROUP_SHARED = {"sgd_update": (2,), "adam_update": (2, 5)}
+
+
+def group_op(base: str) -> str:
+    return f"{base}_group"
+
+
+def _member_positions(base: str) -> tuple[int, ...]:
+    """The single update's tensor argument positions a group member supplies, in order."""
+    n = len(OPS[base].tensor_args)
+    return tuple(i for i in range(n) if i not in GROUP_SHARED[base])
+
+
+def member_inputs(base: str, inputs) -> list:
+    """A single update node's own inputs (those a group member supplies), in order."""
+    return [inputs[i] for i in _member_positions(base) if i < len(inputs)]
+
+
+def group_members(base: str, ins, arity: int) -> tuple[list, list[list]]:
+    """(the shared inputs, each member's inputs) of a group node's inputs (or types)."""
+    k = len(GROUP_SHARED[base])
+    return list(ins[:k]), [list(ins[i:i + arity]) for i in range(k, len(ins), arity)]
+
+
+def base_inputs(base: str, shared, member) -> list:
+    """A member's inputs in the single update's order (optional trailing ones absent)."""
+    out: dict[int, object] = dict(zip(GROUP_SHARED[base], shared, strict=True))
+    out.update(zip(_member_positions(base), member, strict=False))
+    return [out[i] for i in range(len(out))]
+
+
+def _register_group(base: str) -> None:
+    single = OPS[base]
+    name = group_op(base)
+    where = _member_positions(base)
+
+    def members(ins, a):
+        arity, k = a["arity"], len(GROUP_SHARED[base])
+        if not 2 <= arity <= len(where) or len(ins) <= k or (len(ins) - k) % arity:
+            raise ShapeError(f"{name}: {len(ins)} inputs are not {k} shared ones and "
+                             f"members of {arity}")
+        return group_members(base, ins, arity)
+
+    def shape(ins, a):
+        shared, ms = members(ins, a)
+        for m in ms:
+            single.shape(base_inputs(base, shared, m), a)
+        return ms[0][0]
+
+    def writes(node):
+        arity, k = node.attrs["arity"], len(GROUP_SHARED[base])
+        own = [where.index(w) for w in single.writes if w in where]
+        return tuple(k + j * arity + w for j in range((len(node.inputs) - k) // arity)
+                     for w in own if w < arity)
+
+    def flops(ins, out, a):
+        shared, ms = members(ins, a)
+        return sum(single.flops(base_inputs(base, shared, m), m[0], a) for m in ms)
+
+    register(OpDef(
+        name, (Arg("inputs", "tensors"), *single.attr_args, Arg("arity", "int")), shape,
+        "optimizer", flops=flops, differentiable=False, writes=writes,
+        view_of=len(GROUP_SHARED[base]), extra={"fused_kernels": True},
+        doc=f"{base} on many parameters at once: the shared inputs once, then each "
+            f"parameter's own `arity` inputs"))
+
+
+_register_group("sgd_update")
+_register_group("adam_update")
 
 
 def _step_shape(ins, a):
@@ -128,6 +208,60 @@ def _adam(xp, ins, a, ctx):
     bc2_sqrt = xp.sqrt(1.0 - b2 ** t)
     p -= (lr / bc1) * (m / (xp.sqrt(v) / bc2_sqrt + a["eps"]))
     return p
+
+
+def _group_fused(ctx, arrays: list):
+    """(the fused kernels, the arrays flattened) where the kernels take them all, or
+    (None, None). The fused kernels' own check, made for a few arrays (`dtype in` two
+    types costs 0.16 us), asked once; then each array's type, dtype and layout against the
+    first's (0.2 us each): a group can hold a thousand arrays."""
+    f = fused_kernels(ctx, arrays[0], cuda=True)
+    if f is None:
+        return None, None
+    t, d = type(arrays[0]), arrays[0].dtype
+    for x in arrays:
+        if type(x) is not t or x.dtype != d or not x.flags.c_contiguous or not x.size:
+            return None, None
+    return f, [x.ravel() for x in arrays]
+
+
+@kernel("sgd_update_group")
+def _sgd_group(xp, ins, a, ctx):
+    (lr,), ms = group_members("sgd_update", ins, a["arity"])
+    f, flat = _group_fused(ctx, [x for m in ms for x in m])
+    if f is not None:  # as _sgd's fused call, a member at a time
+        t = ms[0][0].dtype.type
+        lr = lr.astype(ms[0][0].dtype, copy=False)
+        arity = a["arity"]
+        ps, gs = flat[0::arity], flat[1::arity]
+        f.sgd_update_many(ps, gs, flat[2::arity] if a["momentum"] else ps,
+                          lr if getattr(f, "scalars_on_device", False) else t(lr),
+                          t(a["momentum"]), t(a["weight_decay"]), bool(a["nesterov"]))
+    else:
+        for m in ms:
+            _sgd(xp, base_inputs("sgd_update", [lr], m), a, ctx)
+    return ms[0][0]
+
+
+@kernel("adam_update_group")
+def _adam_group(xp, ins, a, ctx):
+    (lr, step), ms = group_members("adam_update", ins, a["arity"])
+    f, flat = _group_fused(ctx, [x for m in ms for x in m])
+    if f is not None:  # as _adam's fused calls, a member at a time
+        each = (flat[0::4], flat[1::4], flat[2::4], flat[3::4])
+        if not getattr(f, "scalars_on_device", False):
+            f.adam_update_many(*each, *_adam_scalars(
+                ms[0][0].dtype.str, float(lr), int(step), a["beta1"], a["beta2"], a["eps"],
+                a["weight_decay"], bool(a["decoupled"])))
+            return ms[0][0]
+        if step.dtype == np.int64:
+            f.adam_update_many_device(*each, lr.astype(ms[0][0].dtype, copy=False), step,
+                                      a["beta1"], a["beta2"], a["eps"], a["weight_decay"],
+                                      bool(a["decoupled"]))
+            return ms[0][0]
+    for m in ms:
+        _adam(xp, base_inputs("adam_update", [lr, step], m), a, ctx)
+    return ms[0][0]
 
 
 @kernel("step_increment")

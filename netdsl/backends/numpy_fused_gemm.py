@@ -242,19 +242,20 @@ def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
 
 @numba.njit(cache=True, nogil=True, parallel=True)
 def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods, threads,
-                                   by_rows):
-    """prods[i] = cols(x[i]) @ dy[i]^T for every image i: a stride-1 convolution's weight
-    gradient per image, transposed, [kh*kw*C, O] (offset-major), in `threads` tasks of
-    consecutive images as shifted_conv_tasks. cols(x[i]) [kh*kw*C, Ho*Wp] are the rows of
-    x[i]'s zero-padded, flattened planes at each offset (contiguous copies, in the
-    thread's cache); dy[i] is padded to the same Wp-wide rows with zeros, so the padding
-    columns add nothing. One GEMM an image, K = Ho*Wp, where the per-offset products had
-    [O, C] results of 16 by 16; transposed, because OpenBLAS ran [144, 1088] @ [1088, 16]
-    at 98 GFLOP/s and [16, 1088] @ [1088, 144] at 62 (one thread). The caller sums prods
-    over the images in their order: the same sums on any number of threads.
-    With `by_rows`, the planes are copied kw times, once at each column offset, into
-    [kw*C, Hp*Wp] rows, and each kernel row's offsets are one GEMM over a window of them
-    (row a's start a*dh*Wp further on): a third of the copying, kh GEMMs of kw*C rows
+                                   by_rows, per):
+    """prods[j] = cols(x[i]) @ dy[i]^T summed over the `per` images i of chunk j (images
+    j*per on): a stride-1 convolution's weight gradient, transposed, [kh*kw*C, O]
+    (offset-major), in `threads` tasks of consecutive chunks. cols(x[i]) [kh*kw*C, Ho*Wp]
+    are the rows of x[i]'s zero-padded, flattened planes at each offset (contiguous
+    copies, in the thread's cache); dy[i] is padded to the same Wp-wide rows with zeros,
+    so the padding columns add nothing. A chunk's images side by side along K make one
+    GEMM (K = per*Ho*Wp): where the per-offset products had [O, C] results of 16 by 16;
+    transposed, because OpenBLAS ran [144, 1088] @ [1088, 16] at 98 GFLOP/s and [16, 1088]
+    @ [1088, 144] at 62 (one thread). Chunks depend on the shapes alone, and the caller
+    sums prods over them in order: the same sums on any number of threads.
+    With `by_rows` (per = 1), the planes are copied kw times, once at each column offset,
+    into [kw*C, Hp*Wp] rows, and each kernel row's offsets are one GEMM over a window of
+    them (row a's start a*dh*Wp further on): a third of the copying, kh GEMMs of kw*C rows
     instead of one of kh*kw*C."""
     n, c, h, w = x.shape
     o, ho = dy.shape[1], dy.shape[2]
@@ -263,36 +264,42 @@ def shifted_conv_grad_weight_tasks(fn, one, dy, x, kh, kw, ph, pw, dh, dw, prods
     k = kh * kw * c
     size = x.itemsize
     zero = one - one
-    threads = min(threads, n)
+    chunks = (n + per - 1) // per
+    threads = min(threads, chunks)
     # by_rows: the planes at each column offset, no columns; else the padded planes (with
     # room for the last offset's slice) and the columns. Allocated unconditionally, with
     # sizes chosen here: allocating in the branches made each task allocate both sets.
     rows, extra = (kw * c, 0) if by_rows else (c, (kw - 1) * dw)
-    ck, cl = (0, 0) if by_rows else (k, length)
+    ck, cl = (0, 0) if by_rows else (k, per * length)
     for t in numba.prange(threads):
-        dyp = np.zeros((o, length), x.dtype)  # its padding columns stay 0
+        dyp = np.zeros((o, per * length), x.dtype)  # its padding columns stay 0
         buf = np.zeros((rows, hp * wp + extra), x.dtype)  # its border stays 0
         cols = np.empty((ck, cl), x.dtype)
-        for i in range(t * n // threads, (t + 1) * n // threads):
-            _pad_planes(dy[i], 0, 0, wp, dyp)
+        for j in range(t * chunks // threads, (t + 1) * chunks // threads):
+            i0 = j * per
+            m = min(n, i0 + per) - i0
+            for q in range(m):
+                _pad_planes(dy[i0 + q], 0, 0, wp, dyp[:, q * length:(q + 1) * length])
             if by_rows:
                 for b in range(kw):
-                    _pad_planes(x[i], ph, pw, wp, buf[b * c:(b + 1) * c], b * dw)
+                    _pad_planes(x[i0], ph, pw, wp, buf[b * c:(b + 1) * c], b * dw)
                 for a in range(kh):
                     _cblas_gemm(fn, _NO_TRANS, _TRANS, kw * c, o, length, one,
                                 _data_address(buf) + a * dh * wp * size, hp * wp,
                                 _data_address(dyp), length, zero,
-                                _data_address(prods[i]) + a * kw * c * o * size, o)
+                                _data_address(prods[j]) + a * kw * c * o * size, o)
                 continue
-            _pad_planes(x[i], ph, pw, wp, buf)
-            for a in range(kh):
-                for b in range(kw):
-                    off = a * dh * wp + b * dw
-                    for ch in range(c):
-                        dst = cols[(a * kw + b) * c + ch]
-                        dst[:] = buf[ch, off:off + length]
-            _cblas_gemm(fn, _NO_TRANS, _TRANS, k, o, length, one, _data_address(cols), length,
-                        _data_address(dyp), length, zero, _data_address(prods[i]), o)
+            for q in range(m):
+                _pad_planes(x[i0 + q], ph, pw, wp, buf)
+                for a in range(kh):
+                    for b in range(kw):
+                        off = a * dh * wp + b * dw
+                        for ch in range(c):
+                            dst = cols[(a * kw + b) * c + ch, q * length:(q + 1) * length]
+                            dst[:] = buf[ch, off:off + length]
+            _cblas_gemm(fn, _NO_TRANS, _TRANS, k, o, m * length, one, _data_address(cols),
+                        per * length, _data_address(dyp), per * length, zero,
+                        _data_address(prods[j]), o)
 
 
 def _operand(x, rows: int, cols: int):
@@ -348,6 +355,22 @@ _MIN_MACS = 1 << 21
 # paying was not measured.
 _MIN_CONV_MACS = 1 << 18
 
+# Small images' weight gradients put several images side by side in one GEMM, so that K
+# (the columns a product sums over) is at least this: digits-cnn's 8x8 images are 80
+# columns each, and its batch of 32 takes 4 products of K = 640 and 3 adds instead of 32
+# products and 31 adds: 16 -> 32 channels 0.428 -> 0.392 ms on one thread, 0.296 -> 0.214
+# on two, 1 -> 16 0.067 -> 0.049 and 0.089 -> 0.053 (bench_kernels.py --conv-only digits;
+# K = 160 ... 2560 measured, 320-640 best).
+_MIN_GW_COLUMNS = 640
+
+
+def _images_per_product(n: int, length: int, by_rows: bool) -> int:
+    """Images per GEMM of a weight gradient whose images are `length` columns each: a
+    function of the shapes alone, so a step's sums are the same on any number of threads."""
+    if by_rows or length >= _MIN_GW_COLUMNS:
+        return 1
+    return min(n, -(-_MIN_GW_COLUMNS // length))
+
 
 # OpenBLAS (NumPy's wheels are built with its SMALL_MATRIX_OPT) multiplies a product of at
 # most 1e6 multiply-adds with its small-matrix kernels, which read the operands as they lie;
@@ -397,7 +420,7 @@ class PooledGemm:
             shifted_conv_grad_weight_tasks(self.cblas.gemm[a.dtype], dt(1),
                                            a.reshape(1, 1, 2, 2), a.reshape(1, 1, 2, 2),
                                            1, 1, 0, 0, 1, 1, np.empty((1, 1, 1), dt), 1,
-                                           False)
+                                           False, 1)
             shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
                                a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
                                np.empty_like(a).ctypes.data, 2, 0, 1)
@@ -464,11 +487,6 @@ class PooledGemm:
                 or n * o * ho * (w + 2 * pw) * c * kh * kw < _MIN_CONV_MACS:
             return None
         k, wp = kh * kw * c, w + 2 * pw
-        task = c * ((h + 2 * ph) * wp + (kw - 1) * dw) + (o + k) * ho * wp
-        tasks = min(self.threads, n, (budget - n * k * o) // task)
-        if tasks < 1:
-            return None
-        prods = np.empty((n, k, o), x.dtype)
         # a GEMM a kernel row (by_rows) where it measured faster: 8-16 channels each way
         # (ResNet-164's first stage at 32x32 1.40-1.72 -> 1.02-1.21 ms on one thread,
         # 0.72 -> 0.52 on two, bench_kernels.py --conv-only "16 ch"; in a probe 8
@@ -477,10 +495,19 @@ class PooledGemm:
         # docs/benchmarks.md). Its scratch is less than the single GEMM's, which `task`
         # counts.
         by_rows = kw > 1 and 8 <= c <= 16 and o <= 16
+        for per in (_images_per_product(n, ho * wp, by_rows), 1):
+            chunks = -(-n // per)
+            task = c * ((h + 2 * ph) * wp + (kw - 1) * dw) + (o + k) * per * ho * wp
+            tasks = min(self.threads, chunks, (budget - chunks * k * o) // task)
+            if tasks >= 1:
+                break
+        else:
+            return None
+        prods = np.empty((chunks, k, o), x.dtype)
         shifted_conv_grad_weight_tasks(self.cblas.gemm[x.dtype], x.dtype.type(1), dy, x, kh,
-                                       kw, ph, pw, dh, dw, prods, tasks, by_rows)
-        for i in range(1, n):  # in the images' order, in place: no scratch but prods
-            prods[0] += prods[i]
+                                       kw, ph, pw, dh, dw, prods, tasks, by_rows, per)
+        for j in range(1, chunks):  # in the chunks' order, in place: no scratch but prods
+            prods[0] += prods[j]
         return prods[0].reshape(kh, kw, c, o).transpose(3, 2, 0, 1).copy()
 
     def __call__(self, a, b, out=None, accumulate=False, bias=None):

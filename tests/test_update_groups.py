@@ -119,6 +119,12 @@ def test_the_trainer_groups_an_unplanned_step_only():
     plain = Trainer(net.graph, net.train, RunOptions(steps=1))
     assert plain.train_graph.by_op("adam_update_group")
     assert not plain.train_graph.by_op("adam_update")
+    for split, members in (("data", [8, 8]), ("pipeline", [4, 4])):  # a group a device
+        g = Trainer(net.graph, net.train, RunOptions(steps=1, devices=2, split=split)
+                    ).train_graph
+        groups = g.by_op("adam_update_group")
+        assert sorted(n.device for n in groups) == [0, 1] and not g.by_op("adam_update")
+        assert [n.meta["members"] for n in groups] == members
     planned = Trainer(net.graph, net.train, RunOptions(steps=1, mem="1GB"))
     assert planned.train_graph.by_op("adam_update")
     assert not planned.train_graph.by_op("adam_update_group")

@@ -309,6 +309,10 @@ class Trainer:
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]
+        if opts.mem is None:
+            # the updates as one node per kind, settings and device (a planned step keeps
+            # each update right after its gradient, which frees the gradient early)
+            self.train_graph = group_updates(self.train_graph)
         if opts.distributed:
             from netdsl.parallel.project import project
             self.full_graph = self.train_graph
@@ -332,10 +336,6 @@ class Trainer:
             self.budget = self.mem_plan.budget_bytes
             # where host and device are one memory, the host pool counts against the budget
             self.budget_host = self.mem_plan.profile.unified
-        if opts.mem is None and opts.devices == 1 and not opts.distributed:
-            # the updates as one node per kind and settings (a planned step keeps each
-            # update right after its gradient, which frees the gradient early)
-            self.train_graph = group_updates(self.train_graph)
         try:  # the parameters and optimizer state are allocated here
             # a split step's devices are counted per value, not packed into one arena
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,

@@ -158,12 +158,8 @@ def group_updates(g: Graph) -> Graph:
         nodes.append(node)
         made.update((m.name, name) for m in members)
     g.nodes = nodes
-    ups, seen = [], set()
-    for u in g.outputs["updates"]:
-        u = made.get(u, u)
-        if u not in seen:
-            ups.append(u)
-            seen.add(u)
-    g.outputs["updates"] = ups
+    if "updates" in g.outputs:  # each group once, where its first member was listed
+        g.outputs["updates"] = list(dict.fromkeys(made.get(u, u)
+                                                  for u in g.outputs["updates"]))
     g.verify()
     return g

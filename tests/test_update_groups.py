@@ -59,6 +59,16 @@ def test_one_group_per_kind_at_the_end_of_the_step(kind, hyper):
               and n.type.shape != ()}
     assert written == set(params) | states
     assert group_updates(h).nodes == h.nodes  # nothing left to group
+    # batchnorm's weight and bias gradients: rows 0 and 1 of its backward statistics,
+    # read by the group itself rather than through their copies
+    rows = grp.attrs["grad_rows"]
+    grads = [grp.inputs[shared + k * arity + 1] for k in range(len(params))]
+    for p, r, gr in zip(params, rows, grads, strict=True):
+        if r >= 0:
+            assert h[gr].op == "batchnorm_grad_stats" and r in (0, 1)
+        else:
+            assert h[gr].type == g[p].type and h[gr].op != "batchnorm_grad_affine"
+    assert sorted(r for r in rows if r >= 0) == [0, 0, 1, 1]  # digits-cnn's two batchnorms
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
@@ -99,6 +109,20 @@ def test_only_updates_that_run_together_are_grouped():
     # an update whose value a later node reads (a write-back) is not grouped
     g.outputs["output"].append(ups[5].name)
     assert group_updates(g).by_op("sgd_update") == [g[ups[5].name]]
+
+
+def test_a_group_whose_gradient_rows_do_not_fit_is_a_shape_error():
+    g = _step_graph("digits-cnn", 4, "sgd", {"lr": 0.1})
+    u = next(n for n in g.by_op("sgd_update") if g[n.inputs[1]].op == "batchnorm_grad_affine")
+    st = g[u.inputs[1]].inputs[0]
+    ins = [g["lr"].name, u.inputs[0], st]
+    make_node(g, "ok", "sgd_update_group", ins, {"arity": 2, "grad_rows": (1,)})
+    with pytest.raises(ShapeError, match="has no row 4"):
+        make_node(g, "bad", "sgd_update_group", ins, {"arity": 2, "grad_rows": (4,)})
+    with pytest.raises(ShapeError, match="2 grad_rows for 1 members"):
+        make_node(g, "bad", "sgd_update_group", ins, {"arity": 2, "grad_rows": (0, 1)})
+    with pytest.raises(ShapeError, match="does not match"):  # the whole statistics
+        make_node(g, "bad", "sgd_update_group", ins, {"arity": 2})
 
 
 def test_a_group_with_inputs_that_do_not_split_into_members_is_a_shape_error():

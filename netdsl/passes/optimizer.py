@@ -18,7 +18,9 @@ decoupled decay p *= 1 - lr * weight_decay; both with bias correction.
 `group_updates(g)` then makes the updates that run one after another (with nothing but
 other updates between them, as `add_optimizer` leaves them at the end of the step) one
 `*_update_group` node per kind, hyper-parameters, dtype and device: PyTorch's
-multi-tensor ("foreach") optimizers, as a rewrite. The numbers do not change.
+multi-tensor ("foreach") optimizers, as a rewrite. A batchnorm weight or bias gradient
+the group reads as a row of batchnorm's backward statistics, not as its copy. The
+numbers do not change.
 """
 from __future__ import annotations
 
@@ -113,7 +115,8 @@ def group_updates(g: Graph) -> Graph:
     group's last member. Within a run only updates run, each writing its own parameter
     and state, so their order does not matter; an update whose value something reads (an
     optimizer state's write-back) stays as it is."""
-    read = {i for n in g.nodes for i in n.inputs}
+    readers = g.consumers()
+    read = {i for i, rs in readers.items() if rs}
     wanted = {x for role, names in g.outputs.items() if role != "updates" for x in names}
     runs: list[list[Node]] = [[]]
     for n in g.nodes:
@@ -146,14 +149,20 @@ def group_updates(g: Graph) -> Graph:
             continue
         first = members[0]
         shared = [first.inputs[i] for i in GROUP_SHARED[first.op]]
-        own = [i for m in members for i in member_inputs(first.op, m.inputs)]
+        own, rows = [], []
+        for m in members:
+            ins = member_inputs(first.op, m.inputs)
+            ins[1], row = _statistics_row(g, ins[1], m.name, readers)
+            own += ins
+            rows.append(row)
         base, k = f"optimizer.{first.op}_group", 0
         name = base
         while name in g or name in made.values():  # (the new nodes are not in g yet)
             k += 1
             name = f"{base}_{k}"
         node = make_node(g, name, group_op(first.op), shared + own,
-                         {**first.attrs, "arity": len(first.inputs) - len(shared)},
+                         {**first.attrs, "arity": len(first.inputs) - len(shared),
+                          "grad_rows": tuple(rows) if max(rows) >= 0 else ()},
                          like=first, meta={"phase": "optimizer", "members": len(members)})
         nodes.append(node)
         made.update((m.name, name) for m in members)
@@ -163,3 +172,15 @@ def group_updates(g: Graph) -> Graph:
                                                   for u in g.outputs["updates"]))
     g.verify()
     return g
+
+
+def _statistics_row(g: Graph, grad: str, update: str, readers) -> tuple[str, int]:
+    """(what a group member reads as its gradient, the row it takes of it or -1).
+    batchnorm's weight and bias gradients are rows of its backward statistics, which
+    `batchnorm_grad_affine` copies out; where the update is the copy's only reader, the
+    group reads the row itself: a GPU step saves a launch and a node a copy (ResNet-164:
+    326 a step). The copy stays in the graph for runs that ask for the gradients."""
+    n = g[grad]
+    if n.op == "batchnorm_grad_affine" and readers[grad] == [update]:
+        return n.inputs[0], n.attrs["row"]
+    return grad, -1

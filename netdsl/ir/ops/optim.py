@@ -21,6 +21,7 @@ import numpy as np
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import fused_kernels
 from netdsl.ir.registry import OPS, Arg, OpDef, kernel, register
+from netdsl.ir.types import TensorType
 
 
 def _like_param(op):
@@ -71,10 +72,19 @@ def member_inputs(base: str, inputs) -> list:
     return [inputs[i] for i in _member_positions(base) if i < len(inputs)]
 
 
-def group_members(base: str, ins, arity: int) -> tuple[list, list[list]]:
-    """(the shared inputs, each member's inputs) of a group node's inputs (or types)."""
+def group_members(base: str, ins, arity: int, rows=()) -> tuple[list, list[list]]:
+    """(the shared inputs, each member's inputs) of a group node's inputs (arrays or
+    types). `rows`: the group's `grad_rows`; a member's gradient given as a row of a
+    matrix (batchnorm's weight and bias gradients, rows of its backward statistics) is
+    taken out here: the row of an array, the row's type of a type."""
     k = len(GROUP_SHARED[base])
-    return list(ins[:k]), [list(ins[i:i + arity]) for i in range(k, len(ins), arity)]
+    ms = [list(ins[i:i + arity]) for i in range(k, len(ins), arity)]
+    for m, r in zip(ms, rows, strict=False):
+        if r >= 0:
+            g = m[1]
+            m[1] = TensorType(tuple(g.shape[1:]), g.dtype) if isinstance(g, TensorType) \
+                else g[r]
+    return list(ins[:k]), ms
 
 
 def base_inputs(base: str, shared, member) -> list:
@@ -90,11 +100,18 @@ def _register_group(base: str) -> None:
     where = _member_positions(base)
 
     def members(ins, a):
-        arity, k = a["arity"], len(GROUP_SHARED[base])
+        arity, k, rows = a["arity"], len(GROUP_SHARED[base]), a["grad_rows"]
         if not 2 <= arity <= len(where) or len(ins) <= k or (len(ins) - k) % arity:
             raise ShapeError(f"{name}: {len(ins)} inputs are not {k} shared ones and "
                              f"members of {arity}")
-        return group_members(base, ins, arity)
+        if rows and len(rows) != (len(ins) - k) // arity:
+            raise ShapeError(f"{name}: {len(rows)} grad_rows for "
+                             f"{(len(ins) - k) // arity} members")
+        for j, r in enumerate(rows):
+            g = ins[k + j * arity + 1]
+            if r >= 0 and (g.rank != 2 or r >= g.shape[0]):
+                raise ShapeError(f"{name}: member {j + 1}'s gradient {g} has no row {r}")
+        return group_members(base, ins, arity, rows)
 
     def shape(ins, a):
         shared, ms = members(ins, a)
@@ -113,11 +130,13 @@ def _register_group(base: str) -> None:
         return sum(single.flops(base_inputs(base, shared, m), m[0], a) for m in ms)
 
     register(OpDef(
-        name, (Arg("inputs", "tensors"), *single.attr_args, Arg("arity", "int")), shape,
+        name, (Arg("inputs", "tensors"), *single.attr_args, Arg("arity", "int"),
+               Arg("grad_rows", "ints", ())), shape,
         "optimizer", flops=flops, differentiable=False, writes=writes,
         view_of=len(GROUP_SHARED[base]), extra={"fused_kernels": True},
         doc=f"{base} on many parameters at once: the shared inputs once, then each "
-            f"parameter's own `arity` inputs"))
+            f"parameter's own `arity` inputs (a gradient given as row grad_rows[k] of a "
+            f"matrix where that is >= 0)"))
 
 
 _register_group("sgd_update")
@@ -227,7 +246,7 @@ def _group_fused(ctx, arrays: list):
 
 @kernel("sgd_update_group")
 def _sgd_group(xp, ins, a, ctx):
-    (lr,), ms = group_members("sgd_update", ins, a["arity"])
+    (lr,), ms = group_members("sgd_update", ins, a["arity"], a["grad_rows"])
     f, flat = _group_fused(ctx, [x for m in ms for x in m])
     if f is not None:  # as _sgd's fused call, a member at a time
         t = ms[0][0].dtype.type
@@ -245,7 +264,7 @@ def _sgd_group(xp, ins, a, ctx):
 
 @kernel("adam_update_group")
 def _adam_group(xp, ins, a, ctx):
-    (lr, step), ms = group_members("adam_update", ins, a["arity"])
+    (lr, step), ms = group_members("adam_update", ins, a["arity"], a["grad_rows"])
     f, flat = _group_fused(ctx, [x for m in ms for x in m])
     if f is not None:  # as _adam's fused calls, a member at a time
         each = (flat[0::4], flat[1::4], flat[2::4], flat[3::4])

@@ -422,6 +422,23 @@ def test_fused_softmax_matches_the_reference(shape, axis, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_softmax_rows_with_nan_or_inf_are_the_references(dtype):
+    """A NaN anywhere in a row (first, inside the four maximum chains, in the remainder),
+    +inf, a row all -inf: the fused rows give what NumPy's softmax gives (NaN rows)."""
+    pytest.importorskip("numba")
+    x = np.random.default_rng(4).standard_normal((6, 11)).astype(dtype)
+    x[0, 0] = x[1, 3] = x[2, 10] = np.nan
+    x[3, 5] = np.inf
+    x[4, :] = -np.inf
+    ref = NumpyBackend()
+    ref._fused = None
+    with np.errstate(invalid="ignore"):  # inf - inf, as intended
+        u, v = (_kernels("softmax", [x], {"axis": -1}, b) for b in (ref, NumpyBackend()))
+    assert np.isnan(u[:5]).all() and np.isnan(v[:5]).all()
+    np.testing.assert_allclose(v[5], u[5], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("momentum,nesterov,wd", [(0.0, False, 0.0), (0.9, False, 0.0),
                                                   (0.9, True, 5e-4), (0.0, False, 1e-2)])
 def test_fused_sgd_is_the_reference_bit_for_bit(dtype, momentum, nesterov, wd):

@@ -89,6 +89,13 @@ def exp_of_nonpositive(t):
 
 
 @numba.njit(**_VEC)
+def exp_of_nonpositive_in_place(y):
+    """y = e^y over a 1-d float32 array of numbers <= 0 (a softmax's shifted scores)."""
+    for i in range(y.size):
+        y[i] = exp_of_nonpositive(y[i])
+
+
+@numba.njit(**_VEC)
 def _gelu(x, y):
     for i in range(x.size):
         v = x[i]

@@ -137,6 +137,11 @@ def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
         m, t = best_ms(ours, 10 * a.repeats), best_ms(theirs, 10 * a.repeats)
         print(f"{'gelu [32, 32, 256] (torch: fwd + bwd)':<44} {part:<9} {m:>10.3f} "
               f"{t:>9.3f} {m / t:>6.2f}")
+    x = (rng.standard_normal((32, 4, 32, 32)) * 3).astype(np.float32)  # attention scores
+    m = best_ms(lambda: ops["softmax"].kernel(np, [x], {"axis": -1}, Ctx), 10 * a.repeats)
+    t = best_ms(lambda: torch.softmax(torch.from_numpy(x), -1), 10 * a.repeats)
+    print(f"{'softmax [32, 4, 32, 32] over the last axis':<44} {'forward':<9} {m:>10.3f} "
+          f"{t:>9.3f} {m / t:>6.2f}")
     attention_cases(np, torch, ops, Ctx, rng, 10 * a.repeats)
     if a.conv:
         conv_cases(np, torch, ops, Ctx, rng, a.repeats, a.conv_only)

@@ -49,7 +49,10 @@ def test_one_group_per_kind_at_the_end_of_the_step(kind, hyper):
     shared = len(grp.inputs) - arity * len(params)
     assert shared == (1 if kind == "sgd" else 2)
     assert list(grp.inputs[shared::arity]) == params  # each member's parameter, in order
-    assert arity == (3 if hyper.get("momentum") else 2) if kind == "sgd" else arity == 4
+    if kind == "sgd":  # parameter, gradient (and momentum buffer)
+        assert arity == (3 if hyper.get("momentum") else 2)
+    else:  # parameter, gradient, exp_avg, exp_avg_sq
+        assert arity == 4
     assert grp.meta["members"] == len(params)
     assert h.outputs["updates"][-1] == grp.name
     assert h.outputs["grads"] == g.outputs["grads"]
@@ -132,9 +135,9 @@ def test_a_group_with_inputs_that_do_not_split_into_members_is_a_shape_error():
     with pytest.raises(ShapeError, match="members of 3"):
         make_node(g, "bad", "sgd_update_group", ins, {"momentum": 0.9, "arity": 3})
     bad = [g["lr"].name, u[0].inputs[0], u[1].inputs[1], u[0].inputs[3]]
-    if g[u[0].inputs[0]].type != g[u[1].inputs[1]].type:
-        with pytest.raises(ShapeError, match="does not match"):
-            make_node(g, "bad", "sgd_update_group", bad, {"momentum": 0.9, "arity": 3})
+    assert g[u[0].inputs[0]].type != g[u[1].inputs[1]].type  # another parameter's gradient
+    with pytest.raises(ShapeError, match="does not match"):
+        make_node(g, "bad", "sgd_update_group", bad, {"momentum": 0.9, "arity": 3})
 
 
 def test_the_trainer_groups_an_unplanned_step_only():

@@ -140,7 +140,7 @@ def group_updates(g: Graph) -> Graph:
     gone = {m.name for ms in groups.values() for m in ms}
     made: dict[str, str] = {}  # member -> its group
     nodes = []
-    for n in g.nodes:
+    for n in list(g.nodes):  # (each group is added to g as it is made, for fresh_name)
         if n.name not in gone:
             nodes.append(n)
             continue
@@ -155,16 +155,12 @@ def group_updates(g: Graph) -> Graph:
             ins[1], row = _statistics_row(g, ins[1], m.name, readers)
             own += ins
             rows.append(row)
-        base, k = f"optimizer.{first.op}_group", 0
-        name = base
-        while name in g or name in made.values():  # (the new nodes are not in g yet)
-            k += 1
-            name = f"{base}_{k}"
+        name = g.fresh_name(f"optimizer.{first.op}_group")
         node = make_node(g, name, group_op(first.op), shared + own,
                          {**first.attrs, "arity": len(first.inputs) - len(shared),
                           "grad_rows": tuple(rows) if max(rows) >= 0 else ()},
                          like=first, meta={"phase": "optimizer", "members": len(members)})
-        nodes.append(node)
+        nodes.append(g.add(node))
         made.update((m.name, name) for m in members)
     g.nodes = nodes
     if "updates" in g.outputs:  # each group once, where its first member was listed

@@ -98,6 +98,7 @@ def _register_group(base: str) -> None:
     single = OPS[base]
     name = group_op(base)
     where = _member_positions(base)
+    own_writes = [where.index(w) for w in single.writes if w in where]  # member positions
 
     def members(ins, a):
         arity, k, rows = a["arity"], len(GROUP_SHARED[base]), a["grad_rows"]
@@ -121,9 +122,8 @@ def _register_group(base: str) -> None:
 
     def writes(node):
         arity, k = node.attrs["arity"], len(GROUP_SHARED[base])
-        own = [where.index(w) for w in single.writes if w in where]
         return tuple(k + j * arity + w for j in range((len(node.inputs) - k) // arity)
-                     for w in own if w < arity)
+                     for w in own_writes if w < arity)
 
     def flops(ins, out, a):
         shared, ms = members(ins, a)
@@ -231,9 +231,9 @@ def _adam(xp, ins, a, ctx):
 
 def _group_fused(ctx, arrays: list):
     """(the fused kernels, the arrays flattened) where the kernels take them all, or
-    (None, None). The fused kernels' own check, made for a few arrays (`dtype in` two
-    types costs 0.16 us), asked once; then each array's type, dtype and layout against the
-    first's (0.2 us each): a group can hold a thousand arrays."""
+    (None, None). The fused kernels' own check (written for a few arrays: its `dtype in`
+    two types is the slow part) asked once; then each array's type, dtype and layout
+    against the first's: a group can hold a thousand arrays."""
     f = fused_kernels(ctx, arrays[0], cuda=True)
     if f is None:
         return None, None

@@ -68,6 +68,20 @@ def _f32_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def _i32_from_f32(typingctx, x):
+    """The float32 `x` truncated to an int32 (LLVM's fptosi). Numba's int(x) goes through
+    int64, which AVX2 has no vector conversion for: the loop around it ran two lanes at a
+    time (exp_of_nonpositive_in_place 0.23 -> 0.12 ms on 262,144 elements)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fptosi(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
 _LOG2E, _LN2_HI, _LN2_LO = _F32(1.44269504088896341), _F32(0.693359375), _F32(-2.12194440e-4)
 _E5, _E4, _E3, _E2, _E1, _E0 = (_F32(v) for v in (
     1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
@@ -84,7 +98,7 @@ def exp_of_nonpositive(t):
     n = np.floor(u * _LOG2E + _F32(0.5))
     r = u - n * _LN2_HI - n * _LN2_LO
     p = (((((_E5 * r + _E4) * r + _E3) * r + _E2) * r + _E1) * r + _E0) * r * r + r + _F32(1.0)
-    e = p * _f32_from_bits(np.int32((int(n) + 127) << 23))
+    e = p * _f32_from_bits(np.int32((_i32_from_f32(n) + np.int32(127)) << np.int32(23)))
     return _F32(0.0) if t < _F32(-87.0) else e
 
 

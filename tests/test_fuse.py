@@ -954,30 +954,50 @@ def test_convolutions_give_the_same_bits_on_one_thread_as_on_two(pooled_gemm, x_
         np.testing.assert_array_equal(one, two, err_msg=name)
 
 
-def test_products_just_over_openblas_small_limit_are_cut_into_blocks(pooled_gemm,
-                                                                       monkeypatch):
-    """Products of 1M to 4M multiply-adds go in blocks under OpenBLAS's small-matrix limit
-    (1e6), along their larger side; the blocks depend on the shape alone, so one thread
-    and two give the same bits; on one thread only those products leave NumPy's matmul."""
+@pytest.mark.parametrize("small_kernels", [True, False])
+def test_products_are_cut_into_blocks_by_their_shapes(pooled_gemm, monkeypatch,
+                                                       small_kernels):
+    """Where OpenBLAS has its small-matrix kernels (its AVX-512 cores), products of 1M to
+    4M multiply-adds go in blocks under their limit (1e6), along their larger side;
+    elsewhere products stay whole but a single one of 2M-4M, which goes in halves. The
+    blocks depend on the shapes alone, so one thread and two give the same bits; on one
+    thread only the products cut into blocks leave NumPy's matmul."""
     from netdsl.backends.numpy_fused import FusedKernels
-    from netdsl.backends.numpy_fused_gemm import PooledGemm, small_blocks
+    from netdsl.backends.numpy_fused_gemm import PooledGemm, product_blocks, small_blocks
     assert small_blocks(16, 1024, 64) == (1, 2)  # 2^20: ResNet-164's 1x1 products
     assert small_blocks(64, 16, 1024) == (2, 1)  # rows, the larger side
     assert small_blocks(16, 512, 64) == (1, 1)  # under the limit already
     assert small_blocks(64, 64, 1024) == (1, 5)  # 4.2M: five blocks of 205 columns
     assert small_blocks(256, 128, 256) == (1, 1)  # 8.4M: packing pays there
-    rng = np.random.default_rng(8)
-    w = rng.standard_normal((16, 64)).astype(np.float32)
-    x = rng.standard_normal((4, 64, 1024)).astype(np.float32)
-    one = PooledGemm(pooled_gemm.cblas, 1)(w, x)
-    np.testing.assert_array_equal(one, pooled_gemm(w, x))
-    np.testing.assert_allclose(one, np.matmul(w, x), rtol=1e-5, atol=1e-4)
+    assert product_blocks(64, 64, 1024, 1, True) == (1, 5)
+    assert product_blocks(64, 64, 1024, 1, False) == (1, 2)  # one product: halves
+    assert product_blocks(1024, 64, 64, 1, False) == (2, 1)
+    assert product_blocks(64, 64, 1024, 4, False) == (1, 1)  # a batch: whole products
+    assert product_blocks(16, 1024, 64, 1, False) == (1, 1)  # 1M: NumPy's own call
+    assert product_blocks(256, 128, 256, 1, False) == (1, 1)  # 8.4M: cut for threads
+    cblas = pooled_gemm.cblas
+    assert isinstance(cblas.corename, str) and cblas.small_kernels == (
+        cblas.corename.lower() in ("skylakex", "cooperlake", "sapphirerapids"))
+    monkeypatch.setattr(cblas, "small_kernels", small_kernels)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     fk = FusedKernels()
     assert fk.gemm is None and fk.convs is not None
-    with fk.running():
-        np.testing.assert_array_equal(fk.matmul(w, x), one)
-        assert fk.matmul(w[:, :32], x[:, :32]) is None  # 2^19 a product: NumPy's own call
+    monkeypatch.setattr(fk.cblas, "small_kernels", small_kernels)
+    rng = np.random.default_rng(8)
+    for a, b, cut in (  # ResNet-164's 1x1 products, a batch of them
+            (rng.standard_normal((16, 64)), rng.standard_normal((4, 64, 1024)), small_kernels),
+            # one transformer product [1024, 64] @ [64, 64]: halves without small kernels
+            (rng.standard_normal((1024, 64)), rng.standard_normal((64, 64)), True)):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        one = PooledGemm(cblas, 1)(a, b)
+        np.testing.assert_array_equal(one, pooled_gemm(a, b))
+        np.testing.assert_allclose(one, np.matmul(a, b), rtol=1e-5, atol=1e-4)
+        with fk.running():
+            if cut:
+                np.testing.assert_array_equal(fk.matmul(a, b), one)
+            else:  # whole products on one thread are NumPy's own call
+                assert fk.matmul(a, b) is None
+            assert fk.matmul(a[..., :8], b[..., :8, :]) is None  # under 2M: NumPy's own call
 
 
 def test_one_blas_thread_inside_a_run_and_restored_after(pooled_gemm):

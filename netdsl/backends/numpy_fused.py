@@ -36,7 +36,7 @@ from netdsl.backends.numpy_fused_activation import (
     relu_grad,
     window_grad,
 )
-from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas, small_blocks
+from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
 from netdsl.backends.numpy_fused_loss import sce_forward, sce_grad
 from netdsl.backends.numpy_fused_norm import (
     bn_forward,
@@ -224,13 +224,13 @@ class FusedKernels:
     def matmul(self, a, b, out=None, accumulate=False, bias=None):
         """a @ b (+ bias along its rows) on the loops' threads
         (numpy_fused_gemm.PooledGemm), or None where it runs as NumPy's matmul. On one
-        thread only the products cut into blocks for OpenBLAS's small-matrix kernels
-        (numpy_fused_gemm.small_blocks) go there: the others are NumPy's own call."""
-        gemm = self.gemm
-        if gemm is None and self.convs is not None and a.ndim >= 2 and b.ndim >= 2 \
-                and small_blocks(a.shape[-2], b.shape[-1], a.shape[-1]) != (1, 1):
-            gemm = self.convs
-        return None if gemm is None else gemm(a, b, out, accumulate, bias)
+        thread only the products cut into blocks (numpy_fused_gemm.product_blocks) go
+        there: the others are NumPy's own call."""
+        if self.gemm is not None:
+            return self.gemm(a, b, out, accumulate, bias)
+        if self.convs is not None:
+            return self.convs(a, b, out, accumulate, bias, blocked_only=True)
+        return None
 
     def shifted_matmul(self, a, b, offsets, n):
         """A convolution's flat shift in one parallel call

@@ -46,6 +46,15 @@ class NumpyCblas:
         self._set = lib.scipy_openblas_set_num_threads64_
         self._set.argtypes = [ctypes.c_int]
         self.held = 0  # how many blocks holding it to one thread are open
+        try:
+            name = lib.scipy_openblas_get_corename64_
+            name.restype = ctypes.c_char_p
+            self.corename = (name() or b"").decode()
+        except AttributeError:
+            self.corename = ""
+        # only OpenBLAS's AVX-512 cores have its small-matrix kernels (its "direct" GEMM
+        # for SkylakeX, Cooperlake, SapphireRapids): see product_blocks
+        self.small_kernels = self.corename.lower() in _SMALL_KERNEL_CORES
 
     @contextmanager
     def limit(self, threads: int):
@@ -62,6 +71,9 @@ class NumpyCblas:
             self.held -= one
             if before > threads:
                 self._set(before)
+
+
+_SMALL_KERNEL_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 
 
 def _address(fn) -> int:
@@ -396,6 +408,23 @@ def small_blocks(m: int, n: int, k: int) -> tuple[int, int]:
     return (1, min(parts, n)) if n >= m else (min(parts, m), 1)
 
 
+def product_blocks(m: int, n: int, k: int, batch: int, small_kernels: bool) -> tuple[int, int]:
+    """The blocks each of `batch` [m, k] @ [k, n] products is cut into, by the shapes alone
+    (so that a step's numbers are the same on any number of threads: OpenBLAS's sums
+    depend on the blocks). With OpenBLAS's small-matrix kernels, small_blocks. Without them
+    (its AVX2 cores: Haswell, Zen) blocks under their limit are only more calls, 1.1-1.3x
+    the whole product's time in halves and 1.5-2.2x in small_blocks' (products of 2M-4M
+    multiply-adds, one thread, an AMD EPYC Zen 2): products stay whole, but a single one of
+    2M-4M, which goes in halves, so that two threads can share it (the pooled GEMMs cut it
+    anyway) and one thread computes the same two blocks. Larger single products are cut
+    for the threads (PooledGemm.__call__): on one thread they are NumPy's own call."""
+    if small_kernels:
+        return small_blocks(m, n, k)
+    if batch == 1 and _MIN_MACS <= m * n * k <= _SPLIT_MAX_MACS:
+        return (1, min(2, n)) if n >= m else (min(2, m), 1)
+    return 1, 1
+
+
 class PooledGemm:
     """a @ b for 2-d or 3-d float arrays, spread over `threads` Numba threads."""
 
@@ -510,13 +539,14 @@ class PooledGemm:
             prods[0] += prods[j]
         return prods[0].reshape(kh, kw, c, o).transpose(3, 2, 0, 1).copy()
 
-    def __call__(self, a, b, out=None, accumulate=False, bias=None):
+    def __call__(self, a, b, out=None, accumulate=False, bias=None, blocked_only=False):
         """The product into `out` (or a new array; added to `out` with `accumulate`), plus
         `bias` along its rows if given (2-d products only), or None where these loops do not
         take it: outside a `cblas.limit(1)` block (each task's call would start OpenBLAS's
         own threads), other dtypes, ranks above 4, operands or an `out` with no unit stride,
         a bias with a batched product or an `out` not C-contiguous, or a product too small
-        to split. Leading dimensions broadcast as in NumPy's matmul."""
+        to split, or with `blocked_only` one that product_blocks leaves whole. Leading
+        dimensions broadcast as in NumPy's matmul."""
         if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (
                 2 <= a.ndim <= 4 and 2 <= b.ndim <= 4):
             return None
@@ -548,11 +578,13 @@ class PooledGemm:
         sc = _batch_steps(out, (outer, inner))
         if sc is None:
             return None
-        # blocks under OpenBLAS's small-matrix limit (small_blocks); then whole products
-        # (or those blocks) where the batch gives every thread some, else blocks of one
-        # product along its larger side, one a thread (more blocks pack the other operand
-        # more times, and measured slower for a transformer's [1024, 64] @ [64, 256])
-        parts_m, parts_n = small_blocks(m, n, k)
+        # blocks by the shapes (product_blocks); then whole products (or those blocks)
+        # where the batch gives every thread some, else blocks of one product along its
+        # larger side, one a thread (more blocks pack the other operand more times, and
+        # measured slower for a transformer's [1024, 64] @ [64, 256])
+        parts_m, parts_n = product_blocks(m, n, k, batch, self.cblas.small_kernels)
+        if blocked_only and parts_m * parts_n == 1:
+            return None
         if batch * parts_m * parts_n < self.threads:
             split = -(-self.threads // batch)
             if m >= n:

@@ -385,12 +385,13 @@ def _images_per_product(n: int, length: int, by_rows: bool) -> int:
 
 
 # OpenBLAS (NumPy's wheels are built with its SMALL_MATRIX_OPT) multiplies a product of at
-# most 1e6 multiply-adds with its small-matrix kernels, which read the operands as they lie;
-# larger ones are packed first. ResNet-164's 1x1 convolutions' products are [16, 64] @
-# [64, 1024] and the like, 2^20 multiply-adds each: just above it. Cut into blocks of
-# columns (or rows) under it they ran in 0.54-0.85 of the time, products of 4M
-# multiply-adds in 0.60-1.02, of 8M in 0.76-1.14 and of 16M in 0.93-1.14 (one thread,
-# data in cache, scratch probes; docs/benchmarks.md): up to 4M they are cut. Each block
+# most 1e6 multiply-adds with its small-matrix kernels on its AVX-512 cores, which read the
+# operands as they lie; larger ones are packed first. ResNet-164's 1x1 convolutions'
+# products are [16, 64] @ [64, 1024] and the like, 2^20 multiply-adds each: just above it.
+# Cut into blocks of columns (or rows) under it they ran in 0.54-0.85 of the time,
+# products of 4M multiply-adds in 0.60-1.02, of 8M in 0.76-1.14 and of 16M in 0.93-1.14
+# (one thread, data in cache, SkylakeX's kernels on an AMD EPYC Zen 4, scratch probes;
+# docs/benchmarks.md): up to 4M they are cut there (product_blocks). Each block
 # is computed as a product of its own, so the split depends on the shape alone: the same
 # blocks, and the same numbers, on any number of threads.
 _SMALL_MACS = 1_000_000

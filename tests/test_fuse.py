@@ -697,23 +697,34 @@ def test_fused_kernels_give_the_reference_training_step(monkeypatch):
 
 
 def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch):
-    """As many threads as the BLAS is told (OMP_NUM_THREADS); channels are independent,
-    so the result is the same bit for bit on any number of threads."""
+    """As many threads as the BLAS is told (OMP_NUM_THREADS); batchnorm's forward splits
+    its rows over the tasks (of images, or inside one where there are fewer images than
+    tasks, with rows longer than a block), and gives the same bits on any number."""
     numba = pytest.importorskip("numba")
     from netdsl.backends.numpy_fused import FusedKernels
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert FusedKernels().threads == 1
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((4, 6, 9)).astype(np.float32)
-    w, b = np.ones(6, np.float32), np.zeros(6, np.float32)
-    outs = []
-    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
-        numba.set_num_threads(threads)
-        y, mom = np.empty_like(x), np.empty((2, 6))
-        FusedKernels.bn_forward(x, w, b, 1e-5, True, np.inf, y, mom, threads)
-        outs.append((y, mom))
-    numba.set_num_threads(FusedKernels().threads)
-    assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+    for shape in ((4, 6, 9), (1, 6, 2100)):
+        x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+        c = shape[1]
+        w = rng.standard_normal(c).astype(np.float32)
+        b = rng.standard_normal(c).astype(np.float32)
+        outs = []
+        for threads, tasks in sorted({(1, 1), (numba.config.NUMBA_NUM_THREADS, 2),
+                                      (numba.config.NUMBA_NUM_THREADS, 5)}):
+            numba.set_num_threads(threads)
+            y, mom = np.empty_like(x), np.empty((2, c))
+            FusedKernels.bn_forward(x, w, b, 1e-5, True, np.inf, y, mom, tasks)
+            outs.append((y, mom))
+        numba.set_num_threads(FusedKernels().threads)
+        assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
+        x64 = x.astype(np.float64)
+        np.testing.assert_allclose(outs[0][1][0], x64.mean(axis=(0, 2)), rtol=1e-6)
+        np.testing.assert_allclose(outs[0][1][1], x64.var(axis=(0, 2)), rtol=1e-5)
+        ref = (x64 - x64.mean(axis=(0, 2))[:, None]) / np.sqrt(
+            x64.var(axis=(0, 2))[:, None] + 1e-5) * w[:, None] + b[:, None]
+        np.testing.assert_allclose(y, np.maximum(ref, 0), rtol=1e-4, atol=1e-5)
 
 
 def test_fusion_defaults_to_where_the_fused_kernels_run(monkeypatch):

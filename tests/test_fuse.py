@@ -697,9 +697,10 @@ def test_fused_kernels_give_the_reference_training_step(monkeypatch):
 
 
 def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch):
-    """As many threads as the BLAS is told (OMP_NUM_THREADS); batchnorm's forward splits
-    its rows over the tasks (of images, or inside one where there are fewer images than
-    tasks, with rows longer than a block), and gives the same bits on any number."""
+    """As many threads as the BLAS is told (OMP_NUM_THREADS); batchnorm's forward and
+    input gradient split their rows over the tasks (of images, or inside one where there
+    are fewer images than tasks, with rows longer than a block), its statistics the
+    channels, and all give the same bits on any number."""
     numba = pytest.importorskip("numba")
     from netdsl.backends.numpy_fused import FusedKernels
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -716,7 +717,15 @@ def test_fused_kernels_follow_the_blas_threads_and_agree_across_them(monkeypatch
             numba.set_num_threads(threads)
             y, mom = np.empty_like(x), np.empty((2, c))
             FusedKernels.bn_forward(x, w, b, 1e-5, True, np.inf, y, mom, tasks)
-            outs.append((y, mom))
+            dy = np.cos(x)  # and the input gradient, with and without a sum into it
+            st = np.empty((4, c))
+            FusedKernels.bn_grad_stats(dy, x, w, b, 1e-5, True, np.inf, st, tasks)
+            dx, dx_acc = np.empty_like(x), np.empty_like(x)
+            FusedKernels.bn_grad_input(dy, x, st, w, b, True, np.inf, dx, False, dx, tasks)
+            FusedKernels.bn_grad_input(dy, x, st, w, b, True, np.inf, y, True, dx_acc,
+                                       tasks)
+            np.testing.assert_allclose(dx_acc, dx + y, rtol=1e-5, atol=1e-6)
+            outs.append((y, mom, st, dx, dx_acc))
         numba.set_num_threads(FusedKernels().threads)
         assert all(np.array_equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
         x64 = x.astype(np.float64)

@@ -220,27 +220,35 @@ def bn_grad_stats(dy3, x3, w, b, eps, relu, cap, out, tasks):
 def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks):
     """dx of batchnorm (+ relu) from bn_grad_stats' rows into dx3:
     w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), plus acc3 with
-    `accumulate` (acc3 may be dx3 itself otherwise: it is not read then)."""
+    `accumulate` (acc3 may be dx3 itself otherwise: it is not read then). Element by
+    element: the threads take contiguous runs of rows, as bn_forward's."""
     n, nc, p = x3.shape
     m = n * p
     capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
+    rows = n * nc
     for t in numba.prange(tasks):
-        c0, c1 = _runs(tasks, nc, t)
-        for i in range(n):
-            for c in range(c0, c1):
-                gw, sg = np.float64(st[0, c]), np.float64(st[1, c])
-                mt, it, scale, shift, zero = _consts(x3, st[2, c], st[3, c], w[c], b[c])
-                k_dev, k_sum, _s, _b, _z = _consts(x3, -np.float64(it) * gw / m, -sg / m,
-                                                   0.0, 0.0)
+        for r in range(t * rows // tasks, (t + 1) * rows // tasks):
+            i, c = r // nc, r % nc
+            gw, sg = np.float64(st[0, c]), np.float64(st[1, c])
+            mt, it, scale, shift, zero = _consts(x3, st[2, c], st[3, c], w[c], b[c])
+            k_dev, k_sum, _s, _b, _z = _consts(x3, -np.float64(it) * gw / m, -sg / m,
+                                               0.0, 0.0)
+            # two loops, not one with `if accumulate` inside: with acc3 the same array as
+            # dx3 that loop did not vectorise (1.7 ms against 0.13 on 16x16x32x32)
+            if accumulate:
                 for j in range(p):
                     d = x3[i, c, j] - mt
                     g = dy3[i, c, j]
                     if relu and not _passes(d * scale + shift, zero, top, capped):
                         g = zero
-                    v = (d * k_dev + k_sum + g) * scale
-                    if accumulate:
-                        v += acc3[i, c, j]
-                    dx3[i, c, j] = v
+                    dx3[i, c, j] = (d * k_dev + k_sum + g) * scale + acc3[i, c, j]
+            else:
+                for j in range(p):
+                    d = x3[i, c, j] - mt
+                    g = dy3[i, c, j]
+                    if relu and not _passes(d * scale + shift, zero, top, capped):
+                        g = zero
+                    dx3[i, c, j] = (d * k_dev + k_sum + g) * scale
 
 
 # -- layernorm over rows -----------------------------------------------------------------------

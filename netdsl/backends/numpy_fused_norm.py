@@ -65,11 +65,17 @@ def _moments(x3, c0, c1, moments):
                 b1, b2 = _shifted_sums(x3[i, c, j0:j0 + _BLOCK], k)
                 moments[0, c] += np.float64(b1)
                 moments[1, c] += np.float64(b2)
-    m = n * p
     for c in range(c0, c1):
-        mu = moments[0, c] / m
-        moments[0, c] = np.float64(x3[0, c, 0]) + mu
-        moments[1, c] = max(moments[1, c] / m - mu * mu, 0.0)
+        _mean_and_variance(x3, c, moments[0, c], moments[1, c], moments)
+
+
+@numba.njit(inline="always")
+def _mean_and_variance(x3, c, s1, s2, moments):
+    """moments[:, c] from channel c's sums of x - x3[0, c, 0] and of its square."""
+    m = x3.shape[0] * x3.shape[2]
+    mu = s1 / m
+    moments[0, c] = np.float64(x3[0, c, 0]) + mu
+    moments[1, c] = max(s2 / m - mu * mu, 0.0)
 
 
 @numba.njit(inline="always")
@@ -161,7 +167,6 @@ def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
                 b1, b2 = _shifted_sums(x3[i, c, q * _BLOCK:(q + 1) * _BLOCK], k)
                 parts[0, i, c, q] = np.float64(b1)
                 parts[1, i, c, q] = np.float64(b2)
-    m = n * p
     for c in range(nc):
         s1 = 0.0
         s2 = 0.0
@@ -169,9 +174,7 @@ def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
             for q in range(nb):
                 s1 += parts[0, i, c, q]
                 s2 += parts[1, i, c, q]
-        mu = s1 / m
-        moments[0, c] = np.float64(x3[0, c, 0]) + mu
-        moments[1, c] = max(s2 / m - mu * mu, 0.0)
+        _mean_and_variance(x3, c, s1, s2, moments)
     for t in numba.prange(tasks):
         for r in range(t * rows // tasks, (t + 1) * rows // tasks):
             i, c = r // nc, r % nc

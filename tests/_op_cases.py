@@ -142,6 +142,12 @@ OP_CASES = [
     ("conv2d", [(1, 4, 5, 5)], {"out_channels": 2, "kernel": 3, "padding": (1, 0, 0, 2),
                                 "stride": 2, "groups": 2}, {}, ()),
     ("conv2d", [(1, 2, 5, 5)], {"out_channels": 2, "kernel": 3, "padding": "valid"}, {}, ()),
+    # the fuse pass's conv2d + add (a 1x1's GEMM adds the residual; a 3x3 adds it after)
+    ("conv2d_add", [(2, 3, 4, 5), (2, 4, 4, 5)], {"out_channels": 4, "kernel": 1}, {}, ()),
+    ("conv2d_add", [(1, 2, 5, 5), (1, 3, 5, 5)], {"out_channels": 3, "kernel": 3,
+                                                  "padding": 1, "bias": False}, {}, ()),
+    ("linear_add", [(2, 3, 4), (2, 3, 5)], {"out_features": 5}, {}, ()),
+    ("linear_add", [(3, 4), (3, 2)], {"out_features": 2, "bias": False}, {}, ()),
     ("conv1d", [(2, 3, 7)], {"out_channels": 4, "kernel": (3,), "stride": (2,),
                              "padding": 1}, {}, ()),
     ("conv1d", [(1, 4, 6)], {"out_channels": 2, "kernel": 4, "padding": "same",

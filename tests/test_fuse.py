@@ -117,6 +117,107 @@ def test_fused_step_matches_the_unfused_step(example, batch):
     assert_same_steps(g, h, rtol=1e-9, atol=1e-12)
 
 
+RESIDUAL = """
+network residual {
+    input x: f32[N, 3, 5, 4]
+    input y: i64[N]
+    h = conv2d(x, 4, kernel=1)
+    h = conv2d(relu(h), 4, kernel=1, bias=false) + h
+    h = h + conv2d(h, 4, kernel=3, padding=1)
+    k = conv2d(h, 4, kernel=1)
+    h = k + conv2d(h, 4, kernel=1) + k
+    c = conv2d(h, 4, kernel=1)
+    h = c + h
+    h = conv2d(h, 4, kernel=1) + parameter((4, 1, 1))
+    t = flatten(h)
+    t = linear(t, 80) + t
+    logits = linear(tanh(t), 3)
+    output logits
+    output c
+    loss softmax_cross_entropy(logits, y)
+}
+"""
+
+
+def test_residual_adds_fold_into_the_products_only_they_read():
+    """add(conv2d(x), r) -> conv2d_add(x, r) and add(linear(x), r) -> linear_add(x, r), r
+    either term, named after the add; not where the product has another reader or is a
+    graph output, nor for a broadcasting add, nor with residuals=False."""
+    fwd = netdsl.loads(RESIDUAL).lower(2)
+    g = fuse(fwd, enabled=True)
+    ops = [n.op for n in g.nodes if not n.is_source]
+    # the 1x1 and the 3x3 with `h` either side; `k + conv2d(h)`'s conv (k has two readers)
+    assert ops.count("conv2d_add") == 3 and ops.count("linear_add") == 1
+    # the first conv (read by relu and the add), k, c (an output), the broadcast one's
+    assert ops.count("conv2d") == 4 and ops.count("add") == 3
+    for f in g.by_op("conv2d_add") + g.by_op("linear_add"):
+        product, add = f.meta["fused"]
+        assert add == f.name and fwd[add].op == "add" and f.loc == fwd[product].loc
+        assert f.inputs[0] == fwd[product].inputs[0] and f.inputs[1] in fwd[add].inputs
+        assert f.inputs[2:] == fwd[product].inputs[1:] and f.type == fwd[add].type
+    assert "conv2d_add(" in g.to_text() and "linear_add(" in g.to_text()
+    kept = fuse(fwd, enabled=True, residuals=False)
+    assert not kept.by_op("conv2d_add") and not kept.by_op("linear_add")
+    assert len(kept.by_op("add")) == 7
+
+
+@pytest.mark.parametrize("example,batch", [("residual", 3), ("transformer-tiny", 2)])
+def test_residual_fusion_keeps_every_number(example, batch):
+    """The step with the residuals folded into the products computes the unfused step's
+    numbers bit for bit: the product, its bias, then the residual, in the same order."""
+    src = netdsl.loads(RESIDUAL) if example == "residual" else load(f"{example}.net")
+    fwd = src.lower(batch)
+    g = add_optimizer(autodiff(fuse(fwd, enabled=True, residuals=False)), "sgd", lr=0.05,
+                      momentum=0.9)
+    h = add_optimizer(autodiff(fuse(fwd, enabled=True)), "sgd", lr=0.05, momentum=0.9)
+    assert h.by_op("linear_add") and len(h.by_op("add")) < len(g.by_op("add"))
+    assert_same_steps(g, h, rtol=0, atol=0)
+
+
+def test_residual_fusion_in_float32_on_the_fused_kernels_keeps_the_bits(monkeypatch):
+    """In float32 on the GEMM tasks (1x1 products of 16 -> 64 channels at 32x32, over the
+    size where the loops take them), on one thread and on two: the same losses and
+    gradients as the unfused step's."""
+    numba = pytest.importorskip("numba")
+    net = netdsl.loads("""
+network wide {
+    input x: f32[N, 16, 32, 32]
+    input y: i64[N]
+    h = conv2d(x, 64, kernel=1, bias=false)
+    h = conv2d(relu(conv2d(relu(h), 16, kernel=1)), 64, kernel=1, bias=false) + h
+    logits = linear(flatten(global_avgpool(h)), 3)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}""")
+    fwd = net.lower(4)
+    g = autodiff(fuse(fwd, enabled=True, residuals=False))
+    h = autodiff(fuse(fwd, enabled=True))
+    assert len(h.by_op("conv2d_add")) == 1
+    feeds = example_feeds(g)
+    for threads in ("1", "2"):
+        monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        runs = []
+        for graph in (g, h):
+            ex = Executor(graph, "numpy", dtype="f32", seed=3)
+            assert ex.backend.fused.threads == min(int(threads),
+                                                   numba.config.NUMBA_NUM_THREADS)
+            r = ex.run(feeds, roles=("loss", "grads"))
+            runs.append([np.array(v) for k in ("loss", "grads") for v in r[k]])
+        for a, b in zip(*runs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_only_a_cpu_step_folds_residuals_into_products(monkeypatch):
+    """A GPU adds the residual after the product, one launch as the add's: its step is
+    left with the add."""
+    from netdsl.config import TrainConfig
+    from netdsl.runtime.trainer import training_graph
+    monkeypatch.setenv("NETDSL_FUSE", "1")
+    fwd = load("resnet164-cifar.net").lower(2)
+    assert len(training_graph(fwd, TrainConfig(), "cpu").by_op("conv2d_add")) == 54
+    assert not training_graph(fwd, TrainConfig(), "gpu").by_op("conv2d_add")
+
+
 CAPPED = """
 network capped {
     input x: f32[N, 3, 6, 6]
@@ -874,6 +975,39 @@ def test_pooled_gemm_adds_a_bias_to_each_row(pooled_gemm, dtype):
     assert pooled_gemm(x3, x3, bias=np.ones(64, dtype)) is None
     apart = np.empty((m, n + 3), dtype)[:, :n]
     assert pooled_gemm(x, w.T, apart, bias=bias) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pooled_gemm_adds_a_residual_to_each_block(pooled_gemm, dtype, threads):
+    """conv2d_add's and linear_add's residual, added by each task to its block after its
+    GEMM (and bias): the same bits as the product, the bias, then the add, for a 1x1
+    convolution's batch of products, a linear layer's row blocks and a given `out`, on one
+    thread or two; not taken with `accumulate` or a residual not C-contiguous or of
+    another shape."""
+    from netdsl.backends.numpy_fused_gemm import PooledGemm
+    gemm = pooled_gemm if threads == 2 else PooledGemm(pooled_gemm.cblas, 1)
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((64, 16)).astype(dtype)
+    x = rng.standard_normal((8, 16, 1024)).astype(dtype)  # [64, 16] @ [8, 16, 1024]
+    r = rng.standard_normal((8, 64, 1024)).astype(dtype)
+    want = np.matmul(w, x)
+    want += r
+    np.testing.assert_array_equal(gemm(w, x, residual=r), want)
+    out = np.empty_like(r)
+    assert gemm(w, x, out, residual=r) is out
+    np.testing.assert_array_equal(out, want)
+    a = rng.standard_normal((1024, 64)).astype(dtype)  # a linear layer's, with its bias
+    b = rng.standard_normal((64, 192)).astype(dtype)
+    bias = rng.standard_normal(192).astype(dtype)
+    r2 = rng.standard_normal((1024, 192)).astype(dtype)
+    want = gemm(a, b)  # (two threads cut it into row blocks: not NumPy's bits)
+    want += bias
+    want += r2
+    np.testing.assert_array_equal(gemm(a, b, bias=bias, residual=r2), want)
+    assert gemm(w, x, np.ones_like(r), accumulate=True, residual=r) is None
+    assert gemm(w, x, residual=np.asfortranarray(r)) is None
+    assert gemm(w, x, residual=r[:4]) is None
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -277,6 +277,24 @@ def test_fused_batchnorm_relu_and_add_relu_export_as_two_nodes(tmp_path):
     assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)
 
 
+@pytest.mark.parametrize("example", ["resnet164-cifar", "transformer-tiny"])
+def test_products_with_a_residual_export_as_the_layer_and_an_add(tmp_path, example):
+    """The fuse pass's conv2d_add and linear_add become Conv (or the linear's MatMul) +
+    Add, with the outputs of the unfused network."""
+    from netdsl.passes.fuse import fuse
+    net = load(f"{example}.net")
+    g = net.lower(2)
+    feeds = example_feeds(g)
+    state = calibrated_state(g, feeds)
+    fused = fuse(net.lower(), enabled=True)
+    assert fused.by_op("conv2d_add" if example.startswith("resnet") else "linear_add")
+    export_onnx(fused, lambda n: state[n.name], tmp_path / "m.onnx")
+    model = onnx.load(tmp_path / "m.onnx")
+    ops = [n.op_type for body in [model.graph, *model.functions] for n in body.node]
+    assert "Add" in ops and ("Conv" in ops or "MatMul" in ops)
+    assert_matches(run_ort(tmp_path / "m.onnx", feeds), g, state, feeds)
+
+
 def test_fused_batchnorm_relu6_exports_as_batchnorm_and_clip(tmp_path):
     """batchnorm_relu with a cap (the fuse pass's relu6(batchnorm(x))) becomes
     BatchNormalization + Clip(0, 6), with the outputs of the unfused network."""

@@ -26,6 +26,7 @@ def _pool_stride(a):
 
 TORCH = {
     "conv2d": lambda t, a: _conv(F.conv2d, 2, t, a),
+    "conv2d_add": lambda t, a: _conv(F.conv2d, 2, t, a) + t["in1"],
     "conv1d": lambda t, a: _conv(F.conv1d, 1, t, a),
     "conv3d": lambda t, a: _conv(F.conv3d, 3, t, a),
     "conv_transpose2d": lambda t, a: F.conv_transpose2d(
@@ -66,6 +67,8 @@ TORCH = {
     "mean": lambda t, a: t["in0"].mean(a["axis"], keepdim=a["keepdims"]),
     "softmax": lambda t, a: torch.softmax(t["in0"], a["axis"]),
     "linear": lambda t, a: F.linear(t["in0"], t["out.weight"], t.get("out.bias")),
+    "linear_add": lambda t, a: F.linear(t["in0"], t["out.weight"], t.get("out.bias"))
+    + t["in1"],
     "matmul": lambda t, a: torch.matmul(t["in0"], t["in1"]),
     "embedding": lambda t, a: F.embedding(t["in0"], t["out.weight"]),
     "softmax_cross_entropy": lambda t, a: _class_loss(F.cross_entropy, t, a,

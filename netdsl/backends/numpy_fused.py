@@ -221,15 +221,18 @@ class FusedKernels:
             return None
         return gelu_grad(dy, x)
 
-    def matmul(self, a, b, out=None, accumulate=False, bias=None):
-        """a @ b (+ bias along its rows) on the loops' threads
-        (numpy_fused_gemm.PooledGemm), or None where it runs as NumPy's matmul. On one
-        thread only the products cut into blocks (numpy_fused_gemm.product_blocks) go
-        there: the others are NumPy's own call."""
+    def matmul(self, a, b, out=None, accumulate=False, bias=None, residual=None):
+        """a @ b (+ bias along its rows, + a residual of the result's shape) on the loops'
+        threads (numpy_fused_gemm.PooledGemm), or None where it runs as NumPy's matmul. On
+        one thread only the products cut into blocks (numpy_fused_gemm.product_blocks) go
+        there, and those with a residual (each block's share added while in cache, where
+        NumPy's matmul and an add make two more passes over memory); the others are
+        NumPy's own call."""
         if self.gemm is not None:
-            return self.gemm(a, b, out, accumulate, bias)
+            return self.gemm(a, b, out, accumulate, bias, residual=residual)
         if self.convs is not None:
-            return self.convs(a, b, out, accumulate, bias, blocked_only=True)
+            return self.convs(a, b, out, accumulate, bias, blocked_only=residual is None,
+                              residual=residual)
         return None
 
     def shifted_matmul(self, a, b, offsets, n):

@@ -142,9 +142,19 @@ def _add_to_rows(c, start, rows, ld, v):
         row += v
 
 
+@numba.njit(cache=True, nogil=True)
+def _add_block(c, start, rows, ld, cols, r):
+    """c[start + q * ld:][:cols] += r[the same] for q < rows: a block of a matrix and of
+    another of its shape, both given flat, C-contiguous (flat slices: see _add_to_rows)."""
+    for q in range(rows):
+        o = start + q * ld
+        row = c[o:o + cols]
+        row += r[o:o + cols]
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def gemm_tasks(fn, alpha, beta, size, batch, inner, m, n, k, a, ta, lda, b, tb, ldb, c, ldc,
-               steps, parts_m, parts_n, bias, c2):
+               steps, parts_m, parts_n, bias, c2, res):
     """c[i] = a[i] @ b[i] (plus c[i] with beta = 1) for i < batch, each product cut into
     parts_m x parts_n blocks of rows and columns, every block one task for the threads.
     The batch has two levels, i = outer * inner + j (a rank-4 product's [N, heads]):
@@ -152,7 +162,9 @@ def gemm_tasks(fn, alpha, beta, size, batch, inner, m, n, k, a, ta, lda, b, tb, 
     items (0: the same matrix for all); ta, tb CBLAS's transpose flags with the leading
     dimensions lda, ldb, ldc; size the item bytes. With a `bias` (size n; batch 1), each
     task then adds it to its block's rows of c2, c as a C-contiguous [m, n] array, while
-    they are in its cache."""
+    they are in its cache; with a residual `res` (c2's size: c as a C-contiguous [batch,
+    m, n] array), each task then adds its block of res likewise (after the bias: the
+    sums of a product, its bias add and a separate add)."""
     parts = parts_m * parts_n
     for t in numba.prange(batch * parts):
         i, r = t // parts, t % parts
@@ -169,6 +181,8 @@ def gemm_tasks(fn, alpha, beta, size, batch, inner, m, n, k, a, ta, lda, b, tb, 
                         ldc)
             if bias.size:
                 _add_to_rows(c2, m0 * n + n0, m1 - m0, n, bias[n0:n1])
+            if res.size:
+                _add_block(c2, i * m * n + m0 * n + n0, m1 - m0, n, n1 - n0, res)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -432,7 +446,8 @@ class PooledGemm:
     def __init__(self, cblas: NumpyCblas, threads: int):
         self.cblas = cblas
         self.threads = threads
-        # gemm_tasks' arguments for "no bias": an empty bias, a stand-in for the [m, n] view
+        # gemm_tasks' arguments for "no bias" (or residual): an empty array, a stand-in for
+        # the flat view of the result
         self._no_bias = {np.dtype(dt): (np.empty(0, dt), np.empty(1, dt))
                          for dt in (np.float32, np.float64)}
 
@@ -443,7 +458,7 @@ class PooledGemm:
             gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 1, 2, 2, 2,
                        a.ctypes.data, _NO_TRANS, 2, a.ctypes.data, _NO_TRANS, 2,
                        c.ctypes.data, 2, np.zeros((3, 2), np.int64), 1, 1, np.ones(2, dt),
-                       c.reshape(-1))
+                       c.reshape(-1), a.reshape(-1))
             shifted_conv_tasks(self.cblas.gemm[a.dtype], dt(1), a.reshape(1, 1, 2, 2),
                                a.reshape(1, 2, 2)[:, :1, :1].copy(), 1, 1, 0, 0, 1, 1,
                                np.empty((1, 1, 2, 2), dt), 1)
@@ -540,20 +555,28 @@ class PooledGemm:
             prods[0] += prods[j]
         return prods[0].reshape(kh, kw, c, o).transpose(3, 2, 0, 1).copy()
 
-    def __call__(self, a, b, out=None, accumulate=False, bias=None, blocked_only=False):
+    def __call__(self, a, b, out=None, accumulate=False, bias=None, blocked_only=False,
+                 residual=None):
         """The product into `out` (or a new array; added to `out` with `accumulate`), plus
-        `bias` along its rows if given (2-d products only), or None where these loops do not
-        take it: outside a `cblas.limit(1)` block (each task's call would start OpenBLAS's
-        own threads), other dtypes, ranks above 4, operands or an `out` with no unit stride,
-        a bias with a batched product or an `out` not C-contiguous, or a product too small
-        to split, or with `blocked_only` one that product_blocks leaves whole. Leading
-        dimensions broadcast as in NumPy's matmul."""
+        `bias` along its rows if given (2-d products only), plus `residual` (an array of the
+        result's shape) if given, or None where these loops do not take it: outside a
+        `cblas.limit(1)` block (each task's call would start OpenBLAS's own threads), other
+        dtypes, ranks above 4, operands or an `out` with no unit stride, a bias with a
+        batched product, a bias or residual with an `out` (or a residual) not C-contiguous,
+        a residual with `accumulate`, or a product too small to split, or with
+        `blocked_only` one that product_blocks leaves whole. Leading dimensions broadcast
+        as in NumPy's matmul."""
         if not self.cblas.held or a.dtype != b.dtype or a.dtype not in self.cblas.gemm or not (
                 2 <= a.ndim <= 4 and 2 <= b.ndim <= 4):
             return None
         if bias is not None and (a.ndim != 2 or b.ndim != 2 or bias.dtype != a.dtype
-                                 or bias.shape != (b.shape[1],)
-                                 or (out is not None and not out.flags.c_contiguous)):
+                                 or bias.shape != (b.shape[1],)):
+            return None
+        if (bias is not None or residual is not None) and out is not None \
+                and not out.flags.c_contiguous:
+            return None
+        if residual is not None and (accumulate or residual.dtype != a.dtype
+                                     or not residual.flags.c_contiguous):
             return None
         m, k = a.shape[-2:]
         k2, n = b.shape[-2:]
@@ -569,6 +592,8 @@ class PooledGemm:
         if fa is None or fb is None or sa is None or sb is None:
             return None
         shape = lead + (m, n)
+        if residual is not None and residual.shape != shape:
+            return None
         if out is None:
             if accumulate:
                 return None
@@ -593,12 +618,14 @@ class PooledGemm:
             else:
                 parts_n = max(parts_n, min(split, max(1, n // 8)))
         one = a.dtype.type(1)
-        no_bias = self._no_bias[a.dtype]
+        none, flat = self._no_bias[a.dtype]  # (an empty bias or residual; a stand-in c2)
+        if bias is not None or residual is not None:
+            flat = out.reshape(-1)
         steps = np.array([sa, sb, sc], np.int64)
         gemm_tasks(self.cblas.gemm[a.dtype], one, one if accumulate else one - one,
                    a.itemsize, batch, inner, m, n, k, a.ctypes.data, fa[0], fa[1],
                    b.ctypes.data, fb[0], fb[1], out.ctypes.data,
                    out.strides[-2] // a.itemsize, steps, parts_m, parts_n,
-                   no_bias[0] if bias is None else np.ascontiguousarray(bias),
-                   no_bias[1] if bias is None else out.reshape(-1))
+                   none if bias is None else np.ascontiguousarray(bias), flat,
+                   none if residual is None else residual.reshape(-1))
         return out

@@ -59,6 +59,31 @@ def _add_relu(e, n, xs):  # the fuse pass's op: unfused again
     e.result("Relu", [e.emit("Add", xs)])
 
 
+class _Inner:
+    """The exporter as a fused op's first part sees it: its result is a helper node, whose
+    output `value` keeps, for the fused op's last node to read."""
+
+    def __init__(self, e):
+        self._e = e
+        self.value = None
+
+    def result(self, op_type, inputs, **attrs):
+        self.value = self._e.emit(op_type, inputs, **attrs)
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+
+def _plus_residual(export):
+    """conv2d_add and linear_add (the fuse pass's ops), unfused again: the layer's nodes
+    (from its inputs less the residual, the second), then an Add."""
+    def run(e, n, xs):
+        inner = _Inner(e)
+        export(inner, n, xs[:1] + xs[2:])
+        e.result("Add", [inner.value, xs[1]])
+    return run
+
+
 def _scale(e, n, xs):
     e.result("Mul", [xs[0], e.scalar(n.attrs["factor"], "factor")])
 
@@ -225,9 +250,11 @@ EXPORTERS = {
     "amin": layers.reduce("ReduceMin"),
     "matmul": _same("MatMul"),
     "linear": _linear,
+    "linear_add": _plus_residual(_linear),
     "embedding": _embedding,
     "conv1d": layers.conv(1),
     "conv2d": layers.conv(2),
+    "conv2d_add": _plus_residual(layers.conv(2)),
     "conv3d": layers.conv(3),
     "conv_transpose2d": layers.conv_transpose2d,
     "maxpool1d": layers.pool("MaxPool", 1),

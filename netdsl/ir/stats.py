@@ -37,6 +37,9 @@ from netdsl.ir.printer import fmt_attrs
 from netdsl.ir.types import TensorType
 
 REPEAT_RE = re.compile(r"^(?P<base>.*)\[(?P<index>\d+)\]$")
+# the 2-d convolutions counted as the network's layers (conv2d_add: the fuse pass's
+# conv2d with its residual add)
+_CONV2D = ("conv2d", "conv2d_add")
 
 
 def split_repeat(scope_entry: str) -> tuple[str, int | None]:
@@ -272,7 +275,7 @@ def counts(g: Graph) -> Counts:
             params += n.type.numel(1)
         elif op not in SOURCE_OPS:
             nodes += 1
-            convs += op == "conv2d"
+            convs += op in _CONV2D
     return Counts(params, nodes, convs)
 
 
@@ -321,7 +324,7 @@ def _summarize(g: Graph) -> Summary:
         act += ob
         ws_peak = max(ws_peak, w)
         n_ops += 1
-        convs += n.op == "conv2d"
+        convs += n.op in _CONV2D
     return Summary(g.name, g.batch, g, per_node, params, buffers, flops_total, act,
                    param_bytes, ws_peak, n_ops, convs)
 

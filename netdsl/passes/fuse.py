@@ -8,7 +8,12 @@
   post-activation residual block's output) becomes `add_relu(a, b)` likewise. The fused
   node takes the relu's name (its readers and output roles are unchanged) and the first
   node's inputs, attributes, source location and scope; that node goes. A recompute
-  replay (`replay` attribute) is left alone.
+  replay (`replay` attribute) is left alone. Then (on a CPU's step: `residuals`) an
+  `add` of two tensors of one type one of whose terms is a conv2d or linear read by
+  nothing else becomes `conv2d_add(x, r)` or `linear_add(x, r)`, named as the add (see
+  netdsl.ir.ops.product_add: the GEMM tasks add r while the result is in cache): a
+  pre-activation ResNet block's last convolution and shortcut, a transformer's
+  projections and residual stream.
 - `fuse_grads` (on a training graph, after autodiff): an `add` of a gradient sum (autodiff
   tags them `sums_gradient_of`) one of whose inputs is an affine batchnorm's
   `batchnorm_grad_from_stats` read by nothing else becomes that node with the other input
@@ -71,11 +76,18 @@ _READERS = {reader for reader, _ in _FUSED}
 
 
 @register_pass("fuse")
-def fuse(g: Graph, enabled: bool | None = None) -> Graph:
+def fuse(g: Graph, enabled: bool | None = None, residuals: bool = True) -> Graph:
     """relu(batchnorm(x)) -> batchnorm_relu(x), relu6(batchnorm(x)) -> batchnorm_relu(x,
-    cap=6) and relu(add(a, b)) -> add_relu(a, b) where the relu is the only reader."""
+    cap=6) and relu(add(a, b)) -> add_relu(a, b) where the relu is the only reader; then,
+    with `residuals`, add(conv2d(x), r) -> conv2d_add(x, r) and add(linear(x), r) ->
+    linear_add(x, r) where the add is the product's only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
+    g = _activations(g)
+    return _residuals_into_products(g) if residuals else g
+
+
+def _activations(g: Graph) -> Graph:
     only = _sole_reader(g)
     pairs = {}  # relu (or relu6) name -> the node it reads
     for n in g.nodes:
@@ -98,6 +110,38 @@ def fuse(g: Graph, enabled: bool | None = None) -> Graph:
         f.annotations = {**first.annotations, **n.annotations}
         return f
     return _rebuilt(g, {first.name for first in pairs.values()}, dict.fromkeys(pairs, fused))
+
+
+_WITH_RESIDUAL = {"conv2d": "conv2d_add", "linear": "linear_add"}
+
+
+def _residuals_into_products(g: Graph) -> Graph:
+    """add(p, r) or add(r, p) -> p's op with r added (conv2d_add, linear_add: the sum
+    added to each block of the product while it is in cache) where p, a conv2d or linear,
+    is read by the add alone and the add does not broadcast. The fused node takes the
+    add's name and place, p's inputs with r second, p's attributes."""
+    only = _sole_reader(g)
+    fused = {}  # add name -> (the product, the other term)
+    for n in g.nodes:
+        if n.op != "add" or n.device is not None or len(n.inputs) != 2 \
+                or not g[n.inputs[0]].type == g[n.inputs[1]].type == n.type:
+            continue
+        for k, i in enumerate(n.inputs):
+            p = g[i]
+            if (p.op in _WITH_RESIDUAL and p.device is None and not p.attrs.get("replay")
+                    and only(i, n.name)):
+                fused[n.name] = (p, n.inputs[1 - k])
+                break
+    if not fused:
+        return g
+    def with_residual(g, n):
+        p, r = fused[n.name]
+        f = make_node(g, n.name, _WITH_RESIDUAL[p.op], (p.inputs[0], r) + p.inputs[1:],
+                      p.attrs, like=p, meta={**p.meta, "fused": (p.name, n.name)})
+        f.annotations = {**p.annotations, **n.annotations}
+        return f
+    return _rebuilt(g, {p.name for p, _ in fused.values()},
+                    dict.fromkeys(fused, with_residual))
 
 
 def _rebuilt(g: Graph, dropped: set[str], remake: dict) -> Graph:

@@ -256,8 +256,11 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
     # leaves the graph as written); join_slice_grads: q/k/v-style slices' gradients as
     # one concat; device: the kernels' variants for the device ("gpu" on CuPy)
+    # (a residual added inside a product's GEMM tasks: the CPU's kernels; a GPU adds it
+    # after, one launch as the add's, so its step is left as it was)
     fusing = {"enabled": fusion_enabled(device)}
-    return run_pipeline(forward, [("fuse", fusing), "autodiff", ("fuse_grads", fusing),
+    return run_pipeline(forward, [("fuse", {**fusing, "residuals": device == "cpu"}),
+                                  "autodiff", ("fuse_grads", fusing),
                                   "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])
 

@@ -17,6 +17,7 @@ from netdsl.ir.ops import (  # noqa: F401
     norm_sync,
     optim,
     pool,
+    product_add,
     reduce,
     resize,
     shape_ops,

@@ -82,13 +82,14 @@ def scratch_rule(k: float, of: int | None = None):
     return rule
 
 
-def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None):
+def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None, residual=None):
     """a @ b (into `out` if given; added to it with `accumulate`), plus `bias` along the
-    last axis if given: on the fused kernels' threads where they take the product (the
-    bias added by each thread to its block; netdsl.backends.numpy_fused_gemm), else
-    xp.matmul and an add. The same sums either way."""
+    last axis if given, plus `residual` (of the result's shape) if given: on the fused
+    kernels' threads where they take the product (the bias and the residual added by each
+    thread to its block while it is in cache; netdsl.backends.numpy_fused_gemm), else
+    xp.matmul and adds. The same sums either way."""
     if fast is not None:
-        y = fast.matmul(a, b, out, accumulate, bias)
+        y = fast.matmul(a, b, out, accumulate, bias, residual)
         if y is not None:
             return y
     if accumulate:
@@ -98,6 +99,8 @@ def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None):
         y = xp.matmul(a, b, out=out)
     if bias is not None:
         y += bias
+    if residual is not None:
+        y += residual
     return y
 
 

@@ -75,7 +75,7 @@ def _geometry(x: TensorType, a):
     return kh, kw, sh, sw, ph, pw, dh, dw
 
 
-def _shape(ins, a):
+def conv2d_shape(ins, a):
     (x,) = ins
     need_rank(x, "conv2d", (4,))
     need_float(x, "conv2d")
@@ -112,7 +112,7 @@ def _grow(size, b, e):
     return size + abs(b - e) if isinstance(size, int) else size
 
 
-def _params(ins, a):
+def conv2d_params(ins, a):
     (x,) = ins
     kh, kw = pair(a["kernel"])
     cg = x.shape[1] // a["groups"]
@@ -123,7 +123,7 @@ def _params(ins, a):
     return p
 
 
-def _flops(ins, out, a):
+def conv2d_flops(ins, out, a):
     kh, kw = pair(a["kernel"])
     cg = ins[0].shape[1] // a["groups"]
     return 2 * out.numel() * cg * kh * kw
@@ -285,13 +285,16 @@ def _workspace(kind: str):
     return rule
 
 
+CONV2D_ARGS = (
+    Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE),
+    Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
+    Arg("padding", "padding", 0, range=NON_NEGATIVE), Arg("dilation", "pair", 1, range=POSITIVE),
+    Arg("groups", "int", 1, range=POSITIVE), Arg("bias", "bool", True))
+forward_workspace = _workspace("forward")
 register(OpDef(
-    "conv2d",
-    (Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE),
-     Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
-     Arg("padding", "padding", 0, range=NON_NEGATIVE), Arg("dilation", "pair", 1, range=POSITIVE),
-     Arg("groups", "int", 1, range=POSITIVE), Arg("bias", "bool", True)),
-    _shape, "conv", _params, _flops, _workspace("forward"), retains=("inputs", "weight"),
+    "conv2d", CONV2D_ARGS,
+    conv2d_shape, "conv", conv2d_params, conv2d_flops, forward_workspace,
+    retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
     extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
@@ -310,14 +313,14 @@ def _to_shape(ins, a):
 register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"),
                                      Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
-               flops=lambda ins, out, a: _flops([out], ins[0], a),
+               flops=lambda ins, out, a: conv2d_flops([out], ins[0], a),
                workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
                extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
-               flops=lambda ins, out, a: _flops([ins[1]], ins[0], a),
+               flops=lambda ins, out, a: conv2d_flops([ins[1]], ins[0], a),
                workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
                extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
@@ -415,10 +418,34 @@ def _flat_padded(xp, x, ph, pw, extra):
     return buf
 
 
-def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False):
-    """y = conv2d(x, w); `fast`: the backend's fused kernels, for Winograd where it applies
-    (conv_winograd.applies); `out`: the node's planned slot, where a path can write it;
-    `gpu`: the node is marked for a GPU (the columns' path)."""
+def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False, residual=None):
+    """y = conv2d(x, w), plus `residual` (of y's shape) if given; `fast`: the backend's
+    fused kernels, for Winograd where it applies (conv_winograd.applies); `out`: the
+    node's planned slot, where a path can write it; `gpu`: the node is marked for a GPU
+    (the columns' path). A 1x1 convolution's GEMM tasks add the residual to their blocks
+    while those are in cache (conv2d_add: a pre-activation ResNet block's last
+    convolution and its shortcut); the other paths add it after."""
+    if residual is not None and geom[:6] == (1, 1, 1, 1, 0, 0) and g == 1:
+        return _pointwise(xp, x, w, out, fast, residual)
+    y = _conv_by_path(xp, x, w, geom, g, out, fast, gpu)
+    if residual is not None:
+        y += residual
+    return y
+
+
+def _pointwise(xp, x, w, out, fast, residual=None):
+    """A 1x1, stride-1, unpadded, ungrouped convolution: one GEMM per image (folding the
+    batch into one GEMM needs two transposing copies in NCHW, which cost more than they
+    save: docs/benchmarks.md), straight into `out`."""
+    n, c, h, wd = x.shape
+    o = w.shape[0]
+    r = None if residual is None else residual.reshape(n, o, -1)
+    return matmul(xp, w.reshape(o, -1), x.reshape(n, c, -1), _flat_out(out, n, o), fast,
+                  residual=r).reshape(n, o, h, wd)
+
+
+def _conv_by_path(xp, x, w, geom, g, out=None, fast=None, gpu=False):
+    """y = conv2d(x, w) by the path _forward_path picks (_conv_forward's arguments)."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, o = x.shape[0], w.shape[0]
     ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
@@ -436,10 +463,7 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False):
                                      x.shape[2] + 2 * ph, x.shape[3] + 2 * pw, ho)
         return winograd.conv(fast, x, w, ph, pw, budget, out)
     if path == "pointwise":
-        # one GEMM per image (folding the batch into one GEMM needs two transposing copies
-        # in NCHW, which cost more than they save: docs/benchmarks.md), straight into `out`
-        return matmul(xp, w.reshape(o, -1), x.reshape(n, x.shape[1], -1),
-                      _flat_out(out, n, o), fast).reshape(n, o, ho, wo)
+        return _pointwise(xp, x, w, out, fast)
     if path == "folded":
         # small images: the batch folded into one GEMM over [C*kh*kw, N*Ho*Wo] columns (a
         # GEMM per image would be too small), its [O, N, Ho, Wo] result transposed to NCHW
@@ -503,11 +527,11 @@ def _flat_out(out, n, c):
     return None if out is None else out.reshape(n, c, -1)
 
 
-def conv2d_forward(xp, x, w, a, out=None, fast=None, dnn=None):
-    """y = conv2d(x, w) for the attributes `a` (any padding form; no bias); a 1x1
-    convolution writes into `out` (the node's planned slot) when given; `fast`: the
-    backend's fused kernels (Winograd), or None; `dnn`: cuDNN's convolutions (a node
-    marked for a GPU, where the backend has them), or None."""
+def conv2d_forward(xp, x, w, a, out=None, fast=None, dnn=None, residual=None):
+    """y = conv2d(x, w) for the attributes `a` (any padding form; no bias), plus
+    `residual` if given; a 1x1 convolution writes into `out` (the node's planned slot)
+    when given; `fast`: the backend's fused kernels (Winograd), or None; `dnn`: cuDNN's
+    convolutions (a node marked for a GPU, where the backend has them), or None."""
     sym, extra = _split(a)
     xe = _pad_extra(xp, x, extra)
     geom = _geometry(None, sym)
@@ -515,8 +539,10 @@ def conv2d_forward(xp, x, w, a, out=None, fast=None, dnn=None):
         y = dnn.forward(xe, w, geom, sym["groups"], out, _dnn_limit(
             "forward", xe.shape, w.shape[0], geom, sym["groups"], x.itemsize))
         if y is not None:
+            if residual is not None:
+                y += residual
             return y
-    return _conv_forward(xp, xe, w, geom, sym["groups"], out, fast, on_gpu(sym))
+    return _conv_forward(xp, xe, w, geom, sym["groups"], out, fast, on_gpu(sym), residual)
 
 
 def conv2d_grad_input(xp, dy, w, shape, a, out=None, fast=None, dnn=None):
@@ -565,13 +591,13 @@ def _dnn_limit(kind: str, x_shape: tuple, o: int, geom: tuple, groups: int,
     return _scratch_elems(kind, x_shape, o, a) * itemsize
 
 
-def _fast(ctx, a, *arrays):
+def conv_fast(ctx, a, *arrays):
     """The fused kernels for a convolution node, but none for one marked for a GPU: it
     takes cuDNN's or the columns' paths, which its workspace rule counts."""
     return None if on_gpu(a) else fused_kernels(ctx, *arrays)
 
 
-def _dnn(ctx, a):
+def conv_dnn(ctx, a):
     """cuDNN's convolutions for a node marked for a GPU, where the backend has them."""
     return getattr(ctx.backend, "cudnn", None) if on_gpu(a) else None
 
@@ -579,7 +605,7 @@ def _dnn(ctx, a):
 @kernel("conv2d")
 def _conv2d(xp, ins, a, ctx):
     x, w = ins[0], ins[1]
-    y = conv2d_forward(xp, x, w, a, ctx.out, _fast(ctx, a, x, w), _dnn(ctx, a))
+    y = conv2d_forward(xp, x, w, a, ctx.out, conv_fast(ctx, a, x, w), conv_dnn(ctx, a))
     if len(ins) > 2:
         y += ins[2].reshape(1, w.shape[0], 1, 1)
     return y
@@ -588,13 +614,13 @@ def _conv2d(xp, ins, a, ctx):
 @kernel("conv2d_grad_weight")
 def _conv2d_gw_kernel(xp, ins, a, ctx):
     return conv2d_grad_weight(xp, ins[0], ins[1], tuple(a["shape"]), a,
-                              _fast(ctx, a, ins[0], ins[1]), _dnn(ctx, a))
+                              conv_fast(ctx, a, ins[0], ins[1]), conv_dnn(ctx, a))
 
 
 @kernel("conv2d_grad_input")
 def _conv2d_gi_kernel(xp, ins, a, ctx):
     return conv2d_grad_input(xp, ins[0], ins[1], tuple(int(d) for d in a["shape"]), a,
-                             ctx.out, _fast(ctx, a, ins[0], ins[1]), _dnn(ctx, a))
+                             ctx.out, conv_fast(ctx, a, ins[0], ins[1]), conv_dnn(ctx, a))
 
 
 def _conv2d_gw(xp, ins, a, fast):
@@ -724,7 +750,7 @@ def _conv2d_gi(xp, ins, a, out, fast):
 
 # -- gradient rule ----------------------------------------------------------------------------
 @grad_rule("conv2d")
-def _conv2d_rule(n, b, gy):
+def conv2d_rule(n, b, gy):
     x, w = n.inputs[0], n.inputs[1]
     geom = {k: n.attrs[k] for k in ("kernel", "stride", "padding", "dilation", "groups")}
     out = [b.emit("conv2d_grad_input", [gy, w], {"shape": b.type(x).shape, **geom}, tag="x"),

@@ -7,7 +7,7 @@ from netdsl.ir.registry import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kerne
 from netdsl.ir.types import TensorType
 
 
-def _linear_shape(ins, a):
+def linear_shape(ins, a):
     (x,) = ins
     need_float(x, "linear")
     if x.rank < 2:
@@ -19,7 +19,7 @@ def _linear_shape(ins, a):
     return TensorType(x.shape[:-1] + (a["out_features"],), x.dtype)
 
 
-def _linear_params(ins, a):
+def linear_params(ins, a):
     d = ins[0].shape[-1]
     p = {"weight": ParamSpec((a["out_features"], d), "kaiming_uniform", d)}
     if a["bias"]:
@@ -27,11 +27,15 @@ def _linear_params(ins, a):
     return p
 
 
+def linear_flops(ins, out, a):
+    return 2 * out.numel() * ins[0].shape[-1]
+
+
+LINEAR_ARGS = (Arg("x", "tensor"), Arg("out_features", "int", range=POSITIVE),
+               Arg("bias", "bool", True))
 register(OpDef(
-    "linear",
-    (Arg("x", "tensor"), Arg("out_features", "int", range=POSITIVE), Arg("bias", "bool", True)),
-    _linear_shape, "linear", _linear_params,
-    lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs", "weight"),
+    "linear", LINEAR_ARGS, linear_shape, "linear", linear_params, linear_flops,
+    retains=("inputs", "weight"),
     doc="y = x W^T + b over the last dimension; weight [out, in]",
     extra={"fused_kernels": True}))
 
@@ -112,14 +116,15 @@ register(OpDef("embedding_grad",
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def _rows_times(xp, x, w, fast, bias=None):
-    """x @ w (+ bias) over x's last dim; x of rank > 2 as one 2-d GEMM over all its
-    leading dims (matmul would broadcast into a batched GEMM of small ones: twice the time
-    for a transformer's [N, T, d] activations)."""
+def rows_times(xp, x, w, fast, bias=None, residual=None):
+    """x @ w (+ bias) (+ residual, of the result's shape) over x's last dim; x of rank > 2
+    as one 2-d GEMM over all its leading dims (matmul would broadcast into a batched GEMM
+    of small ones: twice the time for a transformer's [N, T, d] activations)."""
     if x.ndim > 2 and x.flags.c_contiguous:
-        return matmul(xp, x.reshape(-1, x.shape[-1]), w, fast=fast, bias=bias) \
+        r = None if residual is None else residual.reshape(-1, w.shape[1])
+        return matmul(xp, x.reshape(-1, x.shape[-1]), w, fast=fast, bias=bias, residual=r) \
             .reshape(x.shape[:-1] + (w.shape[1],))
-    return matmul(xp, x, w, fast=fast, bias=bias)
+    return matmul(xp, x, w, fast=fast, bias=bias, residual=residual)
 
 
 @kernel("linear")
@@ -127,13 +132,13 @@ def _linear(xp, ins, a, ctx):
     # the bias added by each GEMM thread to its block (where the fused kernels take the
     # product): [32, 32, 64] x [64, 256] + bias 0.185 -> 0.152 ms on two threads
     # (bench/bench_kernels.py --threads 2; docs/benchmarks.md)
-    return _rows_times(xp, ins[0], ins[1].T, fused_kernels(ctx, ins[0], ins[1]),
+    return rows_times(xp, ins[0], ins[1].T, fused_kernels(ctx, ins[0], ins[1]),
                        ins[2] if len(ins) > 2 else None)
 
 
 @kernel("linear_grad_input")
 def _linear_gi(xp, ins, a, ctx):
-    return _rows_times(xp, ins[0], ins[1], fused_kernels(ctx, ins[0], ins[1]))
+    return rows_times(xp, ins[0], ins[1], fused_kernels(ctx, ins[0], ins[1]))
 
 
 @kernel("linear_grad_weight")
@@ -171,7 +176,7 @@ def _embedding_grad(xp, ins, a, ctx):
 
 # -- gradient rules ---------------------------------------------------------------------------
 @grad_rule("linear")
-def _linear_rule(n, b, gy):
+def linear_rule(n, b, gy):
     x, w = n.inputs[0], n.inputs[1]
     out = [b.emit("linear_grad_input", [gy, w], tag="x"),
            b.emit("linear_grad_weight", [gy, x], tag="weight")]

@@ -31,9 +31,9 @@ import math
 
 import numba
 import numpy as np
-from numba.extending import overload
 
 from netdsl.backends.numpy_fused_activation import exp_of_nonpositive_in_place
+from netdsl.backends.numpy_fused_activation import like as _like
 
 _JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc"}}
 _PAR = {**_JIT, "parallel": True}  # channels in parallel: each is independent of the others
@@ -104,18 +104,6 @@ def _masked_sums(dy, x, mt, scale, shift, zero, relu, cap, capped):
         sg += g
         sgd += g * d
     return sg, sgd
-
-
-def _like(a, v):
-    """v (a float64) rounded to array a's dtype: a Numba cast that keeps a float32 loop in
-    float32 (arithmetic with a float64 would promote the whole loop to float64)."""
-
-
-@overload(_like, inline="always")
-def _like_impl(a, v):
-    if a.dtype == numba.float32:
-        return lambda a, v: np.float32(v)
-    return lambda a, v: np.float64(v)
 
 
 @numba.njit(inline="always")

@@ -65,7 +65,8 @@ register(OpDef(
 def _conv2d_add(xp, ins, a, ctx):
     x, r, w = ins[0], ins[1], ins[2]
     bias = ins[3] if len(ins) > 3 else None
-    y = conv.conv2d_forward(xp, x, w, a, ctx.out, conv.conv_fast(ctx, a, x, w, r),
+    # (the fused kernels asked for x and w as conv2d asks; the GEMM tasks check r)
+    y = conv.conv2d_forward(xp, x, w, a, ctx.out, conv.conv_fast(ctx, a, x, w),
                             conv.conv_dnn(ctx, a), residual=r if bias is None else None)
     if bias is not None:  # the bias first, then the residual: the unfused pair's sums
         y += bias.reshape(1, w.shape[0], 1, 1)
@@ -76,7 +77,7 @@ def _conv2d_add(xp, ins, a, ctx):
 @kernel("linear_add")
 def _linear_add(xp, ins, a, ctx):
     x, r, w = ins[0], ins[1], ins[2]
-    return dense.rows_times(xp, x, w.T, fused_kernels(ctx, x, w, r),
+    return dense.rows_times(xp, x, w.T, fused_kernels(ctx, x, w),
                             ins[3] if len(ins) > 3 else None, residual=r)
 
 

@@ -207,6 +207,38 @@ network wide {
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("example,batch", [("residual", 2), ("transformer-tiny", 2)])
+@pytest.mark.parametrize("mode", ["recompute", "offload", "layer-adaptive"])
+def test_residual_products_under_the_memory_strategies_and_in_the_arena(example, batch,
+                                                                          mode):
+    """conv2d_add and linear_add recomputed (their residual kept or rebuilt too),
+    offloaded, and run at their planned offsets: the planned step's numbers are the
+    unplanned one's bit for bit, and the executor counts what the plan says."""
+    from netdsl.memory.plan import make_plan
+    src = netdsl.loads(RESIDUAL) if example == "residual" else load(f"{example}.net")
+    g = add_optimizer(autodiff(fuse(src.lower(batch), enabled=True)), "sgd", lr=0.05,
+                      momentum=0.9)
+    assert g.by_op("linear_add")
+    feeds = example_feeds(g)
+    ref, ref_state, _ = run_steps(g, feeds)
+    h = apply_decisions(g, decide(g, mode))
+    if mode == "recompute":
+        assert any(n.meta.get("phase") == "recompute" for n in h.by_op("linear_add"))
+    got, got_state, ex = run_steps(h, feeds)
+    for a_step, b_step in zip(ref, got, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            np.testing.assert_array_equal(a, b)
+    for k in ref_state:
+        np.testing.assert_array_equal(got_state[k], ref_state[k], err_msg=k)
+    ex.reset_peak()
+    ex.run(feeds, roles=("loss", "output", "updates"))
+    assert ex.peak_bytes == make_plan(h, ("loss", "output", "updates"), "f64").peak_bytes
+    arena = Executor(h, "numpy", dtype="f64", seed=7, arena=True)
+    r = arena.run(feeds, roles=WITH_GRADS)
+    assert all(np.array_equal(a, np.array(b)) for a, b in
+               zip(ref[0], [v for key in ("loss", "grads") for v in r[key]], strict=True))
+
+
 def test_only_a_cpu_step_folds_residuals_into_products(monkeypatch):
     """A GPU adds the residual after the product, one launch as the add's: its step is
     left with the add."""

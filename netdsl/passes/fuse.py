@@ -59,6 +59,12 @@ def fusion_enabled(device: str = "cpu") -> bool:
     return device == "gpu" or importlib.util.find_spec("numba") is not None
 
 
+def _unbroadcast_pair(g: Graph, n) -> bool:
+    """n (an add) has two inputs of its own type: no broadcasting, which the fused
+    kernels do not do."""
+    return len(n.inputs) == 2 and g[n.inputs[0]].type == g[n.inputs[1]].type == n.type
+
+
 def _sole_reader(g: Graph):
     """only(x, r): value x is read by node r alone and is no graph output, so a fusion into
     r may drop it."""
@@ -97,8 +103,7 @@ def _activations(g: Graph) -> Graph:
         if ((n.op, first.op) in _FUSED and not first.attrs.get("replay")
                 and first.device is None
                 and only(first.name, n.name)
-                and (first.op != "add" or g[first.inputs[0]].type == g[first.inputs[1]].type
-                     == first.type)):  # (not a broadcasting add)
+                and (first.op != "add" or _unbroadcast_pair(g, first))):
             pairs[n.name] = first
     if not pairs:
         return g
@@ -123,8 +128,7 @@ def _residuals_into_products(g: Graph) -> Graph:
     only = _sole_reader(g)
     fused = {}  # add name -> (the product, the other term)
     for n in g.nodes:
-        if n.op != "add" or n.device is not None or len(n.inputs) != 2 \
-                or not g[n.inputs[0]].type == g[n.inputs[1]].type == n.type:
+        if n.op != "add" or n.device is not None or not _unbroadcast_pair(g, n):
             continue
         for k, i in enumerate(n.inputs):
             p = g[i]
@@ -200,8 +204,7 @@ def _sums_into_relu_grads(g: Graph) -> Graph:
             continue
         s = g[n.inputs[0]]
         if (s.op == "add" and "sums_gradient_of" in s.meta and s.device is None
-                and len(s.inputs) == 2 and only(s.name, n.name)
-                and g[s.inputs[0]].type == g[s.inputs[1]].type == s.type == n.type):
+                and only(s.name, n.name) and _unbroadcast_pair(g, s) and s.type == n.type):
             folded[n.name] = s
     if not folded:
         return g

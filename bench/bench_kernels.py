@@ -213,6 +213,9 @@ CONVS = [  # name, x shape, out channels, kernel, stride, padding[, groups]
     ("ResNet-164 3x3, 64 ch, 8x8", (16, 64, 8, 8), 64, 3, 1, 1),
     ("digits-cnn 3x3, 1 -> 16 ch, 8x8", (32, 1, 8, 8), 16, 3, 1, 1),
     ("digits-cnn 3x3, 16 -> 32 ch, 8x8", (32, 16, 8, 8), 32, 3, 1, 1),
+    ("MobileNetV2 3x3/2 stem, 3 -> 32 ch, 224x224", (8, 3, 224, 224), 32, 3, 2, 1),
+    ("MobileNetV2 1x1, 96 <- 16, 112x112", (8, 16, 112, 112), 96, 1, 1, 0),
+    ("MobileNetV2 1x1, 144 <- 24, 56x56", (8, 24, 56, 56), 144, 1, 1, 0),
     # MobileNetV2's depthwise 3x3s (groups = channels), batch 8 as bench_step.py's
     ("MobileNetV2 depthwise 3x3, 32 ch, 112x112", (8, 32, 112, 112), 32, 3, 1, 1, 32),
     ("MobileNetV2 depthwise 3x3/2, 96 ch, 112x112", (8, 96, 112, 112), 96, 3, 2, 1, 96),

@@ -215,3 +215,40 @@ def test_planned_memory_equals_the_executors_count(net):
     r = t.fit()
     assert r.counted_peak_bytes == predicted == r.planned_peak_bytes
     assert r.peak_bytes > 0
+
+
+def test_the_backends_thread_set_up_is_held_across_the_whole_run(net, monkeypatch):
+    """fit holds backend.running() from before its first draw to after its last
+    evaluation, so that host-side NumPy between steps (synthetic labels' projection,
+    accuracy) does not wake BLAS threads that would spin into the next step."""
+    tr = Trainer(net.graph, net.train, RunOptions(steps=3, eval_every=2))
+    be = tr.executor.backend
+    depth, seen = [0], []
+    inner = be.running
+
+    class Held:
+        def __enter__(self):
+            depth[0] += 1
+            return inner().__enter__()
+
+        def __exit__(self, *exc):
+            depth[0] -= 1
+            return False
+
+    monkeypatch.setattr(be, "running", Held)
+    draw = tr.loader.next
+    monkeypatch.setattr(tr.loader, "next", lambda: seen.append(depth[0]) or draw())
+    evaluate = tr.evaluate
+    monkeypatch.setattr(tr, "evaluate", lambda: seen.append(depth[0]) or evaluate())
+    tr.fit()
+    assert seen and min(seen) >= 1 and depth[0] == 0
+
+
+def test_numpy_backends_set_up_loads_the_fused_kernels():
+    """running() itself loads the fused kernels, so the first step of a loop is held too."""
+    from netdsl.backends import numpy as numpy_backend
+    be = numpy_backend.NumpyBackend()
+    assert be._fused is numpy_backend._UNSET
+    with be.running():
+        pass
+    assert be._fused is not numpy_backend._UNSET  # None where Numba is absent or off

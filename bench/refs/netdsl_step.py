@@ -6,7 +6,9 @@
 Builds the run exactly as `netdsl run` does (Trainer: forward graph bound to the batch,
 autodiff, SGD with momentum; synthetic data; the file's schedule) and times the same call
 that Trainer.fit times - `executor.run(feeds, training=True, roles=Trainer.ROLES)` plus
-reading the loss - without fit's logging and final evaluation. Besides the times it
+reading the loss - without fit's logging and final evaluation, and holds what fit holds
+around its loop (the backend's `running()`, the batch's draw included; a revision from
+before fit held it gets it here too). Besides the times it
 reports the step's FLOPs (the registry's counts over the training graph, forward and
 backward and update: `summarize(train_graph)`), the process's peak RSS and the executor's
 own peak. With --profile, one more
@@ -54,6 +56,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def one_step(tr: Trainer) -> tuple[float, float, float]:
     be = tr.executor.backend
+    with be.running():  # as Trainer.fit holds it around its loop, the draws included
+        return _step(tr, be)
+
+
+def _step(tr: Trainer, be) -> tuple[float, float, float]:
     arrays = tr.loader.next()
     lr = lr_at(tr.cfg.schedule, tr.cfg.optimizer.lr, tr.step, tr.total)
     feeds = tr.feeds(arrays)

@@ -104,10 +104,11 @@ class NumpyBackend:
         pass
 
     def running(self):
-        """Held around each run of a graph: the fused kernels' thread set-up, once they are
-        loaded (NumPy's BLAS at one thread while GEMMs share their threads)."""
-        f = self._fused
-        return nullcontext() if f is _UNSET or f is None else f.running()
+        """Held around each run of a graph, and by the Trainer around its whole loop: the
+        fused kernels' thread set-up (NumPy's BLAS at one thread while GEMMs share their
+        threads); loads them, so that a loop's first step is held too."""
+        f = self.fused
+        return nullcontext() if f is None else f.running()
 
     def erf(self, x):
         if self._erf is not None:

@@ -491,8 +491,14 @@ class Trainer:
 
     def fit(self) -> RunResult:
         # NumPy's RuntimeWarnings (overflow, invalid value) are not for the user: a
-        # non-finite loss or logits stops the run with one message naming the first node
-        with np.errstate(all="ignore"), warnings.catch_warnings():
+        # non-finite loss or logits stops the run with one message naming the first node.
+        # The backend's thread set-up (NumPy's BLAS at one thread while the fused kernels'
+        # threads do the GEMMs) is held for the whole run, not only inside each step: a
+        # BLAS call between steps (synthetic data's labels) woke OpenBLAS's threads, which
+        # then spun into the next step and took a core from it (MobileNetV2 b8, two
+        # threads: 440 -> 336 ms a step)
+        with np.errstate(all="ignore"), warnings.catch_warnings(), \
+                self.executor.backend.running():
             warnings.simplefilter("ignore", RuntimeWarning)
             try:
                 return self._fit()

@@ -252,3 +252,24 @@ def test_numpy_backends_set_up_loads_the_fused_kernels():
     with be.running():
         pass
     assert be._fused is not numpy_backend._UNSET  # None where Numba is absent or off
+
+
+def test_memory_is_metered_over_the_first_two_steps_only(net, monkeypatch):
+    """tracemalloc slows every allocation: the meter closes after METERED_STEPS steps, and
+    the peak it measured is the run's."""
+    from netdsl.runtime import trainer as trainer_mod
+    tr = Trainer(net.graph, net.train, RunOptions(steps=5, eval_samples=0))
+    be = tr.executor.backend
+    closed_at = []
+    make = be.memory_meter
+
+    def meter():
+        m = make()
+        close = m.__exit__
+        m.__exit__ = lambda *exc: closed_at.append(tr.step) or close(*exc)
+        return m
+
+    monkeypatch.setattr(be, "memory_meter", meter)
+    r = tr.fit()
+    assert closed_at == [trainer_mod.METERED_STEPS] == [2] and r.steps == 5
+    assert r.peak_bytes >= tr.planned_peak_bytes() * 0.5

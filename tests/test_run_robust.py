@@ -301,6 +301,27 @@ def test_out_of_memory_is_said_in_words(tmp_path):
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr
 
 
+def test_a_step_planned_past_the_free_memory_is_refused_before_it_starts(tiny,
+                                                                        monkeypatch):
+    """Linux overcommits and then kills the process, so a step whose planned peak is more
+    than the memory left after the state is refused up front, with the --mem to plan it
+    into; with --mem already given, the budget is named instead."""
+    from netdsl.runtime import trainer as trainer_mod
+    need = Trainer(tiny.graph, tiny.train, RunOptions(steps=1)).planned_peak_bytes()
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: need // 4)
+    with pytest.raises(NetdslError) as info:
+        Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
+    msg = info.value.message
+    assert msg.startswith("out of memory before the first step: a training step needs")
+    assert "is free on this machine; use --mem 1GB to plan the step into it" in msg
+    assert "--batch 4" in msg
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: 40 * need)
+    Trainer(tiny.graph, tiny.train, RunOptions(steps=1)).fit()  # room enough: it runs
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: 10)
+    with pytest.raises(NetdslError, match="use a --mem budget below what is free"):
+        Trainer(tiny.graph, tiny.train, RunOptions(steps=1, mem=1_000_000))
+
+
 def test_out_of_memory_during_a_step(tiny, monkeypatch):
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=2))
 
@@ -312,3 +333,14 @@ def test_out_of_memory_during_a_step(tiny, monkeypatch):
     msg = info.value.message
     assert msg.startswith("out of memory at step 1: a training step needs about")
     assert "at batch 8" in msg and "--batch 4" in msg
+
+
+def test_free_memory_is_the_smaller_of_the_hosts_and_the_cgroups(monkeypatch):
+    from netdsl.backends.numpy import NumpyBackend
+    from netdsl.runtime import trainer as trainer_mod
+    be = NumpyBackend()
+    monkeypatch.setattr(trainer_mod, "_cgroup_room", lambda: None)
+    host = trainer_mod.available_bytes(be)
+    assert host is None or host > 1000
+    monkeypatch.setattr(trainer_mod, "_cgroup_room", lambda: 1000)
+    assert trainer_mod.available_bytes(be) == 1000

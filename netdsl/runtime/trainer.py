@@ -224,36 +224,60 @@ def preflight(opts: RunOptions) -> None:
 
 
 def available_bytes(backend) -> int | None:
-    """Free memory where the run allocates: the device's for CuPy, else the host's."""
+    """Free memory where the run allocates: the device's for CuPy, else the host's (less
+    where the process's cgroup, a container's limit, leaves less)."""
     try:
         if backend.name == "cupy":
             return int(backend.xp.cuda.Device().mem_info[0])
+        free = None
         with open("/proc/meminfo") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+        limit = _cgroup_room()
+        return limit if free is None else free if limit is None else min(free, limit)
     except Exception:  # noqa: BLE001 - an estimate only; the error is said without it
         return None
-    return None
+
+
+def _cgroup_room() -> int | None:
+    """What a cgroup v2 memory limit leaves (memory.max - memory.current), or None."""
+    try:
+        root = Path("/sys/fs/cgroup")
+        cap = (root / "memory.max").read_text().strip()
+        if not cap.isdigit():  # "max": no limit
+            return None
+        return max(int(cap) - int((root / "memory.current").read_text()), 0)
+    except (OSError, ValueError):
+        return None
 
 
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
-def out_of_memory(needed: int, backend, batch: int, when: str) -> NetdslError:
-    """A MemoryError (NumPy) or CuPy's OutOfMemoryError, in words: what the step needs
-    (static liveness analysis), what is free, and what to change."""
-    free = available_bytes(backend)
+def out_of_memory(needed: int, backend, batch: int, when: str,
+                  free: int | None = None, budget: int | None = None) -> NetdslError:
+    """A MemoryError (NumPy) or CuPy's OutOfMemoryError, or a step planned past the free
+    memory, in words: what the step needs (static liveness analysis), what is free, and
+    what to change (`budget`: the --mem it was planned into, if any)."""
+    free = available_bytes(backend) if free is None else free
     where = "the GPU" if backend.name == "cupy" else "this machine"
     have = (f"about {_gib(free)} is free on {where}" if free is not None
             else f"{where} has less free")
     smaller = max(batch // 2, 1)
+    if budget is not None:
+        fit = f"a --mem budget below what is free (it was {_gib(budget)}), "
+    elif free is not None:
+        fit = (f"--mem {max(int(free * 0.9 / 2 ** 30), 1)}GB to plan the step into it "
+               "(activations recomputed or offloaded), ")
+    else:
+        fit = "--mem to plan the step into less memory, "
     return NetdslError(
         f"out of memory {when}: a training step needs about {_gib(needed)} (parameters, "
         f"optimizer state and the activations kept for backward, at batch {batch}), but "
-        f"{have}; use a smaller batch (e.g. --batch {smaller}: activations shrink with it)"
-        ", or a smaller network")
+        f"{have}; use {fit}a smaller batch (e.g. --batch {smaller}: activations shrink "
+        "with it), or a smaller network")
 
 
 def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
@@ -358,6 +382,8 @@ class Trainer:
         except MemoryError:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
+        if opts.devices == 1:
+            self._refuse_what_cannot_fit(backend)
         status = getattr(backend, "cudnn_status", "")
         if status.startswith("not used"):  # (loaded by the executor: a GPU convolution)
             self.warnings.append(f"the convolutions run as columns and GEMMs; cuDNN {status}")
@@ -372,6 +398,22 @@ class Trainer:
             {self.acc[0]} if self.acc else set())
         self.step = 0
         self.resumed_from = None
+
+    def _refuse_what_cannot_fit(self, backend) -> None:
+        """Refuse, before the first step, a step whose planned peak is more than the memory
+        left once the state is allocated: Linux lets the allocations through and then
+        kills the process (no MemoryError to say in words: `netdsl run
+        examples/resnet2504.net` without --mem was killed after a minute), and a GPU's
+        step would fail only after the build. The plan's peak is the executor's own count
+        (tests/test_plan.py), so the refusal is not a guess."""
+        free = available_bytes(backend)
+        if free is None:
+            return
+        need = self.planned_peak_bytes()
+        state = sum(int(v.nbytes) for v in self.executor.state.values())
+        if need - state > free:
+            raise out_of_memory(need, backend, self.batch, "before the first step",
+                                free + state, self.budget)
 
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),

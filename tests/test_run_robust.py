@@ -344,3 +344,14 @@ def test_free_memory_is_the_smaller_of_the_hosts_and_the_cgroups(monkeypatch):
     assert host is None or host > 1000
     monkeypatch.setattr(trainer_mod, "_cgroup_room", lambda: 1000)
     assert trainer_mod.available_bytes(be) == 1000
+
+
+def test_free_gpu_memory_counts_what_cupys_pool_holds_free():
+    """A second run in one process finds the first one's blocks in CuPy's pool: free for
+    its step, though the device does not count them as free."""
+    from types import SimpleNamespace as NS
+
+    from netdsl.runtime import trainer as trainer_mod
+    xp = NS(cuda=NS(Device=lambda: NS(mem_info=(1000, 8000))),
+            get_default_memory_pool=lambda: NS(free_bytes=lambda: 500))
+    assert trainer_mod.available_bytes(NS(name="cupy", xp=xp)) == 1500

@@ -224,11 +224,13 @@ def preflight(opts: RunOptions) -> None:
 
 
 def available_bytes(backend) -> int | None:
-    """Free memory where the run allocates: the device's for CuPy, else the host's (less
-    where the process's cgroup, a container's limit, leaves less)."""
+    """Free memory where the run allocates: the device's for CuPy (with what CuPy's pool
+    holds free, which the step reuses), else the host's (less where the process's cgroup,
+    a container's limit, leaves less)."""
     try:
         if backend.name == "cupy":
-            return int(backend.xp.cuda.Device().mem_info[0])
+            return int(backend.xp.cuda.Device().mem_info[0]) + int(
+                backend.xp.get_default_memory_pool().free_bytes())
         free = None
         with open("/proc/meminfo") as fh:
             for line in fh:

@@ -99,7 +99,7 @@ class RunResult:
     images_per_s: float
     # measured independently of the executor: the state's arrays plus the high-water mark
     # of what the steps allocated (tracemalloc on NumPy, the CuPy pool on a GPU), over the
-    # first METERED_STEPS steps (evaluations among them included)
+    # first METERED_STEPS steps (their evaluations and checkpoint saves included)
     peak_bytes: int
     params: int
     backend: str
@@ -605,9 +605,6 @@ class Trainer:
                 self.step += 1
                 times.append(dt)
                 losses.append(loss)
-                if metering and len(times) == METERED_STEPS:
-                    meter.__exit__(None, None, None)
-                    metering = False
                 rec = {"step": self.step, "loss": loss, "lr": lr,
                        "images_per_s": self.batch / dt, "step_time_s": dt,
                        "epoch": self.loader.epoch}
@@ -628,6 +625,9 @@ class Trainer:
                 if (self.opts.checkpoint and self.opts.checkpoint_every
                         and self.step % self.opts.checkpoint_every == 0):
                     self.save()
+                if metering and len(times) == METERED_STEPS:  # its evaluation and save too
+                    meter.__exit__(None, None, None)
+                    metering = False
         finally:
             if metering:
                 meter.__exit__(None, None, None)

@@ -81,3 +81,24 @@ def test_avgpool_kernel_matches_the_window_mean():
                      for n in range(2)])
     np.testing.assert_allclose(ops["avgpool"].kernel(np, [x], a, None), want, rtol=1e-12,
                                atol=1e-15)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 8, 8), (1, 2, 7, 9)], ids=["covered", "edges"])
+def test_fused_2x2_max_pool_backward_in_float32_bit_for_bit(shape):
+    """numpy_fused_pool.maxpool2x2_grad moves dy's bits through integer views, masked by
+    the first tap equal to the window's maximum: the compare chain's tap (ties between
+    -0.0 and 0.0, NaNs, -inf), the same bits; where the windows cover x, dx starts
+    uninitialised (empty_like) and every element is written."""
+    pytest.importorskip("numba")
+    ops = registry.load_all()
+    ctx = KernelContext(True, NumpyBackend(), "float32")
+    a = {"kernel": 2, "stride": None, "padding": 0, "ceil_mode": False}
+    rng = np.random.default_rng(3)
+    x = rng.choice(np.array([0.0, -0.0, 1.0, -1.0, np.nan, -np.inf], np.float32), shape)
+    dy = rng.standard_normal((shape[0], shape[1], shape[2] // 2, shape[3] // 2))
+    dy = dy.astype(np.float32)
+    dy.flat[::5] = -0.0
+    _, want = reference(x, dy, a)
+    got = ops["maxpool_grad"].kernel(np, [dy, x], a, ctx)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)  # (a -0.0 of dy stays -0.0; the loop's += +0.0)

@@ -313,13 +313,16 @@ def _maxpool_grad(xp, ins, a, ctx):
     dy, x = ins
     f = fused_kernels(ctx, dy, x)
     if f is not None and x.ndim == 4:  # one pass over x (Numba), the same rule
-        dx = xp.zeros_like(x)
         geom = _geom(x.shape, a, 2)
         if _two_by_two(geom):
+            # every element written where the windows cover x (even H and W): no zeroing
+            covered = x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0
+            dx = xp.empty_like(x) if covered else xp.zeros_like(x)
             f.maxpool2x2_grad(dy, x, dx)
-        else:
-            (kh, kw), (sh, sw), (ph, pw) = geom[:3]
-            f.maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx)
+            return dx
+        dx = xp.zeros_like(x)
+        (kh, kw), (sh, sw), (ph, pw) = geom[:3]
+        f.maxpool2d_grad(dy, x, kh, kw, sh, sw, ph, pw, dx)
         return dx
     xpad, (k, s, p, sizes, out) = _padded_max(xp, x, a)
     y = _window_max(xp, xpad, k, s, out)

@@ -229,11 +229,12 @@ def test_the_backends_thread_set_up_is_held_across_the_whole_run(net, monkeypatc
     class Held:
         def __enter__(self):
             depth[0] += 1
-            return inner().__enter__()
+            self.ctx = inner()
+            return self.ctx.__enter__()
 
         def __exit__(self, *exc):
             depth[0] -= 1
-            return False
+            return self.ctx.__exit__(*exc)  # (the BLAS thread count given back)
 
     monkeypatch.setattr(be, "running", Held)
     draw = tr.loader.next

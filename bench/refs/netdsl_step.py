@@ -133,6 +133,16 @@ def op_times(tr: Trainer, steps: int = 1) -> list:
                   key=lambda r: -r[2])
 
 
+def fit_step(a) -> dict:
+    """--fit: what `netdsl run FILE --steps N --eval-samples 0` reports as its step time
+    (fit's memory meter, its loop and what it holds around it included)."""
+    net = netdsl.load(a.file)
+    r = Trainer(net.graph, net.train, RunOptions(steps=a.warmup + a.steps, batch=a.batch,
+                                                 backend=a.backend, eval_samples=0)).fit()
+    return {"framework": f"netdsl fit{f' @{a.label}' if a.label else ''}",
+            "median_s": r.step_time_s, "losses": r.losses, "peak_bytes": r.peak_bytes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--file", default=str(ROOT / "examples" / "resnet164-cifar.net"))
@@ -147,12 +157,18 @@ def main() -> None:
     ap.add_argument("--label", default="", help="shown after `netdsl` in the report")
     ap.add_argument("--src", help="import netdsl from this directory (see _use_source)")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cupy"))
+    ap.add_argument("--fit", action="store_true",
+                    help="time the user's path instead: Trainer.fit over warmup + steps "
+                         "steps (no evaluation), reporting its own median step_time_s")
     a = ap.parse_args()
     from threadpoolctl import threadpool_limits
     threadpool_limits(a.threads)
     # the fused kernels' Numba threads follow OMP_NUM_THREADS (numpy_fused.thread_count),
     # which bench_step.py sets for every framework; run alone, this script sets it too
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    if a.fit:
+        print(json.dumps(fit_step(a)))
+        return
     t0 = time.perf_counter()
     net = netdsl.load(a.file)
     extra = 1 + a.op_steps if a.profile else 0

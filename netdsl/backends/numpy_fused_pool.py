@@ -59,8 +59,9 @@ def _maxpool2x2_grad_bits(dyi, x, dxi):
     compare chain a, b, c, d of the NumPy kernel's rule picks (a later tap replaces the
     running maximum only when strictly greater, or a NaN over a number; -0.0 and 0.0 are
     equal). dy's bits go there, 0 (+0.0) to the other three. The same bits as the chain
-    with float selects, 2.2-2.9x faster on the Zen 2 (AVX2), one thread: digits-cnn's pool
-    0.41 -> 0.16 ms, VGG-16's first 163 -> 73 ms (docs/benchmarks.md)."""
+    with float selects; on the Zen 2 (AVX2), one thread, with dx no longer zeroed first:
+    digits-cnn's pool backward 0.425 -> 0.155 ms, VGG-16's first 163.7 -> 70.2 ms
+    (bench/bench_kernels.py; docs/benchmarks.md)."""
     n, nc, h, w = x.shape
     oh, ow = dyi.shape[2], dyi.shape[3]
     xf = x.reshape(x.size)  # C-contiguous (FusedKernels.accepts)

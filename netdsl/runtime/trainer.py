@@ -84,8 +84,9 @@ class RunOptions:
 
 
 # The memory meter watches a run's first steps and then stops: tracemalloc records every
-# allocation, Python objects' too, and made each step 1.4-2.6x slower while it ran
-# (ResNet-164 b16 on two threads 520 -> 1,045 ms, transformer-tiny 17.5 -> 46 ms). The
+# allocation, Python objects' too, and made each step 1.7-2x slower while it ran
+# (bench/refs/netdsl_step.py --fit, two threads: ResNet-164 b16 471-501 ms against 749-844,
+# transformer-tiny 16-18 ms against 31-35; docs/benchmarks.md). The
 # first step allocates the optimizer's state; every later one repeats the second's
 # allocations (the same graph by the same plan), so the high-water mark is theirs.
 METERED_STEPS = 2
@@ -236,8 +237,8 @@ def available_bytes(backend) -> int | None:
             for line in fh:
                 if line.startswith("MemAvailable:"):
                     free = int(line.split()[1]) * 1024
-        limit = _cgroup_room()
-        return limit if free is None else free if limit is None else min(free, limit)
+        known = [v for v in (free, _cgroup_room()) if v is not None]
+        return min(known) if known else None
     except Exception:  # noqa: BLE001 - an estimate only; the error is said without it
         return None
 
@@ -411,8 +412,7 @@ class Trainer:
         free = available_bytes(backend)
         if free is None:
             return
-        need = self.planned_peak_bytes()
-        state = sum(int(v.nbytes) for v in self.executor.state.values())
+        need, state = self.planned_peak_bytes(), self._state_bytes()
         if need - state > free:
             raise out_of_memory(need, backend, self.batch, "before the first step",
                                 free + state, self.budget)
@@ -549,7 +549,7 @@ class Trainer:
         # threads do the GEMMs) is held for the whole run, not only inside each step: a
         # BLAS call between steps (synthetic data's labels) woke OpenBLAS's threads, which
         # then spun into the next step and took a core from it (MobileNetV2 b8, two
-        # threads: 440 -> 336 ms a step)
+        # threads, netdsl_step.py --fit: 512-519 -> 437-457 ms a step)
         with np.errstate(all="ignore"), warnings.catch_warnings(), \
                 self.executor.backend.running():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -737,8 +737,11 @@ class Trainer:
 
     def _measured_peak(self, meter) -> int:
         """The state's arrays (allocated before the steps) plus the steps' high-water mark."""
-        state = sum(int(v.nbytes) for v in self.executor.state.values())
-        return state + meter.read()
+        return self._state_bytes() + meter.read()
+
+    def _state_bytes(self) -> int:
+        """The parameters' and optimizer state's arrays, allocated before the first step."""
+        return sum(int(v.nbytes) for v in self.executor.state.values())
 
 
 def _device_name(be) -> str:

@@ -71,31 +71,41 @@ def test_winograd_kernels_equal_the_direct_ones(shape, o, pad, dtype, tol, calls
         np.testing.assert_allclose(u, v, rtol=0, atol=tol * np.abs(v).max(), err_msg=name)
 
 
-def test_chunks_of_one_image_give_the_whole_batch_result():
+def test_chunks_of_one_image_give_the_whole_batch_result(monkeypatch):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 32, 17, 19))
     w = rng.standard_normal((36, 32, 3, 3))
     dy = rng.standard_normal((3, 36, 17, 19))
     fast = NumpyBackend().fused
-    assert conv_winograd.chunk(3, 32, 36, 17, 19, 1)[0] == 1
-    assert conv_winograd.chunk(3, 32, 36, 17, 19, 10**9)[0] == 3
-    for f, args in ((conv_winograd.conv, (fast, x, w, 1, 1)),
-                    (conv_winograd.grad_weight, (fast, dy, x, 1, 1))):
-        np.testing.assert_allclose(f(*args, 1), f(*args, 10**9), rtol=1e-13, atol=1e-13)
+    calls = [(conv_winograd.conv, (fast, x, w, 1, 1)),
+             (conv_winograd.grad_weight, (fast, dy, x, 1, 1))]
+    assert conv_winograd.chunk(3, 32, 36, 17, 19)[0] == 3  # 90 tiles each: one chunk
+    whole = [f(*args) for f, args in calls]
+    monkeypatch.setattr(conv_winograd, "_ENOUGH_TILES", 1)
+    assert conv_winograd.chunk(3, 32, 36, 17, 19)[0] == 1
+    for (f, args), want in zip(calls, whole, strict=True):
+        np.testing.assert_allclose(f(*args), want, rtol=1e-13, atol=1e-13)
+
+
+def test_chunks_are_as_many_images_as_make_enough_tiles():
+    assert conv_winograd.chunk(16, 32, 32, 16, 16)[0] == 16  # ResNet-164: the whole batch
+    assert conv_winograd.chunk(8, 64, 64, 224, 224)[0] == 1  # VGG-16: 12,544 tiles each
+    per, elems = conv_winograd.chunk(8, 256, 256, 56, 56)
+    assert per == 6  # 784 tiles each: 4,704 >= 4,096
+    assert elems == 6 * 16 * 784 * 512 + 32 * (conv_winograd._SKEW + 256 * 256)
 
 
 def test_where_winograd_applies():
     big = (3, 3, 1, 1, 1, 1, 1, 1)
-    budget = 10**9
-    assert conv_winograd.applies(big, 1, 8, 64, 64, 56, 56, budget)
-    assert not conv_winograd.applies(big, 1, 8, 16, 64, 56, 56, budget)  # too few channels
-    assert not conv_winograd.applies(big, 2, 8, 64, 64, 56, 56, budget)  # grouped
-    assert not conv_winograd.applies((3, 3, 2, 2, 1, 1, 1, 1), 1, 8, 64, 64, 28, 28, budget)
-    assert not conv_winograd.applies((3, 3, 1, 1, 2, 2, 2, 2), 1, 8, 64, 64, 56, 56, budget)
-    assert not conv_winograd.applies(big, 1, 2, 64, 64, 7, 7, budget)  # 32 tiles
-    assert not conv_winograd.applies(big, 1, 4, 64, 64, 8, 8, budget)  # 64 tiles
-    assert conv_winograd.applies(big, 1, 8, 64, 64, 8, 8, budget)  # 128 tiles
-    assert conv_winograd.applies(big, 1, 64, 512, 512, 7, 7, budget)  # small images too
+    assert conv_winograd.applies(big, 1, 8, 64, 64, 56, 56)
+    assert not conv_winograd.applies(big, 1, 8, 16, 64, 56, 56)  # too few channels
+    assert not conv_winograd.applies(big, 2, 8, 64, 64, 56, 56)  # grouped
+    assert not conv_winograd.applies((3, 3, 2, 2, 1, 1, 1, 1), 1, 8, 64, 64, 28, 28)
+    assert not conv_winograd.applies((3, 3, 1, 1, 2, 2, 2, 2), 1, 8, 64, 64, 56, 56)
+    assert not conv_winograd.applies(big, 1, 2, 64, 64, 7, 7)  # 32 tiles
+    assert not conv_winograd.applies(big, 1, 4, 64, 64, 8, 8)  # 64 tiles
+    assert conv_winograd.applies(big, 1, 6, 64, 64, 8, 8)  # 96 tiles
+    assert conv_winograd.applies(big, 1, 64, 512, 512, 7, 7)  # small images too
 
 
 NET = """

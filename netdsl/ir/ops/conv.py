@@ -164,8 +164,8 @@ def _scratch_elems(kind: str, x_shape, o: int, a) -> int:
         return extra + _folded_gw_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), hp, wp,
                                           ho, wo)
     flat = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
-    if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, flat):
-        return extra + max(flat, winograd.chunk(n, c, o, ho, wo, flat)[1])
+    if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo):
+        return extra + max(flat, winograd.chunk(n, c, o, ho, wo)[1])
     return extra + _gw_scratch(n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), g, hp, wp, ho, wo)
 
 
@@ -223,8 +223,7 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) ->
         return "im2col"
     if fast and _is_depthwise(cin, g):
         return "depthwise"
-    if fast and winograd.applies(geom, g, n, cin, cout, ho, wo, _flat_shift_scratch(
-            n, cin, cout, (kh, kw, dh, dw), g, h + 2 * ph, w + 2 * pw, ho)) \
+    if fast and winograd.applies(geom, g, n, cin, cout, ho, wo) \
             and not _image_tasks_beat_winograd(n, cin, cout, g, ho, wo):
         return "winograd"
     if g == 1 and ho * wo <= _FOLD_MAX_PIXELS and (cin * kh * kw <= 64 or min(cin, cout) >= 128):
@@ -260,7 +259,7 @@ def _forward_scratch(n, cin, cout, geom, g, h, w, gpu: bool = False) -> int:
         # a stack of scratch planes a task, as many tasks as the other path's scratch holds (the
         # kernel is handed this rule's value as its budget)
         "depthwise": 0,
-        "winograd": max(flat, winograd.chunk(n, cin, cout, ho, wo, flat)[1]),
+        "winograd": max(flat, winograd.chunk(n, cin, cout, ho, wo)[1]),
         # the padded copy, the columns, the GEMM's [O, N*Ho*Wo] result
         "folded": padded + n * cin * kh * kw * ho * wo + n * cout * ho * wo,
         "flat": flat,
@@ -459,9 +458,7 @@ def _conv_by_path(xp, x, w, geom, g, out=None, fast=None, gpu=False):
             return y
         path = _forward_path(n, x.shape[1], o, geom, g, x.shape[2], x.shape[3], False)
     if path == "winograd":
-        budget = _flat_shift_scratch(n, x.shape[1], o, (kh, kw, dh, dw), g,
-                                     x.shape[2] + 2 * ph, x.shape[3] + 2 * pw, ho)
-        return winograd.conv(fast, x, w, ph, pw, budget, out)
+        return winograd.conv(fast, x, w, ph, pw, out)
     if path == "pointwise":
         return _pointwise(xp, x, w, out, fast)
     if path == "folded":
@@ -657,11 +654,9 @@ def _conv2d_gw(xp, ins, a, fast):
             return xp.ascontiguousarray(gw.T).reshape(tuple(a["shape"]))
         return matmul(xp, dy3, x3.transpose(0, 2, 1), fast=fast).sum(axis=0).reshape(
             tuple(a["shape"]))
-    if fast is not None:
-        hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
-        budget = _flat_shift_gw_scratch(n, c, o, (kh, kw, dh, dw), g, hp, wp, ho)
-        if winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o, ho, wo, budget):
-            return winograd.grad_weight(fast, dy, x, ph, pw, budget)
+    if fast is not None and winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o,
+                                             ho, wo):
+        return winograd.grad_weight(fast, dy, x, ph, pw)
     if (sh, sw) == (1, 1) and g == 1 and fast is not None:
         # an image a task: its shifted rows and padded dy in the thread's cache, one GEMM;
         # as many tasks at once as the scratch the plan reserves for the paths below holds

@@ -17,9 +17,9 @@ dM = A dY A^T per tile, then dg = G^T dU G; one GEMM per tile element over every
 convolution is itself a convolution (dy with the flipped kernel), so it comes through the
 forward path.
 
-The batch is processed in chunks of images so that the tile matrices take no more
-scratch than the flat-shift kernel of conv.py would (`chunk`); the memory plan's
-workspace rule (conv._scratch_elems) reads the same function.
+The batch is processed in chunks of whole images, as many as make _ENOUGH_TILES tiles
+(`chunk`); the memory plan's workspace rule (conv._scratch_elems) reads the same
+function.
 """
 from __future__ import annotations
 
@@ -37,21 +37,19 @@ _G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.
 _KRON = {np.dtype(t): np.kron(_G, _G).astype(t) for t in (np.float32, np.float64)}
 
 
-def applies(geom, groups: int, n: int, c: int, o: int, ho: int, wo: int,
-            budget: int) -> bool:
+def applies(geom, groups: int, n: int, c: int, o: int, ho: int, wo: int) -> bool:
     """Where this kernel runs: 3x3, stride 1, undilated, ungrouped, at least 32 channels
-    each way, and at least 96 tiles per chunk, below which its 16 small GEMMs lose to the
-    flat shift's 9 larger ones or to the folded im2col GEMM (16 channels at 32x32, or 64
-    tiles of 64 channels, on two threads; a weight gradient's chunks of 8x8 images hold 7
-    images, 112 tiles, in the flat shift's scratch). Small images are no exception since
-    the filter transforms became one GEMM and the GEMMs went on the loops' threads:
+    each way, and at least 96 tiles in the batch, below which its 16 small GEMMs lose to
+    the flat shift's 9 larger ones or to the folded im2col GEMM (16 channels at 32x32, or
+    64 tiles of 64 channels, on two threads). Small images are no exception since the
+    filter transforms became one GEMM and the GEMMs went on the loops' threads:
     ResNet-50's 512-channel 7x7 layers and ResNet-164's 64-channel 8x8 ones run 1.1-1.5x
     faster so (bench/bench_kernels.py --conv; docs/benchmarks.md)."""
     kh, kw, sh, sw, _ph, _pw, dh, dw = geom
     if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32:
         return False
     th, tw = tiles(ho, wo)
-    return chunk(n, c, o, ho, wo, budget)[0] * th * tw >= 96
+    return n * th * tw >= 96
 
 
 def tiles(ho: int, wo: int) -> tuple[int, int]:
@@ -61,17 +59,22 @@ def tiles(ho: int, wo: int) -> tuple[int, int]:
 # A chunk needs no more tiles than this for its GEMMs to run at full speed: VGG-16's
 # 224x224 images (12,544 tiles each) go one at a time instead of three, beside the step's
 # largest activations (64 channels, batch 8: tile buffers of 104 instead of 309 MB, by
-# chunk()'s count), no slower (bench/bench_kernels.py --conv; docs/benchmarks.md).
+# chunk()'s count), no slower (bench/bench_kernels.py --conv; docs/benchmarks.md). Below
+# it, fewer chunks are faster still: each is three parallel passes and 16 GEMMs, and a
+# weight gradient's GEMMs get a longer K. Chunks held to the flat shift's scratch (5
+# images of 16 for ResNet-164's 32-channel 16x16 weight gradient, the last of one) took
+# 10-25% longer than the whole batch at once on one and two threads, and no network's
+# planned peak moved without that bound (docs/benchmarks.md, "Winograd's chunks").
 _ENOUGH_TILES = 4096
 
 
-def chunk(n: int, c: int, o: int, ho: int, wo: int, budget: int) -> tuple[int, int]:
-    """(images per chunk, scratch elements) for a batch of n: as many images as fit
-    `budget` elements of tile matrices (at least one) and as give _ENOUGH_TILES, plus the
-    [16, O, C] filters and their product buffer."""
+def chunk(n: int, c: int, o: int, ho: int, wo: int) -> tuple[int, int]:
+    """(images per chunk, scratch elements) for a batch of n: as many images as give
+    _ENOUGH_TILES tiles (at least one), plus the [16, O, C] filters and their product
+    buffer."""
     th, tw = tiles(ho, wo)
     per_image = 16 * th * tw * (c + o)
-    per = max(1, min(n, budget // per_image, -(-_ENOUGH_TILES // (th * tw))))
+    per = max(1, min(n, -(-_ENOUGH_TILES // (th * tw))))
     # beside the tile buffers: U, [16, O, C] (one GEMM makes it from w), or dU and,
     # without the fused kernels' GEMMs, the temporary product added into it per chunk
     # (measured: tests/test_plan.py)
@@ -95,7 +98,7 @@ def _buffer(rows: int, per: int, th: int, tw: int, dtype):
     return np.empty(16 * (rows * per * th * tw + _SKEW), dtype)
 
 
-def conv(fast, x, w, ph: int, pw: int, budget: int, out=None):
+def conv(fast, x, w, ph: int, pw: int, out=None):
     """y = conv2d(x, w) with 3x3 w, stride 1, padding (ph, pw); into `out` if given."""
     n, c, h, wd = x.shape
     o = w.shape[0]
@@ -104,7 +107,7 @@ def conv(fast, x, w, ph: int, pw: int, budget: int, out=None):
     u = matmul(np, _KRON[x.dtype], w.astype(x.dtype, copy=False).reshape(o * c, 9).T,
                fast=fast).reshape(16, o, c)  # G g G^T per filter, as [16, O, C]
     y = out if out is not None else np.empty((n, o, ho, wo), x.dtype)
-    per = chunk(n, c, o, ho, wo, budget)[0]
+    per = chunk(n, c, o, ho, wo)[0]
     v, m = _buffer(c, per, th, tw, x.dtype), _buffer(o, per, th, tw, x.dtype)
     for n0 in range(0, n, per):
         n1 = min(n, n0 + per)
@@ -116,12 +119,12 @@ def conv(fast, x, w, ph: int, pw: int, budget: int, out=None):
     return y
 
 
-def grad_weight(fast, dy, x, ph: int, pw: int, budget: int):
+def grad_weight(fast, dy, x, ph: int, pw: int):
     """dW [O, C, 3, 3] of y = conv2d(x, w) (3x3, stride 1, padding (ph, pw))."""
     n, c = x.shape[:2]
     o, ho, wo = dy.shape[1:]
     th, tw = tiles(ho, wo)
-    per = chunk(n, c, o, ho, wo, budget)[0]
+    per = chunk(n, c, o, ho, wo)[0]
     v, dm = _buffer(c, per, th, tw, x.dtype), _buffer(o, per, th, tw, x.dtype)
     du = np.zeros((16, o, c), x.dtype)
     for n0 in range(0, n, per):

@@ -132,3 +132,52 @@ def test_rank_0_evaluates_on_the_gathered_state():
     assert b["test_accuracy"] is not None
     assert (b["final_loss"], b["test_accuracy"]) == (s["final_loss"], s["test_accuracy"])
     np.testing.assert_allclose(b["final_loss"], a["final_loss"], rtol=1e-5)
+
+
+REFUSE = """
+import sys
+from pathlib import Path
+
+import netdsl
+from netdsl.errors import NetdslError
+from netdsl.runtime.mpi import MPIComm, world
+from netdsl.runtime.trainer import RunOptions, Trainer
+
+real = MPIComm.memory_totals
+room = float(sys.argv[2])  # free memory: this many times one rank's step less its state
+
+
+def totals(self, color, need, state, read_free):
+    return real(self, color, need, state, lambda: int(room * (need - state)))
+
+
+MPIComm.memory_totals = totals
+net = netdsl.load(sys.argv[1])
+said = Path(sys.argv[3]) / f"rank{world()[0]}.txt"  # (the ranks' prints would interleave)
+try:
+    Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=0, distributed=True))
+except NetdslError as e:  # (exit 0: a rank's non-zero exit would stop the other)
+    said.write_text(e.message)
+else:
+    said.write_text("fits")
+"""
+
+
+@pytest.mark.parametrize("room, fits", [(1.5, False), (2.5, True)])
+def test_ranks_on_one_machine_are_counted_together(tmp_path, room, fits):
+    """Two ranks on this machine: room for one rank's step and a half is refused on both
+    (each alone would fit), room for two and a half is not. The free memory is a
+    stand-in; the split into the ranks that share it, the sums and the barrier are MPI's."""
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSE)
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), NET, str(room),
+                          str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    if fits:
+        assert lines == ["fits", "fits"]
+    else:
+        assert all(line.startswith(
+            "out of memory before the first step: the 2 ranks sharing this machine need "
+            "about") for line in lines), lines

@@ -322,6 +322,33 @@ def test_a_step_planned_past_the_free_memory_is_refused_before_it_starts(tiny,
         Trainer(tiny.graph, tiny.train, RunOptions(steps=1, mem=1_000_000))
 
 
+def test_ranks_sharing_a_machine_are_refused_together(tiny):
+    """Over MPI the ranks on one machine count together (`MPIComm.memory_totals`; a
+    stand-in here, the real split in tests/test_mpi.py): each could fit alone where all
+    of them cannot, and the error says so and sizes --mem for each rank."""
+    t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
+    need, state = t.planned_peak_bytes(), t._state_bytes()
+    seen = []
+
+    class Peers:  # three ranks like this one; the least free memory any of them read
+        def __init__(self, free):
+            self.free = free
+
+        def memory_totals(self, color, n, s, read_free):
+            seen.append((color, n, s))
+            return 3 * n, 3 * s, self.free, 3
+
+    t._refuse_what_cannot_fit(t.executor.backend, Peers(4 * (need - state)))  # fits
+    with pytest.raises(NetdslError) as info:
+        t._refuse_what_cannot_fit(t.executor.backend, Peers(2 * (need - state)))
+    assert seen == [(0, need, state)] * 2  # the host's memory: colour 0
+    msg = info.value.message
+    assert msg.startswith("out of memory before the first step: the 3 ranks sharing this "
+                          "machine need about")
+    assert "to plan the step into it for each rank" in msg
+    assert "fewer ranks on one machine" in msg
+
+
 def test_out_of_memory_during_a_step(tiny, monkeypatch):
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=2))
 

@@ -74,6 +74,22 @@ class MPIComm(Communicator):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
+    def memory_totals(self, color: int, need: int, state: int, read_free):
+        """(need, state, free, ranks) over the ranks that share this rank's memory: those
+        on this machine (MPI's shared-memory split) with the same `color` (the GPU's number;
+        0 for the host). `need` and `state` summed, and the least of what each read with
+        `read_free()` once every one of them had allocated its state (a barrier first), so
+        that all of them come to the same answer."""
+        peers = self.c.Split_type(self.mpi.COMM_TYPE_SHARED).Split(color)
+        try:
+            peers.Barrier()
+            rows = peers.allgather((need, state, read_free()))
+        finally:
+            peers.Free()
+        frees = [f for _, _, f in rows if f is not None]
+        return (sum(r[0] for r in rows), sum(r[1] for r in rows),
+                min(frees) if frees else None, len(rows))
+
     def _host(self, x) -> np.ndarray:
         return np.ascontiguousarray(self.backend.to_host(x))
 

@@ -260,10 +260,12 @@ def _gib(n: float) -> str:
 
 
 def out_of_memory(needed: int, backend, batch: int, when: str,
-                  free: int | None = None, budget: int | None = None) -> NetdslError:
+                  free: int | None = None, budget: int | None = None,
+                  ranks: int = 1) -> NetdslError:
     """A MemoryError (NumPy) or CuPy's OutOfMemoryError, or a step planned past the free
     memory, in words: what the step needs (static liveness analysis), what is free, and
-    what to change (`budget`: the --mem it was planned into, if any)."""
+    what to change (`budget`: the --mem it was planned into, if any; `ranks`: MPI ranks
+    sharing that memory, whose needs `needed` sums)."""
     free = available_bytes(backend) if free is None else free
     where = "the GPU" if backend.name == "cupy" else "this machine"
     have = (f"about {_gib(free)} is free on {where}" if free is not None
@@ -272,15 +274,19 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
     if budget is not None:
         fit = f"a --mem budget below what is free (it was {_gib(budget)}), "
     elif free is not None:
-        fit = (f"--mem {max(int(free * 0.9 / 2 ** 30), 1)}GB to plan the step into it "
-               "(activations recomputed or offloaded), ")
+        each = " for each rank" if ranks > 1 else ""
+        fit = (f"--mem {max(int(free * 0.9 / ranks / 2 ** 30), 1)}GB to plan the step "
+               f"into it{each} (activations recomputed or offloaded), ")
     else:
         fit = "--mem to plan the step into less memory, "
+    who = (f"the {ranks} ranks sharing {where} need about {_gib(needed)} together for a "
+           "training step" if ranks > 1 else
+           f"a training step needs about {_gib(needed)}")
+    fewer = ", fewer ranks on one machine" if ranks > 1 else ""
     return NetdslError(
-        f"out of memory {when}: a training step needs about {_gib(needed)} (parameters, "
-        f"optimizer state and the activations kept for backward, at batch {batch}), but "
-        f"{have}; use {fit}a smaller batch (e.g. --batch {smaller}: activations shrink "
-        "with it), or a smaller network")
+        f"out of memory {when}: {who} (parameters, optimizer state and the activations "
+        f"kept for backward, at batch {batch}), but {have}; use {fit}a smaller batch (e.g. "
+        f"--batch {smaller}: activations shrink with it){fewer}, or a smaller network")
 
 
 def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
@@ -385,8 +391,8 @@ class Trainer:
         except MemoryError:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
-        if opts.devices == 1:
-            self._refuse_what_cannot_fit(backend)
+        if opts.devices == 1 or comm is not None:  # (a split in one process: per device)
+            self._refuse_what_cannot_fit(backend, comm)
         status = getattr(backend, "cudnn_status", "")
         if status.startswith("not used"):  # (loaded by the executor: a GPU convolution)
             self.warnings.append(f"the convolutions run as columns and GEMMs; cuDNN {status}")
@@ -402,20 +408,25 @@ class Trainer:
         self.step = 0
         self.resumed_from = None
 
-    def _refuse_what_cannot_fit(self, backend) -> None:
+    def _refuse_what_cannot_fit(self, backend, comm=None) -> None:
         """Refuse, before the first step, a step whose planned peak is more than the memory
         left once the state is allocated: Linux lets the allocations through and then
         kills the process (no MemoryError to say in words: `netdsl run
         examples/resnet2504.net` without --mem was killed after a minute), and a GPU's
         step would fail only after the build. The plan's peak is the executor's own count
-        (tests/test_plan.py), so the refusal is not a guess."""
-        free = available_bytes(backend)
-        if free is None:
-            return
-        need, state = self.planned_peak_bytes(), self._state_bytes()
-        if need - state > free:
+        (tests/test_plan.py), so the refusal is not a guess. Over MPI (`comm`) the ranks
+        that share one machine's memory (or one GPU) are counted together: each alone
+        could fit where all of them cannot."""
+        need, state, ranks = self.planned_peak_bytes(), self._state_bytes(), 1
+        if comm is None:
+            free = available_bytes(backend)
+        else:
+            need, state, free, ranks = comm.memory_totals(
+                getattr(backend, "device", 0) if backend.name == "cupy" else 0, need, state,
+                lambda: available_bytes(backend))
+        if free is not None and need - state > free:
             raise out_of_memory(need, backend, self.batch, "before the first step",
-                                free + state, self.budget)
+                                free + state, self.budget, ranks)
 
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),

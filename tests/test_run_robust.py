@@ -347,6 +347,9 @@ def test_ranks_sharing_a_machine_are_refused_together(tiny):
                           "machine need about")
     assert "to plan the step into it for each rank" in msg
     assert "fewer ranks on one machine" in msg
+    t.budget = 10 ** 6  # with --mem given: each rank's share of the free memory
+    with pytest.raises(NetdslError, match="a --mem budget below each rank's share of what"):
+        t._refuse_what_cannot_fit(t.executor.backend, Peers(2 * (need - state)))
 
 
 def test_out_of_memory_during_a_step(tiny, monkeypatch):

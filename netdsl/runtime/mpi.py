@@ -80,12 +80,14 @@ class MPIComm(Communicator):
         0 for the host). `need` and `state` summed, and the least of what each read with
         `read_free()` once every one of them had allocated its state (a barrier first), so
         that all of them come to the same answer."""
-        peers = self.c.Split_type(self.mpi.COMM_TYPE_SHARED).Split(color)
+        host = self.c.Split_type(self.mpi.COMM_TYPE_SHARED)
+        peers = host.Split(color)
         try:
             peers.Barrier()
             rows = peers.allgather((need, state, read_free()))
         finally:
             peers.Free()
+            host.Free()
         frees = [f for _, _, f in rows if f is not None]
         return (sum(r[0] for r in rows), sum(r[1] for r in rows),
                 min(frees) if frees else None, len(rows))

@@ -272,7 +272,8 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
             else f"{where} has less free")
     smaller = max(batch // 2, 1)
     if budget is not None:
-        fit = f"a --mem budget below what is free (it was {_gib(budget)}), "
+        share = "each rank's share of " if ranks > 1 else ""
+        fit = f"a --mem budget below {share}what is free (it was {_gib(budget)}), "
     elif free is not None:
         each = " for each rank" if ranks > 1 else ""
         fit = (f"--mem {max(int(free * 0.9 / ranks / 2 ** 30), 1)}GB to plan the step "

@@ -63,8 +63,9 @@ def tiles(ho: int, wo: int) -> tuple[int, int]:
 # it, fewer chunks are faster still: each is three parallel passes and 16 GEMMs, and a
 # weight gradient's GEMMs get a longer K. Chunks held to the flat shift's scratch (5
 # images of 16 for ResNet-164's 32-channel 16x16 weight gradient, the last of one) took
-# 10-25% longer than the whole batch at once on one and two threads, and no network's
-# planned peak moved without that bound (docs/benchmarks.md, "Winograd's chunks").
+# 5-20% longer than the whole batch at once on two threads, up to 15% on one
+# (bench/bench_winograd_chunks.py), and no network's planned peak moved without that
+# bound (docs/benchmarks.md, "Winograd's chunks").
 _ENOUGH_TILES = 4096
 
 

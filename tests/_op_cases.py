@@ -131,6 +131,10 @@ OP_CASES = [
      {"causal": True}, {}, ()),
     ("scaled_dot_product_attention", [(1, 3, 2), (1, 4, 2), (1, 4, 2)],
      {"causal": True, "scale": 0.3}, {}, ()),
+    # multi-head attention over packed q/k/v (the fuse pass's, from the written-out form)
+    ("attention_qkv", [(2, 5, 12)], {"heads": 2}, {}, ()),
+    ("attention_qkv", [(2, 4, 18)], {"heads": 3, "causal": True}, {}, ()),
+    ("attention_qkv", [(1, 3, 6)], {"heads": 1, "causal": True, "scale": 0.3}, {}, ()),
     # (a finite fill value: -inf would make the test's weighted loss infinite)
     ("causal_mask", [(2, 4, 4)], {"value": -3.0}, {}, ()),
     ("causal_mask", [(2, 3, 5)], {"value": 0.0}, {}, ()),

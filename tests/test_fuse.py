@@ -212,13 +212,15 @@ network wide {
 def test_residual_products_under_the_memory_strategies_and_in_the_arena(example, batch,
                                                                           mode):
     """conv2d_add and linear_add recomputed (their residual kept or rebuilt too),
-    offloaded, and run at their planned offsets: the planned step's numbers are the
-    unplanned one's bit for bit, and the executor counts what the plan says."""
+    offloaded, and run at their planned offsets (transformer-tiny's attention_qkv too):
+    the planned step's numbers are the unplanned one's bit for bit, and the executor
+    counts what the plan says."""
     from netdsl.memory.plan import make_plan
     src = netdsl.loads(RESIDUAL) if example == "residual" else load(f"{example}.net")
     g = add_optimizer(autodiff(fuse(src.lower(batch), enabled=True)), "sgd", lr=0.05,
                       momentum=0.9)
     assert g.by_op("linear_add")
+    assert bool(g.by_op("attention_qkv")) == (example == "transformer-tiny")
     feeds = example_feeds(g)
     ref, ref_state, _ = run_steps(g, feeds)
     h = apply_decisions(g, decide(g, mode))

@@ -95,6 +95,9 @@ CASES = {
                   "scaled_dot_product_attention(x, x * 0.5, x + 1, causal=true) + "
                   "scaled_dot_product_attention(x, x, x, scale=0.3) + "
                   "matmul(softmax(causal_mask(matmul(x, transpose(x)))), x)"),
+    "attention_qkv": ("input x: f32[N, 5, 12]",
+                      "attention_qkv(x, heads=2) + attention_qkv(x * 0.5, heads=4, causal=true) "
+                      "+ attention_qkv(x, heads=1, scale=0.3)"),
 }
 
 

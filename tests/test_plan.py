@@ -32,9 +32,14 @@ def test_predicted_peak_is_measured_peak(example, batch):
 
 
 # -- the arena --------------------------------------------------------------------------------
-def training_step(example, batch):
-    net = load(f"{example}.net")
-    return add_optimizer(autodiff(net.lower(batch)), "sgd", lr=0.01, momentum=0.9)
+def training_step(example, batch, fused=False):
+    """The example's SGD step; `fused`: through the fuse passes, as a CPU step with the
+    fused kernels (batchnorm_relu, attention_qkv, the residual products...)."""
+    from netdsl.passes.fuse import fuse, fuse_grads
+    fwd = load(f"{example}.net").lower(batch)
+    g = autodiff(fuse(fwd, enabled=True) if fused else fwd)
+    g = fuse_grads(g, enabled=True) if fused else g
+    return add_optimizer(g, "sgd", lr=0.01, momentum=0.9)
 
 
 ROLES = ("loss", "output", "updates")
@@ -240,19 +245,21 @@ CALL_SLACK = 64 * 1024
 @pytest.mark.parametrize("example,batch", [
     ("digits-cnn", 64), ("transformer-tiny", 32), ("gpt-tiny", 32), ("resnet20-cifar", 8),
     ("squeezenet1_1", 1), ("mobilenet_v2", 1), ("unet-small", 1), ("densenet121", 1)])
-def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, fused,
+@pytest.mark.parametrize("passes", [False, True], ids=["as-written", "fuse-passes"])
+def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, fused, passes,
                                                                 monkeypatch):
     """An arena run holds, outside the arena, a node's scratch and its result until the
     result is in its slot; the plan counts the op's workspace rule plus that result
     (`MemoryPlan.transient_bytes`). tracemalloc's peak inside every kernel call of a
     training step (dropout's masks, attention's scores, pooling's passes, the losses'
     softmax included) stays within that, with the fused kernels and with the NumPy
-    reference kernels alike."""
+    reference kernels alike, the step as written and through the fuse passes (its fused
+    ops: batchnorm_relu, attention_qkv, the products with a residual)."""
     import tracemalloc
 
     from netdsl.memory.plan import workspace_bytes
     monkeypatch.setenv("NETDSL_FUSED_KERNELS", fused)
-    g = training_step(example, batch)
+    g = training_step(example, batch, fused=passes)
     feeds = example_feeds(g)
     ex = Executor(g, "numpy", arena=True)
     if fused == "0":
@@ -280,3 +287,5 @@ def test_every_kernel_of_a_step_stays_within_its_workspace_rule(example, batch, 
     finally:
         tracemalloc.stop()
     assert len(calls) > 20 and not over, over
+    if passes and example in ("transformer-tiny", "gpt-tiny"):
+        assert {"attention_qkv", "attention_qkv_grad"} <= set(calls)

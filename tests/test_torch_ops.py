@@ -24,6 +24,14 @@ def _pool_stride(a):
     return a["stride"] if a["stride"] is not None else a["kernel"]
 
 
+def _attention_qkv(qkv, a):
+    """torch.nn.MultiheadAttention's core on its packed in_proj result [N, T, 3D]."""
+    n, t, d3 = qkv.shape
+    q, k, v = qkv.view(n, t, 3, a["heads"], d3 // 3 // a["heads"]).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=a["causal"], scale=a["scale"])
+    return y.transpose(1, 2).reshape(n, t, d3 // 3)
+
+
 TORCH = {
     "conv2d": lambda t, a: _conv(F.conv2d, 2, t, a),
     "conv2d_add": lambda t, a: _conv(F.conv2d, 2, t, a) + t["in1"],
@@ -131,6 +139,7 @@ TORCH = {
     # attention
     "scaled_dot_product_attention": lambda t, a: F.scaled_dot_product_attention(
         t["in0"], t["in1"], t["in2"], is_causal=a["causal"], scale=a["scale"]),
+    "attention_qkv": lambda t, a: _attention_qkv(t["in0"], a),
     "causal_mask": lambda t, a: t["in0"].masked_fill(
         torch.ones(t["in0"].shape[-2:], dtype=torch.bool).triu(1), a["value"]),
     # reductions

@@ -11,6 +11,8 @@ each input about once and write each output once. By job:
   strided convolution's col2im;
 - numpy_winograd: Winograd F(2x2, 3x3)'s tile transforms (netdsl.ir.ops.conv_winograd);
 - numpy_fused_depthwise: depthwise convolutions (groups = channels) as direct loops;
+- numpy_fused_attention: multi-head attention over packed q/k/v (the attention_qkv op),
+  an (image, head) pair a task, heads read and written in place;
 - numpy_fused_gemm: with two or more threads, batches of GEMMs spread over the loops'
   threads, NumPy's own BLAS held to one thread during a step (one pool of threads).
 
@@ -36,6 +38,7 @@ from netdsl.backends.numpy_fused_activation import (
     relu_grad,
     window_grad,
 )
+from netdsl.backends.numpy_fused_attention import attention_grad_tasks, attention_tasks
 from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
 from netdsl.backends.numpy_fused_loss import sce_forward, sce_grad
 from netdsl.backends.numpy_fused_norm import (
@@ -156,6 +159,11 @@ class FusedKernels:
             self.gemm or PooledGemm(self.cblas, self.threads)
         if self.convs is not None:
             self.convs.warm_up()
+            for dt in (np.float32, np.float64):  # (outside a step: called directly)
+                qkv, fn, one = np.ones((1, 2, 3), dt), self.cblas.gemm[np.dtype(dt)], dt(1)
+                attention_tasks(fn, one, one, qkv, 1, False, np.empty((1, 2, 1), dt), 1)
+                attention_grad_tasks(fn, one, one, np.ones((1, 2, 1), dt), qkv, 1, False,
+                                     np.empty_like(qkv), 1)
         # each compiled signature is loaded from the cache (or compiled) on its first call:
         # make those calls now, on tiny arrays, so none happens inside a measured step
         for dt in (np.float32, np.float64):
@@ -255,6 +263,41 @@ class FusedKernels:
         if self.convs is None:
             return None
         return self.convs.conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, budget)
+
+    def _attention_blas(self, *arrays):
+        """(cblas_?gemm's address, thread count) for the attention kernels, or None where
+        they do not take these arrays: no NumPy OpenBLAS found, not inside a step's
+        `running` block (where that BLAS is held to one thread), or not float and
+        C-contiguous."""
+        if self.convs is None or not self.cblas.held or not self.accepts(*arrays) \
+                or len({a.dtype for a in arrays}) != 1:
+            return None
+        return self.cblas.gemm[arrays[0].dtype], self.threads
+
+    def attention(self, qkv, heads, scale, causal, out=None):
+        """attention_qkv's forward, [N, T, D] from qkv [N, T, 3D], into `out` where it is
+        C-contiguous (numpy_fused_attention.attention_tasks), or None."""
+        n, t, d3 = qkv.shape
+        if out is None or not out.flags.c_contiguous:
+            out = np.empty((n, t, d3 // 3), qkv.dtype)
+        blas = self._attention_blas(qkv, out)
+        if blas is None:
+            return None
+        one = qkv.dtype.type(1)
+        attention_tasks(blas[0], one, qkv.dtype.type(scale), qkv, heads, causal, out, blas[1])
+        return out
+
+    def attention_grad(self, gy, qkv, heads, scale, causal, out=None):
+        """attention_qkv's dqkv from gy [N, T, D] and qkv [N, T, 3D]
+        (numpy_fused_attention.attention_grad_tasks), or None."""
+        if out is None or not out.flags.c_contiguous:
+            out = np.empty_like(qkv)
+        blas = self._attention_blas(gy, qkv, out)
+        if blas is None:
+            return None
+        attention_grad_tasks(blas[0], qkv.dtype.type(1), qkv.dtype.type(scale), gy, qkv,
+                             heads, causal, out, blas[1])
+        return out
 
     def running(self):
         """Held around each run of a graph: NumPy's BLAS at one thread while the GEMMs

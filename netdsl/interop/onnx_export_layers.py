@@ -194,18 +194,39 @@ def causal_mask(e, n, xs):
     e.result("Where", [_future(e, shape[-2], shape[-1]), value, xs[0]])
 
 
-def scaled_dot_product_attention(e, n, xs):
-    q, k, v = xs
-    qt, kt = e.type(n.inputs[0]), e.type(n.inputs[1])
-    perm = list(range(kt.rank))
+def _attention_probs(e, q, k, length: int, keys: int, width: int, rank: int, scale, causal):
+    """softmax(q k^T * scale [+ causal mask]) over [..., L, E] q and [..., S, E] k; its
+    name (scale None: 1/sqrt(E))."""
+    perm = list(range(rank))
     perm[-2], perm[-1] = perm[-1], perm[-2]
-    scale = n.attrs["scale"] if n.attrs["scale"] is not None else 1.0 / float(qt.shape[-1]) ** 0.5
+    scale = scale if scale is not None else 1.0 / float(width) ** 0.5
     s = e.emit("Mul", [e.emit("MatMul", [q, e.emit("Transpose", [k], perm=perm)]),
                        e.scalar(scale, "scale")])
-    if n.attrs["causal"]:
-        s = e.emit("Where", [_future(e, qt.shape[-2], kt.shape[-2]),
-                             e.scalar(-np.inf, "minus_inf"), s])
-    e.result("MatMul", [e.emit("Softmax", [s], axis=-1), v])
+    if causal:
+        s = e.emit("Where", [_future(e, length, keys), e.scalar(-np.inf, "minus_inf"), s])
+    return e.emit("Softmax", [s], axis=-1)
+
+
+def scaled_dot_product_attention(e, n, xs):
+    qt, kt = e.type(n.inputs[0]), e.type(n.inputs[1])
+    p = _attention_probs(e, xs[0], xs[1], qt.shape[-2], kt.shape[-2], qt.shape[-1], kt.rank,
+                         n.attrs["scale"], n.attrs["causal"])
+    e.result("MatMul", [p, xs[2]])
+
+
+def attention_qkv(e, n, xs):
+    """qkv [N, T, 3D] -> [N, T, 3, heads, hd] -> [3, N, heads, T, hd], q, k and v
+    gathered from it, attention, the heads merged back into [N, T, D]."""
+    _, t, d3 = e.type(n.inputs[0]).shape
+    heads = n.attrs["heads"]
+    hd = d3 // 3 // heads
+    split = e.emit("Transpose", [e.emit("Reshape", [xs[0], e.ints([0, t, 3, heads, hd],
+                                                                    "by_head")])],
+                   perm=[2, 0, 3, 1, 4])
+    q, k, v = (e.emit("Gather", [split, e.ints(j, "which")], axis=0) for j in range(3))
+    p = _attention_probs(e, q, k, t, t, hd, 4, n.attrs["scale"], n.attrs["causal"])
+    merged = e.emit("Transpose", [e.emit("MatMul", [p, v])], perm=[0, 2, 1, 3])
+    e.result("Reshape", [merged, e.ints([0, t, d3 // 3], "merged")])
 
 
 def reduce(op_type: str):

@@ -293,6 +293,7 @@ EXPORTERS = {
     "log_softmax": lambda e, n, xs: e.result("LogSoftmax", xs, axis=n.attrs["axis"]),
     "causal_mask": layers.causal_mask,
     "scaled_dot_product_attention": layers.scaled_dot_product_attention,
+    "attention_qkv": layers.attention_qkv,
     "dropout": _same("Identity"),  # evaluation mode
     "dropout_mask": _dropout_mask,
     "flatten": _flatten,

@@ -13,7 +13,11 @@
   nothing else becomes `conv2d_add(x, r)` or `linear_add(x, r)`, named as the add (see
   netdsl.ir.ops.product_add: the GEMM tasks add r while the result is in cache): a
   pre-activation ResNet block's last convolution and shortcut, a transformer's
-  projections and residual stream.
+  projections and residual stream. Between the two (on a CPU's step: `attention`),
+  multi-head self-attention written out over one packed q/k/v projection (slices, heads
+  split by reshape and permute, the products, scale and softmax or
+  scaled_dot_product_attention, heads merged) becomes one `attention_qkv(qkv)` named as
+  the final reshape (see netdsl.passes.fuse_attention and netdsl.ir.ops.attention).
 - `fuse_grads` (on a training graph, after autodiff): an `add` of a gradient sum (autodiff
   tags them `sums_gradient_of`) one of whose inputs is an affine batchnorm's
   `batchnorm_grad_from_stats` read by nothing else becomes that node with the other input
@@ -43,6 +47,7 @@ import importlib.util
 from netdsl.config import env_switch
 from netdsl.ir.graph import Graph
 from netdsl.ir.rewrite import make_node
+from netdsl.passes.fuse_attention import attention_into_qkv
 from netdsl.passes.pipeline import register_pass
 
 FUSE_ENV = "NETDSL_FUSE"
@@ -82,14 +87,19 @@ _READERS = {reader for reader, _ in _FUSED}
 
 
 @register_pass("fuse")
-def fuse(g: Graph, enabled: bool | None = None, residuals: bool = True) -> Graph:
+def fuse(g: Graph, enabled: bool | None = None, residuals: bool = True,
+         attention: bool = True) -> Graph:
     """relu(batchnorm(x)) -> batchnorm_relu(x), relu6(batchnorm(x)) -> batchnorm_relu(x,
     cap=6) and relu(add(a, b)) -> add_relu(a, b) where the relu is the only reader; then,
-    with `residuals`, add(conv2d(x), r) -> conv2d_add(x, r) and add(linear(x), r) ->
-    linear_add(x, r) where the add is the product's only reader."""
+    with `attention`, multi-head attention written out over a packed q/k/v projection ->
+    attention_qkv(qkv) (netdsl.passes.fuse_attention); then, with `residuals`,
+    add(conv2d(x), r) -> conv2d_add(x, r) and add(linear(x), r) -> linear_add(x, r) where
+    the add is the product's only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
     g = _activations(g)
+    if attention:
+        g = attention_into_qkv(g, _sole_reader(g), _rebuilt)
     return _residuals_into_products(g) if residuals else g
 
 

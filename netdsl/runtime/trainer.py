@@ -299,10 +299,11 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
     # leaves the graph as written); join_slice_grads: q/k/v-style slices' gradients as
     # one concat; device: the kernels' variants for the device ("gpu" on CuPy)
-    # (a residual added inside a product's GEMM tasks: the CPU's kernels; a GPU adds it
-    # after, one launch as the add's, so its step is left as it was)
+    # (a residual added inside a product's GEMM tasks, and attention over packed q/k/v:
+    # the CPU's kernels; on a GPU neither has been measured, so its step is left as it was)
     fusing = {"enabled": fusion_enabled(device)}
-    return run_pipeline(forward, [("fuse", {**fusing, "residuals": device == "cpu"}),
+    cpu = device == "cpu"
+    return run_pipeline(forward, [("fuse", {**fusing, "residuals": cpu, "attention": cpu}),
                                   "autodiff", ("fuse_grads", fusing),
                                   "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])

@@ -1,0 +1,168 @@
+"""Multi-head attention over packed q/k/v for the NumPy backend's fused kernels (Numba, the
+`fast` extra): the `attention_qkv` op's forward and backward, an (image, head) pair a task.
+
+qkv is one [N, T, 3D] array (a transformer's fused input projection: q, k, v side by side
+on the last axis, each D = heads x hd wide). Head h of image i reads its q, k and v as
+[T, hd] blocks of qkv with a leading dimension of 3D, so no head is ever copied out; the
+forward writes its [T, hd] result straight into the merged [N, T, D] output (leading
+dimension D), the backward its dq, dk, dv straight into the [N, T, 3D] gradient. The
+[T, T] scores and probabilities stay in a buffer of the thread, in cache: the backward
+recomputes them there (flash attention's choice), so nothing [N, heads, T, T] is kept
+between forward and backward and nothing of it is allocated at all. Written out with
+slices, reshapes, permutes, a transpose, two batched products, a scale and a softmax,
+transformer-tiny's attention spent about 1.4 ms of a 17 ms step (two threads) copying
+heads in and out around 2.4 ms of products (docs/benchmarks.md).
+
+The products are NumPy's own OpenBLAS, one thread per call (numpy_fused_gemm), so each
+task's numbers are the same on any number of threads. The scale is the GEMM's alpha; the
+softmax's exponential is the fused kernels' vectorised one in float32 (math.exp in
+float64), its row sums in float64.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba.extending import overload
+
+from netdsl.backends.numpy_fused_activation import exp_of_nonpositive
+from netdsl.backends.numpy_fused_activation import like as _like
+from netdsl.backends.numpy_fused_gemm import _NO_TRANS, _TRANS, _cblas_gemm, _data_address
+
+_JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
+# the softmax's loops: reassociated sums and contractions, as the fused kernels' other
+# vectorised loops (numpy_fused_activation._VEC); no "nnan"/"ninf"
+_VEC = {**_JIT, "fastmath": {"nsz", "arcp", "contract", "afn", "reassoc"}}
+
+
+def _exp(v):
+    """e^v for v <= 0, in the array's precision."""
+
+
+@overload(_exp, inline="always")
+def _exp_impl(v):
+    if v == numba.float32:
+        return lambda v: exp_of_nonpositive(v)
+    return lambda v: math.exp(v)
+
+
+@numba.njit(inline="always", **_VEC)
+def _row_max(row, seen):
+    """max of row[:seen] in four interleaved chains of compares (as
+    numpy_fused_norm._shift_by_row_max: rows of a few dozen are latency-bound)."""
+    m0 = row[0]
+    m1, m2, m3 = m0, m0, m0
+    j = 1
+    while j + 4 <= seen:
+        v0, v1, v2, v3 = row[j], row[j + 1], row[j + 2], row[j + 3]
+        m0 = v0 if v0 > m0 else m0
+        m1 = v1 if v1 > m1 else m1
+        m2 = v2 if v2 > m2 else m2
+        m3 = v3 if v3 > m3 else m3
+        j += 4
+    while j < seen:
+        v0 = row[j]
+        m0 = v0 if v0 > m0 else m0
+        j += 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    return m2 if m2 > m0 else m0
+
+
+@numba.njit(**_VEC)
+def _softmax_rows(s1, t, causal):
+    """The [T, T] scores given flat (s1, C order) = softmax of each row, in place; with
+    `causal`, row r over its first r + 1 entries and 0 after them (query r sees keys
+    0..r). Each row a slice indexed from 0: with flat indices from r * T (which Numba
+    checks for negative values) the loops did not vectorise (128 heads' [32, 32] rows
+    0.88 ms against 0.2 on one thread)."""
+    for r in range(t):
+        row = s1[r * t:(r + 1) * t]
+        seen = r + 1 if causal else t
+        m = _row_max(row, seen)
+        for j in range(seen):
+            row[j] = _exp(row[j] - m)
+        total = 0.0
+        for j in range(seen):
+            total += np.float64(row[j])
+        inv = _like(s1, 1.0 / total)
+        for j in range(seen):
+            row[j] *= inv
+        for j in range(seen, t):
+            row[j] = _like(s1, 0.0)
+
+
+@numba.njit(**_VEC)
+def _softmax_grad_rows(p1, dp1, t):
+    """dp = p * (dp - the row's sum of p * dp), in place, row by row of the flat [T, T]
+    p1 and dp1 (softmax's gradient; the sums in float64)."""
+    for r in range(t):
+        pr, dr = p1[r * t:(r + 1) * t], dp1[r * t:(r + 1) * t]
+        acc = 0.0
+        for j in range(t):
+            acc += np.float64(pr[j]) * np.float64(dr[j])
+        st = _like(p1, acc)
+        for j in range(t):
+            dr[j] = pr[j] * (dr[j] - st)
+
+
+@numba.njit(**_JIT, parallel=True)
+def attention_tasks(fn, one, scale, qkv, heads, causal, y, threads):
+    """y [N, T, D] = attention of qkv [N, T, 3D] (both C-contiguous): per (image, head)
+    task, s = scale * q k^T into the thread's [T, T] buffer, its softmax in place, then
+    s v into the head's columns of y. `threads` chunks of consecutive tasks."""
+    n, t, d3 = qkv.shape
+    d = d3 // 3
+    hd = d // heads
+    size = qkv.itemsize
+    zero = one - one
+    tasks = n * heads
+    threads = min(threads, tasks)
+    base, out = _data_address(qkv), _data_address(y)
+    for c in numba.prange(threads):
+        s = np.empty((t, t), qkv.dtype)
+        sa = _data_address(s)
+        for task in range(c * tasks // threads, (c + 1) * tasks // threads):
+            i, h = task // heads, task % heads
+            q = base + (i * t * d3 + h * hd) * size
+            _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, scale, q, d3, q + d * size, d3,
+                        zero, sa, t)
+            _softmax_rows(s.reshape(-1), t, causal)
+            _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, t, hd, t, one, sa, t, q + 2 * d * size,
+                        d3, zero, out + (i * t * d + h * hd) * size, d)
+
+
+@numba.njit(**_JIT, parallel=True)
+def attention_grad_tasks(fn, one, scale, gy, qkv, heads, causal, dqkv, threads):
+    """dqkv [N, T, 3D] = the gradient of attention_tasks' y given gy [N, T, D] (all
+    C-contiguous). Per (image, head) task, in two [T, T] buffers of the thread: p
+    recomputed as the forward did; dp = gy_h v^T; dv = p^T gy_h; ds = p * (dp - the row
+    sums of p * dp) (softmax's gradient; the sums in float64); dq = scale * ds k;
+    dk = scale * ds^T q; each written into its columns of dqkv."""
+    n, t, d3 = qkv.shape
+    d = d3 // 3
+    hd = d // heads
+    size = qkv.itemsize
+    zero = one - one
+    tasks = n * heads
+    threads = min(threads, tasks)
+    base, gbase, dbase = _data_address(qkv), _data_address(gy), _data_address(dqkv)
+    for c in numba.prange(threads):
+        p = np.empty((t, t), qkv.dtype)
+        dp = np.empty((t, t), qkv.dtype)
+        pa, dpa = _data_address(p), _data_address(dp)
+        for task in range(c * tasks // threads, (c + 1) * tasks // threads):
+            i, h = task // heads, task % heads
+            off = (i * t * d3 + h * hd) * size
+            q, k, v = base + off, base + off + d * size, base + off + 2 * d * size
+            dq, dk, dv = dbase + off, dbase + off + d * size, dbase + off + 2 * d * size
+            g = gbase + (i * t * d + h * hd) * size
+            _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, scale, q, d3, k, d3, zero, pa, t)
+            _softmax_rows(p.reshape(-1), t, causal)
+            _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, one, g, d, v, d3, zero, dpa, t)
+            _cblas_gemm(fn, _TRANS, _NO_TRANS, t, hd, t, one, pa, t, g, d, zero, dv, d3)
+            _softmax_grad_rows(p.reshape(-1), dp.reshape(-1), t)
+            _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, t, hd, t, scale, dpa, t, k, d3, zero, dq,
+                        d3)
+            _cblas_gemm(fn, _TRANS, _NO_TRANS, t, hd, t, scale, dpa, t, q, d3, zero, dk, d3)

@@ -1,0 +1,145 @@
+"""The `fuse` pass's attention rewrite: multi-head self-attention written out over one packed
+q/k/v projection becomes one `attention_qkv` node (netdsl.ir.ops.attention).
+
+The form it finds is what stdlib/transformer.net's self_attention and causal_self_attention
+lower to, and what torch.nn.MultiheadAttention computes:
+
+    q, k, v = slice(qkv, axis=2) into thirds, in that order      (qkv: [N, T, 3D])
+    each  = permute(reshape(third, (N, T, heads, hd)), (0, 2, 1, 3))
+    core  = matmul(softmax(scale(matmul(q, transpose(k)), s)), v)     (scale optional)
+         or scaled_dot_product_attention(q, k, v, causal, scale)
+    out   = reshape(permute(core, (0, 2, 1, 3)), (N, T, D))
+
+Every value in between must be read by the next node alone and be no graph output, no node
+of it placed on a device or a recompute replay; anything else is left as written. The
+fused node takes the final reshape's name and place (its readers are unchanged), the core
+product's source location and scope, and qkv as its one input.
+"""
+from __future__ import annotations
+
+import math
+
+from netdsl.ir.graph import Graph, Node
+from netdsl.ir.rewrite import make_node
+
+_HEADS_ORDER = (0, 2, 1, 3)
+
+
+def attention_into_qkv(g: Graph, only, rebuilt) -> Graph:
+    """Each match of the written-out attention -> attention_qkv(qkv); `only(x, r)`: value
+    x is read by node r alone and is no output; `rebuilt(g, dropped, remake)`: the copy
+    of g without `dropped` and with the nodes in `remake` remade (fuse.py's helpers)."""
+    found = {}  # the final reshape's name -> (qkv, attrs, the nodes it replaces)
+    for n in g.nodes:
+        if n.op == "reshape":
+            m = _match(g, n, only)
+            if m is not None:
+                found[n.name] = m
+    if not found:
+        return g
+
+    def fused(g, n):
+        qkv, attrs, nodes = found[n.name]
+        core = nodes[-1]
+        f = make_node(g, n.name, "attention_qkv", [qkv], attrs, like=core,
+                      meta={**core.meta, "fused": tuple(x.name for x in nodes) + (n.name,)})
+        f.annotations = dict(n.annotations)
+        return f
+
+    dropped = {x.name for _, _, nodes in found.values() for x in nodes}
+    return rebuilt(g, dropped, dict.fromkeys(found, fused))
+
+
+def _plain(n: Node) -> bool:
+    return n.device is None and not n.attrs.get("replay")
+
+
+def _match(g: Graph, out: Node, only):
+    """(qkv's name, attention_qkv's attributes, the nodes replaced: merge permute first,
+    core product last) where `out` ends the written-out attention, else None."""
+    if not _plain(out) or out.type.rank != 3:
+        return None
+    merge = g[out.inputs[0]]
+    if not (merge.op == "permute" and tuple(merge.attrs["dims"]) == _HEADS_ORDER
+            and _plain(merge) and only(merge.name, out.name)):
+        return None
+    core = g[merge.inputs[0]]
+    if not (_plain(core) and only(core.name, merge.name)):
+        return None
+    inner = _core(g, core, only)
+    if inner is None:
+        return None
+    (qh, kh, vh), scale, causal, (q_reader, k_reader), between = inner
+    heads = [_head(g, x, only, reader) for x, reader in
+             ((qh, q_reader), (kh, k_reader), (vh, core))]
+    if any(h is None for h in heads) or len({h[0] for h in heads}) != 1 \
+            or [h[1] for h in heads] != [0, 1, 2]:
+        return None
+    src = g[heads[0][0]]
+    n, t, d3 = src.type.shape
+    nh, hd = core.type.shape[1], core.type.shape[3]
+    if d3 != 3 * nh * hd or out.type.shape != (n, t, nh * hd) or not src.type.is_float \
+            or any(h[2][1].type.shape[2] != nh for h in heads):
+        return None
+    attrs = {"heads": nh, "causal": causal,
+             "scale": None if math.isclose(scale, hd ** -0.5, rel_tol=1e-12) else scale}
+    nodes = [merge] + [x for h in heads for x in h[2]] + between + [core]
+    return src.name, attrs, nodes
+
+
+def _core(g: Graph, core: Node, only):
+    """((q, k, v) heads' names, scale, causal, (q's reader, k's reader), the nodes
+    between the heads and `core`) of the attention product `core`, else None."""
+    if core.op == "scaled_dot_product_attention":
+        q, k, v = core.inputs
+        scale = core.attrs["scale"]
+        if scale is None:
+            scale = g[q].type.shape[-1] ** -0.5
+        return (q, k, v), scale, core.attrs["causal"], (core, core), []
+    if core.op != "matmul":
+        return None
+    probs, v = (g[x] for x in core.inputs)
+    if not (probs.op == "softmax" and probs.attrs["axis"] in (-1, 3) and _plain(probs)
+            and only(probs.name, core.name)):
+        return None
+    scores, between, scale = g[probs.inputs[0]], [probs], 1.0
+    if scores.op == "scale" and _plain(scores) and only(scores.name, probs.name):
+        between.append(scores)
+        scale = float(scores.attrs["factor"])
+        scores = g[scores.inputs[0]]
+    if not (scores.op == "matmul" and _plain(scores) and only(scores.name, between[-1].name)
+            and scale > 0):
+        return None
+    kt = g[scores.inputs[1]]
+    if not (kt.op == "transpose" and _plain(kt) and only(kt.name, scores.name)
+            and {kt.attrs["dim0"] % 4, kt.attrs["dim1"] % 4} == {2, 3}):
+        return None
+    return (scores.inputs[0], kt.inputs[0], v.name), scale, False, (scores, kt), \
+        between + [scores, kt]
+
+
+def _head(g: Graph, name: str, only, reader: Node):
+    """(qkv's name, which third, [the permute, reshape and slice]) where value `name` is
+    a third of a [N, T, 3D] value split into heads (permute(reshape(slice)), read by
+    `reader` alone), else None."""
+    perm = g[name]
+    if not (perm.op == "permute" and tuple(perm.attrs["dims"]) == _HEADS_ORDER
+            and _plain(perm) and only(name, reader.name)):
+        return None
+    rs = g[perm.inputs[0]]
+    if not (rs.op == "reshape" and _plain(rs) and only(rs.name, perm.name)
+            and rs.type.rank == 4):
+        return None
+    sl = g[rs.inputs[0]]
+    if not (sl.op == "slice" and _plain(sl) and only(sl.name, rs.name)
+            and sl.attrs["axis"] % 3 == 2 and sl.attrs["step"] == 1):
+        return None
+    src = g[sl.inputs[0]].type
+    if src.rank != 3 or not isinstance(src.shape[2], int) or src.shape[2] % 3:
+        return None
+    d = src.shape[2] // 3
+    third, rest = divmod(sl.attrs["start"], d)
+    if rest or sl.attrs["stop"] != sl.attrs["start"] + d \
+            or rs.type.shape[:2] != src.shape[:2] or rs.type.shape[2] * rs.type.shape[3] != d:
+        return None
+    return sl.inputs[0], third, [perm, rs, sl]

@@ -135,6 +135,9 @@ OP_CASES = [
     ("attention_qkv", [(2, 5, 12)], {"heads": 2}, {}, ()),
     ("attention_qkv", [(2, 4, 18)], {"heads": 3, "causal": True}, {}, ()),
     ("attention_qkv", [(1, 3, 6)], {"heads": 1, "causal": True, "scale": 0.3}, {}, ()),
+    ("attention_qkv", [(2, 4, 12), (2, 2, 4, 4)], {"heads": 2}, {}, ()),  # P v, p given
+    ("attention_qkv_probs", [(2, 5, 12)], {"heads": 2}, {}, ()),
+    ("attention_qkv_probs", [(1, 4, 9)], {"heads": 3, "causal": True, "scale": 0.4}, {}, ()),
     # (a finite fill value: -inf would make the test's weighted loss infinite)
     ("causal_mask", [(2, 4, 4)], {"value": -3.0}, {}, ()),
     ("causal_mask", [(2, 3, 5)], {"value": 0.0}, {}, ()),

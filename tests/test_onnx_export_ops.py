@@ -97,7 +97,8 @@ CASES = {
                   "matmul(softmax(causal_mask(matmul(x, transpose(x)))), x)"),
     "attention_qkv": ("input x: f32[N, 5, 12]",
                       "attention_qkv(x, heads=2) + attention_qkv(x * 0.5, heads=4, causal=true) "
-                      "+ attention_qkv(x, heads=1, scale=0.3)"),
+                      "+ attention_qkv(x, heads=1, scale=0.3) + "
+                      "attention_qkv(x, attention_qkv_probs(x, heads=2, causal=true), heads=2)"),
 }
 
 

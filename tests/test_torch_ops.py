@@ -24,12 +24,29 @@ def _pool_stride(a):
     return a["stride"] if a["stride"] is not None else a["kernel"]
 
 
-def _attention_qkv(qkv, a):
-    """torch.nn.MultiheadAttention's core on its packed in_proj result [N, T, 3D]."""
+def _heads(qkv, a):
     n, t, d3 = qkv.shape
-    q, k, v = qkv.view(n, t, 3, a["heads"], d3 // 3 // a["heads"]).permute(2, 0, 3, 1, 4)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=a["causal"], scale=a["scale"])
-    return y.transpose(1, 2).reshape(n, t, d3 // 3)
+    return qkv.view(n, t, 3, a["heads"], d3 // 3 // a["heads"]).permute(2, 0, 3, 1, 4)
+
+
+def _attention_qkv(t, a):
+    """torch.nn.MultiheadAttention's core on its packed in_proj result [N, T, 3D] (with
+    p, the probabilities given: P v)."""
+    qkv = t["in0"]
+    q, k, v = _heads(qkv, a)
+    if "in1" in t:
+        y = t["in1"] @ v
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=a["causal"], scale=a["scale"])
+    return y.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1], -1)
+
+
+def _attention_qkv_probs(qkv, a):
+    q, k, _ = _heads(qkv, a)
+    s = q @ k.transpose(-1, -2) * (a["scale"] or q.shape[-1] ** -0.5)
+    if a["causal"]:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -torch.inf)
+    return torch.softmax(s, -1)
 
 
 TORCH = {
@@ -139,7 +156,8 @@ TORCH = {
     # attention
     "scaled_dot_product_attention": lambda t, a: F.scaled_dot_product_attention(
         t["in0"], t["in1"], t["in2"], is_causal=a["causal"], scale=a["scale"]),
-    "attention_qkv": lambda t, a: _attention_qkv(t["in0"], a),
+    "attention_qkv": _attention_qkv,
+    "attention_qkv_probs": lambda t, a: _attention_qkv_probs(t["in0"], a),
     "causal_mask": lambda t, a: t["in0"].masked_fill(
         torch.ones(t["in0"].shape[-2:], dtype=torch.bool).triu(1), a["value"]),
     # reductions

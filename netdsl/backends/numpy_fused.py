@@ -38,7 +38,11 @@ from netdsl.backends.numpy_fused_activation import (
     relu_grad,
     window_grad,
 )
-from netdsl.backends.numpy_fused_attention import attention_grad_tasks, attention_tasks
+from netdsl.backends.numpy_fused_attention import (
+    attention_grad_tasks,
+    attention_probs_tasks,
+    attention_tasks,
+)
 from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
 from netdsl.backends.numpy_fused_loss import sce_forward, sce_grad
 from netdsl.backends.numpy_fused_norm import (
@@ -157,13 +161,19 @@ class FusedKernels:
         # must not depend on the thread count (tests/test_mpi.py)
         self.convs = None if self.cblas is None else \
             self.gemm or PooledGemm(self.cblas, self.threads)
+        # the attention kernels' "no kept probabilities": an empty [N, heads, T, T]
+        self._no_probs = {np.dtype(dt): np.empty((0, 0, 0, 0), dt)
+                          for dt in (np.float32, np.float64)}
         if self.convs is not None:
             self.convs.warm_up()
             for dt in (np.float32, np.float64):  # (outside a step: called directly)
                 qkv, fn, one = np.ones((1, 2, 3), dt), self.cblas.gemm[np.dtype(dt)], dt(1)
-                attention_tasks(fn, one, one, qkv, 1, False, np.empty((1, 2, 1), dt), 1)
-                attention_grad_tasks(fn, one, one, np.ones((1, 2, 1), dt), qkv, 1, False,
-                                     np.empty_like(qkv), 1)
+                gy, p = np.ones((1, 2, 1), dt), np.empty((1, 1, 2, 2), dt)
+                attention_probs_tasks(fn, one, qkv, 1, False, p, 1)
+                for kept in (self._no_probs[np.dtype(dt)], p):
+                    attention_tasks(fn, one, one, qkv, 1, False, kept, gy.copy(), 1)
+                    attention_grad_tasks(fn, one, one, gy, qkv, 1, False, kept,
+                                         np.empty_like(qkv), 1)
         # each compiled signature is loaded from the cache (or compiled) on its first call:
         # make those calls now, on tiny arrays, so none happens inside a measured step
         for dt in (np.float32, np.float64):
@@ -265,38 +275,57 @@ class FusedKernels:
         return self.convs.conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, budget)
 
     def _attention_blas(self, *arrays):
-        """(cblas_?gemm's address, thread count) for the attention kernels, or None where
-        they do not take these arrays: no NumPy OpenBLAS found, not inside a step's
-        `running` block (where that BLAS is held to one thread), or not float and
-        C-contiguous."""
+        """cblas_?gemm's address for the attention kernels, or None where they do not take
+        these arrays: no NumPy OpenBLAS found, not inside a step's `running` block (where
+        that BLAS is held to one thread), or not of one float dtype and C-contiguous."""
+        arrays = [a for a in arrays if a is not None]
         if self.convs is None or not self.cblas.held or not self.accepts(*arrays) \
                 or len({a.dtype for a in arrays}) != 1:
             return None
-        return self.cblas.gemm[arrays[0].dtype], self.threads
+        return self.cblas.gemm[arrays[0].dtype]
 
-    def attention(self, qkv, heads, scale, causal, out=None):
-        """attention_qkv's forward, [N, T, D] from qkv [N, T, 3D], into `out` where it is
-        C-contiguous (numpy_fused_attention.attention_tasks), or None."""
-        n, t, d3 = qkv.shape
+    def _slot(self, out, shape, dtype):
+        """The planned slot where it is C-contiguous, else a new array."""
         if out is None or not out.flags.c_contiguous:
-            out = np.empty((n, t, d3 // 3), qkv.dtype)
-        blas = self._attention_blas(qkv, out)
-        if blas is None:
-            return None
-        one = qkv.dtype.type(1)
-        attention_tasks(blas[0], one, qkv.dtype.type(scale), qkv, heads, causal, out, blas[1])
+            return np.empty(shape, dtype)
         return out
 
-    def attention_grad(self, gy, qkv, heads, scale, causal, out=None):
-        """attention_qkv's dqkv from gy [N, T, D] and qkv [N, T, 3D]
-        (numpy_fused_attention.attention_grad_tasks), or None."""
-        if out is None or not out.flags.c_contiguous:
-            out = np.empty_like(qkv)
-        blas = self._attention_blas(gy, qkv, out)
-        if blas is None:
+    def attention(self, qkv, heads, scale, causal, out=None, p=None):
+        """attention_qkv's forward, [N, T, D] from qkv [N, T, 3D] (and the kept
+        probabilities p), or None (numpy_fused_attention.attention_tasks)."""
+        n, t, d3 = qkv.shape
+        out = self._slot(out, (n, t, d3 // 3), qkv.dtype)
+        fn = self._attention_blas(qkv, out, p)
+        if fn is None:
             return None
-        attention_grad_tasks(blas[0], qkv.dtype.type(1), qkv.dtype.type(scale), gy, qkv,
-                             heads, causal, out, blas[1])
+        t_ = qkv.dtype.type
+        attention_tasks(fn, t_(1), t_(scale), qkv, heads, causal,
+                        self._no_probs[qkv.dtype] if p is None else p, out, self.threads)
+        return out
+
+    def attention_probs(self, qkv, heads, scale, causal, out=None):
+        """attention_qkv_probs, [N, heads, T, T] from qkv [N, T, 3D], or None
+        (numpy_fused_attention.attention_probs_tasks)."""
+        n, t, _ = qkv.shape
+        out = self._slot(out, (n, heads, t, t), qkv.dtype)
+        fn = self._attention_blas(qkv, out)
+        if fn is None:
+            return None
+        attention_probs_tasks(fn, qkv.dtype.type(scale), qkv, heads, causal, out,
+                              self.threads)
+        return out
+
+    def attention_grad(self, gy, qkv, heads, scale, causal, out=None, p=None):
+        """attention_qkv_grad's dqkv from gy [N, T, D] and qkv [N, T, 3D] (and the kept
+        probabilities p), or None (numpy_fused_attention.attention_grad_tasks)."""
+        out = self._slot(out, qkv.shape, qkv.dtype)
+        fn = self._attention_blas(gy, qkv, out, p)
+        if fn is None:
+            return None
+        t_ = qkv.dtype.type
+        attention_grad_tasks(fn, t_(1), t_(scale), gy, qkv, heads, causal,
+                             self._no_probs[qkv.dtype] if p is None else p, out,
+                             self.threads)
         return out
 
     def running(self):

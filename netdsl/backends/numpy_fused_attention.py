@@ -107,11 +107,36 @@ def _softmax_grad_rows(p1, dp1, t):
             dr[j] = pr[j] * (dr[j] - st)
 
 
+@numba.njit(inline="always", **_JIT)
+def _scores(fn, scale, qkv, i, h, heads, causal, s):
+    """s [T, T] (C-contiguous) = softmax(scale * q k^T) of image i, head h of qkv."""
+    t, d3 = qkv.shape[1], qkv.shape[2]
+    hd = d3 // 3 // heads
+    size = qkv.itemsize
+    q = _data_address(qkv) + (i * t * d3 + h * hd) * size
+    _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, scale, q, d3, q + d3 // 3 * size, d3,
+                scale - scale, _data_address(s), t)
+    _softmax_rows(s.reshape(-1), t, causal)
+
+
 @numba.njit(**_JIT, parallel=True)
-def attention_tasks(fn, one, scale, qkv, heads, causal, y, threads):
-    """y [N, T, D] = attention of qkv [N, T, 3D] (both C-contiguous): per (image, head)
-    task, s = scale * q k^T into the thread's [T, T] buffer, its softmax in place, then
-    s v into the head's columns of y. `threads` chunks of consecutive tasks."""
+def attention_probs_tasks(fn, scale, qkv, heads, causal, p, threads):
+    """p [N, heads, T, T] = each head's softmax(scale * q k^T) of qkv [N, T, 3D] (both
+    C-contiguous), an (image, head) task at a time, `threads` chunks of them."""
+    tasks = qkv.shape[0] * heads
+    threads = min(threads, tasks)
+    for c in numba.prange(threads):
+        for task in range(c * tasks // threads, (c + 1) * tasks // threads):
+            i, h = task // heads, task % heads
+            _scores(fn, scale, qkv, i, h, heads, causal, p[i, h])
+
+
+@numba.njit(**_JIT, parallel=True)
+def attention_tasks(fn, one, scale, qkv, heads, causal, p, y, threads):
+    """y [N, T, D] = attention of qkv [N, T, 3D] (all C-contiguous): per (image, head)
+    task, the probabilities (p's [T, T] block where p is given, [N, heads, T, T]; else
+    recomputed into the thread's buffer: _scores), times v, into the head's columns of y.
+    `threads` chunks of consecutive tasks."""
     n, t, d3 = qkv.shape
     d = d3 // 3
     hd = d // heads
@@ -120,26 +145,29 @@ def attention_tasks(fn, one, scale, qkv, heads, causal, y, threads):
     tasks = n * heads
     threads = min(threads, tasks)
     base, out = _data_address(qkv), _data_address(y)
+    kept = p.size > 0
     for c in numba.prange(threads):
-        s = np.empty((t, t), qkv.dtype)
-        sa = _data_address(s)
+        s = np.empty((0 if kept else t, t), qkv.dtype)
         for task in range(c * tasks // threads, (c + 1) * tasks // threads):
             i, h = task // heads, task % heads
-            q = base + (i * t * d3 + h * hd) * size
-            _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, scale, q, d3, q + d * size, d3,
-                        zero, sa, t)
-            _softmax_rows(s.reshape(-1), t, causal)
-            _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, t, hd, t, one, sa, t, q + 2 * d * size,
-                        d3, zero, out + (i * t * d + h * hd) * size, d)
+            if kept:
+                sa = _data_address(p[i, h])
+            else:
+                _scores(fn, scale, qkv, i, h, heads, causal, s)
+                sa = _data_address(s)
+            v = base + (i * t * d3 + 2 * d + h * hd) * size
+            _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, t, hd, t, one, sa, t, v, d3, zero,
+                        out + (i * t * d + h * hd) * size, d)
 
 
 @numba.njit(**_JIT, parallel=True)
-def attention_grad_tasks(fn, one, scale, gy, qkv, heads, causal, dqkv, threads):
+def attention_grad_tasks(fn, one, scale, gy, qkv, heads, causal, p, dqkv, threads):
     """dqkv [N, T, 3D] = the gradient of attention_tasks' y given gy [N, T, D] (all
-    C-contiguous). Per (image, head) task, in two [T, T] buffers of the thread: p
-    recomputed as the forward did; dp = gy_h v^T; dv = p^T gy_h; ds = p * (dp - the row
-    sums of p * dp) (softmax's gradient; the sums in float64); dq = scale * ds k;
-    dk = scale * ds^T q; each written into its columns of dqkv."""
+    C-contiguous). Per (image, head) task, in [T, T] buffers of the thread: the
+    probabilities (p's block if given, else recomputed: _scores); dp = gy_h v^T;
+    dv = p^T gy_h; ds = p * (dp - the row sums of p * dp) (softmax's gradient; the sums in
+    float64); dq = scale * ds k; dk = scale * ds^T q; each written into its columns of
+    dqkv."""
     n, t, d3 = qkv.shape
     d = d3 // 3
     hd = d // heads
@@ -148,21 +176,26 @@ def attention_grad_tasks(fn, one, scale, gy, qkv, heads, causal, dqkv, threads):
     tasks = n * heads
     threads = min(threads, tasks)
     base, gbase, dbase = _data_address(qkv), _data_address(gy), _data_address(dqkv)
+    kept = p.size > 0
     for c in numba.prange(threads):
-        p = np.empty((t, t), qkv.dtype)
+        s = np.empty((0 if kept else t, t), qkv.dtype)
         dp = np.empty((t, t), qkv.dtype)
-        pa, dpa = _data_address(p), _data_address(dp)
+        dpa = _data_address(dp)
         for task in range(c * tasks // threads, (c + 1) * tasks // threads):
             i, h = task // heads, task % heads
+            if kept:
+                pr = p[i, h]
+            else:
+                _scores(fn, scale, qkv, i, h, heads, causal, s)
+                pr = s
+            pa = _data_address(pr)
             off = (i * t * d3 + h * hd) * size
             q, k, v = base + off, base + off + d * size, base + off + 2 * d * size
             dq, dk, dv = dbase + off, dbase + off + d * size, dbase + off + 2 * d * size
             g = gbase + (i * t * d + h * hd) * size
-            _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, scale, q, d3, k, d3, zero, pa, t)
-            _softmax_rows(p.reshape(-1), t, causal)
             _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, one, g, d, v, d3, zero, dpa, t)
             _cblas_gemm(fn, _TRANS, _NO_TRANS, t, hd, t, one, pa, t, g, d, zero, dv, d3)
-            _softmax_grad_rows(p.reshape(-1), dp.reshape(-1), t)
+            _softmax_grad_rows(pr.reshape(-1), dp.reshape(-1), t)
             _cblas_gemm(fn, _NO_TRANS, _NO_TRANS, t, hd, t, scale, dpa, t, k, d3, zero, dq,
                         d3)
             _cblas_gemm(fn, _TRANS, _NO_TRANS, t, hd, t, scale, dpa, t, q, d3, zero, dk, d3)

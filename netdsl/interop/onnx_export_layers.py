@@ -214,19 +214,33 @@ def scaled_dot_product_attention(e, n, xs):
     e.result("MatMul", [p, xs[2]])
 
 
-def attention_qkv(e, n, xs):
-    """qkv [N, T, 3D] -> [N, T, 3, heads, hd] -> [3, N, heads, T, hd], q, k and v
-    gathered from it, attention, the heads merged back into [N, T, D]."""
+def _qkv_heads(e, n, qkv):
+    """q, k and v of qkv [N, T, 3D]: Reshape to [N, T, 3, heads, hd], Transpose to
+    [3, N, heads, T, hd], Gather each; and (T, D, hd)."""
     _, t, d3 = e.type(n.inputs[0]).shape
     heads = n.attrs["heads"]
     hd = d3 // 3 // heads
-    split = e.emit("Transpose", [e.emit("Reshape", [xs[0], e.ints([0, t, 3, heads, hd],
-                                                                    "by_head")])],
+    split = e.emit("Transpose", [e.emit("Reshape", [qkv, e.ints([0, t, 3, heads, hd],
+                                                                "by_head")])],
                    perm=[2, 0, 3, 1, 4])
-    q, k, v = (e.emit("Gather", [split, e.ints(j, "which")], axis=0) for j in range(3))
-    p = _attention_probs(e, q, k, t, t, hd, 4, n.attrs["scale"], n.attrs["causal"])
+    return [e.emit("Gather", [split, e.ints(j, "which")], axis=0) for j in range(3)], \
+        (t, d3 // 3, hd)
+
+
+def attention_qkv(e, n, xs):
+    """The heads of qkv, attention (or P v with the probabilities given), the heads
+    merged back into [N, T, D]."""
+    (q, k, v), (t, d, hd) = _qkv_heads(e, n, xs[0])
+    p = xs[1] if len(xs) > 1 else _attention_probs(e, q, k, t, t, hd, 4, n.attrs["scale"],
+                                                   n.attrs["causal"])
     merged = e.emit("Transpose", [e.emit("MatMul", [p, v])], perm=[0, 2, 1, 3])
-    e.result("Reshape", [merged, e.ints([0, t, d3 // 3], "merged")])
+    e.result("Reshape", [merged, e.ints([0, t, d], "merged")])
+
+
+def attention_qkv_probs(e, n, xs):
+    (q, k, _), (t, _, hd) = _qkv_heads(e, n, xs[0])
+    p = _attention_probs(e, q, k, t, t, hd, 4, n.attrs["scale"], n.attrs["causal"])
+    e.result("Identity", [p])
 
 
 def reduce(op_type: str):

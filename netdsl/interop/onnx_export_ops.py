@@ -294,6 +294,7 @@ EXPORTERS = {
     "causal_mask": layers.causal_mask,
     "scaled_dot_product_attention": layers.scaled_dot_product_attention,
     "attention_qkv": layers.attention_qkv,
+    "attention_qkv_probs": layers.attention_qkv_probs,
     "dropout": _same("Identity"),  # evaluation mode
     "dropout_mask": _dropout_mask,
     "flatten": _flatten,

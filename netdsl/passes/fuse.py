@@ -25,7 +25,9 @@
   input gradient: batchnorm's dx plus the shortcut's). The fused node takes the add's
   name and place. Then a `relu_grad` whose gradient is such a sum, read by nothing else,
   takes the sum's two terms (the second as its `acc`) and the add goes (a
-  post-activation block's input gradient, masked by the previous block's relu).
+  post-activation block's input gradient, masked by the previous block's relu). And the
+  backward of attention_qkv(qkv, p) with kept probabilities (the values' gradient, dP and
+  the probabilities' gradient, summed) becomes one `attention_qkv_grad(dy, qkv, p)`.
 - `join_slice_grads` (on a training graph, after autodiff): a gradient sum whose terms
   are all `slice_grad`s of one value, read by nothing else, whose unit-step slices tile
   the sliced axis (a transformer's q, k and v cut from one projection) becomes one
@@ -47,7 +49,7 @@ import importlib.util
 from netdsl.config import env_switch
 from netdsl.ir.graph import Graph
 from netdsl.ir.rewrite import make_node
-from netdsl.passes.fuse_attention import attention_into_qkv
+from netdsl.passes.fuse_attention import attention_into_qkv, join_attention_grads
 from netdsl.passes.pipeline import register_pass
 
 FUSE_ENV = "NETDSL_FUSE"
@@ -99,7 +101,7 @@ def fuse(g: Graph, enabled: bool | None = None, residuals: bool = True,
         return g
     g = _activations(g)
     if attention:
-        g = attention_into_qkv(g, _sole_reader(g), _rebuilt)
+        g = attention_into_qkv(g, _sole_reader(g))
     return _residuals_into_products(g) if residuals else g
 
 
@@ -170,10 +172,13 @@ def _rebuilt(g: Graph, dropped: set[str], remake: dict) -> Graph:
 @register_pass("fuse_grads")
 def fuse_grads(g: Graph, enabled: bool | None = None) -> Graph:
     """add(batchnorm_grad_from_stats(...), other) -> batchnorm_grad_from_stats(..., acc=other)
-    and relu_grad(add(a, b), y) -> relu_grad(a, y, acc=b) for autodiff's gradient sums."""
+    and relu_grad(add(a, b), y) -> relu_grad(a, y, acc=b) for autodiff's gradient sums;
+    the kept attention probabilities' backward nodes and their sum -> attention_qkv_grad
+    (netdsl.passes.fuse_attention.join_attention_grads)."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
-    return _sums_into_relu_grads(_sums_into_batchnorm_dx(g))
+    g = _sums_into_relu_grads(_sums_into_batchnorm_dx(g))
+    return join_attention_grads(g, _sole_reader(g))
 
 
 def _sums_into_batchnorm_dx(g: Graph) -> Graph:

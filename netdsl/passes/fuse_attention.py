@@ -1,6 +1,9 @@
 """The `fuse` pass's attention rewrite: multi-head self-attention written out over one packed
 q/k/v projection becomes one `attention_qkv` node (netdsl.ir.ops.attention).
 
+(`join_attention_grads`, for fuse_grads: the kept probabilities' three backward nodes and
+their gradient sum become one attention_qkv_grad.)
+
 The form it finds is what stdlib/transformer.net's self_attention and causal_self_attention
 lower to, and what torch.nn.MultiheadAttention computes:
 
@@ -13,7 +16,9 @@ lower to, and what torch.nn.MultiheadAttention computes:
 Every value in between must be read by the next node alone and be no graph output, no node
 of it placed on a device or a recompute replay; anything else is left as written. The
 fused node takes the final reshape's name and place (its readers are unchanged), the core
-product's source location and scope, and qkv as its one input.
+product's source location and scope, and qkv as its input; where the probabilities are
+kept (short sequences: KEEP_PROBS_UP_TO), an attention_qkv_probs(qkv) named as the softmax
+comes first and attention_qkv reads it as `p`.
 """
 from __future__ import annotations
 
@@ -25,10 +30,19 @@ from netdsl.ir.rewrite import make_node
 _HEADS_ORDER = (0, 2, 1, 3)
 
 
-def attention_into_qkv(g: Graph, only, rebuilt) -> Graph:
-    """Each match of the written-out attention -> attention_qkv(qkv); `only(x, r)`: value
-    x is read by node r alone and is no output; `rebuilt(g, dropped, remake)`: the copy
-    of g without `dropped` and with the nodes in `remake` remade (fuse.py's helpers)."""
+# Keep each head's [T, T] probabilities from the forward where T <= this x hd (a head's
+# probabilities no more than 4/3 of its q, k and v, [T, 3hd]): the backward then reads them
+# instead of recomputing the scores' products and softmax (transformer-tiny's backward
+# 0.78 -> 0.49 ms a layer, two threads). Longer sequences recompute: their probabilities
+# would outgrow the activations around them (flash attention's choice).
+KEEP_PROBS_UP_TO = 4
+
+
+def attention_into_qkv(g: Graph, only) -> Graph:
+    """Each match of the written-out attention -> attention_qkv(qkv), or, where the
+    probabilities are kept (KEEP_PROBS_UP_TO), attention_qkv_probs(qkv) then
+    attention_qkv(qkv, p); `only(x, r)`: value x is read by node r alone and is no
+    output."""
     found = {}  # the final reshape's name -> (qkv, attrs, the nodes it replaces)
     for n in g.nodes:
         if n.op == "reshape":
@@ -37,17 +51,71 @@ def attention_into_qkv(g: Graph, only, rebuilt) -> Graph:
                 found[n.name] = m
     if not found:
         return g
-
-    def fused(g, n):
-        qkv, attrs, nodes = found[n.name]
-        core = nodes[-1]
-        f = make_node(g, n.name, "attention_qkv", [qkv], attrs, like=core,
-                      meta={**core.meta, "fused": tuple(x.name for x in nodes) + (n.name,)})
-        f.annotations = dict(n.annotations)
-        return f
-
     dropped = {x.name for _, _, nodes in found.values() for x in nodes}
-    return rebuilt(g, dropped, dict.fromkeys(found, fused))
+    out = g.copy()
+    out.nodes = []
+    for n in g.nodes:
+        if n.name in found:
+            _add_fused(out, n, *found[n.name])
+        elif n.name not in dropped:
+            out.nodes.append(n)
+    return out
+
+
+def _add_fused(g: Graph, n: Node, qkv: str, attrs: dict, nodes: list[Node]) -> None:
+    """Appends to g the node(s) that replace the attention ending at reshape `n`: named as
+    it (and, for the kept probabilities, as the softmax or scaled_dot_product_attention it
+    replaces), with the core product's source location and scope."""
+    core = nodes[-1]
+    meta = {**core.meta, "fused": tuple(x.name for x in nodes) + (n.name,)}
+    t, hd = g[qkv].type.shape[1], core.type.shape[3]
+    inputs = [qkv]
+    if t <= KEEP_PROBS_UP_TO * hd:
+        probs = next((x for x in nodes if x.op == "softmax"), core)
+        g.nodes.append(make_node(g, probs.name, "attention_qkv_probs", [qkv], attrs,
+                                 like=probs, meta=dict(meta)))
+        inputs.append(probs.name)
+    f = make_node(g, n.name, "attention_qkv", inputs, attrs, like=core, meta=meta)
+    f.annotations = dict(n.annotations)
+    g.nodes.append(f)
+
+
+def join_attention_grads(g: Graph, only) -> Graph:
+    """The gradient sum add(attention_qkv_grad_values(dy, p),
+    attention_qkv_probs_grad(attention_qkv_grad_probs(dy, qkv), p, qkv)) (either order),
+    each term read by the sum alone and dP by its one reader -> attention_qkv_grad(dy, qkv,
+    p), named as the sum: one pass an (image, head) task, dP in the thread's cache."""
+    joined = {}  # the sum's name -> (the joined node's inputs and attributes, dropped)
+    for n in g.nodes:
+        if n.op != "add" or "sums_gradient_of" not in n.meta or len(n.inputs) != 2 \
+                or n.device is not None:
+            continue
+        values, probs_grad = sorted((g[x] for x in n.inputs), key=lambda x: x.op)
+        if (values.op, probs_grad.op) != ("attention_qkv_grad_values",
+                                          "attention_qkv_probs_grad"):
+            continue
+        dp = g[probs_grad.inputs[0]]
+        dy, p, qkv = values.inputs[0], values.inputs[1], probs_grad.inputs[2]
+        if (dp.op == "attention_qkv_grad_probs" and tuple(dp.inputs) == (dy, qkv)
+                and probs_grad.inputs[1] == p
+                and all(x.device is None for x in (dp, probs_grad, values))
+                and only(dp.name, probs_grad.name) and only(probs_grad.name, n.name)
+                and only(values.name, n.name)):
+            joined[n.name] = ((dy, qkv, p), dict(probs_grad.attrs),
+                              (dp.name, probs_grad.name, values.name))
+    if not joined:
+        return g
+    dropped = {x for _, _, names in joined.values() for x in names}
+    out = g.copy()
+    out.nodes = []
+    for n in g.nodes:
+        if n.name in joined:
+            ins, attrs, names = joined[n.name]
+            out.nodes.append(make_node(out, n.name, "attention_qkv_grad", ins, attrs, like=n,
+                                       meta={**n.meta, "fused": names + (n.name,)}))
+        elif n.name not in dropped:
+            out.nodes.append(n)
+    return out
 
 
 def _plain(n: Node) -> bool:

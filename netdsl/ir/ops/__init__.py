@@ -5,6 +5,7 @@ from netdsl.ir.ops import (  # noqa: F401
     activation_fns,
     arith,
     attention,
+    attention_qkv,
     comm,
     conv,
     conv_nd,

@@ -1,30 +1,18 @@
-"""Attention pieces: fused scaled dot-product attention (optionally causal), multi-head
-attention over packed q/k/v, and a causal mask for attention written out with matmul and
-softmax.
+"""Attention pieces: fused scaled dot-product attention (optionally causal) and a causal
+mask for attention written out with matmul and softmax.
 
 `scaled_dot_product_attention(q, k, v)` is torch's F.scaled_dot_product_attention without
 dropout: softmax(q k^T * scale [+ causal mask]) v, scale = 1/sqrt(E) by default, the causal
 mask keeping key j for query i when j <= i (top-left aligned, torch's is_causal). Its
 backward recomputes the attention probabilities (`attention_probs`) instead of keeping
 them, then uses matmul, transpose, softmax_grad and scale.
-
-`attention_qkv(qkv, heads)` is a transformer's whole multi-head attention between its input
-and output projections: qkv [N, T, 3D] holds q, k and v side by side on its last axis (the
-fused input projection's result, torch.nn.MultiheadAttention's in_proj order), each cut
-into `heads` heads of D / heads; the result [N, T, D] is every head's
-softmax(q k^T * scale) v with the heads merged back (head h in columns h*hd..(h+1)*hd).
-The `fuse` pass makes it, on a CPU step, out of the written-out form (three slices, each
-head split by reshape and permute, the two products, scale and softmax, the heads merged
-by permute and reshape) or out of that around scaled_dot_product_attention. Its gradient
-`attention_qkv_grad(dy, qkv)` recomputes the probabilities: with the fused kernels
-(netdsl.backends.numpy_fused_attention) an (image, head) pair a task, in cache, no head
-copied and nothing [N, heads, T, T] kept or allocated.
+(Multi-head attention over a packed q/k/v projection: netdsl.ir.ops.attention_qkv.)
 """
 import math
 
 from netdsl.errors import ShapeError
 from netdsl.ir.ops._util import fused_kernels, matmul, need_float
-from netdsl.ir.registry import GT0, POSITIVE, Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.registry import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 
@@ -93,77 +81,6 @@ register(OpDef("attention_probs", (Arg("q", "tensor"), Arg("k", "tensor")) + _AT
                doc="softmax(q k^T * scale), masked if causal: recomputed for the backward"))
 
 
-_QKV = (Arg("heads", "int", range=POSITIVE),) + _ATTN
-
-
-def _qkv_dims(qkv, a, op):
-    """(T, D, head width) of qkv [N, T, 3D] for `heads` heads."""
-    need_float(qkv, op, "qkv")
-    if qkv.rank != 3:
-        raise ShapeError(f"{op} expects qkv [N, T, 3D], but {{qkv}} is {qkv}")
-    _static(qkv.shape[1], "sequence", qkv)
-    _static(qkv.shape[2], "last", qkv)
-    if qkv.shape[2] % (3 * a["heads"]):
-        raise ShapeError(f"{op}: the last dimension of {{qkv}} ({qkv}) must be 3 x heads x "
-                         f"the head width, with heads={a['heads']}")
-    d = qkv.shape[2] // 3
-    return qkv.shape[1], d, d // a["heads"]
-
-
-def _qkv_shape(ins, a):
-    (qkv,) = ins
-    _, d, _ = _qkv_dims(qkv, a, "attention_qkv")
-    if a["scale"] is not None and a["scale"] <= 0:
-        raise ShapeError("attention_qkv: scale must be positive")
-    return TensorType(qkv.shape[:2] + (d,), qkv.dtype)
-
-
-def _qkv_pairs(qkv, a):
-    """N x heads x T x T: the (query, key) pairs, each head's scores."""
-    t, _, _ = _qkv_dims(qkv, a, "attention_qkv")
-    return qkv.numel() // qkv.shape[2] * a["heads"] * t
-
-
-def _qkv_flops(ins, out, a):
-    (qkv,) = ins
-    hd = _qkv_dims(qkv, a, "attention_qkv")[2]
-    return _qkv_pairs(qkv, a) * (4 * hd + 5)  # two products, the softmax
-
-
-def _qkv_scores_bytes(copies):
-    """`copies` float32 [N, heads, T, T] arrays and the heads' [N, heads, T, hd] results:
-    what the NumPy reference kernel holds besides its inputs and result (the fused kernels
-    hold two [T, T] buffers a thread)."""
-    def rule(ins, out, a):
-        qkv = ins[-1]
-        return 4 * (copies * _qkv_pairs(qkv, a) + qkv.numel() // 3)
-    return rule
-
-
-register(OpDef("attention_qkv", (Arg("qkv", "tensor"),) + _QKV, _qkv_shape, "matmul",
-               flops=_qkv_flops, workspace=_qkv_scores_bytes(1), retains=("inputs",),
-               extra={"fused_kernels": True},
-               doc="multi-head attention over packed q/k/v: qkv [N, T, 3D] (q, k, v side by "
-                   "side, each of `heads` heads) -> [N, T, D], each head's softmax(q k^T * "
-                   "scale) v, heads merged; made by the fuse pass on a CPU step"))
-
-
-def _qkv_grad_shape(ins, a):
-    dy, qkv = ins
-    if _qkv_shape([qkv], a) != dy:
-        raise ShapeError(f"attention_qkv_grad: dy must be attention_qkv's result type, but "
-                         f"{{dy}} is {dy} and {{qkv}} is {qkv}")
-    return qkv
-
-
-register(OpDef("attention_qkv_grad", (Arg("dy", "tensor"), Arg("qkv", "tensor")) + _QKV,
-               _qkv_grad_shape, "backward",
-               flops=lambda ins, out, a: _qkv_flops(ins[1:], out, a) * 5 // 2,
-               workspace=_qkv_scores_bytes(3), differentiable=False,
-               extra={"fused_kernels": True},
-               doc="attention_qkv's gradient dqkv from dy, the probabilities recomputed"))
-
-
 def _mask_shape(ins, a):
     (x,) = ins
     need_float(x, "causal_mask")
@@ -216,61 +133,6 @@ def _attention_probs(xp, ins, a, ctx):
     return _probs(xp, ins[0], ins[1], a, fused_kernels(ctx))
 
 
-def _heads(qkv, heads):
-    """q, k and v of qkv [N, T, 3D] as [N, heads, T, hd] views (no copy)."""
-    n, t, d3 = qkv.shape
-    by_head = qkv.reshape(n, t, 3, heads, d3 // 3 // heads)
-    return [by_head[:, :, j].transpose(0, 2, 1, 3) for j in range(3)]
-
-
-def _qkv_scale(a, qkv) -> float:
-    hd = qkv.shape[2] // 3 // a["heads"]
-    return a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(hd)
-
-
-@kernel("attention_qkv")
-def _attention_qkv(xp, ins, a, ctx):
-    (qkv,) = ins
-    heads, scale = a["heads"], _qkv_scale(a, qkv)
-    f = fused_kernels(ctx, qkv)
-    if f is not None:
-        y = f.attention(qkv, heads, scale, a["causal"], ctx.out)
-        if y is not None:
-            return y
-    n, t, d3 = qkv.shape
-    q, k, v = _heads(qkv, heads)
-    y = xp.empty((n, t, d3 // 3), qkv.dtype) if ctx.out is None else ctx.out
-    # each head's product written into its columns of y (a strided view)
-    p = _probs(xp, q, k, {**a, "scale": scale}, None)
-    matmul(xp, p, v, out=y.reshape(n, t, heads, -1).transpose(0, 2, 1, 3))
-    return y
-
-
-@kernel("attention_qkv_grad")
-def _attention_qkv_grad(xp, ins, a, ctx):
-    dy, qkv = ins
-    heads, scale = a["heads"], _qkv_scale(a, qkv)
-    f = fused_kernels(ctx, dy, qkv)
-    if f is not None:
-        dqkv = f.attention_grad(dy, qkv, heads, scale, a["causal"], ctx.out)
-        if dqkv is not None:
-            return dqkv
-    n, t, _ = qkv.shape
-    q, k, v = _heads(qkv, heads)
-    dqkv = xp.empty_like(qkv) if ctx.out is None else ctx.out
-    dq, dk, dv = _heads(dqkv, heads)
-    gy = dy.reshape(n, t, heads, -1).transpose(0, 2, 1, 3)
-    p = _probs(xp, q, k, {**a, "scale": scale}, None)  # recomputed
-    matmul(xp, xp.swapaxes(p, -1, -2), gy, out=dv)
-    ds = matmul(xp, gy, xp.swapaxes(v, -1, -2))  # dp, then softmax's and the scale's grads
-    ds -= (ds * p).sum(axis=-1, keepdims=True)
-    ds *= p
-    ds *= scale
-    matmul(xp, ds, k, out=dq)
-    matmul(xp, xp.swapaxes(ds, -1, -2), q, out=dk)
-    return dqkv
-
-
 @kernel("causal_mask")
 def _causal_mask(xp, ins, a, ctx):
     x = ins[0]
@@ -298,11 +160,6 @@ def _sdpa_rule(n, b, gy):
     dq = b.emit("matmul", [ds, k], tag="q")
     dk = b.emit("matmul", [b.emit("transpose", [ds], tag="dsT"), q], tag="k")
     return [dq, dk, dv]
-
-
-@grad_rule("attention_qkv")
-def _attention_qkv_rule(n, b, gy):
-    return [b.emit("attention_qkv_grad", [gy, n.inputs[0]], dict(n.attrs), tag="qkv")]
 
 
 @grad_rule("causal_mask")

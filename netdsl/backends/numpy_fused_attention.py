@@ -29,6 +29,7 @@ from numba.extending import overload
 from netdsl.backends.numpy_fused_activation import exp_of_nonpositive
 from netdsl.backends.numpy_fused_activation import like as _like
 from netdsl.backends.numpy_fused_gemm import _NO_TRANS, _TRANS, _cblas_gemm, _data_address
+from netdsl.backends.numpy_fused_norm import row_max
 
 _JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
 # the softmax's loops: reassociated sums and contractions, as the fused kernels' other
@@ -47,29 +48,6 @@ def _exp_impl(v):
     return lambda v: math.exp(v)
 
 
-@numba.njit(inline="always", **_VEC)
-def _row_max(row, seen):
-    """max of row[:seen] in four interleaved chains of compares (as
-    numpy_fused_norm._shift_by_row_max: rows of a few dozen are latency-bound)."""
-    m0 = row[0]
-    m1, m2, m3 = m0, m0, m0
-    j = 1
-    while j + 4 <= seen:
-        v0, v1, v2, v3 = row[j], row[j + 1], row[j + 2], row[j + 3]
-        m0 = v0 if v0 > m0 else m0
-        m1 = v1 if v1 > m1 else m1
-        m2 = v2 if v2 > m2 else m2
-        m3 = v3 if v3 > m3 else m3
-        j += 4
-    while j < seen:
-        v0 = row[j]
-        m0 = v0 if v0 > m0 else m0
-        j += 1
-    m0 = m1 if m1 > m0 else m0
-    m2 = m3 if m3 > m2 else m2
-    return m2 if m2 > m0 else m0
-
-
 @numba.njit(**_VEC)
 def _softmax_rows(s1, t, causal):
     """The [T, T] scores given flat (s1, C order) = softmax of each row, in place; with
@@ -80,7 +58,7 @@ def _softmax_rows(s1, t, causal):
     for r in range(t):
         row = s1[r * t:(r + 1) * t]
         seen = r + 1 if causal else t
-        m = _row_max(row, seen)
+        m = row_max(row, seen)
         for j in range(seen):
             row[j] = _exp(row[j] - m)
         total = 0.0
@@ -108,11 +86,16 @@ def _softmax_grad_rows(p1, dp1, t):
 
 
 @numba.njit(inline="always", **_JIT)
+def _layout(qkv, heads):
+    """(T, 3D, D, hd, item bytes, tasks) of qkv [N, T, 3D] in `heads` heads."""
+    n, t, d3 = qkv.shape
+    return t, d3, d3 // 3, d3 // 3 // heads, qkv.itemsize, n * heads
+
+
+@numba.njit(inline="always", **_JIT)
 def _scores(fn, scale, qkv, i, h, heads, causal, s):
     """s [T, T] (C-contiguous) = softmax(scale * q k^T) of image i, head h of qkv."""
-    t, d3 = qkv.shape[1], qkv.shape[2]
-    hd = d3 // 3 // heads
-    size = qkv.itemsize
+    t, d3, _, hd, size, _ = _layout(qkv, heads)
     q = _data_address(qkv) + (i * t * d3 + h * hd) * size
     _cblas_gemm(fn, _NO_TRANS, _TRANS, t, t, hd, scale, q, d3, q + d3 // 3 * size, d3,
                 scale - scale, _data_address(s), t)
@@ -137,12 +120,8 @@ def attention_tasks(fn, one, scale, qkv, heads, causal, p, y, threads):
     task, the probabilities (p's [T, T] block where p is given, [N, heads, T, T]; else
     recomputed into the thread's buffer: _scores), times v, into the head's columns of y.
     `threads` chunks of consecutive tasks."""
-    n, t, d3 = qkv.shape
-    d = d3 // 3
-    hd = d // heads
-    size = qkv.itemsize
+    t, d3, d, hd, size, tasks = _layout(qkv, heads)
     zero = one - one
-    tasks = n * heads
     threads = min(threads, tasks)
     base, out = _data_address(qkv), _data_address(y)
     kept = p.size > 0
@@ -168,12 +147,8 @@ def attention_grad_tasks(fn, one, scale, gy, qkv, heads, causal, p, dqkv, thread
     dv = p^T gy_h; ds = p * (dp - the row sums of p * dp) (softmax's gradient; the sums in
     float64); dq = scale * ds k; dk = scale * ds^T q; each written into its columns of
     dqkv."""
-    n, t, d3 = qkv.shape
-    d = d3 // 3
-    hd = d // heads
-    size = qkv.itemsize
+    t, d3, d, hd, size, tasks = _layout(qkv, heads)
     zero = one - one
-    tasks = n * heads
     threads = min(threads, tasks)
     base, gbase, dbase = _data_address(qkv), _data_address(gy), _data_address(dqkv)
     kept = p.size > 0

@@ -316,31 +316,37 @@ def softmax_rows(x2, y2):
     _divide_by_row_sum(y2)
 
 
+@numba.njit(inline="always")
+def row_max(row, seen):
+    """max of row[:seen] (1-d) in four interleaved chains of compares: rows of a few dozen
+    leave one chain's latency most of the pass (the attention kernels' rows too)."""
+    m0 = row[0]
+    m1, m2, m3 = m0, m0, m0
+    j = 1
+    while j + 4 <= seen:
+        v0, v1, v2, v3 = row[j], row[j + 1], row[j + 2], row[j + 3]
+        m0 = v0 if v0 > m0 else m0
+        m1 = v1 if v1 > m1 else m1
+        m2 = v2 if v2 > m2 else m2
+        m3 = v3 if v3 > m3 else m3
+        j += 4
+    while j < seen:
+        v0 = row[j]
+        m0 = v0 if v0 > m0 else m0
+        j += 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    return m2 if m2 > m0 else m0
+
+
 @numba.njit(**_PAR)
 def _shift_by_row_max(x2, y2):
-    """y = x - max per row. The maximum in four interleaved chains of compares: rows of a
-    few dozen leave one chain's latency most of the pass. A NaN after a row's first
-    element is no chain's maximum, but x - max is NaN at it and the row's sum then makes
-    the whole row NaN, as NumPy's max does (tests/test_fuse.py)."""
+    """y = x - max per row (row_max). A NaN after a row's first element is no chain's
+    maximum, but x - max is NaN at it and the row's sum then makes the whole row NaN, as
+    NumPy's max does (tests/test_fuse.py)."""
     d_ = x2.shape[1]
     for r in numba.prange(x2.shape[0]):
-        m0 = x2[r, 0]
-        m1, m2, m3 = m0, m0, m0
-        j = 1
-        while j + 4 <= d_:
-            v0, v1, v2, v3 = x2[r, j], x2[r, j + 1], x2[r, j + 2], x2[r, j + 3]
-            m0 = v0 if v0 > m0 else m0
-            m1 = v1 if v1 > m1 else m1
-            m2 = v2 if v2 > m2 else m2
-            m3 = v3 if v3 > m3 else m3
-            j += 4
-        while j < d_:
-            v0 = x2[r, j]
-            m0 = v0 if v0 > m0 else m0
-            j += 1
-        m0 = m1 if m1 > m0 else m0
-        m2 = m3 if m3 > m2 else m2
-        m = m2 if m2 > m0 else m0
+        m = row_max(x2[r], d_)
         for j in range(d_):
             y2[r, j] = x2[r, j] - m
 

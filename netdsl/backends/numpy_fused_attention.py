@@ -1,17 +1,18 @@
 """Multi-head attention over packed q/k/v for the NumPy backend's fused kernels (Numba, the
-`fast` extra): the `attention_qkv` op's forward and backward, an (image, head) pair a task.
+`fast` extra): the attention_qkv ops' kernels (netdsl.ir.ops.attention_qkv), an (image,
+head) pair a task.
 
 qkv is one [N, T, 3D] array (a transformer's fused input projection: q, k, v side by side
 on the last axis, each D = heads x hd wide). Head h of image i reads its q, k and v as
 [T, hd] blocks of qkv with a leading dimension of 3D, so no head is ever copied out; the
 forward writes its [T, hd] result straight into the merged [N, T, D] output (leading
 dimension D), the backward its dq, dk, dv straight into the [N, T, 3D] gradient. The
-[T, T] scores and probabilities stay in a buffer of the thread, in cache: the backward
-recomputes them there (flash attention's choice), so nothing [N, heads, T, T] is kept
-between forward and backward and nothing of it is allocated at all. Written out with
-slices, reshapes, permutes, a transpose, two batched products, a scale and a softmax,
-transformer-tiny's attention spent about 1.4 ms of a 17 ms step (two threads) copying
-heads in and out around 2.4 ms of products (docs/benchmarks.md).
+probabilities are either kept ([N, heads, T, T], attention_probs_tasks, for the forward
+and the backward to read) or, for long sequences, recomputed in a [T, T] buffer of the
+thread, in cache (flash attention's choice: nothing [N, heads, T, T] kept or allocated);
+dP always stays in such a buffer. Written out with slices, reshapes, permutes, a
+transpose, two batched products, a scale and a softmax, transformer-tiny's attention took
+3.0 ms of a 13 ms step (two threads), 1.95 ms so (docs/benchmarks.md).
 
 The products are NumPy's own OpenBLAS, one thread per call (numpy_fused_gemm), so each
 task's numbers are the same on any number of threads. The scale is the GEMM's alpha; the

@@ -1,8 +1,8 @@
 """The `fuse` pass's attention rewrite: multi-head self-attention written out over one packed
-q/k/v projection becomes one `attention_qkv` node (netdsl.ir.ops.attention).
-
-(`join_attention_grads`, for fuse_grads: the kept probabilities' three backward nodes and
-their gradient sum become one attention_qkv_grad.)
+q/k/v projection becomes `attention_qkv` (netdsl.ir.ops.attention_qkv), its probabilities
+kept by an `attention_qkv_probs` where they are small. And `join_attention_grads`, for
+fuse_grads: the kept probabilities' three backward nodes and their gradient sum become one
+attention_qkv_grad.
 
 The form it finds is what stdlib/transformer.net's self_attention and causal_self_attention
 lower to, and what torch.nn.MultiheadAttention computes:
@@ -32,9 +32,10 @@ _HEADS_ORDER = (0, 2, 1, 3)
 
 # Keep each head's [T, T] probabilities from the forward where T <= this x hd (a head's
 # probabilities no more than 4/3 of its q, k and v, [T, 3hd]): the backward then reads them
-# instead of recomputing the scores' products and softmax (transformer-tiny's backward
-# 0.78 -> 0.49 ms a layer, two threads). Longer sequences recompute: their probabilities
-# would outgrow the activations around them (flash attention's choice).
+# instead of recomputing the scores' products and softmax (transformer-tiny's step 1-3%
+# faster at one and two threads for 1 MB more at the peak; docs/benchmarks.md). Longer
+# sequences recompute: their probabilities would outgrow the activations around them
+# (flash attention's choice).
 KEEP_PROBS_UP_TO = 4
 
 
@@ -146,8 +147,8 @@ def _match(g: Graph, out: Node, only):
     src = g[heads[0][0]]
     n, t, d3 = src.type.shape
     nh, hd = core.type.shape[1], core.type.shape[3]
-    if d3 != 3 * nh * hd or out.type.shape != (n, t, nh * hd) or not src.type.is_float \
-            or any(h[2][1].type.shape[2] != nh for h in heads):
+    if not isinstance(t, int) or d3 != 3 * nh * hd or out.type.shape != (n, t, nh * hd) \
+            or not src.type.is_float or any(h[2][1].type.shape[2] != nh for h in heads):
         return None
     attrs = {"heads": nh, "causal": causal,
              "scale": None if math.isclose(scale, hd ** -0.5, rel_tol=1e-12) else scale}

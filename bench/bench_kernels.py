@@ -143,6 +143,7 @@ def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
     print(f"{'softmax [32, 4, 32, 32] over the last axis':<44} {'forward':<9} {m:>10.3f} "
           f"{t:>9.3f} {m / t:>6.2f}")
     attention_cases(np, torch, ops, Ctx, rng, 10 * a.repeats)
+    layernorm_cases(np, torch, ops, Ctx, rng, 10 * a.repeats)
     if a.conv:
         conv_cases(np, torch, ops, Ctx, rng, a.repeats, a.conv_only)
     if a.gemm:
@@ -150,10 +151,14 @@ def _cases(a, np, torch, F, ops, Ctx, rng) -> None:  # noqa: N803
 
 
 def attention_cases(np, torch, ops, ctx, rng, repeats) -> None:
-    """Attention products: transformer-tiny's (batch 32, 4 heads of 16, 32 tokens) and a
-    larger one (batch 8, 8 heads of 64, 128 tokens). The matmul kernel on the views a step
-    hands it (heads permuted out of the fused q/k/v projection, transposes as views),
-    torch.matmul on the same views."""
+    """Attention: transformer-tiny's (batch 32, 4 heads of 16, 32 tokens) and a larger one
+    (batch 8, 8 heads of 64, 128 tokens). The matmul kernel on the views a step written
+    out hands it (heads permuted out of the fused q/k/v projection, transposes as views),
+    torch.matmul on the same views; then the fuse pass's attention_qkv_probs +
+    attention_qkv (forward) and attention_qkv_grad with the kept probabilities (backward)
+    against torch's scaled_dot_product_attention on the same packed projection (its
+    backward through autograd, so with its forward)."""
+    import torch.nn.functional as F  # noqa: N812
     for n, t, h, d in ((32, 32, 4, 16), (8, 128, 8, 64)):
         qkv = rng.standard_normal((n, t, 3 * h * d)).astype(np.float32)
         q, k, v = (x.reshape(n, t, h, d).transpose(0, 2, 1, 3) for x in np.split(qkv, 3, 2))
@@ -167,6 +172,52 @@ def attention_cases(np, torch, ops, ctx, rng, repeats) -> None:
             label = f"attention {name}, {'x'.join(map(str, x.shape))}"
             print(f"{label:<44} {'forward':<9} {m:>10.3f} {t_:>9.3f} {m / t_:>6.2f}",
                   flush=True)
+        a = {"heads": h, "causal": False, "scale": None}
+        dy = rng.standard_normal((n, t, h * d)).astype(np.float32)
+        kept = ops["attention_qkv_probs"].kernel(np, [qkv], a, ctx)
+        tqkv, tdy = torch.from_numpy(qkv).requires_grad_(), torch.from_numpy(dy)
+
+        def torch_attention(x):
+            tq, tk, tv = x.view(n, t, 3, h, d).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(tq, tk, tv).transpose(1, 2).reshape(n, t, -1)
+        for part, ours, theirs in (
+                ("forward", lambda: ops["attention_qkv"].kernel(
+                    np, [qkv, ops["attention_qkv_probs"].kernel(np, [qkv], a, ctx)], a, ctx),
+                 lambda: torch_attention(tqkv.detach())),
+                ("backward", lambda: ops["attention_qkv_grad"].kernel(np, [dy, qkv, kept], a,
+                                                                      ctx),
+                 lambda: torch.autograd.grad(torch_attention(tqkv), tqkv, tdy))):
+            m, t_ = best_ms(ours, repeats), best_ms(theirs, repeats)
+            label = f"attention_qkv [{n}, {t}, {3 * h * d}], {h} heads"
+            print(f"{label:<44} {part:<9} {m:>10.3f} {t_:>9.3f} {m / t_:>6.2f}", flush=True)
+
+
+def layernorm_cases(np, torch, ops, ctx, rng, repeats) -> None:
+    """transformer-tiny's layernorm, [32, 32, 64]: the forward kernel, and the backward's
+    three nodes (layernorm_grad_input, layernorm_grad_weight, the bias gradient's
+    sum_except) against torch's layer_norm (its backward through autograd, with its
+    forward)."""
+    import torch.nn.functional as F  # noqa: N812
+    x = rng.standard_normal((32, 32, 64)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    w, b = rng.standard_normal(64).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    a = {"eps": 1e-5, "affine": True, "axis": -1}
+    g = {"eps": 1e-5, "axis": -1}
+
+    def ours_bwd():
+        return (ops["layernorm_grad_input"].kernel(np, [dy, x, w], g, ctx),
+                ops["layernorm_grad_weight"].kernel(np, [dy, x], g, ctx),
+                ops["sum_except"].kernel(np, [dy], {"axis": -1}, ctx))
+    tx, tw, tb = (torch.from_numpy(v).requires_grad_() for v in (x, w, b))
+    for part, ours, theirs in (
+            ("forward", lambda: ops["layernorm"].kernel(np, [x, w, b], a, ctx),
+             lambda: F.layer_norm(tx.detach(), (64,), tw.detach(), tb.detach())),
+            ("backward", ours_bwd,
+             lambda: torch.autograd.grad(F.layer_norm(tx, (64,), tw, tb), (tx, tw, tb),
+                                         torch.from_numpy(dy)))):
+        m, t_ = best_ms(ours, repeats), best_ms(theirs, repeats)
+        print(f"{'layernorm [32, 32, 64] (torch bwd: + fwd)':<44} {part:<9} {m:>10.3f} "
+              f"{t_:>9.3f} {m / t_:>6.2f}", flush=True)
 
 
 GEMMS = [(2, 32, 32, 64), (16, 16, 16, 64), (2, 64, 64, 64), (4, 64, 64, 64),

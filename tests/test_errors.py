@@ -257,6 +257,11 @@ CASES = [
      'softmax_cross_entropy() `reduction` must be one of mean, sum, none, not "avg"', 6, 38),
     ("sdpa-mismatch", net("q = flatten(x, 2)\nk = linear(q, 7)\nh = scaled_dot_product_attention(q, k, q, causal=true)\noutput h"),
      "scaled_dot_product_attention: q [..., L, E] and k [..., S, E] must agree in the leading dims and E, but `q`", 6, 9),
+    ("qkv-heads", net("q = flatten(x, 2)\nh = attention_qkv(q, heads=5)\noutput h"),
+     "attention_qkv: the last dimension of `q` (from flatten at line 4, column 9), 64, is not "
+     "3 x 5 heads x a head width", 5, 9),
+    ("qkv-probs", net("q = linear(flatten(x, 2), 12)\nh = attention_qkv(q, q, heads=2)\noutput h"),
+     "attention_qkv: the probabilities `q`", 5, 9),
     ("reduce-batch", net("h = sum(x, (0, 1))\noutput h"),
      "sum over the batch dimension is not supported; use a loss", 4, 9),
     ("squeeze-not-one", net("h = squeeze(x, 1)\noutput h"),

@@ -289,14 +289,31 @@ def ln_grad_input(dy2, x2, w, eps, dx2):
             dx2[r, j] = it * (dy2[r, j] * w[j] - k_sum - xh * k_hat)
 
 
-@numba.njit(**_JIT)
+# layernorm's weight gradient: rows in blocks of this many, in parallel, each block's
+# column sums in the data's dtype (SIMD lanes across the columns), the blocks' sums then
+# added into the float64 result in order. The blocks are fixed by the shape, so the sums
+# are the same on any number of threads. One row at a time in float64 took transformer-
+# tiny's five [1024, 64] calls 0.34 ms a step on one thread and on two.
+_LN_ROWS = 32
+
+
+@numba.njit(**_PAR)
 def ln_grad_weight(dy2, x2, eps, acc):
     """acc[j] += sum over rows of dy * x_hat (acc float64)."""
-    for r in range(x2.shape[0]):
-        mean, var = _row_moments(x2, r)
-        mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
-        for j in range(x2.shape[1]):
-            acc[j] += np.float64(dy2[r, j] * ((x2[r, j] - mt) * it))
+    r_, d_ = x2.shape
+    blocks = (r_ + _LN_ROWS - 1) // _LN_ROWS
+    part = np.zeros((blocks, d_), x2.dtype)
+    for bk in numba.prange(blocks):
+        out = part[bk]
+        for r in range(bk * _LN_ROWS, min(r_, (bk + 1) * _LN_ROWS)):
+            mean, var = _row_moments(x2, r)
+            mt, it, _s, _b, _z = _consts(x2, mean, 1.0 / math.sqrt(var + eps), 1.0, 0.0)
+            xr, dr = x2[r], dy2[r]
+            for j in range(d_):
+                out[j] += dr[j] * ((xr[j] - mt) * it)
+    for bk in range(blocks):
+        for j in range(d_):
+            acc[j] += np.float64(part[bk, j])
 
 
 # -- softmax over rows ---------------------------------------------------------------------------

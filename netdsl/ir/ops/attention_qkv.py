@@ -45,8 +45,8 @@ def qkv_dims(qkv: TensorType, heads: int, op: str) -> tuple[int, int, int]:
     _static(qkv.shape[1], "sequence", qkv)
     _static(qkv.shape[2], "last", qkv)
     if qkv.shape[2] % (3 * heads):
-        raise ShapeError(f"{op}: the last dimension of {{qkv}} ({qkv}) must be 3 x heads x "
-                         f"the head width, with heads={heads}")
+        raise ShapeError(f"{op}: the last dimension of {{qkv}}, {qkv.shape[2]}, is not 3 x "
+                         f"{heads} heads x a head width (q, k and v side by side)")
     d = qkv.shape[2] // 3
     return qkv.shape[1], d, d // heads
 

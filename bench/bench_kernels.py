@@ -172,6 +172,8 @@ def attention_cases(np, torch, ops, ctx, rng, repeats) -> None:
             label = f"attention {name}, {'x'.join(map(str, x.shape))}"
             print(f"{label:<44} {'forward':<9} {m:>10.3f} {t_:>9.3f} {m / t_:>6.2f}",
                   flush=True)
+        if "attention_qkv" not in ops:  # (a --src checkout from before it)
+            continue
         a = {"heads": h, "causal": False, "scale": None}
         dy = rng.standard_normal((n, t, h * d)).astype(np.float32)
         kept = ops["attention_qkv_probs"].kernel(np, [qkv], a, ctx)

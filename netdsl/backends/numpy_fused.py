@@ -284,20 +284,21 @@ class FusedKernels:
             return None
         return self.cblas.gemm[arrays[0].dtype]
 
-    def _slot(self, out, shape, dtype):
-        """The planned slot where it is C-contiguous, else a new array."""
-        if out is None or not out.flags.c_contiguous:
+    @staticmethod
+    def _slot(out, shape, dtype):
+        """The planned slot where it is C-contiguous and of the dtype, else a new array."""
+        if out is None or not out.flags.c_contiguous or out.dtype != dtype:
             return np.empty(shape, dtype)
         return out
 
     def attention(self, qkv, heads, scale, causal, out=None, p=None):
         """attention_qkv's forward, [N, T, D] from qkv [N, T, 3D] (and the kept
         probabilities p), or None (numpy_fused_attention.attention_tasks)."""
-        n, t, d3 = qkv.shape
-        out = self._slot(out, (n, t, d3 // 3), qkv.dtype)
-        fn = self._attention_blas(qkv, out, p)
+        fn = self._attention_blas(qkv, p)
         if fn is None:
             return None
+        n, t, d3 = qkv.shape
+        out = self._slot(out, (n, t, d3 // 3), qkv.dtype)
         t_ = qkv.dtype.type
         attention_tasks(fn, t_(1), t_(scale), qkv, heads, causal,
                         self._no_probs[qkv.dtype] if p is None else p, out, self.threads)
@@ -306,11 +307,11 @@ class FusedKernels:
     def attention_probs(self, qkv, heads, scale, causal, out=None):
         """attention_qkv_probs, [N, heads, T, T] from qkv [N, T, 3D], or None
         (numpy_fused_attention.attention_probs_tasks)."""
-        n, t, _ = qkv.shape
-        out = self._slot(out, (n, heads, t, t), qkv.dtype)
-        fn = self._attention_blas(qkv, out)
+        fn = self._attention_blas(qkv)
         if fn is None:
             return None
+        n, t, _ = qkv.shape
+        out = self._slot(out, (n, heads, t, t), qkv.dtype)
         attention_probs_tasks(fn, qkv.dtype.type(scale), qkv, heads, causal, out,
                               self.threads)
         return out
@@ -318,10 +319,10 @@ class FusedKernels:
     def attention_grad(self, gy, qkv, heads, scale, causal, out=None, p=None):
         """attention_qkv_grad's dqkv from gy [N, T, D] and qkv [N, T, 3D] (and the kept
         probabilities p), or None (numpy_fused_attention.attention_grad_tasks)."""
-        out = self._slot(out, qkv.shape, qkv.dtype)
-        fn = self._attention_blas(gy, qkv, out, p)
+        fn = self._attention_blas(gy, qkv, p)
         if fn is None:
             return None
+        out = self._slot(out, qkv.shape, qkv.dtype)
         t_ = qkv.dtype.type
         attention_grad_tasks(fn, t_(1), t_(scale), gy, qkv, heads, causal,
                              self._no_probs[qkv.dtype] if p is None else p, out,

@@ -54,8 +54,7 @@ def _softmax_rows(s1, t, causal):
     """The [T, T] scores given flat (s1, C order) = softmax of each row, in place; with
     `causal`, row r over its first r + 1 entries and 0 after them (query r sees keys
     0..r). Each row a slice indexed from 0: with flat indices from r * T (which Numba
-    checks for negative values) the loops did not vectorise (128 heads' [32, 32] rows
-    0.88 ms against 0.2 on one thread)."""
+    checks for negative values) the loops did not vectorise."""
     for r in range(t):
         row = s1[r * t:(r + 1) * t]
         seen = r + 1 if causal else t

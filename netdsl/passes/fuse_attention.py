@@ -53,11 +53,19 @@ def attention_into_qkv(g: Graph, only) -> Graph:
     if not found:
         return g
     dropped = {x.name for _, _, nodes in found.values() for x in nodes}
+    return _rebuilt(g, dropped,
+                    dict.fromkeys(found, lambda out, n: _add_fused(out, n, *found[n.name])))
+
+
+def _rebuilt(g: Graph, dropped: set[str], remake: dict) -> Graph:
+    """A copy of g without the `dropped` nodes, each node named in `remake` replaced in its
+    place by what remake[name](the copy so far, the node) appends to the copy (so a node
+    made there may read one made just before it)."""
     out = g.copy()
     out.nodes = []
     for n in g.nodes:
-        if n.name in found:
-            _add_fused(out, n, *found[n.name])
+        if n.name in remake:
+            remake[n.name](out, n)
         elif n.name not in dropped:
             out.nodes.append(n)
     return out
@@ -106,17 +114,12 @@ def join_attention_grads(g: Graph, only) -> Graph:
                               (dp.name, probs_grad.name, values.name))
     if not joined:
         return g
+    def joined_grad(out, n):
+        ins, attrs, names = joined[n.name]
+        out.nodes.append(make_node(out, n.name, "attention_qkv_grad", ins, attrs, like=n,
+                                   meta={**n.meta, "fused": names + (n.name,)}))
     dropped = {x for _, _, names in joined.values() for x in names}
-    out = g.copy()
-    out.nodes = []
-    for n in g.nodes:
-        if n.name in joined:
-            ins, attrs, names = joined[n.name]
-            out.nodes.append(make_node(out, n.name, "attention_qkv_grad", ins, attrs, like=n,
-                                       meta={**n.meta, "fused": names + (n.name,)}))
-        elif n.name not in dropped:
-            out.nodes.append(n)
-    return out
+    return _rebuilt(g, dropped, dict.fromkeys(joined, joined_grad))
 
 
 def _plain(n: Node) -> bool:

@@ -37,20 +37,6 @@ _HEADS = Arg("heads", "int", range=POSITIVE)
 _QKV = (_HEADS,) + _ATTN
 
 
-def qkv_dims(qkv: TensorType, heads: int, op: str) -> tuple[int, int, int]:
-    """(T, D, hd) of qkv [N, T, 3D] cut into `heads` heads."""
-    need_float(qkv, op, "qkv")
-    if qkv.rank != 3:
-        raise ShapeError(f"{op} expects qkv [N, T, 3D], but {{qkv}} is {qkv}")
-    _static(qkv.shape[1], "sequence", qkv)
-    _static(qkv.shape[2], "last", qkv)
-    if qkv.shape[2] % (3 * heads):
-        raise ShapeError(f"{op}: the last dimension of {{qkv}}, {qkv.shape[2]}, is not 3 x "
-                         f"{heads} heads x a head width (q, k and v side by side)")
-    d = qkv.shape[2] // 3
-    return qkv.shape[1], d, d // heads
-
-
 def _probs_type(qkv: TensorType, heads: int) -> TensorType:
     return TensorType((qkv.shape[0], heads, qkv.shape[1], qkv.shape[1]), qkv.dtype)
 
@@ -65,8 +51,16 @@ def _need(t: TensorType, want: TensorType, op: str, what: str) -> None:
 
 
 def _qkv(qkv: TensorType, a, op: str) -> TensorType:
-    """qkv's type, checked, and the scale."""
-    qkv_dims(qkv, a["heads"], op)
+    """qkv's type [N, T, 3D], checked (static T and 3D, cut into `heads` heads), and the
+    scale."""
+    need_float(qkv, op, "qkv")
+    if qkv.rank != 3:
+        raise ShapeError(f"{op} expects qkv [N, T, 3D], but {{qkv}} is {qkv}")
+    _static(qkv.shape[1], "sequence", qkv)
+    _static(qkv.shape[2], "last", qkv)
+    if qkv.shape[2] % (3 * a["heads"]):
+        raise ShapeError(f"{op}: the last dimension of {{qkv}}, {qkv.shape[2]}, is not 3 x "
+                         f"{a['heads']} heads x a head width (q, k and v side by side)")
     if a.get("scale") is not None and a["scale"] <= 0:
         raise ShapeError(f"{op}: scale must be positive")
     return qkv
@@ -203,7 +197,7 @@ def _reference_probs(xp, qkv, a):
 def _attention_qkv(xp, ins, a, ctx):
     qkv, p = ins[0], (ins[1] if len(ins) > 1 else None)
     heads, scale = a["heads"], _scale(a, qkv)
-    f = fused_kernels(ctx, *ins)
+    f = fused_kernels(ctx)  # (its attention methods check the arrays)
     if f is not None:
         y = f.attention(qkv, heads, scale, a["causal"], ctx.out, p)
         if y is not None:
@@ -219,7 +213,7 @@ def _attention_qkv(xp, ins, a, ctx):
 @kernel("attention_qkv_probs")
 def _attention_qkv_probs(xp, ins, a, ctx):
     (qkv,) = ins
-    f = fused_kernels(ctx, qkv)
+    f = fused_kernels(ctx)
     if f is not None:
         p = f.attention_probs(qkv, a["heads"], _scale(a, qkv), a["causal"], ctx.out)
         if p is not None:
@@ -243,7 +237,7 @@ def _attention_qkv_grad(xp, ins, a, ctx):
     dy, qkv = ins[0], ins[1]
     p = ins[2] if len(ins) > 2 else None
     heads, scale = a["heads"], _scale(a, qkv)
-    f = fused_kernels(ctx, *ins)
+    f = fused_kernels(ctx)
     if f is not None:
         dqkv = f.attention_grad(dy, qkv, heads, scale, a["causal"], ctx.out, p)
         if dqkv is not None:

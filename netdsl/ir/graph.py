@@ -8,6 +8,7 @@ them like any other value, and a later pass can move, split or duplicate them.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -77,11 +78,14 @@ class NodeList(list):
 
     def __init__(self, items=(), graph: Graph | None = None):
         super().__init__(items)
-        self._graph = graph
+        # a weak reference: a strong one made every graph a reference cycle, freed only
+        # by the cyclic collector (a split's discarded candidates piled up until it ran)
+        self._graph = weakref.ref(graph) if graph is not None else None
 
     def _changed(self) -> None:
-        if self._graph is not None:
-            self._graph._index = None
+        g = self._graph() if self._graph is not None else None
+        if g is not None:
+            g._index = None
 
 
 def _mutator(name: str):

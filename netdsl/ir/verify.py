@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from netdsl.ir import registry
-from netdsl.ir.graph import Graph
+from netdsl.ir.graph import SOURCE_OPS, Graph, Node
 
 
 class IRError(AssertionError):
@@ -22,40 +22,44 @@ class IRError(AssertionError):
 
 def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
     ops = registry.load_all()
-    seen: dict[str, object] = {}
-    root: dict[str, str] = {}  # value -> the value whose storage it aliases (itself if none)
+    seen: dict[str, Node] = {}
     pos: dict[str, int] = {}
+    root: dict[str, str] = {}  # view -> the value whose storage it aliases (absent: itself)
     clobbered: dict[str, tuple[int, str]] = {}  # storage root -> (position, writer)
     for k, n in enumerate(g.nodes):
-        if n.name in seen:
-            raise IRError(f"duplicate node name %{n.name}")
-        if n.op not in ops:
-            raise IRError(f"%{n.name}: unknown op {n.op!r}")
-        for i in n.inputs:
-            if i not in seen:
-                raise IRError(f"%{n.name} reads %{i}, which is not defined before it")
-        for i in n.inputs:
-            w = clobbered.get(root.get(i, i))
-            if w is not None and pos[i] < w[0] and w[1] != n.name and w[1] not in n.inputs:
-                raise IRError(f"%{n.name} reads %{i} after %{w[1]} overwrote it in place")
-        if n.is_source and n.inputs:
-            raise IRError(f"%{n.name}: a {n.op} node takes no inputs")
-        if recheck_shapes and not n.is_source and not n.meta.get("unchecked"):
-            op = ops[n.op]
-            ins = [seen[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
+        name, inputs = n.name, n.inputs
+        if name in seen:
+            raise IRError(f"duplicate node name %{name}")
+        op = ops.get(n.op)
+        if op is None:
+            raise IRError(f"%{name}: unknown op {n.op!r}")
+        if inputs:
+            if n.op in SOURCE_OPS:
+                raise IRError(f"%{name}: a {n.op} node takes no inputs")
+            for i in inputs:
+                if i not in seen:
+                    raise IRError(f"%{name} reads %{i}, which is not defined before it")
+            if clobbered:
+                for i in inputs:
+                    w = clobbered.get(root.get(i, i))
+                    if w is not None and pos[i] < w[0] and w[1] != name and w[1] not in inputs:
+                        raise IRError(f"%{name} reads %{i} after %{w[1]} overwrote it in place")
+        if recheck_shapes and n.op not in SOURCE_OPS and not n.meta.get("unchecked"):
+            ins = [seen[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
             try:
                 t = op.shape(ins, n.attrs)
             except Exception as e:  # a rule rejecting its own node is an IR bug
-                raise IRError(f"%{n.name}: shape rule of {n.op} fails: {e}") from e
+                raise IRError(f"%{name}: shape rule of {n.op} fails: {e}") from e
             if t != n.type:
-                raise IRError(f"%{n.name}: recorded type {n.type} but {n.op} gives {t}")
-        seen[n.name] = n
-        pos[n.name] = k
-        op = ops[n.op]
-        root[n.name] = (root.get(n.inputs[op.view_of], n.inputs[op.view_of])
-                        if op.view_of is not None and op.view_of < len(n.inputs) else n.name)
-        for j in op.written_inputs(n):
-            clobbered[root.get(n.inputs[j], n.inputs[j])] = (k, n.name)
+                raise IRError(f"%{name}: recorded type {n.type} but {n.op} gives {t}")
+        seen[name] = n
+        pos[name] = k
+        v = op.view_of
+        if v is not None and v < len(inputs):
+            root[name] = root.get(inputs[v], inputs[v])
+        if op.writes:
+            for j in op.written_inputs(n):
+                clobbered[root.get(inputs[j], inputs[j])] = (k, name)
     for role, names in g.outputs.items():
         for name in names:
             if name not in seen:

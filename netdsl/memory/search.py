@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from netdsl.errors import BudgetError, NetdslError
 from netdsl.ir import registry
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.memory.checkpoint import (
     chain_plan,
@@ -431,6 +432,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     return res
 
 
+@gc_paused()  # (searches and rewrites whole steps: netdsl.ir.bulk)
 def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12gb",
                    strategy: str = "auto", float_dtype: str = "f32", *,
                    roles: tuple[str, ...] = ROLES, arena: bool = False,

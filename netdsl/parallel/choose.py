@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from netdsl.config import ParallelConfig
 from netdsl.errors import SplitError
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -131,6 +132,7 @@ def _hybrid_factors(devices: int) -> tuple[int, int]:
                      f"(4, 6, 8 ...), not {devices}")
 
 
+@gc_paused()  # (builds and drops whole split steps: netdsl.ir.bulk)
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
            profile: Profile, link: Interconnect, mem: int | None = None,
            microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),

@@ -178,10 +178,11 @@ def autodiff(g: Graph) -> Graph:
             gp = b.emit("scale", [gp], {"factor": 1.0}, tag="own")
         grad_names.append(gp)
         grad_of[gp] = p
+    b._total = None  # (the builder and `total` refer to each other: freed by refcount)
     g.outputs["grads"] = grad_names
     g.meta["grad_of"] = grad_of
     _prune_backward(g, set(grad_names))
-    g.verify()
+    g.verify(recheck_shapes=False)  # shapes: run_pipeline rechecks them
     return g
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from netdsl.errors import NetdslError
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 
 DUMP_ENV = "NETDSL_DUMP_IR"
@@ -48,6 +49,7 @@ def register_pass(name: str):
 Step = str | tuple[str, dict[str, Any]]
 
 
+@gc_paused()  # (each pass copies or rebuilds the graph: netdsl.ir.bulk)
 def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = None,
                  recheck_shapes: bool = True) -> Graph:
     """Run `steps` on `g` in order, verifying after each; see the module docstring.

@@ -47,13 +47,17 @@ class Node:
         if type(self) is not Node or not changes.keys() <= _NODE_FIELD_SET:
             return _replace_copy(self, changes)  # replace's checks and TypeError
         d = self.__dict__
-        values = {f: d[f] for f in _NODE_FIELDS}
-        values.update(changes)
+        if len(d) == len(_NODE_FIELDS):  # the fields alone (the usual case): copy the dict
+            values = d.copy()
+        else:
+            values = {f: d[f] for f in _NODE_FIELDS}
+        if changes:
+            values.update(changes)
         values["attrs"] = dict(values["attrs"])
         values["annotations"] = dict(values["annotations"])
         values["meta"] = dict(values["meta"])
-        n = object.__new__(type(self))
-        n.__dict__.update(values)
+        n = object.__new__(Node)
+        n.__dict__ = values
         return n
 
 

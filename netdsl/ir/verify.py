@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from netdsl.ir import registry
-from netdsl.ir.graph import SOURCE_OPS, Graph, Node
+from netdsl.ir.graph import SOURCE_OPS, Graph
 
 
 class IRError(AssertionError):
@@ -22,37 +22,34 @@ class IRError(AssertionError):
 
 def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
     ops = registry.load_all()
-    seen: dict[str, Node] = {}
-    pos: dict[str, int] = {}
+    nodes = g.nodes
+    pos: dict[str, int] = {}  # the values defined so far, at their positions
     root: dict[str, str] = {}  # view -> the value whose storage it aliases (absent: itself)
     clobbered: dict[str, tuple[int, str]] = {}  # storage root -> (position, writer)
-    for k, n in enumerate(g.nodes):
-        name, inputs = n.name, n.inputs
-        if name in seen:
+    for k, n in enumerate(nodes):
+        name, inputs, o = n.name, n.inputs, n.op
+        if name in pos:
             raise IRError(f"duplicate node name %{name}")
-        op = ops.get(n.op)
+        op = ops.get(o)
         if op is None:
-            raise IRError(f"%{name}: unknown op {n.op!r}")
-        if inputs:
-            if n.op in SOURCE_OPS:
-                raise IRError(f"%{name}: a {n.op} node takes no inputs")
-            for i in inputs:
-                if i not in seen:
-                    raise IRError(f"%{name} reads %{i}, which is not defined before it")
+            raise IRError(f"%{name}: unknown op {o!r}")
+        if inputs and o in SOURCE_OPS:
+            raise IRError(f"%{name}: a {o} node takes no inputs")
+        for i in inputs:
+            if i not in pos:
+                raise IRError(f"%{name} reads %{i}, which is not defined before it")
             if clobbered:
-                for i in inputs:
-                    w = clobbered.get(root.get(i, i))
-                    if w is not None and pos[i] < w[0] and w[1] != name and w[1] not in inputs:
-                        raise IRError(f"%{name} reads %{i} after %{w[1]} overwrote it in place")
-        if recheck_shapes and n.op not in SOURCE_OPS and not n.meta.get("unchecked"):
-            ins = [seen[i].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
+                w = clobbered.get(root.get(i, i))
+                if w is not None and pos[i] < w[0] and w[1] != name and w[1] not in inputs:
+                    raise IRError(f"%{name} reads %{i} after %{w[1]} overwrote it in place")
+        if recheck_shapes and o not in SOURCE_OPS and not n.meta.get("unchecked"):
+            ins = [nodes[pos[i]].type for i in inputs[:op.n_tensor_inputs(len(inputs))]]
             try:
                 t = op.shape(ins, n.attrs)
             except Exception as e:  # a rule rejecting its own node is an IR bug
-                raise IRError(f"%{name}: shape rule of {n.op} fails: {e}") from e
+                raise IRError(f"%{name}: shape rule of {o} fails: {e}") from e
             if t != n.type:
-                raise IRError(f"%{name}: recorded type {n.type} but {n.op} gives {t}")
-        seen[name] = n
+                raise IRError(f"%{name}: recorded type {n.type} but {o} gives {t}")
         pos[name] = k
         v = op.view_of
         if v is not None and v < len(inputs):
@@ -62,8 +59,9 @@ def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
                 clobbered[root.get(inputs[j], inputs[j])] = (k, name)
     for role, names in g.outputs.items():
         for name in names:
-            if name not in seen:
+            if name not in pos:
                 raise IRError(f"output {role} names %{name}, which does not exist")
     for name in g.outputs.get("loss", []):
-        if seen[name].type.shape != ():
-            raise IRError(f"loss %{name} is not a scalar: {seen[name].type}")
+        t = nodes[pos[name]].type
+        if t.shape != ():
+            raise IRError(f"loss %{name} is not a scalar: {t}")

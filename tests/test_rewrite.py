@@ -89,18 +89,24 @@ def test_verify_names_each_broken_invariant(edit, message):
 
 
 def test_graph_building_leaves_no_reference_cycles():
-    """The passes and splits run with the cyclic collector paused (netdsl.ir.bulk), so
-    what they drop must be freed by reference counting alone: a cycle through a graph
-    (its node list, autodiff's builder) would keep every discarded step alive."""
+    """The passes, splits and memory plans run with the cyclic collector paused
+    (netdsl.ir.bulk), so what they drop must be freed by reference counting alone: a cycle
+    through a graph (its node list, autodiff's builder, move_after's recursive closure)
+    would keep every discarded step alive."""
     import gc
 
-    from netdsl.api import load, split
+    from netdsl.api import load, plan, split
+    from netdsl.runtime.trainer import training_graph
     net = load("examples/resnet20-cifar.net")
-    gc.collect()
+    others = [net, load("examples/transformer-tiny.net")]
+    gc.collect()  # (the front end's parse trees hold cycles: loaded before)
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         for strategy in ("data", "pipeline", "tensor", "spatial"):
             split(net, 2, strategy, batch=4)
+        plan(net, "30MB", batch=4)  # recomputation rewrites (move_after)
+        for other in others:  # the trainer's passes, fused
+            training_graph(other.lower(4), other.train)
         gc.collect()
         kinds = sorted({type(o).__name__ for o in gc.garbage})
     finally:

@@ -154,15 +154,15 @@ def move_after(g: Graph, moves: dict[str, str]) -> Graph:
         if n.name in moves:
             after.setdefault(moves[n.name], []).append(n)
     out: list[Node] = []
-
-    def emit(n: Node) -> None:
-        out.append(n)
-        for m in after.get(n.name, ()):
-            emit(m)
-
     for n in g.nodes:
-        if n.name not in moves:
-            emit(n)
+        if n.name in moves:
+            continue
+        # n, then what moves after it, depth first (a stack: chains of moves can be long)
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            out.append(m)
+            stack.extend(reversed(after.get(m.name, ())))
     if len(out) != len(g.nodes):
         raise KeyError(f"move_after: an anchor is missing or the moves form a cycle in "
                        f"{g.name}")

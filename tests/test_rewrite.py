@@ -173,6 +173,20 @@ def test_replace_uses_splice_and_move_after():
         splice(g, before={"nope": [r]})
 
 
+def test_move_after_follows_a_chain_longer_than_the_recursion_limit():
+    import sys
+    g = Graph("chain", batch=2)
+    inp(g, "x", (2, 3))
+    k = sys.getrecursionlimit() + 100
+    for i in range(k):
+        add_op(g, f"r{i}", "relu", ["x"], {})
+    g.outputs = {"output": [f"r{i}" for i in range(k)]}
+    # every node after the next one: the order reverses, each anchor moved itself
+    move_after(g, {f"r{i}": f"r{i + 1}" for i in range(k - 1)})
+    assert [n.name for n in g.nodes] == ["x"] + [f"r{i}" for i in reversed(range(k))]
+    g.verify()
+
+
 # -- the pipeline --------------------------------------------------------------------------
 def test_pipeline_runs_registered_passes_verifies_and_dumps(tmp_path):
     g = Graph("p", batch=2)

@@ -2,17 +2,31 @@
 
 A run executes the nodes its requested outputs need, in graph order (a rewrite sets the
 schedule by ordering the nodes); each value is released right after its last reader, the
-requested outputs are held to the end. `memory.plan` turns this into bytes.
+requested outputs are held to the end (but for the run-only roles below). `memory.plan`
+turns this into bytes.
 """
 from __future__ import annotations
 
 from netdsl.ir.graph import Graph
 
+# Output roles a run executes but does not keep: an MPI rank's sends and collectives
+# (`comm`, netdsl.parallel.project) must run, since other ranks wait for them, but each of
+# their values is freed after its last local reader like any other, and a run does not
+# return them. (Held to the end, every all-gathered activation of a tensor split stayed
+# alive for the whole step, and then in the trainer's hands into the next one.)
+RUN_ONLY_ROLES = frozenset({"comm"})
+
+
+def kept(g: Graph, roles: tuple[str, ...]) -> set[str]:
+    """The values a run of `roles` holds to its end and returns."""
+    return {name for r in roles if r not in RUN_ONLY_ROLES for name in g.outputs.get(r, [])}
+
 
 def schedule(g: Graph, roles: tuple[str, ...]) -> tuple[list, list[list[str]], set[str]]:
     """The nodes the roles need, in graph order, and what to free after each of them."""
-    wanted = {name for r in roles for name in g.outputs.get(r, [])}
-    needed = set(wanted)
+    wanted = kept(g, roles)
+    needed = wanted | {name for r in roles if r in RUN_ONLY_ROLES
+                       for name in g.outputs.get(r, [])}
     for n in reversed(g.nodes):
         if n.name in needed:
             needed.update(n.inputs)

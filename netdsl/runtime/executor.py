@@ -36,6 +36,7 @@ from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE, TensorType
+from netdsl.memory.liveness import RUN_ONLY_ROLES, kept
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
 from netdsl.runtime.comm import Communicator, InProcess
 from netdsl.runtime.replay import StepReplay, wanted
@@ -336,7 +337,8 @@ class Executor:
                         if h is not None:
                             give(*h)
             self.comm.finish_step()
-            return {r: [values[name] for name in g.outputs[r]] for r in roles}
+            return {r: [values[name] for name in g.outputs[r]] for r in roles
+                    if r not in RUN_ONLY_ROLES}
         finally:
             # whatever is still held (outputs handed to the caller, or the values of a run
             # that failed) is no longer the executor's
@@ -420,7 +422,7 @@ class Executor:
         allocated on first use). Requested outputs get no slot: they outlive the run."""
         if roles not in self._arenas:
             block = self.backend.alloc(max(plan.arena_bytes, 1))
-            wanted = {x for r in roles for x in self.graph.outputs.get(r, [])}
+            wanted = kept(self.graph, roles)
             self._arenas[roles] = {
                 name: self.backend.view(block, off, tuple(self.graph[name].type.shape),
                                         self._dtype_for(self.graph[name].type.dtype))

@@ -16,6 +16,15 @@ def run(*args, cwd=None):
                           cwd=cwd or ROOT, timeout=300)
 
 
+def _step_plan(path: str):
+    """The storage plan `netdsl run FILE` follows (built, not run)."""
+    from netdsl import load
+    from netdsl.runtime.trainer import RunOptions, Trainer
+    net = load(ROOT / path)
+    t = Trainer(net.graph, net.train, RunOptions(eval_samples=0))
+    return t.executor.plan(t.ROLES)
+
+
 def test_digits_cnn_reaches_97_percent():
     pytest.importorskip("sklearn")
     p = run("run", "examples/digits-cnn.net", "--json")
@@ -23,9 +32,16 @@ def test_digits_cnn_reaches_97_percent():
     r = json.loads(p.stdout)
     assert r["test_accuracy"] >= 0.97
     assert r["steps"] == 440 and r["params"] == 9978
-    # the executor counts what the plan predicted; tracemalloc measures close to it
+    # the executor counts what the plan predicted; tracemalloc measures at least the
+    # plan's state and values (NumPy arrays, which it sees) and under 1.5x the plan. Not
+    # all of the plan's workspace: the kernels' scratch is declared for every thread, and
+    # taken from Numba's allocator (which tracemalloc does not see) or on fewer threads
+    # not at all (1.37 MB measured on one thread, 1.82 MB on two, of 2.91 MB planned,
+    # 1.65 MB of it workspace; the old bound, half the plan, failed on one)
     assert r["counted_peak_bytes"] == r["planned_peak_bytes"] > 0
-    assert 0.5 * r["planned_peak_bytes"] < r["peak_bytes"] < 1.5 * r["planned_peak_bytes"]
+    plan = _step_plan("examples/digits-cnn.net")
+    assert plan.peak_bytes == r["planned_peak_bytes"]
+    assert plan.peak_bytes - plan.workspace_bytes <= r["peak_bytes"] < 1.5 * plan.peak_bytes
     for key in ("final_loss", "images_per_s", "step_time_s", "backend", "device"):
         assert key in r
 

@@ -213,3 +213,35 @@ def test_each_rank_stays_within_its_planned_peak(tmp_path, split):
     for r in (0, 1):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert d["measured"] <= 1.02 * d["planned"], (r, d)
+
+
+EVAL_ROOM = """
+import json, sys
+from pathlib import Path
+import netdsl
+import netdsl.runtime.trainer as trainer
+from netdsl.runtime.mpi import world
+from netdsl.runtime.trainer import RunOptions, Trainer
+net = netdsl.load(sys.argv[1])
+t = Trainer(net.graph, net.train, RunOptions(steps=2, distributed=True))
+trainer.available_bytes = lambda backend: 1000  # (after the step's own check)
+r = t.fit()
+(Path(sys.argv[2]) / f"rank{world()[0]}.json").write_text(json.dumps(
+    {"warnings": r.warnings, "test_accuracy": r.test_accuracy, "steps": r.steps}))
+"""
+
+
+def test_no_room_for_the_gathered_evaluation_skips_it_with_a_warning(tmp_path):
+    """Rank 0 evaluates on the whole model gathered from every rank; where that cannot fit
+    in what is free, the run skips the evaluation and says why instead of being killed
+    after its training (resnet2504 on two ranks here). The free memory is a stand-in."""
+    script = tmp_path / "eval_room.py"
+    script.write_text(EVAL_ROOM)
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), NET,
+                          str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    d = json.loads((tmp_path / "rank0.json").read_text())
+    assert d["steps"] == 2 and d["test_accuracy"] is None
+    assert any(w.startswith("evaluation skipped: over MPI rank 0 evaluates on a copy of "
+                            "the whole model") for w in d["warnings"]), d["warnings"]

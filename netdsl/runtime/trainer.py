@@ -402,6 +402,7 @@ class Trainer:
         # spread over the ranks, so rank 0 evaluates on a gathered copy (made on first use)
         self._eval_base = self.executor if not opts.distributed else None
         self._eval_execs: dict[int, Executor] = {}
+        self._eval_refused: str | None = None  # over MPI: why rank 0 cannot evaluate, once
         if self.rank != 0:
             self.cb = Callback()  # rank 0 reports
         self.stats = summarize(bound)
@@ -514,6 +515,12 @@ class Trainer:
         if limit == 0:
             return {}
         if self.opts.distributed:
+            if self._eval_refused is None:
+                self._eval_refused = self._gathered_eval_refusal()
+                if self._eval_refused:
+                    self.warnings.append(self._eval_refused)
+            if self._eval_refused:
+                return {}
             sd = self.state_dict()
             if sd is None:
                 return {}
@@ -554,6 +561,29 @@ class Trainer:
         if seen:
             rec["test_accuracy"] = correct / seen
         return rec
+
+    def _gathered_eval_refusal(self) -> str:
+        """Over MPI rank 0 evaluates on a gathered copy of the whole state, loaded into an
+        executor of the whole forward graph: why that cannot fit in what is free on its
+        machine now ("" if it can). Decided on rank 0 and sent to every rank, since all of
+        them take part in the gather. (resnet2504 over two ranks trained its step and was
+        then killed by the kernel's OOM killer in this evaluation, the run lost.)"""
+        why = ""
+        if self.rank == 0:
+            g = self.forward.bind(self.batch)
+            roles = tuple(r for r in ("output", "loss") if r in g.outputs)
+            plan = make_plan(g, roles, self.opts.dtype)
+            # the eval executor's state and forward pass, and the gathered copy it loads
+            need = plan.peak_bytes + plan.state_bytes
+            free = available_bytes(self.executor.backend)
+            if free is not None and need > free:
+                why = (f"evaluation skipped: over MPI rank 0 evaluates on a copy of the whole "
+                       f"model gathered from every rank, which needs about {_gib(need)} "
+                       f"(the parameters twice and the forward pass at batch {self.batch}), "
+                       f"but {_gib(free)} is free on its machine; use --eval-samples 0 not "
+                       "to evaluate, or evaluate a checkpoint in one process")
+        from netdsl.runtime.mpi import bcast
+        return bcast(why)
 
     def fit(self) -> RunResult:
         # NumPy's RuntimeWarnings (overflow, invalid value) are not for the user: a

@@ -25,8 +25,7 @@ def kept(g: Graph, roles: tuple[str, ...]) -> set[str]:
 def schedule(g: Graph, roles: tuple[str, ...]) -> tuple[list, list[list[str]], set[str]]:
     """The nodes the roles need, in graph order, and what to free after each of them."""
     wanted = kept(g, roles)
-    needed = wanted | {name for r in roles if r in RUN_ONLY_ROLES
-                       for name in g.outputs.get(r, [])}
+    needed = {name for r in roles for name in g.outputs.get(r, [])}  # run-only roles too
     for n in reversed(g.nodes):
         if n.name in needed:
             needed.update(n.inputs)

@@ -57,14 +57,17 @@ def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
     np.testing.assert_allclose(losses(two), losses(one), rtol=rtol)
 
 
-def test_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path):
-    """Rank 0 writes the whole state in the single-device layout: resumed in one process
-    it continues exactly as the checkpoint of the same split run in one process does."""
+@pytest.mark.parametrize("split", ["pipeline", "tensor"])
+def test_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path, split):
+    """Rank 0 writes the whole state in the single-device layout, joined from the ranks'
+    parts: resumed in one process it continues exactly as the checkpoint of the same split
+    run in one process does. (A tensor split's checkpoint held rank 0's shards alone, half
+    of each weight, and could not be resumed.)"""
     resumed = []
     for ranks, extra in ((2, []), (None, ["--devices", "2"])):
         ck = tmp_path / f"ck{ranks}"
         b = netdsl("--steps", "2", "--checkpoint", str(ck), "--eval-samples", "0", "--split",
-                   "pipeline", *extra, ranks=ranks)
+                   split, *extra, ranks=ranks)
         assert b.returncode == 0, b.stderr
         r = netdsl("--steps", "4", "--checkpoint", str(ck), "--resume", "--json",
                    "--eval-samples", "0")
@@ -134,6 +137,73 @@ def test_rank_0_evaluates_on_the_gathered_state():
     np.testing.assert_allclose(b["final_loss"], a["final_loss"], rtol=1e-5)
 
 
+def test_rank_0_evaluates_a_tensor_split_on_the_joined_shards():
+    """Each rank holds half of every weight: rank 0 joins them to evaluate, as the same
+    split in one process does (which evaluated its first device's shards as if they were
+    whole weights and failed: "returned 65536 bytes but the plan holds 131072")."""
+    same = netdsl("--steps", "2", "--json", "--devices", "2", "--split", "tensor")
+    two = netdsl("--steps", "2", "--json", "--split", "tensor", ranks=2)
+    for r in (same, two):
+        assert r.returncode == 0, r.stdout + r.stderr
+    s, b = (json.loads(r.stdout) for r in (same, two))
+    assert b["test_accuracy"] is not None
+    assert (b["test_loss"], b["test_accuracy"]) == (s["test_loss"], s["test_accuracy"])
+
+
+FULL_DISK = """
+import json, sys
+from pathlib import Path
+import netdsl
+from netdsl.errors import NetdslError
+from netdsl.runtime import checkpoint
+from netdsl.runtime.mpi import world
+from netdsl.runtime.trainer import RunOptions, Trainer
+
+real, seen = checkpoint._write, {"headers": 0, "entries": 0}
+
+
+def write(zf, name, value):  # rank 0's disk fills up in its second save
+    if name == checkpoint.HEADER:
+        seen["headers"] += 1
+    elif seen["headers"] == 1:
+        seen["entries"] += 1
+        if seen["entries"] == 3:
+            raise OSError(28, "No space left on device")
+    real(zf, name, value)
+
+
+checkpoint._write = write
+net = netdsl.load(sys.argv[1])
+out = Path(sys.argv[2])
+try:
+    Trainer(net.graph, net.train, RunOptions(
+        steps=3, eval_samples=0, distributed=True, split="tensor",
+        checkpoint=str(out / "ck"), checkpoint_every=1)).fit()
+except NetdslError as e:  # (exit 0: a rank's non-zero exit would stop the other)
+    (out / f"rank{world()[0]}.txt").write_text(e.message)
+"""
+
+
+def test_a_save_that_fails_on_rank_0_stops_every_rank_and_keeps_the_last(tmp_path):
+    """Rank 0's disk fills up while it writes the second checkpoint: every rank stops with
+    its reason (none waits for a gather that will not come), and the first checkpoint is
+    there as it was, with no temporary file beside it."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), NET,
+                          str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for r in (0, 1):
+        said = (tmp_path / f"rank{r}.txt").read_text()
+        assert "could not write the checkpoint" in said and "No space left" in said, said
+        assert "before this save (if any) is unchanged" in said
+    from netdsl.runtime import checkpoint
+    arrays, header = checkpoint.load(tmp_path / "ck")
+    assert header["step"] == 1 and len(arrays) == len(header["arrays"]) > 0
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["checkpoint.npz"]
+
+
 REFUSE = """
 import sys
 from pathlib import Path
@@ -198,8 +268,8 @@ r = t.fit()
 """
 
 
-@pytest.mark.parametrize("split", ["tensor", "spatial", "data"])
-def test_each_rank_stays_within_its_planned_peak(tmp_path, split):
+@pytest.mark.parametrize("split, bound", [("tensor", 1.02), ("spatial", 1.02), ("data", 1.02)])
+def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
     """Each rank's peak as tracemalloc measures it (not the executor's count) is within its
     storage plan's. The collectives' results used to be held to the end of the step, as
     outputs, and by the trainer into the next: the ranks measured 1.11x (data), 1.19x
@@ -212,7 +282,7 @@ def test_each_rank_stays_within_its_planned_peak(tmp_path, split):
     assert out.returncode == 0, out.stderr
     for r in (0, 1):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert d["measured"] <= 1.02 * d["planned"], (r, d)
+        assert d["measured"] <= bound * d["planned"], (r, d)
 
 
 EVAL_ROOM = """
@@ -232,7 +302,7 @@ r = t.fit()
 
 
 def test_no_room_for_the_gathered_evaluation_skips_it_with_a_warning(tmp_path):
-    """Rank 0 evaluates on the whole model gathered from every rank; where that cannot fit
+    """Rank 0 evaluates the whole model, gathered from every rank; where that cannot fit
     in what is free, the run skips the evaluation and says why instead of being killed
     after its training (resnet2504 on two ranks here). The free memory is a stand-in."""
     script = tmp_path / "eval_room.py"
@@ -243,5 +313,5 @@ def test_no_room_for_the_gathered_evaluation_skips_it_with_a_warning(tmp_path):
     assert out.returncode == 0, out.stderr
     d = json.loads((tmp_path / "rank0.json").read_text())
     assert d["steps"] == 2 and d["test_accuracy"] is None
-    assert any(w.startswith("evaluation skipped: over MPI rank 0 evaluates on a copy of "
-                            "the whole model") for w in d["warnings"]), d["warnings"]
+    assert any(w.startswith("evaluation skipped: it runs the whole model, joined from "
+                            "every rank") for w in d["warnings"]), d["warnings"]

@@ -114,13 +114,20 @@ def test_missing_checkpoint_and_resume_without_dir(net, tmp_path):
 
 
 def test_atomic_save_keeps_previous_on_failure(tmp_path, monkeypatch):
+    """A disk that fills up part way through a save: a CheckpointError (a clear message,
+    not an internal error), the previous checkpoint intact and no temporary file left."""
     checkpoint.save(tmp_path, {"w": np.ones(3, np.float32)}, {"network": "n", "step": 1})
+    real = checkpoint._write
 
-    def boom(*a, **k):
-        raise OSError("disk full")
-    monkeypatch.setattr(np, "savez", boom)
-    with pytest.raises(OSError):
-        checkpoint.save(tmp_path, {"w": np.zeros(3, np.float32)}, {"network": "n", "step": 2})
+    def boom(zf, name, value):
+        if name == "state/v":
+            raise OSError(28, "No space left on device")
+        real(zf, name, value)
+    monkeypatch.setattr(checkpoint, "_write", boom)
+    with pytest.raises(CheckpointError, match="could not write the checkpoint .*No space left"
+                       ".*before this save \\(if any\\) is unchanged"):
+        checkpoint.save(tmp_path, {"w": np.zeros(3, np.float32), "v": np.zeros(2)},
+                        {"network": "n", "step": 2})
     arrays, header = checkpoint.load(tmp_path)
     assert header["step"] == 1 and arrays["w"].tolist() == [1, 1, 1]
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.npz"]  # no temp left

@@ -2,8 +2,10 @@
 
 Written to a temporary file in the same folder, flushed to disk and renamed over the old
 one, so a kill at any moment leaves either the old or the new checkpoint, never half of
-one. Loading checks the header (format, network, every array's name, shape and dtype)
-and refuses anything that does not match, naming what differs.
+one. Saving takes the arrays one at a time and reading gives them one at a time (the
+header is checked when the file is opened, each array's shape and dtype when it is read),
+so neither holds a second copy of the whole state: resnet2504's is several GB. Loading
+refuses anything that does not match, naming what differs.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -19,23 +22,45 @@ from netdsl.errors import CheckpointError
 
 FORMAT = "netdsl-checkpoint/1"
 FILE = "checkpoint.npz"
+HEADER = "__header__"
+PREFIX = "state/"
+# what a damaged file raises in zipfile, NumPy's .npy reader or json
+DAMAGED = (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError, UnicodeDecodeError,
+           json.JSONDecodeError)
 
 
 def path_in(directory: str | Path) -> Path:
     return Path(directory) / FILE
 
 
-def save(directory: str | Path, arrays: dict[str, np.ndarray], header: dict) -> Path:
+def _write(zf: zipfile.ZipFile, name: str, value: np.ndarray) -> None:
+    # as np.savez writes each entry (zip64 always: numpy gh-10776)
+    with zf.open(name + ".npy", "w", force_zip64=True) as fh:
+        np.lib.format.write_array(fh, np.asanyarray(value), allow_pickle=False)
+
+
+def save(directory: str | Path,
+         arrays: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+         header: dict) -> Path:
+    """Write `arrays` (a mapping, or (name, array) pairs taken one at a time) and `header`
+    as the checkpoint in `directory`. A write that fails (a full disk) raises a
+    CheckpointError and leaves the checkpoint that was there as it was."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    header = {**header, "format": FORMAT,
-              "arrays": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()}}
-    blob = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    payload = {"__header__": blob, **{"state/" + k: v for k, v in arrays.items()}}
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".npz.tmp", dir=d)
+    items = arrays.items() if isinstance(arrays, Mapping) else arrays
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".npz.tmp", dir=d)
+    except OSError as e:
+        raise CheckpointError(f"cannot write a checkpoint in {d}: {e}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **payload)
+            specs = {}
+            with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for k, v in items:
+                    _write(zf, PREFIX + k, v)
+                    specs[k] = [list(np.shape(v)), str(np.asanyarray(v).dtype)]
+                full = {**header, "format": FORMAT, "arrays": specs}
+                _write(zf, HEADER, np.frombuffer(json.dumps(full).encode(), np.uint8))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path_in(d))
@@ -44,35 +69,82 @@ def save(directory: str | Path, arrays: dict[str, np.ndarray], header: dict) -> 
             os.fsync(dfd)  # make the rename itself durable
         finally:
             os.close(dfd)
+    except OSError as e:
+        _remove(tmp)
+        raise CheckpointError(f"could not write the checkpoint {path_in(d)}: {e}; the "
+                              "checkpoint there before this save (if any) is unchanged"
+                              ) from None
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _remove(tmp)
         raise
     return path_in(d)
 
 
-def load(directory: str | Path) -> tuple[dict[str, np.ndarray], dict]:
+def _remove(tmp: str) -> None:
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+
+
+class Arrays(Mapping):
+    """A checkpoint's arrays by name, each read from the file when asked for (and checked
+    against the header then): a caller that needs a part of the state reads that part."""
+
+    def __init__(self, path: Path, npz, specs: dict):
+        self.path, self._npz, self._specs = path, npz, specs
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._specs:
+            raise KeyError(key)
+        try:
+            a = self._npz[PREFIX + key]
+        except DAMAGED as e:
+            raise _corrupt(self.path, e) from None
+        shape, dtype = self._specs[key]
+        if list(a.shape) != shape or str(a.dtype) != dtype:
+            raise CheckpointError(f"checkpoint {self.path} is corrupt: array {key} does not "
+                                  "match its header")
+        return a
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def close(self) -> None:
+        self._npz.close()
+
+
+def _corrupt(p: Path, e: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {p} is corrupt or truncated ({e}); it cannot be used. "
+                           "Delete it or point --checkpoint elsewhere.")
+
+
+def load(directory: str | Path) -> tuple[Arrays, dict]:
+    """The checkpoint's arrays (read lazily, see Arrays) and its header."""
     p = Path(directory)
     p = path_in(p) if p.is_dir() else p
     if not p.exists():
         raise CheckpointError(f"no checkpoint to resume from: {p} does not exist")
     try:
-        with np.load(p, allow_pickle=False) as f:
-            header = json.loads(bytes(f["__header__"]).decode())
-            arrays = {k[len("state/"):]: f[k] for k in f.files if k.startswith("state/")}
-    except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError,
-            UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {p} is corrupt or truncated ({e}); it cannot be "
-                              "used. Delete it or point --checkpoint elsewhere.") from None
+        npz = np.load(p, allow_pickle=False)
+    except DAMAGED as e:
+        raise _corrupt(p, e) from None
+    try:
+        header = json.loads(bytes(npz[HEADER]).decode())
+    except DAMAGED as e:
+        npz.close()
+        raise _corrupt(p, e) from None
     if header.get("format") != FORMAT:
+        npz.close()
         raise CheckpointError(f"{p} is not a netdsl checkpoint (format "
                               f"{header.get('format')!r})")
-    for k, (shape, dtype) in header["arrays"].items():
-        a = arrays.get(k)
-        if a is None or list(a.shape) != shape or str(a.dtype) != dtype:
-            raise CheckpointError(f"checkpoint {p} is corrupt: array {k} is missing or does "
-                                  "not match its header")
-    return arrays, header
+    specs = header.get("arrays", {})
+    missing = [k for k in specs if PREFIX + k not in npz.files]
+    if missing:
+        npz.close()
+        raise CheckpointError(f"checkpoint {p} is corrupt: array {missing[0]} is missing")
+    return Arrays(p, npz, specs), header
 
 
 def check_compatible(p: str, header: dict, network: str, expected: dict[str, tuple]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from netdsl.memory.liveness import RUN_ONLY_ROLES, kept
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
 from netdsl.runtime.comm import Communicator, InProcess
 from netdsl.runtime.replay import StepReplay, wanted
+from netdsl.runtime.state_parts import StateParts
 
 # output roles a training step computes that an evaluation (training=False) leaves out
 TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
@@ -486,33 +488,57 @@ class Executor:
             raise NonFinite(n.name)
 
     # -- state -------------------------------------------------------------------------------
+    def state_parts(self) -> dict[str, StateParts]:
+        """Every entry of the single-device layout as this executor holds it (see
+        StateParts): over MPI a rank holds some entries, or some shards of them."""
+        out = {}
+        for key, names in self.layout.items():
+            v = self.state[names[0]]
+            first = Shard.of(self.graph[names[0]])
+            if first is None:
+                out[key] = StateParts(tuple(v.shape), str(v.dtype), None, {None: names[0]})
+                continue
+            parts: dict = {}
+            for x in names:  # device 0's copy of a replicated shard
+                sh = Shard.of(self.graph[x])
+                parts.setdefault((sh.lo, sh.hi), x)
+            out[key] = StateParts(tuple(first.full), str(v.dtype), first.axis, parts)
+        return out
+
+    def holds_state_whole(self) -> bool:
+        """Whether every state entry is held whole under its single-device name (so that
+        `with_graph` of the single-device graph runs on this state): not so for shards."""
+        return all(names[0] == key and Shard.of(self.graph[key]) is None
+                   for key, names in self.layout.items())
+
+    def host_state(self, name: str, copy: bool = True) -> np.ndarray:
+        """State node `name`'s value in host memory: a copy, or (copy=False) the array
+        itself where it already is a NumPy array (to be read before the next step)."""
+        v = self.state[name]
+        return v if isinstance(v, np.ndarray) and not copy else self.backend.to_host(v)
+
+    def state_items(self, copy: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+        """(key, host array) for every state entry in the single-device layout, one at a
+        time (a checkpoint streams them): device 0's copy of a replica, shards joined."""
+        for key, sp in self.state_parts().items():
+            if sp.axis is None:
+                yield key, self.host_state(sp.parts[None], copy)
+            else:
+                yield key, sp.join((r, self.host_state(x, copy=False))
+                                   for r, x in sp.parts.items())
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Host copies of the persistent state in the single-device layout, keyed by the
         single-device graph's names: device 0's copy of a replica, shards joined."""
-        out = {}
-        for key, names in self.layout.items():
-            shards = [Shard.of(self.graph[x]) for x in names]
-            if shards[0] is None:
-                out[key] = self.backend.to_host(self.state[names[0]])
-                continue
-            parts = {}
-            for x, sh in zip(names, shards, strict=True):
-                parts.setdefault((sh.lo, sh.hi), x)
-            out[key] = np.concatenate([self.backend.to_host(self.state[x])
-                                       for _, x in sorted(parts.items())], axis=shards[0].axis)
-        return out
+        return dict(self.state_items())
 
     def state_spec(self) -> dict[str, tuple]:
         """Shape and dtype of every entry of `state_dict()` (without copying)."""
-        spec = {}
-        for key, names in self.layout.items():
-            v = self.state[names[0]]
-            sh = Shard.of(self.graph[names[0]])
-            spec[key] = (tuple(sh.full) if sh else tuple(v.shape), str(v.dtype))
-        return spec
+        return {k: (sp.shape, sp.dtype) for k, sp in self.state_parts().items()}
 
-    def load_state_dict(self, sd: dict[str, Any], strict: bool = True) -> None:
-        """Copy host arrays into the state (in place, so sharing executors see them)."""
+    def load_state_dict(self, sd: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy host arrays into the state (in place, so sharing executors see them). Only
+        the entries this executor holds are read (a lazy checkpoint reads no others)."""
         missing = [k for k in self.layout if k not in sd]
         unexpected = [k for k in sd if k not in self.layout]
         if strict and (missing or unexpected):
@@ -520,8 +546,13 @@ class Executor:
                      for what, names in (("missing", missing), ("unexpected", unexpected))
                      if names]
             raise CheckpointError("checkpoint does not match the graph: " + "; ".join(parts))
+        self.load_state_items((k, sd[k]) for k in self.layout if k in sd)
+
+    def load_state_items(self, items: Iterable[tuple[str, Any]]) -> None:
+        """Copy (key, host array) pairs into the state, one at a time; keys this executor
+        does not hold are skipped."""
         spec = self.state_spec()
-        for k, v in sd.items():
+        for k, v in items:
             if k not in self.layout:
                 continue
             if tuple(np.shape(v)) != spec[k][0]:

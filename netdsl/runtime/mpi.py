@@ -16,16 +16,20 @@ counted are those sent.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from netdsl.errors import CommError
 from netdsl.ir.placement import even_parts
 from netdsl.runtime.comm import Communicator
+from netdsl.runtime.state_parts import StateParts, gather_order
 
 COLLECTIVE_TAG = 32766  # ring traffic; ordered per pair, collectives run in one order
+STATE_TAG = 32765  # the state's pieces on their way to rank 0 (between steps)
 
 
 def _mpi():
@@ -178,6 +182,41 @@ class MPIComm(Communicator):
                                         f"reduce-scattering %{node.name}")
         return self.backend.asarray(acc[me])
 
+    # -- the state, on rank 0 ------------------------------------------------------------
+    def gather_state(self, held: dict[str, StateParts],
+                     host: Callable[[str], np.ndarray]) -> Iterator[tuple] | None:
+        """Every rank's state (`held`: this rank's StateParts; `host(node)` a state node's
+        host array) on rank 0, in the single-device layout, one entry at a time: rank 0
+        gets an iterator of (key, array) that it must run to its end; the others send
+        their pieces as rank 0 asks for them and get None. A piece travels as raw bytes
+        (any dtype) and nothing waits for more than one: rank 0 holds one entry and one
+        piece more than its state, a sender one piece."""
+        order = gather_order(self.c.allgather({k: sp.describe() for k, sp in held.items()}))
+        if self.rank == 0:
+            return self._receive_state(order, held, host)
+        for key, sp, pieces in order:
+            for rank, r in pieces:
+                if rank == self.rank and math.prod(sp.piece_shape(r)):
+                    buf = np.ascontiguousarray(host(held[key].parts[r]))
+                    # no deadline: rank 0 may be writing a large checkpoint before it
+                    # asks for this piece (a rank that dies stops them all through mpiexec)
+                    self.c.Isend(_raw(buf), dest=0, tag=STATE_TAG).Wait()
+        return None
+
+    def _receive_state(self, order, held, host):
+        for key, sp, pieces in order:
+            got = []
+            for rank, r in pieces:
+                if rank == 0:
+                    got.append((r, host(held[key].parts[r])))
+                    continue
+                a = np.empty(sp.piece_shape(r), sp.dtype)
+                if a.size:
+                    self._wait(self.c.Irecv(_raw(a), source=rank, tag=STATE_TAG), rank,
+                               f"receiving its part of `{key}`")
+                got.append((r, a))
+            yield key, (got[0][1] if sp.axis is None else sp.join(got))
+
     def _exchange(self, out: np.ndarray, right: int, left: int, shape, dtype, what: str):
         got = np.empty(shape, dtype)
         rreq = self.c.Irecv(got, source=left, tag=COLLECTIVE_TAG)
@@ -188,23 +227,16 @@ class MPIComm(Communicator):
         return got
 
 
+def _raw(a: np.ndarray) -> np.ndarray:
+    """A contiguous array's bytes, as MPI sends them whatever the dtype (float16 too)."""
+    return a.reshape(-1).view(np.uint8)
+
+
 def merge_all(d: dict) -> dict:
     """Every rank's dict merged (rank order: a key held by several ranks, such as a
     replica, keeps rank 0's value), on every rank."""
     out: dict = {}
     for part in _mpi().COMM_WORLD.allgather(d):
-        for k, v in part.items():
-            out.setdefault(k, v)
-    return out
-
-
-def merge_to_root(d: dict) -> dict | None:
-    """Every rank's dict merged on rank 0 (None elsewhere)."""
-    parts = _mpi().COMM_WORLD.gather(d, root=0)
-    if parts is None:
-        return None
-    out: dict = {}
-    for part in parts:
         for k, v in part.items():
             out.setdefault(k, v)
     return out

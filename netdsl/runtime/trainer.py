@@ -26,12 +26,12 @@ from pydantic import ValidationError
 
 from netdsl.backends import get_backend
 from netdsl.config import TrainConfig
-from netdsl.errors import NetdslError
+from netdsl.errors import CheckpointError, NetdslError
 from netdsl.frontend.train import pydantic_message
-from netdsl.ir.graph import Graph
+from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
-from netdsl.memory.plan import device_peaks, make_plan
+from netdsl.memory.plan import device_peaks, make_plan, value_bytes
 from netdsl.memory.profiles import get_profile
 from netdsl.passes.fuse import fusion_enabled
 from netdsl.passes.optimizer import group_updates
@@ -398,9 +398,11 @@ class Trainer:
         status = getattr(backend, "cudnn_status", "")
         if status.startswith("not used"):  # (loaded by the executor: a GPU convolution)
             self.warnings.append(f"the convolutions run as columns and GEMMs; cuDNN {status}")
-        # evaluation runs the forward graph on the step's state; over MPI the state is
-        # spread over the ranks, so rank 0 evaluates on a gathered copy (made on first use)
-        self._eval_base = self.executor if not opts.distributed else None
+        # evaluation runs the forward graph on the step's state where the executor holds
+        # it under the forward graph's names, whole; else (over MPI, spread over the
+        # ranks; a tensor split, in shards) on a copy joined before each evaluation
+        shares = not opts.distributed and self.executor.holds_state_whole()
+        self._eval_base = self.executor if shares else None
         self._eval_execs: dict[int, Executor] = {}
         self._eval_refused: str | None = None  # over MPI: why rank 0 cannot evaluate, once
         if self.rank != 0:
@@ -465,20 +467,46 @@ class Trainer:
             spec = merge_all(spec)
         return spec
 
+    def state_items(self):
+        """The whole state in the single-device layout, (key, host array) one entry at a
+        time (over MPI: on rank 0, which must take every item, while the other ranks send
+        their parts; None elsewhere). The arrays may be the state itself: read each before
+        the next step."""
+        if not self.opts.distributed:
+            return self.executor.state_items(copy=False)
+        ex = self.executor
+        return ex.comm.gather_state(ex.state_parts(), lambda x: ex.host_state(x, copy=False))
+
     def state_dict(self) -> dict | None:
-        """The whole state in the single-device layout (over MPI: on rank 0, else None)."""
-        sd = self.executor.state_dict()
-        if self.opts.distributed:
-            from netdsl.runtime.mpi import merge_to_root
-            sd = merge_to_root(sd)
-        return sd
+        """A copy of the whole state in the single-device layout (over MPI: on rank 0, else
+        None; every rank must call it)."""
+        items = self.state_items()
+        return None if items is None else {k: np.array(v) for k, v in items}
 
     def save(self) -> Path | None:
+        """Write the checkpoint (over MPI rank 0 writes it as the parts arrive, and every
+        rank learns whether that worked: a failed save stops every rank with its reason;
+        the checkpoint there before is kept)."""
         header = {"network": self.forward.name, "step": self.step,
                   "loader": self.loader.state(), "seed": self.cfg.seed,
                   "config": json.loads(self.cfg.model_dump_json())}
-        sd = self.state_dict()  # every rank takes part in the gather; rank 0 writes
-        return checkpoint.save(self.opts.checkpoint, sd, header) if sd is not None else None
+        items = self.state_items()
+        if not self.opts.distributed:
+            return checkpoint.save(self.opts.checkpoint, items, header)
+        path, failed = None, ""
+        if items is not None:
+            try:
+                path = checkpoint.save(self.opts.checkpoint, items, header)
+            except CheckpointError as e:
+                failed = e.message
+            finally:
+                for _ in items:  # the other ranks' parts, so that their sends complete
+                    pass
+        from netdsl.runtime.mpi import bcast
+        failed = bcast(failed)
+        if failed:
+            raise CheckpointError(failed)
+        return path
 
     def restore(self) -> None:
         arrays, header = checkpoint.load(self.opts.checkpoint)
@@ -514,21 +542,21 @@ class Trainer:
         limit = self.eval_limit()
         if limit == 0:
             return {}
-        if self.opts.distributed:
+        if self._eval_base is not self.executor:
             if self._eval_refused is None:
-                self._eval_refused = self._gathered_eval_refusal()
+                self._eval_refused = self._joined_eval_refusal()
                 if self._eval_refused:
                     self.warnings.append(self._eval_refused)
             if self._eval_refused:
                 return {}
-            sd = self.state_dict()
-            if sd is None:
-                return {}
-            if self._eval_base is None:
+            if self._eval_base is None and self.rank == 0:  # (before the others send)
                 self._eval_base = Executor(self.forward.bind(self.batch),
                                            self.executor.backend, self.opts.dtype,
                                            self.cfg.seed)
-            self._eval_base.load_state_dict(sd, strict=False)
+            items = self.state_items()
+            if items is None:
+                return {}
+            self._eval_base.load_state_items(items)
         test = Split(self.data.test.take(slice(0, limit)))
         total = -(-limit // self.batch)
         progress = getattr(self.cb, "on_eval_progress", None)
@@ -562,26 +590,31 @@ class Trainer:
             rec["test_accuracy"] = correct / seen
         return rec
 
-    def _gathered_eval_refusal(self) -> str:
-        """Over MPI rank 0 evaluates on a gathered copy of the whole state, loaded into an
-        executor of the whole forward graph: why that cannot fit in what is free on its
-        machine now ("" if it can). Decided on rank 0 and sent to every rank, since all of
-        them take part in the gather. (resnet2504 over two ranks trained its step and was
-        then killed by the kernel's OOM killer in this evaluation, the run lost.)"""
+    def _joined_eval_refusal(self) -> str:
+        """Where the state is split (over MPI, or in shards) rank 0 evaluates with an
+        executor of the whole forward graph, into which the state is joined entry by
+        entry: why that cannot fit in what is free on its machine now ("" if it can).
+        Over MPI decided on rank 0 and sent to every rank, since all of them take part in
+        the gather. (resnet2504 over two ranks trained its step and was then killed by the
+        kernel's OOM killer in this evaluation, the run lost.)"""
         why = ""
         if self.rank == 0:
             g = self.forward.bind(self.batch)
             roles = tuple(r for r in ("output", "loss") if r in g.outputs)
             plan = make_plan(g, roles, self.opts.dtype)
-            # the eval executor's state and forward pass, and the gathered copy it loads
-            need = plan.peak_bytes + plan.state_bytes
+            # the eval executor's state and forward pass, and the entry on its way in
+            need = plan.peak_bytes + max((value_bytes(n.type, self.opts.dtype)
+                                          for n in g.nodes if n.op in STATE_OPS), default=0)
             free = available_bytes(self.executor.backend)
             if free is not None and need > free:
-                why = (f"evaluation skipped: over MPI rank 0 evaluates on a copy of the whole "
-                       f"model gathered from every rank, which needs about {_gib(need)} "
-                       f"(the parameters twice and the forward pass at batch {self.batch}), "
+                why = (f"evaluation skipped: it runs the whole model, joined from every "
+                       f"{'rank' if self.opts.distributed else 'device'} of the split, "
+                       f"which needs about {_gib(need)} "
+                       f"(its parameters and the forward pass at batch {self.batch}), "
                        f"but {_gib(free)} is free on its machine; use --eval-samples 0 not "
                        "to evaluate, or evaluate a checkpoint in one process")
+        if not self.opts.distributed:
+            return why
         from netdsl.runtime.mpi import bcast
         return bcast(why)
 

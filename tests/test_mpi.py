@@ -268,7 +268,10 @@ r = t.fit()
 """
 
 
-@pytest.mark.parametrize("split, bound", [("tensor", 1.02), ("spatial", 1.02), ("data", 1.02)])
+# a pipeline's sends hold their buffers until the peer has taken them, which the plan does
+# not count (3.8% here; 9.4% on rank 0 when every buffer was held to the end of the step)
+@pytest.mark.parametrize("split, bound", [("tensor", 1.02), ("spatial", 1.02), ("data", 1.02),
+                                          ("pipeline", 1.06)])
 def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
     """Each rank's peak as tracemalloc measures it (not the executor's count) is within its
     storage plan's. The collectives' results used to be held to the end of the step, as

@@ -264,7 +264,8 @@ t = Trainer(net.graph, net.train, RunOptions(steps=3, eval_samples=0, distribute
                                              split=sys.argv[2], batch=int(sys.argv[4])))
 r = t.fit()
 (Path(sys.argv[3]) / f"rank{world()[0]}.json").write_text(json.dumps(
-    {"planned": t.planned_peak_bytes(), "measured": r.peak_bytes}))
+    {"planned": t.planned_peak_bytes(), "measured": r.peak_bytes,
+     "counted": t.executor.peak_bytes}))
 """
 
 
@@ -274,9 +275,9 @@ r = t.fit()
                                           ("pipeline", 1.06)])
 def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
     """Each rank's peak as tracemalloc measures it (not the executor's count) is within its
-    storage plan's. The collectives' results used to be held to the end of the step, as
-    outputs, and by the trainer into the next: the ranks measured 1.11x (data), 1.19x
-    (spatial) and 1.55x (tensor) their plans here."""
+    storage plan's, and the executor's count is the plan's. The collectives' results used
+    to be held to the end of the step, as outputs, and by the trainer into the next: the
+    ranks measured 1.11x (data), 1.19x (spatial) and 1.55x (tensor) their plans here."""
     script = tmp_path / "peaks.py"
     script.write_text(PEAKS)
     out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script),
@@ -286,6 +287,9 @@ def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
     for r in (0, 1):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert d["measured"] <= bound * d["planned"], (r, d)
+        # the executor's count is its plan's (rank 1 counted its inputs as another device's
+        # and summed the two devices' peaks: 196,608 B over its plan with spatial=2)
+        assert d["counted"] == d["planned"], (r, d)
 
 
 EVAL_ROOM = """
@@ -318,3 +322,27 @@ def test_no_room_for_the_gathered_evaluation_skips_it_with_a_warning(tmp_path):
     assert d["steps"] == 2 and d["test_accuracy"] is None
     assert any(w.startswith("evaluation skipped: it runs the whole model, joined from "
                             "every rank") for w in d["warnings"]), d["warnings"]
+
+
+GPUS = """
+import json, sys
+from pathlib import Path
+from netdsl.runtime.mpi import world
+from netdsl.runtime.trainer import RunOptions, gpu_of
+picks = [gpu_of(RunOptions(distributed=True, backend="cupy")),
+         gpu_of(RunOptions(distributed=True, backend="cupy", device=1)),
+         gpu_of(RunOptions(distributed=True)), gpu_of(RunOptions(backend="cupy"))]
+(Path(sys.argv[1]) / f"rank{world()[0]}.json").write_text(json.dumps(picks))
+"""
+
+
+def test_each_rank_on_a_machine_takes_its_own_gpu(tmp_path):
+    """Two ranks on one machine: GPU 0 and GPU 1 (both took GPU 0), unless --device puts
+    them on one; the NumPy backend and a single process keep device 0."""
+    script = tmp_path / "gpus.py"
+    script.write_text(GPUS)
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    picks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert picks == [[0, 1, 0, 0], [1, 1, 0, 0]]

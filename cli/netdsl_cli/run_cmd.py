@@ -130,7 +130,9 @@ def _run(
     lr: Annotated[float | None, typer.Option(min=0.0, help="base learning rate")] = None,
     seed: Annotated[int | None, typer.Option(min=0)] = None,
     backend: Annotated[str, typer.Option(help="numpy or cupy")] = "numpy",
-    device: Annotated[int, typer.Option(min=0, help="GPU index for cupy")] = 0,
+    device: Annotated[int | None, typer.Option(
+        min=0, help="GPU index for cupy (default 0; over MPI each rank its place among the "
+        "ranks on its machine)")] = None,
     dtype: Annotated[str, typer.Option(help="f32 or f64")] = "f32",
     log: Annotated[Path | None, typer.Option(help="write one JSON line per step here")] = None,
     checkpoint: Annotated[Path | None, typer.Option(help="checkpoint directory")] = None,

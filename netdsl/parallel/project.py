@@ -1,12 +1,13 @@
 """One rank's part of a split graph, for runs over MPI (one process per device).
 
-`project(g, rank)` keeps the nodes placed on `rank` (and the unplaced ones: `input`
-nodes fed everywhere, such as the learning rate). What crosses ranks is cut at the
-communication ops, whose kernels then talk to the other ranks: a `recv` of a message sent
-elsewhere reads nothing locally, a collective member reads only its own input. Every
-local communication node is listed in the output role `comm`, so a rank runs its sends
-and collectives even when nothing on it reads their results, and the output roles keep
-only local values (the loss lives on rank 0).
+`project(g, rank)` keeps the nodes placed on `rank` and the unplaced ones (`input` nodes
+fed everywhere, such as the learning rate), which it places on `rank`: the rank's one
+device holds them, so its byte count is one device's, as its plan's is. What crosses
+ranks is cut at the communication ops, whose kernels then talk to the other ranks: a
+`recv` of a message sent elsewhere reads nothing locally, a collective member reads only
+its own input. Every local communication node is listed in the output role `comm`, so a
+rank runs its sends and collectives even when nothing on it reads their results, and the
+output roles keep only local values (the loss lives on rank 0).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def project(g: Graph, rank: int) -> Graph:
                          f"fewer devices than there are ranks")
     names = {n.name for n in mine}
     for n in mine:
+        if n.device is None:  # (the inputs, the learning rate): this rank's, counted there
+            n.device = rank
         if n.op == "recv" and n.inputs[0] not in names:
             n.inputs = ()
         elif n.op in COLLECTIVES:

@@ -48,6 +48,15 @@ def world() -> tuple[int, int]:
     return c.Get_rank(), c.Get_size()
 
 
+def world_on_this_machine() -> tuple[int, int]:
+    """(rank, size) among the ranks on this machine (MPI's shared-memory split)."""
+    host = _mpi().COMM_WORLD.Split_type(_mpi().COMM_TYPE_SHARED)
+    try:
+        return host.Get_rank(), host.Get_size()
+    finally:
+        host.Free()
+
+
 def abort(code: int) -> None:
     """Stop every rank (after this one has said why)."""
     _mpi().COMM_WORLD.Abort(code)

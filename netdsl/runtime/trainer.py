@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from netdsl.backends import get_backend
 from netdsl.config import TrainConfig
-from netdsl.errors import CheckpointError, NetdslError
+from netdsl.errors import CheckpointError, DeviceError, NetdslError
 from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.stats import summarize
@@ -53,7 +53,9 @@ class RunOptions:
     lr: float | None = None
     seed: int | None = None
     backend: str = "numpy"
-    device: int = 0
+    # the GPU (CuPy): None = GPU 0, or over MPI each rank its own, its place among the
+    # ranks on its machine (as ChainerMN's intra_rank); a number puts every rank on it
+    device: int | None = None
     dtype: str = "f32"
     log: str | None = None
     checkpoint: str | None = None
@@ -190,7 +192,7 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.mem is None and (opts.profile is not None or opts.strategy != "auto"):
         warnings.append("--profile and --strategy have no effect without --mem (they say "
                         "how to plan the step into a memory budget)")
-    if opts.backend == "numpy" and opts.device != 0:
+    if opts.backend == "numpy" and opts.device not in (None, 0):
         warnings.append(f"--device {opts.device} has no effect with the NumPy backend (it "
                         "picks a GPU for --backend cupy)")
     return warnings
@@ -309,6 +311,29 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
                                   ("device", {"kind": device})])
 
 
+def gpu_of(opts: RunOptions) -> int:
+    """The GPU this process uses: --device, else over MPI with CuPy the rank's place among
+    the ranks on its machine (two ranks on a two-GPU machine both took GPU 0), else 0."""
+    if opts.device is not None:
+        return opts.device
+    if not (opts.distributed and opts.backend == "cupy"):
+        return 0
+    from netdsl.runtime.mpi import world_on_this_machine
+    return world_on_this_machine()[0]
+
+
+def _backend_for(opts: RunOptions):
+    try:
+        return get_backend(opts.backend, gpu_of(opts))
+    except DeviceError as e:
+        if opts.device is not None or not opts.distributed:
+            raise
+        raise DeviceError(f"{e.message} Over MPI each rank takes the GPU numbered as its "
+                          "place among the ranks on its machine: start at most as many ranks "
+                          "on a machine as it has GPUs, or give --device N to put them all "
+                          "on GPU N.") from None
+
+
 class Trainer:
     ROLES = ("loss", "output", "updates")  # what a training step computes
     def __init__(self, forward: Graph, cfg: TrainConfig | None, opts: RunOptions,
@@ -336,7 +361,7 @@ class Trainer:
             self.total = self.loader.batches_per_epoch  # one epoch
         bound = forward.bind(self.batch)
         self.acc = loss_labels(forward)
-        backend = get_backend(opts.backend, opts.device)
+        backend = _backend_for(opts)
         self.split = None
         self.mem_plan = self.split_plan = None  # --mem: the planner's result, its summary
         self.rank, comm = 0, None

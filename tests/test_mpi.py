@@ -35,6 +35,15 @@ def losses(log: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
+def two_ranks(tmp_path: Path, script: str, *args: str) -> None:
+    """Run a Python script on two ranks (args after it); it must exit 0."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(path), *args],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
 # a pipeline's micro-batches normalise with their own batchnorm statistics, so it is
 # compared with the same split run in one process (bit for bit); data parallelism with
 # synchronised batchnorm is the single-device step (to f32 rounding)
@@ -188,12 +197,7 @@ def test_a_save_that_fails_on_rank_0_stops_every_rank_and_keeps_the_last(tmp_pat
     """Rank 0's disk fills up while it writes the second checkpoint: every rank stops with
     its reason (none waits for a gather that will not come), and the first checkpoint is
     there as it was, with no temporary file beside it."""
-    script = tmp_path / "full_disk.py"
-    script.write_text(FULL_DISK)
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), NET,
-                          str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    two_ranks(tmp_path, FULL_DISK, NET, str(tmp_path))
     for r in (0, 1):
         said = (tmp_path / f"rank{r}.txt").read_text()
         assert "could not write the checkpoint" in said and "No space left" in said, said
@@ -238,12 +242,7 @@ def test_ranks_on_one_machine_are_counted_together(tmp_path, room, fits):
     """Two ranks on this machine: room for one rank's step and a half is refused on both
     (each alone would fit), room for two and a half is not. The free memory is a
     stand-in; the split into the ranks that share it, the sums and the barrier are MPI's."""
-    script = tmp_path / "refuse.py"
-    script.write_text(REFUSE)
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), NET, str(room),
-                          str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    two_ranks(tmp_path, REFUSE, NET, str(room), str(tmp_path))
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     if fits:
         assert lines == ["fits", "fits"]
@@ -278,12 +277,8 @@ def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
     storage plan's, and the executor's count is the plan's. The collectives' results used
     to be held to the end of the step, as outputs, and by the trainer into the next: the
     ranks measured 1.11x (data), 1.19x (spatial) and 1.55x (tensor) their plans here."""
-    script = tmp_path / "peaks.py"
-    script.write_text(PEAKS)
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script),
-                          str(ROOT / "examples" / "resnet20-cifar.net"), split, str(tmp_path),
-                          "8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    two_ranks(tmp_path, PEAKS, str(ROOT / "examples" / "resnet20-cifar.net"), split,
+              str(tmp_path), "8")
     for r in (0, 1):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert d["measured"] <= bound * d["planned"], (r, d)
@@ -312,12 +307,7 @@ def test_no_room_for_the_gathered_evaluation_skips_it_with_a_warning(tmp_path):
     """Rank 0 evaluates the whole model, gathered from every rank; where that cannot fit
     in what is free, the run skips the evaluation and says why instead of being killed
     after its training (resnet2504 on two ranks here). The free memory is a stand-in."""
-    script = tmp_path / "eval_room.py"
-    script.write_text(EVAL_ROOM)
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), NET,
-                          str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    two_ranks(tmp_path, EVAL_ROOM, NET, str(tmp_path))
     d = json.loads((tmp_path / "rank0.json").read_text())
     assert d["steps"] == 2 and d["test_accuracy"] is None
     assert any(w.startswith("evaluation skipped: it runs the whole model, joined from "
@@ -339,10 +329,6 @@ picks = [gpu_of(RunOptions(distributed=True, backend="cupy")),
 def test_each_rank_on_a_machine_takes_its_own_gpu(tmp_path):
     """Two ranks on one machine: GPU 0 and GPU 1 (both took GPU 0), unless --device puts
     them on one; the NumPy backend and a single process keep device 0."""
-    script = tmp_path / "gpus.py"
-    script.write_text(GPUS)
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    two_ranks(tmp_path, GPUS, str(tmp_path))
     picks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert picks == [[0, 1, 0, 0], [1, 1, 0, 0]]

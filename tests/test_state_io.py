@@ -37,10 +37,8 @@ train {
 
 
 @pytest.fixture
-def mlp(tmp_path):
-    p = tmp_path / "mlp.net"
-    p.write_text(MLP)
-    return netdsl.load(p)
+def mlp():
+    return netdsl.loads(MLP, "mlp.net")
 
 
 def _extra_peak(fn):

@@ -86,6 +86,25 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path, split):
     assert resumed[0] == resumed[1]
 
 
+def test_two_ranks_resume_a_tensor_split_as_one_process_does(tmp_path):
+    """Each rank reads its shards of each entry from the checkpoint (read entry by entry)
+    and continues as the same split resumed in one process does."""
+    ck = tmp_path / "ck"
+    b = netdsl("--steps", "2", "--checkpoint", str(ck), "--eval-samples", "0", "--split",
+               "tensor", ranks=2)
+    assert b.returncode == 0, b.stderr
+    shutil.copytree(ck, tmp_path / "ck1")
+    finals = []
+    for ranks, where, extra in ((2, ck, []), (None, tmp_path / "ck1", ["--devices", "2"])):
+        r = netdsl("--steps", "4", "--checkpoint", str(where), "--resume", "--json",
+                   "--eval-samples", "0", "--split", "tensor", *extra, ranks=ranks)
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        assert d["resumed_from"] == 2
+        finals.append(d["final_loss"])
+    assert finals[0] == finals[1]
+
+
 def test_a_peer_that_never_answers_is_an_error_naming_it():
     """One process (a singleton MPI world): a receive nobody sends times out."""
     from netdsl.backends import get_backend

@@ -106,6 +106,8 @@ class MemoryPlan:
     float_dtype: str = "f32"
     # the most one node holds outside the arena in an arena run: scratch + its own result
     transient_bytes: int = 0
+    # each node's workspace, where it has one (device_workspaces reads them here)
+    workspaces: dict[str, int] = field(default_factory=dict)
 
     @property
     def lower_bound_bytes(self) -> int:
@@ -140,8 +142,11 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
     workspace = transient = 0
     sizes: dict[str, int] = {}
     space: dict[str, str] = {}
+    workspaces: dict[str, int] = {}
     for n in order:
         w = workspace_bytes(g, n, float_dtype)
+        if w:
+            workspaces[n.name] = w
         workspace = max(workspace, w)
         if takes_storage(n):
             sizes[n.name] = value_bytes(n.type, float_dtype)
@@ -170,7 +175,7 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
                 cur -= sizes.get(name, 0)
     plan = MemoryPlan([n.name for n in order], frees, sizes, space, state, workspace, peak,
                       peak_at, timeline, host_peak, float_dtype=float_dtype,
-                      transient_bytes=transient)
+                      transient_bytes=transient, workspaces=workspaces)
     if pack_arena:
         for where in (DEVICE, HOST):
             offsets, size = pack(plan.order, plan.frees,
@@ -212,7 +217,6 @@ def device_workspaces(g: Graph, plan: MemoryPlan) -> dict[int, int]:
     """The shared workspace region of each device: the largest of its nodes' workspaces."""
     out: dict[int, int] = {}
     for name in plan.order:
-        n = g[name]
-        d = 0 if n.device is None else n.device
-        out[d] = max(out.get(d, 0), workspace_bytes(g, n, plan.float_dtype))
+        d = g[name].device or 0
+        out[d] = max(out.get(d, 0), plan.workspaces.get(name, 0))
     return out

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -351,3 +353,29 @@ def test_each_rank_on_a_machine_takes_its_own_gpu(tmp_path):
     two_ranks(tmp_path, GPUS, str(tmp_path))
     picks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert picks == [[0, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def test_ctrl_c_stops_every_rank_after_the_same_step_and_saves(tmp_path):
+    """mpiexec passes Ctrl-C to every rank; they agree after each step on whether any rank
+    was told to stop (rank 0 alone reading it would leave the other waiting in the next
+    step's collective), save the checkpoint of that step and exit 130."""
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "netdsl_cli", "run", NET,
+           "--distributed", "--split", "data", "--steps", "1000000", "--checkpoint",
+           str(ck), "--log", str(log), "--json"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    d = json.loads(out[out.index("{"):])  # (after mpiexec's own words about the Ctrl-C)
+    assert d["interrupted"] == "SIGINT" and "failed" not in err
+    assert json.loads(log.read_text().splitlines()[-1])["step"] == d["steps"]
+    from netdsl.runtime import checkpoint
+    assert checkpoint.load(ck)[1]["step"] == d["steps"]

@@ -18,7 +18,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.app import (
+    EXIT_INTERRUPT,
+    JsonOpt,
+    app,
+    console,
+    guard,
+    load_network,
+    print_json,
+)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -176,7 +184,7 @@ def _run(
         "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
         "extra): each rank runs its part of the split step; rank 0 reports")] = False,
     json_output: JsonOpt = False,
-) -> None:
+) -> int | None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
     bar = _Bar(quiet=json_output)
     with guard(json_output):
@@ -211,7 +219,7 @@ def _run(
             write_png([run_from_records(bar.records, result.network)], plot)
         if json_output:
             print_json({**result.to_json(), **({"plot": str(plot)} if plot else {})})
-            return
+            return _exit_code(result)
         out = console()
         if result.final_loss is None:  # a resume past --steps
             out.print(f"{result.network}: {result.note}")
@@ -226,7 +234,15 @@ def _run(
             out.print(f"checkpoint: {checkpoint / 'checkpoint.npz'}")
         if plot is not None:
             out.print(f"curves: {plot}")
+        if result.interrupted:
+            out.print(result.note)
         sys.stdout.flush()
+        return _exit_code(result)
+
+
+def _exit_code(result) -> int | None:
+    """130 for a run stopped by a signal (after its step, saved, reported), else None."""
+    return EXIT_INTERRUPT if result.interrupted else None
 
 
 @app.command("run")
@@ -234,16 +250,24 @@ def _run(
 def run(**kwargs) -> None:
     # with --distributed every rank runs this: rank 0 reports as a plain run does, the
     # others stay quiet; a rank that fails says so, naming itself, and stops every rank
-    # (MPI_Abort), so none waits for it
+    # (MPI_Abort), so none waits for it. A run stopped by a signal after a step (every
+    # rank after the same one, saved) is not a failure: each rank exits 130 by itself.
     if not kwargs["distributed"]:
-        return _run(**kwargs)
+        code = _run(**kwargs)
+    else:
+        code = _run_rank(kwargs)
+    if code:
+        raise typer.Exit(code)
+
+
+def _run_rank(kwargs) -> int | None:
     import netdsl.runtime.mpi as mpi
     with guard(kwargs["json_output"]):
         rank, _ = mpi.world()
     quiet = rank != 0
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            _run(**{**kwargs, "json_output": kwargs["json_output"] or quiet})
+            return _run(**{**kwargs, "json_output": kwargs["json_output"] or quiet})
     except typer.Exit as e:
         if e.exit_code:
             sys.stderr.write(f"netdsl: rank {rank} failed; stopping every rank\n")

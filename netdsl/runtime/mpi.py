@@ -259,5 +259,10 @@ def merge_all(d: dict) -> dict:
     return out
 
 
+def first_on_any_rank(value):
+    """The first rank's non-None `value` (None if every rank's is None), on every rank."""
+    return next((v for v in _mpi().COMM_WORLD.allgather(value) if v is not None), None)
+
+
 def bcast(obj, root: int = 0):
     return _mpi().COMM_WORLD.bcast(obj, root=root)

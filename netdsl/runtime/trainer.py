@@ -40,6 +40,7 @@ from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
+from netdsl.runtime.stop import StopRequest
 from netdsl.sizes import parse_size
 
 
@@ -125,6 +126,8 @@ class RunResult:
     test_loss: float | None = None
     train_accuracy: float | None = None
     resumed_from: int | None = None
+    # the signal that stopped the run after its step ("SIGINT", "SIGTERM"; see runtime.stop)
+    interrupted: str | None = None
     note: str | None = None
     warnings: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -660,6 +663,15 @@ class Trainer:
                 raise out_of_memory(self.planned_peak_bytes(), self.executor.backend, self.batch,
                                     f"at step {self.step + 1}") from None
 
+    def _stop_requested(self, stop: StopRequest) -> bool:
+        """Whether to stop after this step: a signal arrived (over MPI: on any rank, so
+        that every rank stops after the same step)."""
+        if not self.opts.distributed:
+            return stop.requested is not None
+        from netdsl.runtime.mpi import first_on_any_rank
+        stop.requested = first_on_any_rank(stop.requested)
+        return stop.requested is not None
+
     def _fit(self) -> RunResult:
         if self.opts.resume:
             self.restore()
@@ -686,7 +698,9 @@ class Trainer:
         meter = be.memory_meter()
         meter.__enter__()
         metering = True
+        stop = StopRequest()
         try:
+            stop.__enter__()
             while self.step < self.total:
                 arrays = self.loader.next()
                 lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
@@ -729,7 +743,11 @@ class Trainer:
                 if metering and len(times) == METERED_STEPS:  # its evaluation and save too
                     meter.__exit__(None, None, None)
                     metering = False
+                if self._stop_requested(stop):
+                    break
+            stop.__exit__(None, None, None)  # (a signal while saving: stop at once)
         finally:
+            stop.__exit__(None, None, None)
             if metering:
                 meter.__exit__(None, None, None)
             if log:
@@ -738,7 +756,9 @@ class Trainer:
         just_saved = bool(losses) and bool(every) and self.step % every == 0
         if self.opts.checkpoint and not just_saved:  # the final state, once
             self.save()
-        final_eval = self.evaluate() if self.data.test is not None else {}
+        interrupted = stop.requested
+        final_eval = (self.evaluate() if self.data.test is not None and not interrupted
+                      else {})
         steady = times[METERED_STEPS:] or times[1:] or times  # (the metered steps run slower)
         ips = self.batch / statistics.median(steady) if steady else 0.0
         result = RunResult(
@@ -757,10 +777,18 @@ class Trainer:
             step_time_s=statistics.median(steady) if steady else 0.0,
             test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=train_acc,
-            resumed_from=self.resumed_from, losses=losses,
+            resumed_from=self.resumed_from, losses=losses, interrupted=interrupted,
+            note=self._interrupted_note(interrupted),
             warnings=list(self.warnings) + self._replay_warnings())
         self.cb.on_end(result)
         return result
+
+    def _interrupted_note(self, signal_name: str | None) -> str | None:
+        if signal_name is None:
+            return None
+        saved = (f"the checkpoint in {self.opts.checkpoint} holds it: --resume goes on from "
+                 "there" if self.opts.checkpoint else "nothing was saved (no --checkpoint)")
+        return f"stopped by {signal_name} after step {self.step} of {self.total}; {saved}"
 
     def _replay_warnings(self) -> list[str]:
         """NETDSL_CUDA_GRAPH=1: the kinds of run that were not replayed, and why."""

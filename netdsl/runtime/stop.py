@@ -1,0 +1,43 @@
+"""Stopping a run cleanly: the first Ctrl-C (SIGINT) or SIGTERM (a cluster's scheduler
+pre-empting the job) asks the trainer to stop after the step it is running, save the
+checkpoint and report; a second one stops at once, as before (the last checkpoint kept).
+
+A step stopped half way would leave some parameters updated and others not, which is why
+the first signal only raises a flag the trainer reads between steps. Handlers are set only
+on the main thread (Python runs signal handlers there) and put back when the run ends.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """A context manager; `requested` is the name of the first signal ("SIGINT"), or None."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested is not None:  # the second: stop now
+            self._restore()
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def _restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def __exit__(self, *exc) -> bool:
+        self._restore()
+        return False

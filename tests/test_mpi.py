@@ -10,11 +10,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _signals import signal_after_steps
 
 pytest.importorskip("mpi4py")
 
@@ -363,17 +363,8 @@ def test_ctrl_c_stops_every_rank_after_the_same_step_and_saves(tmp_path):
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "netdsl_cli", "run", NET,
            "--distributed", "--split", "data", "--steps", "1000000", "--checkpoint",
            str(ck), "--log", str(log), "--json"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-            time.sleep(0.1)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
-    assert p.returncode == 130, err
+    rc, out, err = signal_after_steps(cmd, log, signal.SIGINT)
+    assert rc == 130, err
     d = json.loads(out[out.index("{"):])  # (after mpiexec's own words about the Ctrl-C)
     assert d["interrupted"] == "SIGINT" and "failed" not in err
     assert json.loads(log.read_text().splitlines()[-1])["step"] == d["steps"]

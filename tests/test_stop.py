@@ -9,10 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _signals import signal_after_steps
 
 import netdsl
 from netdsl.runtime import checkpoint
@@ -20,16 +20,11 @@ from netdsl.runtime.trainer import Callback, RunOptions, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = """
-network tiny {
-    input x: f32[N, 6]
-    input y: i64[N]
-    logits = linear(relu(linear(x, 8)), 3)
-    output logits
-    loss softmax_cross_entropy(logits, y)
-}
-train { data = synthetic(samples=32, test_samples=8); batch = 8; steps = 10 }
-"""
+NET = ROOT / "examples" / "digits-mlp.net"
+
+
+def _net():
+    return netdsl.load(NET)
 
 
 class SignalAt(Callback):
@@ -47,10 +42,10 @@ class SignalAt(Callback):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_after_the_step_and_saves(tmp_path, sig):
     before = signal.getsignal(sig)
-    net = netdsl.loads(TINY, "tiny.net")
+    net = _net()
     ck = tmp_path / "ck"
-    r = Trainer(net.graph, net.train, RunOptions(checkpoint=str(ck), checkpoint_every=2),
-                SignalAt(3, sig)).fit()
+    r = Trainer(net.graph, net.train, RunOptions(steps=10, checkpoint=str(ck),
+                                                 checkpoint_every=2), SignalAt(3, sig)).fit()
     assert r.interrupted == sig.name and r.steps == 3 and len(r.losses) == 3
     assert r.test_accuracy is None  # no evaluation on the way out
     assert f"stopped by {sig.name} after step 3 of 10" in r.note and str(ck) in r.note
@@ -59,38 +54,30 @@ def test_a_signal_stops_after_the_step_and_saves(tmp_path, sig):
 
 
 def test_the_same_run_without_a_signal_is_untouched():
-    net = netdsl.loads(TINY, "tiny.net")
-    r = Trainer(net.graph, net.train, RunOptions()).fit()
+    net = _net()
+    r = Trainer(net.graph, net.train, RunOptions(steps=10, eval_samples=0)).fit()
     assert r.interrupted is None and r.note is None and r.steps == 10
 
 
 def test_a_second_signal_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
-    net = netdsl.loads(TINY, "tiny.net")
+    net, before = _net(), signal.getsignal(signal.SIGINT)
     ck = tmp_path / "ck"
     with pytest.raises(KeyboardInterrupt):
-        Trainer(net.graph, net.train, RunOptions(checkpoint=str(ck), checkpoint_every=2),
+        Trainer(net.graph, net.train, RunOptions(steps=10, checkpoint=str(ck),
+                                                 checkpoint_every=2),
                 SignalAt(3, signal.SIGINT, times=2)).fit()
     assert checkpoint.load(ck)[1]["step"] == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_the_command_stops_saves_reports_and_exits_130(tmp_path):
     """SIGTERM (a scheduler pre-empting the job) to `netdsl run`: exit 130, the JSON says
     so, the checkpoint and the log end at the same step, and --resume goes on from it."""
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "netdsl_cli", "run", str(ROOT / "examples" / "digits-mlp.net"),
-           "--steps", "1000000", "--checkpoint", str(ck), "--log", str(log), "--json"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (log.exists() and len(log.read_text().splitlines()) >= 5):
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-            time.sleep(0.1)
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
-    assert p.returncode == 130, err
+    cmd = [sys.executable, "-m", "netdsl_cli", "run", str(NET), "--steps", "1000000",
+           "--checkpoint", str(ck), "--log", str(log), "--json"]
+    rc, out, err = signal_after_steps(cmd, log, signal.SIGTERM)
+    assert rc == 130, err
     d = json.loads(out)
     steps = d["steps"]
     assert d["interrupted"] == "SIGTERM" and "Traceback" not in err

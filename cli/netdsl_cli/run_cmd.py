@@ -18,15 +18,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from netdsl_cli.app import (
-    EXIT_INTERRUPT,
-    JsonOpt,
-    app,
-    console,
-    guard,
-    load_network,
-    print_json,
-)
+from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
 
 
 def _fmt_bytes(n: int) -> str:
@@ -242,6 +234,7 @@ def _run(
 
 def _exit_code(result) -> int | None:
     """130 for a run stopped by a signal (after its step, saved, reported), else None."""
+    from netdsl_cli.app import EXIT_INTERRUPT
     return EXIT_INTERRUPT if result.interrupted else None
 
 

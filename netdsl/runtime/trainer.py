@@ -432,7 +432,7 @@ class Trainer:
         shares = not opts.distributed and self.executor.holds_state_whole()
         self._eval_base = self.executor if shares else None
         self._eval_execs: dict[int, Executor] = {}
-        self._eval_refused: str | None = None  # over MPI: why rank 0 cannot evaluate, once
+        self._eval_refused: str | None = None  # why a joined copy cannot fit, decided once
         if self.rank != 0:
             self.cb = Callback()  # rank 0 reports
         self.stats = summarize(bound)

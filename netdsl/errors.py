@@ -141,6 +141,10 @@ class DeviceError(NetdslError):
     pass
 
 
+class NoSuchGpu(DeviceError):
+    """A GPU number the machine does not have."""
+
+
 class InteropError(NetdslError):
     """A model that cannot be exported to or imported from another format (ONNX)."""
 

@@ -9,7 +9,7 @@ import numpy as np
 from netdsl.backends import cudnn
 from netdsl.backends.cupy_fused import CudaKernels
 from netdsl.config import env_switch
-from netdsl.errors import DeviceError
+from netdsl.errors import DeviceError, NoSuchGpu
 
 CUDA_ENV = "NETDSL_CUDA_KERNELS"
 
@@ -82,7 +82,7 @@ class CupyBackend:
             raise DeviceError(f"the cupy backend found no usable CUDA device ({e}). "
                               + _HELP) from e
         if not 0 <= device < count:
-            raise DeviceError(f"the cupy backend was asked for GPU {device}, but this machine "
+            raise NoSuchGpu(f"the cupy backend was asked for GPU {device}, but this machine "
                               f"has {count} CUDA device(s), numbered from 0. Choose one of "
                               f"them, or run on the CPU with the numpy backend.")
         self.device = device

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from netdsl.backends import get_backend
 from netdsl.config import TrainConfig
-from netdsl.errors import CheckpointError, DeviceError, NetdslError
+from netdsl.errors import CheckpointError, NetdslError, NoSuchGpu
 from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.stats import summarize
@@ -328,10 +328,10 @@ def gpu_of(opts: RunOptions) -> int:
 def _backend_for(opts: RunOptions):
     try:
         return get_backend(opts.backend, gpu_of(opts))
-    except DeviceError as e:
+    except NoSuchGpu as e:
         if opts.device is not None or not opts.distributed:
             raise
-        raise DeviceError(f"{e.message} Over MPI each rank takes the GPU numbered as its "
+        raise NoSuchGpu(f"{e.message} Over MPI each rank takes the GPU numbered as its "
                           "place among the ranks on its machine: start at most as many ranks "
                           "on a machine as it has GPUs, or give --device N to put them all "
                           "on GPU N.") from None

@@ -37,13 +37,14 @@ def losses(log: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
-def two_ranks(tmp_path: Path, script: str, *args: str) -> None:
-    """Run a Python script on two ranks (args after it); it must exit 0."""
+def two_ranks(tmp_path: Path, script: str, *args: str, check: bool = True):
+    """Run a Python script on two ranks (args after it); with `check`, it must exit 0."""
     path = tmp_path / "script.py"
     path.write_text(script)
     out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(path), *args],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0 or not check, out.stderr
+    return out
 
 
 # a pipeline's micro-batches normalise with their own batchnorm statistics, so it is
@@ -370,3 +371,33 @@ def test_ctrl_c_stops_every_rank_after_the_same_step_and_saves(tmp_path):
     assert json.loads(log.read_text().splitlines()[-1])["step"] == d["steps"]
     from netdsl.runtime import checkpoint
     assert checkpoint.load(ck)[1]["step"] == d["steps"]
+
+
+RANK_1_FAILS = """
+import sys
+import netdsl.runtime.trainer as trainer
+from netdsl.errors import NetdslError
+from netdsl.runtime.mpi import world
+from netdsl_cli.app import main
+
+real = trainer.Trainer.__init__
+
+
+def init(self, *a, **k):
+    if world()[0] == 1:
+        raise NetdslError("rank 1 cannot go on: its own reason")
+    real(self, *a, **k)
+
+
+trainer.Trainer.__init__ = init
+main(["run", sys.argv[1], "--distributed", "--steps", "1"])
+"""
+
+
+def test_a_failing_rank_other_than_0_says_why(tmp_path):
+    """Ranks other than 0 keep quiet; when one fails, its reason reaches the user (only
+    "rank 1 failed" did), and every rank stops."""
+    out = two_ranks(tmp_path, RANK_1_FAILS, NET, check=False)
+    assert out.returncode != 0
+    assert "netdsl: rank 1: rank 1 cannot go on: its own reason" in out.stderr, out.stderr
+    assert "netdsl: rank 1 failed; stopping every rank" in out.stderr

@@ -258,12 +258,25 @@ def _run_rank(kwargs) -> int | None:
     with guard(kwargs["json_output"]):
         rank, _ = mpi.world()
     quiet = rank != 0
+    said = io.StringIO()  # a quiet rank's output: its error, as JSON, if it fails
     try:
-        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        with contextlib.redirect_stdout(said) if quiet else contextlib.nullcontext():
             return _run(**{**kwargs, "json_output": kwargs["json_output"] or quiet})
     except typer.Exit as e:
         if e.exit_code:
+            if quiet:  # the reason, or only "rank 1 failed" reached the user
+                sys.stderr.write("".join(f"netdsl: rank {rank}: {m}\n"
+                                         for m in _error_messages(said.getvalue())))
             sys.stderr.write(f"netdsl: rank {rank} failed; stopping every rank\n")
             sys.stderr.flush()
             mpi.abort(e.exit_code)
         raise
+
+
+def _error_messages(text: str) -> list[str]:
+    """The messages of the JSON error report in `text` (none if there is none)."""
+    import json
+    try:
+        return [e["message"] for e in json.loads(text[text.index("{"):])["errors"]]
+    except (ValueError, KeyError, TypeError):
+        return []

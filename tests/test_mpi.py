@@ -58,15 +58,22 @@ def two_ranks(tmp_path: Path, script: str, *args: str, check: bool = True):
                                                                  "--split", "spatial"]),
                                                ("data", 1e-5, [])])
 def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
+    """The same losses, and (bit for bit where the losses are) the same evaluation: rank 0
+    evaluates the whole model joined from the ranks' parts (a tensor split's shards too,
+    which failed over MPI and in one process: "returned 65536 bytes but the plan holds
+    131072")."""
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    a = netdsl("--steps", "3", "--log", str(one), "--eval-samples", "0", *same)
-    b = netdsl("--steps", "3", "--log", str(two), "--eval-samples", "0", "--split", split,
-               "--json", ranks=2)
-    assert a.returncode == 0, a.stderr
-    assert b.returncode == 0, b.stderr
-    d = json.loads(b.stdout)  # rank 0 alone reports
+    a = netdsl("--steps", "3", "--log", str(one), "--json", *same)
+    b = netdsl("--steps", "3", "--log", str(two), "--split", split, "--json", ranks=2)
+    assert a.returncode == 0, a.stdout + a.stderr
+    assert b.returncode == 0, b.stdout + b.stderr
+    s, d = json.loads(a.stdout), json.loads(b.stdout)  # rank 0 alone reports
     assert d["split"].startswith(split) and set(d["comm_bytes_per_step"]) == {"0"}
     np.testing.assert_allclose(losses(two), losses(one), rtol=rtol)
+    assert d["test_accuracy"] is not None
+    np.testing.assert_allclose(d["test_loss"], s["test_loss"], rtol=10 * rtol)
+    if rtol == 0.0:
+        assert d["test_accuracy"] == s["test_accuracy"]
 
 
 @pytest.mark.parametrize("split", ["pipeline", "tensor"])
@@ -166,19 +173,6 @@ def test_rank_0_evaluates_on_the_gathered_state():
     assert b["test_accuracy"] is not None
     assert (b["final_loss"], b["test_accuracy"]) == (s["final_loss"], s["test_accuracy"])
     np.testing.assert_allclose(b["final_loss"], a["final_loss"], rtol=1e-5)
-
-
-def test_rank_0_evaluates_a_tensor_split_on_the_joined_shards():
-    """Each rank holds half of every weight: rank 0 joins them to evaluate, as the same
-    split in one process does (which evaluated its first device's shards as if they were
-    whole weights and failed: "returned 65536 bytes but the plan holds 131072")."""
-    same = netdsl("--steps", "2", "--json", "--devices", "2", "--split", "tensor")
-    two = netdsl("--steps", "2", "--json", "--split", "tensor", ranks=2)
-    for r in (same, two):
-        assert r.returncode == 0, r.stdout + r.stderr
-    s, b = (json.loads(r.stdout) for r in (same, two))
-    assert b["test_accuracy"] is not None
-    assert (b["test_loss"], b["test_accuracy"]) == (s["test_loss"], s["test_accuracy"])
 
 
 FULL_DISK = """

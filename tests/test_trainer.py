@@ -106,6 +106,20 @@ def test_checkpoint_of_another_network_is_refused(net, tmp_path):
         _fit(renamed, steps=2, checkpoint=str(ck), resume=True)
 
 
+def test_resume_rewinds_the_log_to_the_checkpoint(net, tmp_path):
+    """A run killed after its last checkpoint leaves later steps (and maybe a torn line)
+    in its log; resuming from the checkpoint drops them, so each step is logged once."""
+    ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    _fit(net, steps=4, checkpoint=str(ck), log=str(log))
+    with open(log, "a") as f:  # what the lost run wrote after the checkpoint
+        f.write('{"step": 5, "loss": 9.0}\n{"step": 6, "loss": 9.0}\n{"step": 7, "lo')
+    r = _fit(net, steps=6, checkpoint=str(ck), log=str(log), resume=True)
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2, 3, 4, 5, 6]
+    assert [x["loss"] for x in recs[4:]] == r.losses
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def test_missing_checkpoint_and_resume_without_dir(net, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         _fit(net, steps=2, checkpoint=str(tmp_path / "none"), resume=True)

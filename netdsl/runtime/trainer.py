@@ -663,6 +663,27 @@ class Trainer:
                 raise out_of_memory(self.planned_peak_bytes(), self.executor.backend, self.batch,
                                     f"at step {self.step + 1}") from None
 
+    def _open_log(self):
+        """The log to append to. On resume it goes on from the checkpoint's step: lines of
+        later steps (written by the run after its last checkpoint, then lost with it) and
+        a line torn by a kill are dropped first, so each step is in it once (TensorBoard's
+        purge_step); the file is rewritten atomically."""
+        path = Path(self.opts.log)
+        if self.opts.resume and path.exists():
+            kept = []
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) \
+                        and rec["step"] <= self.step:
+                    kept.append(line + "\n")
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, path)
+        return open(path, "a" if self.opts.resume else "w", encoding="utf-8")
+
     def _stop_requested(self, stop: StopRequest) -> bool:
         """Whether to stop after this step: a signal arrived (over MPI: on any rank, so
         that every rank stops after the same step)."""
@@ -686,8 +707,7 @@ class Trainer:
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
                 "memory_plan": self._plan_summary()}
         self.cb.on_start(info)
-        log = (open(self.opts.log, "a" if self.opts.resume else "w")
-               if self.opts.log and self.rank == 0 else None)
+        log = self._open_log() if self.opts.log and self.rank == 0 else None
         times, losses = [], []
         last_eval: dict = {}
         train_acc = None

@@ -75,6 +75,26 @@ def test_an_unwritable_checkpoint_folder(tiny, tmp_path):
         d.chmod(0o700)
 
 
+def test_a_checkpoint_is_not_replaced_by_a_run_that_forgot_resume(tiny, tmp_path):
+    """A folder that holds a checkpoint: a fresh run is refused before it starts (its first
+    save would replace the trained state), and says how to go on; --overwrite starts over."""
+    from netdsl.runtime import checkpoint
+    ck = tmp_path / "ck"
+    Trainer(tiny.graph, tiny.train, RunOptions(steps=2, checkpoint=str(ck))).fit()
+    msg = _fails_before_training(tiny, steps=1, checkpoint=str(ck))
+    assert msg == (f"--checkpoint {ck} already holds a checkpoint (network `tiny`, step 2); "
+                   "give --resume to go on from it, --overwrite to start over and replace "
+                   "it, or another directory")
+    assert checkpoint.load(ck)[1]["step"] == 2
+    Trainer(tiny.graph, tiny.train, RunOptions(steps=1, checkpoint=str(ck),
+                                               overwrite=True)).fit()
+    assert checkpoint.load(ck)[1]["step"] == 1
+    for bad in ({"overwrite": True}, {"overwrite": True, "resume": True,
+                                      "checkpoint": str(ck)}):
+        with pytest.raises(NetdslError, match="--overwrite"):
+            Trainer(tiny.graph, tiny.train, RunOptions(steps=1, **bad))
+
+
 def test_a_log_that_cannot_be_written(tiny, tmp_path):
     msg = _fails_before_training(tiny, log=str(tmp_path / "no" / "such" / "dir" / "x.log"))
     assert "--log" in msg and "cannot be written" in msg

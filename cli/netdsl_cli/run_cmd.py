@@ -138,6 +138,9 @@ def _run(
     checkpoint: Annotated[Path | None, typer.Option(help="checkpoint directory")] = None,
     checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
     resume: Annotated[bool, typer.Option(help="continue from --checkpoint")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="start over, replacing the checkpoint in --checkpoint (refused without it)")
+    ] = False,
     eval_every: Annotated[int | None, typer.Option(min=1, help="evaluate every K steps")] = None,
     eval_samples: Annotated[int | None, typer.Option(
         min=0, help="held-out samples per evaluation (0: none; default: all of real data, "
@@ -193,7 +196,7 @@ def _run(
                           backend=backend, device=device, dtype=dtype,
                           log=str(log) if log else None,
                           checkpoint=str(checkpoint) if checkpoint else None,
-                          checkpoint_every=checkpoint_every, resume=resume,
+                          checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
                           eval_every=eval_every, check_numerics=check_numerics,
                           eval_samples=eval_samples, mem=mem, profile=profile,
                           strategy=strategy, offload_state=offload_state, devices=devices,

@@ -62,6 +62,7 @@ class RunOptions:
     checkpoint: str | None = None
     checkpoint_every: int | None = None
     resume: bool = False
+    overwrite: bool = False  # start over in a --checkpoint folder that holds one
     eval_every: int | None = None
     check_numerics: bool = False
     # held-out samples each evaluation uses: None = all of real data, one batch of
@@ -180,6 +181,11 @@ def check_options(opts: RunOptions) -> list[str]:
         raise NetdslError("--checkpoint-every needs --checkpoint DIR (where to write them)")
     if opts.resume and not opts.checkpoint:
         raise NetdslError("--resume needs --checkpoint DIR")
+    if opts.overwrite and not opts.checkpoint:
+        raise NetdslError("--overwrite needs --checkpoint DIR (the checkpoint to replace)")
+    if opts.overwrite and opts.resume:
+        raise NetdslError("give --resume (go on from the checkpoint) or --overwrite (start "
+                          "over and replace it), not both")
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")
@@ -218,6 +224,16 @@ def preflight(opts: RunOptions) -> None:
         except OSError as e:
             raise NetdslError(f"--checkpoint {d} is not writable: "
                               f"{e.strerror or e}") from None
+        if not (opts.resume or opts.overwrite) and checkpoint.path_in(d).exists():
+            # a run that forgot --resume would replace days of training at its first save
+            try:
+                held = checkpoint.load(d)[1]
+                what = f" (network `{held.get('network')}`, step {held.get('step')})"
+            except NetdslError:
+                what = ""
+            raise NetdslError(f"--checkpoint {d} already holds a checkpoint{what}; give "
+                              "--resume to go on from it, --overwrite to start over and "
+                              "replace it, or another directory")
     if opts.log:
         p = Path(opts.log)
         if p.is_dir():

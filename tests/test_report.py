@@ -91,3 +91,19 @@ def test_a_missing_matplotlib_is_a_clear_error(trained, tmp_path, monkeypatch):
     r = runner.invoke(app, ["run", MLP, "--steps", "1", "--plot",
                             str(tmp_path / "y.png")])
     assert r.exit_code == 1 and "matplotlib" in r.output and "steps" not in r.output
+
+
+def test_run_plot_after_a_resume_draws_the_whole_run(tmp_path, monkeypatch):
+    """--plot with --resume and --log draws the log (every step since the first run, the
+    log rewound to the checkpoint), not only the steps this process trained."""
+    import netdsl.tooling.curves as curves
+    drawn = []
+    monkeypatch.setattr(curves, "write_png", lambda runs, path: drawn.extend(runs))
+    log, ck = tmp_path / "mlp.jsonl", tmp_path / "ck"
+    common = [MLP, "--log", str(log), "--checkpoint", str(ck), "--eval-samples", "0"]
+    assert runner.invoke(app, ["run", *common, "--steps", "3"]).exit_code == 0
+    r = runner.invoke(app, ["run", *common, "--steps", "5", "--resume", "--plot",
+                            str(tmp_path / "c.png")])
+    assert r.exit_code == 0, r.output
+    [run] = drawn
+    assert [s for s, _ in run.series["loss"]] == [1, 2, 3, 4, 5]

@@ -209,9 +209,11 @@ def _run(
             result = train(net, opts, bar)
         finally:
             bar.close()
-        if plot is not None:
-            from netdsl.tooling.curves import run_from_records, write_png
-            write_png([run_from_records(bar.records, result.network)], plot)
+        if plot is not None and _rank(distributed) == 0:  # (every rank ran this)
+            from netdsl.tooling.curves import read_log, run_from_records, write_png
+            # after --resume the log holds the whole run (rewound to the checkpoint first)
+            write_png([read_log(log, result.network) if log and resume else
+                       run_from_records(bar.records, result.network)], plot)
         if json_output:
             print_json({**result.to_json(), **({"plot": str(plot)} if plot else {})})
             return _exit_code(result)
@@ -233,6 +235,13 @@ def _run(
             out.print(result.note)
         sys.stdout.flush()
         return _exit_code(result)
+
+
+def _rank(distributed: bool) -> int:
+    if not distributed:
+        return 0
+    from netdsl.runtime.mpi import world
+    return world()[0]
 
 
 def _exit_code(result) -> int | None:

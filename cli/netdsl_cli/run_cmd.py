@@ -212,7 +212,8 @@ def _run(
         if plot is not None and _rank(distributed) == 0:  # (every rank ran this)
             from netdsl.tooling.curves import read_log, run_from_records, write_png
             # after --resume the log holds the whole run (rewound to the checkpoint first)
-            write_png([read_log(log, result.network) if log and resume else
+            whole = log is not None and resume and log.exists() and log.stat().st_size > 0
+            write_png([read_log(log, result.network) if whole else
                        run_from_records(bar.records, result.network)], plot)
         if json_output:
             print_json({**result.to_json(), **({"plot": str(plot)} if plot else {})})

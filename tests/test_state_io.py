@@ -158,3 +158,20 @@ def test_a_tensor_split_evaluates_on_its_joined_shards(mlp):
     again = plain.evaluate()
     assert r.test_loss is not None
     assert (r.test_loss, r.test_accuracy) == (again["test_loss"], again["test_accuracy"])
+
+
+def test_a_resume_reads_each_entry_once(mlp, tmp_path, monkeypatch):
+    """Asking whether an entry is there reads nothing; loading reads each entry once (the
+    Mapping default `in` read the array, so a resume read the whole file three times)."""
+    ck = tmp_path / "ck"
+    Trainer(mlp.graph, mlp.train, RunOptions(steps=1, eval_samples=0,
+                                             checkpoint=str(ck))).fit()
+    arrays, header = checkpoint.load(ck)
+    reads = []
+    real = type(arrays._npz).__getitem__
+    monkeypatch.setattr(type(arrays._npz), "__getitem__",
+                        lambda self, k: reads.append(k) or real(self, k))
+    assert all(k in arrays for k in header["arrays"]) and reads == []
+    t = Trainer(mlp.graph, mlp.train, RunOptions(steps=2, eval_samples=0))
+    t.executor.load_state_dict(arrays)
+    assert sorted(reads) == sorted(checkpoint.PREFIX + k for k in header["arrays"])

@@ -40,10 +40,10 @@ def from_checkpoint(path: str | Path, graph: Graph) -> Weights:
         raise CheckpointError(f"checkpoint {where} lacks {len(missing)} of the network's "
                               f"tensors: " + ", ".join(missing[:5])
                               + (" ..." if len(missing) > 5 else ""))
-    for n in state:
+    for n in state:  # by the header's shapes: each array is read from disk when used
         want = tuple(n.type.bind(1).shape)
-        if tuple(arrays[n.name].shape) != want:
-            raise CheckpointError(f"checkpoint {where}: `{n.name}` is "
-                                  f"{list(arrays[n.name].shape)} but the network expects "
-                                  f"{list(want)}")
+        have = tuple(header["arrays"][n.name][0])
+        if have != want:
+            raise CheckpointError(f"checkpoint {where}: `{n.name}` is {list(have)} but the "
+                                  f"network expects {list(want)}")
     return lambda n: np.ascontiguousarray(arrays[n.name], dtype=_dtype(n))

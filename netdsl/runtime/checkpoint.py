@@ -57,8 +57,9 @@ def save(directory: str | Path,
             specs = {}
             with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
                 for k, v in items:
+                    v = np.asanyarray(v)
                     _write(zf, PREFIX + k, v)
-                    specs[k] = [list(np.shape(v)), str(np.asanyarray(v).dtype)]
+                    specs[k] = [list(v.shape), str(v.dtype)]
                 full = {**header, "format": FORMAT, "arrays": specs}
                 _write(zf, HEADER, np.frombuffer(json.dumps(full).encode(), np.uint8))
             fh.flush()
@@ -105,14 +106,14 @@ class Arrays(Mapping):
                                   "match its header")
         return a
 
+    def __contains__(self, key) -> bool:  # (Mapping's would read the array to find out)
+        return key in self._specs
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._specs)
 
     def __len__(self) -> int:
         return len(self._specs)
-
-    def close(self) -> None:
-        self._npz.close()
 
 
 def _corrupt(p: Path, e: BaseException) -> CheckpointError:

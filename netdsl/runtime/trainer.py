@@ -734,56 +734,54 @@ class Trainer:
         meter = be.memory_meter()
         meter.__enter__()
         metering = True
-        stop = StopRequest()
+        stop = StopRequest()  # (put back when the loop ends: a signal while saving stops)
         try:
-            stop.__enter__()
-            while self.step < self.total:
-                arrays = self.loader.next()
-                lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
-                lr_value = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)
-                feeds = self.feeds(arrays)
-                feeds["lr"] = lr_value  # at the executor's dtype: f64 runs used to get f32
-                t0 = time.perf_counter()
-                try:
-                    out = self.executor.run(feeds, training=True, roles=self.ROLES,
-                                            step=self.step)
-                except NonFinite as e:
-                    raise self._non_finite(e, feeds, lr) from None
-                # over MPI the loss (and the logits) live on rank 0
-                loss = float(be.to_host(out["loss"][0])) if "loss" in out else float("nan")
-                be.synchronize()
-                dt = time.perf_counter() - t0
-                self.step += 1
-                times.append(dt)
-                losses.append(loss)
-                rec = {"step": self.step, "loss": loss, "lr": lr,
-                       "images_per_s": self.batch / dt, "step_time_s": dt,
-                       "epoch": self.loader.epoch}
-                if labels_at is not None and "logits" in out:
-                    c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2],
-                                    arrays[labels_at])
-                    if k:
-                        train_acc = c / k
-                        rec["accuracy"] = train_acc
-                if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
-                    last_eval = self.evaluate()
-                    rec.update(last_eval)
-                    self.cb.on_eval(last_eval)
-                if log:
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
-                self.cb.on_step({**rec, "total_steps": self.total})
-                if (self.opts.checkpoint and self.opts.checkpoint_every
-                        and self.step % self.opts.checkpoint_every == 0):
-                    self.save()
-                if metering and len(times) == METERED_STEPS:  # its evaluation and save too
-                    meter.__exit__(None, None, None)
-                    metering = False
-                if self._stop_requested(stop):
-                    break
-            stop.__exit__(None, None, None)  # (a signal while saving: stop at once)
+            with stop:
+                while self.step < self.total:
+                    arrays = self.loader.next()
+                    lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
+                    lr_value = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)
+                    feeds = self.feeds(arrays)
+                    feeds["lr"] = lr_value  # at the executor's dtype: f64 runs used to get f32
+                    t0 = time.perf_counter()
+                    try:
+                        out = self.executor.run(feeds, training=True, roles=self.ROLES,
+                                                step=self.step)
+                    except NonFinite as e:
+                        raise self._non_finite(e, feeds, lr) from None
+                    # over MPI the loss (and the logits) live on rank 0
+                    loss = float(be.to_host(out["loss"][0])) if "loss" in out else float("nan")
+                    be.synchronize()
+                    dt = time.perf_counter() - t0
+                    self.step += 1
+                    times.append(dt)
+                    losses.append(loss)
+                    rec = {"step": self.step, "loss": loss, "lr": lr,
+                           "images_per_s": self.batch / dt, "step_time_s": dt,
+                           "epoch": self.loader.epoch}
+                    if labels_at is not None and "logits" in out:
+                        c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2],
+                                        arrays[labels_at])
+                        if k:
+                            train_acc = c / k
+                            rec["accuracy"] = train_acc
+                    if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                        last_eval = self.evaluate()
+                        rec.update(last_eval)
+                        self.cb.on_eval(last_eval)
+                    if log:
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
+                    self.cb.on_step({**rec, "total_steps": self.total})
+                    if (self.opts.checkpoint and self.opts.checkpoint_every
+                            and self.step % self.opts.checkpoint_every == 0):
+                        self.save()
+                    if metering and len(times) == METERED_STEPS:  # its evaluation and save too
+                        meter.__exit__(None, None, None)
+                        metering = False
+                    if self._stop_requested(stop):
+                        break
         finally:
-            stop.__exit__(None, None, None)
             if metering:
                 meter.__exit__(None, None, None)
             if log:

@@ -305,35 +305,103 @@ def test_real_data_evaluates_everything_by_default(tmp_path):
         Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=-1))
 
 
-def test_out_of_memory_is_said_in_words(tmp_path):
-    """512 TiB of weights (more than any address space, so the allocation fails at once
-    even where the kernel overcommits): NumPy's MemoryError becomes what is needed, what
-    is free and what to change; exit 1, no traceback."""
+HUGE = ("network huge {\n    input x: f32[N, 1048576]\n"
+        "    loss mse(linear(x, 134217728), linear(x, 134217728))\n}\n"
+        "train { data = synthetic(samples=4, test_samples=0); batch = 2 }\n")
+
+
+def test_out_of_memory_is_said_in_words(tmp_path, monkeypatch):
+    """512 TiB of weights: refused before anything is allocated, since no plan fits the
+    free memory (exit 1, no traceback); where the free memory cannot be read, NumPy's
+    MemoryError (more than any address space, so the allocation fails at once even where
+    the kernel overcommits) becomes what is needed and what to change."""
     p = tmp_path / "huge.net"
-    p.write_text("network huge {\n    input x: f32[N, 1048576]\n"
-                 "    loss mse(linear(x, 134217728), linear(x, 134217728))\n}\n"
-                 "train { data = synthetic(samples=4, test_samples=0); batch = 2 }\n")
+    p.write_text(HUGE)
     out = subprocess.run([sys.executable, "-m", "netdsl_cli", "run", str(p), "--steps", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 1, out.stderr
-    assert "out of memory allocating the parameters: a training step needs about" in out.stderr
-    assert "is free on this machine" in out.stderr and "--batch 1" in out.stderr
+    assert ("out of memory before the first step: a training step needs about 2251.80 TB "
+            "as written (at batch 2), about") in out.stderr
+    assert "is free on this machine, and no memory plan fits" in out.stderr
+    assert "the least a plan needs is about 2251.80 TB" in out.stderr
+    assert "--batch 1" in out.stderr
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr
+    from netdsl.runtime import trainer as trainer_mod
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: None)
+    net = netdsl.load(p)
+    with pytest.raises(NetdslError, match="out of memory allocating the parameters: a "
+                       "training step needs about .* this machine has less free"):
+        Trainer(net.graph, net.train, RunOptions(steps=1))
+
+
+DEEP = """
+network deep {
+    input x: f32[N, 64]
+    input y: i64[N]
+    h = x
+    repeat 24 { h = relu(linear(h, 256)) }
+    logits = linear(h, 10)
+    output logits
+    loss softmax_cross_entropy(logits, y)
+}
+train { data = synthetic(samples=1024, test_samples=64); batch = 1024; steps = 2 }
+"""
+
+
+def test_a_step_that_does_not_fit_the_free_memory_is_planned_into_it(tmp_path,
+                                                                     monkeypatch):
+    """Without --mem, a step whose storage plan is more than the free memory is planned
+    into nine tenths of it (Linux would let it start and then kill it), says so, and
+    trains to the same numbers; one that no plan fits is refused before anything is
+    allocated, with what a plan needs."""
+    from netdsl.runtime import trainer as trainer_mod
+    p = tmp_path / "deep.net"
+    p.write_text(DEEP)
+    net = netdsl.load(p)
+    whole = Trainer(net.graph, net.train, RunOptions(steps=2))
+    need = whole.planned_peak_bytes()
+    assert whole.mem is None and whole.warnings == []
+    expected = whole.fit()
+    free = int(need * 0.7)
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: free)
+    t = Trainer(net.graph, net.train, RunOptions(steps=2))
+    assert t.mem == trainer_mod.budget_within(free) == f"{int(free * 0.9 / 1e6)}MB"
+    assert t.warnings == [f"the step as written needs about {need / 1e6:.2f} MB and about "
+                          f"{free / 1e6:.2f} MB is free on this machine: planned into --mem "
+                          f"{t.mem} (activations recomputed or offloaded, so a step takes "
+                          "longer; give --mem to choose the budget)"]
+    r = t.fit()
+    assert r.memory_plan["budget"] == "free memory" and r.memory_plan["decisions"]["recompute"]
+    assert r.planned_peak_bytes <= r.budget_bytes < free
+    assert r.peak_bytes <= r.budget_bytes  # measured (tracemalloc + the state's arrays)
+    np.testing.assert_allclose(r.losses, expected.losses, rtol=1e-5)
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: need // 4)
+    with pytest.raises(NetdslError) as info:
+        Trainer(net.graph, net.train, RunOptions(steps=1))
+    msg = info.value.message
+    assert msg.startswith("out of memory before the first step: a training step needs "
+                          f"about {need / 1e6:.2f} MB as written (at batch 1024), about "
+                          f"{need / 4e6:.2f} MB is free on this machine, and no memory plan "
+                          "fits")
+    assert "the least a plan needs is about" in msg and "--batch 512" in msg
 
 
 def test_a_step_planned_past_the_free_memory_is_refused_before_it_starts(tiny,
                                                                         monkeypatch):
-    """Linux overcommits and then kills the process, so a step whose planned peak is more
-    than the memory left after the state is refused up front, with the --mem to plan it
-    into; with --mem already given, the budget is named instead."""
+    """Memory taken by others after the plan was made: the planned peak is more than the
+    memory left after the state, so the step is refused up front, with the --mem to plan
+    it into; with --mem already given, the budget is named instead."""
     from netdsl.runtime import trainer as trainer_mod
-    need = Trainer(tiny.graph, tiny.train, RunOptions(steps=1)).planned_peak_bytes()
+    t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
+    need = t.planned_peak_bytes()
     monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: need // 4)
     with pytest.raises(NetdslError) as info:
-        Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
+        t._refuse_what_cannot_fit(t.executor.backend)
     msg = info.value.message
     assert msg.startswith("out of memory before the first step: a training step needs")
-    assert "is free on this machine; use --mem 1GB to plan the step into it" in msg
+    free = need // 4 + t._state_bytes()  # (the state is allocated already)
+    assert (f"is free on this machine; use --mem {trainer_mod.budget_within(free)} to plan "
+            "the step into it") in msg
     assert "--batch 4" in msg
     monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: 40 * need)
     Trainer(tiny.graph, tiny.train, RunOptions(steps=1)).fit()  # room enough: it runs

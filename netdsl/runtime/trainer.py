@@ -41,7 +41,7 @@ from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, m
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
 from netdsl.runtime.stop import StopRequest
-from netdsl.sizes import parse_size
+from netdsl.sizes import format_decimal, parse_size
 
 
 @dataclass
@@ -280,6 +280,23 @@ def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
+def budget_within(free: int, ranks: int = 1) -> str:
+    """The --mem budget for a step planned into `free` bytes shared by `ranks` processes:
+    nine tenths of a rank's share, rounded down to two figures (21GB, 4.8GB, 730MB); the
+    rest is left for what a run holds besides its plan (the interpreter and libraries:
+    resnet2504's process held 0.33 GB above its 12 GB plan)."""
+    share = max(free * 0.9 / ranks, 1)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
+        if share >= scale:
+            v = share / scale
+            return f"{int(v)}{unit}" if v >= 10 else f"{int(v * 10) / 10:g}{unit}"
+    raise AssertionError("unreachable: share >= 1")
+
+
+def _where(backend) -> str:
+    return "the GPU" if backend.name == "cupy" else "this machine"
+
+
 def out_of_memory(needed: int, backend, batch: int, when: str,
                   free: int | None = None, budget: int | None = None,
                   ranks: int = 1) -> NetdslError:
@@ -288,7 +305,7 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
     what to change (`budget`: the --mem it was planned into, if any; `ranks`: MPI ranks
     sharing that memory, whose needs `needed` sums)."""
     free = available_bytes(backend) if free is None else free
-    where = "the GPU" if backend.name == "cupy" else "this machine"
+    where = _where(backend)
     have = (f"about {_gib(free)} is free on {where}" if free is not None
             else f"{where} has less free")
     smaller = max(batch // 2, 1)
@@ -297,8 +314,8 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
         fit = f"a --mem budget below {share}what is free (it was {_gib(budget)}), "
     elif free is not None:
         each = " for each rank" if ranks > 1 else ""
-        fit = (f"--mem {max(int(free * 0.9 / ranks / 2 ** 30), 1)}GB to plan the step "
-               f"into it{each} (activations recomputed or offloaded), ")
+        fit = (f"--mem {budget_within(free, ranks)} to plan the step into it{each} "
+               "(activations recomputed or offloaded), ")
     else:
         fit = "--mem to plan the step into less memory, "
     who = (f"the {ranks} ranks sharing {where} need about {_gib(needed)} together for a "
@@ -400,27 +417,36 @@ class Trainer:
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]
+        # --mem, or on one device a budget within the free memory when the step as
+        # written does not fit it (the run plans itself, as Layup's and SuperNeurons' do)
+        self.mem, self.mem_from = opts.mem, "--mem" if opts.mem is not None else None
         if opts.mem is None:
             # the updates as one node per kind, settings and device (a planned step keeps
             # each update right after its gradient, which frees the gradient early)
-            self.train_graph = group_updates(self.train_graph)
+            grouped = group_updates(self.train_graph)
+            self.mem = self._budget_to_fit(grouped, backend)
+            if self.mem is None:
+                self.train_graph = grouped
+            else:
+                self.mem_from = "free memory"
         if opts.distributed:
             from netdsl.parallel.project import project
             self.full_graph = self.train_graph
             self.train_graph = project(self.train_graph, self.rank)
-        self.ROLES = tuple(r for r in (*Trainer.ROLES, "logits", "state_updates", "comm")
-                           if r in self.train_graph.outputs)
+        self.ROLES = _roles(self.train_graph)
         self.budget = None
         self.budget_host = False
-        if opts.mem is not None and opts.devices > 1:  # planned per device by _split_step
-            self.budget = parse_size(opts.mem, "--mem")
+        if self.mem is not None and opts.devices > 1:  # planned per device by _split_step
+            self.budget = parse_size(self.mem, "--mem")
             self.budget_host = get_profile(self._profile_name(backend)).unified
-        elif opts.mem is not None:  # plan the step into the budget, then run exactly that
+        elif self.mem is not None:  # plan the step into the budget, then run exactly that
             from netdsl.memory.search import infeasible_error, plan_and_apply
             profile = opts.profile or ("cpu" if backend.name == "numpy" else "h200")
             planned, self.mem_plan = plan_and_apply(
-                self.train_graph, opts.mem, profile, opts.strategy, opts.dtype,
+                self.train_graph, self.mem, profile, opts.strategy, opts.dtype,
                 roles=self.ROLES, arena=True, offload_state=opts.offload_state)
+            if planned is None and self.mem_from == "free memory":
+                raise self._cannot_fit_even_planned(backend)
             if planned is None:
                 raise infeasible_error(self.mem_plan)
             self.train_graph = planned
@@ -456,6 +482,42 @@ class Trainer:
             {self.acc[0]} if self.acc else set())
         self.step = 0
         self.resumed_from = None
+
+    def _budget_to_fit(self, step: Graph, backend) -> str | None:
+        """A run without --mem on one device: None when `step` as written fits the free
+        memory, else the budget within it to plan the step into (what the refusal below
+        would tell the user to give), with a warning saying so."""
+        if self.opts.devices > 1 or self.opts.distributed:
+            return None  # (a split chooses with --mem; without it, it is refused below)
+        free = available_bytes(backend)
+        if free is None:
+            return None
+        need = make_plan(step, _roles(step), self.opts.dtype, pack_arena=False).peak_bytes
+        self._as_written = need, free
+        if need <= free:
+            return None
+        mem = budget_within(free)
+        self.warnings = [w for w in self.warnings if not w.startswith("--profile and")]
+        self.warnings.append(
+            f"the step as written needs about {format_decimal(need)} and about "
+            f"{format_decimal(free)} is free on {_where(backend)}: planned into --mem {mem} "
+            "(activations recomputed or offloaded, so a step takes longer; give --mem to "
+            "choose the budget)")
+        return mem
+
+    def _cannot_fit_even_planned(self, backend) -> NetdslError:
+        """The error for a run without --mem whose step fits the free memory neither as
+        written nor planned."""
+        (need, free), p = self._as_written, self.mem_plan
+        return NetdslError(
+            f"out of memory before the first step: a training step needs about "
+            f"{format_decimal(need)} as written (at batch {self.batch}), about "
+            f"{format_decimal(free)} is free on {_where(backend)}, and no memory plan fits "
+            f"{format_decimal(p.budget_bytes)} of it: the least a plan needs is about "
+            f"{format_decimal(p.min_feasible_bytes)}, "
+            f"dominated by {p.dominant or 'the persistent state'}; use a smaller batch "
+            f"(e.g. --batch {max(self.batch // 2, 1)}: activations shrink with it), or a "
+            "smaller network")
 
     def _refuse_what_cannot_fit(self, backend, comm=None) -> None:
         """Refuse, before the first step, a step whose planned peak is more than the memory
@@ -892,7 +954,7 @@ class Trainer:
             return None
         if self.split_plan is not None:  # a split step, planned per device
             return self.split_plan
-        return {"strategy": p.strategy, "profile": p.profile.name,
+        return {"strategy": p.strategy, "profile": p.profile.name, "budget": self.mem_from,
                 "decisions": dict(p.counts), "predicted_overhead": p.predicted_overhead,
                 "offload_bytes": p.offload_bytes, "recompute_flops": p.recompute_flops,
                 "arena_bytes": self.executor.plan(self.ROLES).arena_bytes,
@@ -905,6 +967,13 @@ class Trainer:
     def _state_bytes(self) -> int:
         """The parameters' and optimizer state's arrays, allocated before the first step."""
         return sum(int(v.nbytes) for v in self.executor.state.values())
+
+
+def _roles(step: Graph) -> tuple[str, ...]:
+    """The outputs a training step computes (the trainer's ROLES and those a split or a
+    projection adds), which its storage plan keeps to the end of the step."""
+    return tuple(r for r in (*Trainer.ROLES, "logits", "state_updates", "comm")
+                 if r in step.outputs)
 
 
 def _device_name(be) -> str:

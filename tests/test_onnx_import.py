@@ -154,6 +154,34 @@ def test_import_then_train_from_the_cli(tmp_path):
     assert res.exit_code == 0, res.output
 
 
+def test_a_reimport_replaces_neither_training_nor_edits(tmp_path):
+    """Re-importing over the files of an import is fine; over a checkpoint a run has
+    trained in, or a .net file the user edited, it is refused (exit 1, nothing written)
+    unless --overwrite."""
+    _tiny_model(tmp_path / "m.onnx", ["Relu"])
+    args = ["import", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "m.net")]
+    assert runner.invoke(app, args).exit_code == 0
+    assert runner.invoke(app, args).exit_code == 0  # the same files again
+    res = runner.invoke(app, ["run", str(tmp_path / "m.net"), "--checkpoint",
+                              str(tmp_path / "m.ckpt"), "--resume", "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    trained = (tmp_path / "m.ckpt" / "checkpoint.npz").read_bytes()
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1
+    assert (f"--checkpoint {tmp_path / 'm.ckpt'} already holds a training checkpoint (network "
+            "`m`, step 2); give --overwrite") in " ".join(res.output.split())
+    assert (tmp_path / "m.ckpt" / "checkpoint.npz").read_bytes() == trained
+    net = tmp_path / "m.net"
+    net.write_text(net.read_text().replace("batch     = 8", "batch     = 4"))
+    res = runner.invoke(app, [*args, "--checkpoint", str(tmp_path / "fresh")])
+    assert res.exit_code == 1 and "m.net already exists and is not what this import" in \
+        " ".join(res.output.split())
+    assert "batch     = 4" in net.read_text() and not (tmp_path / "fresh").exists()
+    assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0
+    assert "batch     = 8" in net.read_text()
+    assert checkpoint.load(tmp_path / "m.ckpt")[1]["kind"] == "weights"
+
+
 def test_weights_checkpoint_of_another_network_is_refused(tmp_path):
     _tiny_model(tmp_path / "m.onnx", ["Relu"])
     import_onnx(tmp_path / "m.onnx", tmp_path / "m.net", tmp_path / "ck")

@@ -94,6 +94,9 @@ def import_(
                                          show_default=False)],
     checkpoint: Annotated[Path | None, typer.Option(
         "--checkpoint", help="where to write the weights (default: OUTPUT with .ckpt)")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="replace an edited OUTPUT or a training checkpoint in "
+        "--checkpoint (refused otherwise)")] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Import an ONNX model as a readable .net file plus a checkpoint of its weights."""
@@ -102,10 +105,10 @@ def import_(
         from netdsl.interop.onnx_import import import_onnx
         require_onnx()
         if json_output:
-            r = import_onnx(model, output, checkpoint)
+            r = import_onnx(model, output, checkpoint, overwrite)
         else:
             with console(stderr=True).status(f"importing {model}"):
-                r = import_onnx(model, output, checkpoint)
+                r = import_onnx(model, output, checkpoint, overwrite)
         if json_output:
             print_json(r.to_json())
             return

@@ -47,9 +47,12 @@ def default_checkpoint_dir(net_path: Path) -> Path:
 
 
 def import_onnx(onnx_path: str | Path, net_path: str | Path,
-                checkpoint_dir: str | Path | None = None) -> ImportResult:
+                checkpoint_dir: str | Path | None = None,
+                overwrite: bool = False) -> ImportResult:
     onnx_path, net_path = Path(onnx_path), Path(net_path)
     ck = Path(checkpoint_dir) if checkpoint_dir is not None else default_checkpoint_dir(net_path)
+    if not overwrite:
+        _refuse_training_checkpoint(ck)
     prog = read_onnx(onnx_path, net_name(net_path.stem))
     if not prog.calls:
         raise InteropError(f"{onnx_path} computes nothing netdsl can hold (no operators "
@@ -77,6 +80,8 @@ def import_onnx(onnx_path: str | Path, net_path: str | Path,
     g = net.lower()
     arrays = _weights(prog, g)
     _check_outputs(prog, g)
+    if not overwrite:
+        _refuse_edited_net(net_path, text)
     try:
         net_path.parent.mkdir(parents=True, exist_ok=True)
         net_path.write_text(text, encoding="utf-8")
@@ -86,6 +91,37 @@ def import_onnx(onnx_path: str | Path, net_path: str | Path,
         raise InteropError(f"cannot write {e.filename or net_path}: {e.strerror or e}") from None
     return ImportResult(net_path, ck_file, g.name, text.count("\n"), len(prog.calls),
                         int(nparams), text.count("\nblock "), classifier)
+
+
+def _refuse_training_checkpoint(ck: Path) -> None:
+    """A re-import into the folder a run has trained in would replace the training with
+    the ONNX weights at its first write; a weights checkpoint (an earlier import) holds
+    nothing else and is replaced."""
+    if not checkpoint.path_in(ck).exists():
+        return
+    try:
+        held = checkpoint.load(ck)[1]
+    except NetdslError:
+        held = {}
+    if held.get("kind") == WEIGHTS_KIND:
+        return
+    what = (f"a training checkpoint (network `{held.get('network')}`, step "
+            f"{held.get('step')})" if held else "a checkpoint that cannot be read")
+    raise InteropError(f"--checkpoint {ck} already holds {what}; give --overwrite to replace "
+                       "it with the imported weights, or another --checkpoint")
+
+
+def _refuse_edited_net(net_path: Path, text: str) -> None:
+    """The written `.net` file is a starting point meant to be edited (its train section);
+    a re-import replaces it only when it is what the import wrote."""
+    try:
+        held = net_path.read_bytes()
+    except OSError:
+        return  # none there (a folder, or one it cannot read, fails at the write)
+    if held != text.encode("utf-8"):
+        raise InteropError(f"{net_path} already exists and is not what this import writes "
+                           "(edited, or another model's); give --overwrite to replace it, "
+                           "or another --output")
 
 
 def _is_classifier(p: Program) -> bool:

@@ -395,3 +395,61 @@ def test_a_failing_rank_other_than_0_says_why(tmp_path):
     assert out.returncode != 0
     assert "netdsl: rank 1: rank 1 cannot go on: its own reason" in out.stderr, out.stderr
     assert "netdsl: rank 1 failed; stopping every rank" in out.stderr
+
+
+def test_ranks_plan_the_split_into_mem_as_one_process_does(tmp_path):
+    """`--distributed --mem`: every rank plans the chosen split per device as the
+    in-process run does; the same loss and plan, each rank's count its plan's, within the
+    budget (measured too on rank 0)."""
+    args = ("--steps", "2", "--split", "pipeline", "--mem", "500KB", "--eval-samples", "0",
+            "--json")
+    a, b = netdsl(*args, "--devices", "2"), netdsl(*args, ranks=2)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    one, two = json.loads(a.stdout), json.loads(b.stdout)
+    assert two["final_loss"] == one["final_loss"]
+    assert two["memory_plan"]["per_device"] == one["memory_plan"]["per_device"]
+    per = one["memory_plan"]["per_device"]
+    assert all(d["recompute"] > 0 for d in per.values())
+    assert two["counted_peak_bytes"] == two["planned_peak_bytes"] == per["0"]["peak_bytes"]
+    assert two["peak_bytes"] <= two["budget_bytes"] == 500_000
+
+
+DIFFERENT_STEPS = """
+import sys
+from pathlib import Path
+import netdsl
+from netdsl.errors import NetdslError
+from netdsl.runtime.mpi import world
+from netdsl.runtime.trainer import RunOptions, Trainer
+rank = world()[0]
+net = netdsl.load(sys.argv[1])
+said = []
+for options, text in (({"microbatches": 2 + 2 * rank}, None),  # another split
+                      ({}, rank == 1)):  # another network on rank 1
+    if text:
+        src = Path(sys.argv[1]).read_text().replace("conv2d(x, 16", "conv2d(x, 8")
+        net = netdsl.loads(src, file=sys.argv[1])
+    try:
+        Trainer(net.graph, net.train, RunOptions(steps=1, distributed=True,
+                                                 split="pipeline", **options))
+        said.append("built")
+    except NetdslError as e:
+        said.append(e.message)
+(Path(sys.argv[2]) / f"rank{rank}.txt").write_text("\\n".join(said))
+"""
+
+
+def test_ranks_that_built_different_steps_stop_with_the_reason(tmp_path):
+    """Each rank builds the step from its own files and options; ranks that disagree would
+    hang or mix values, so they compare digests first and all stop, rank 0 saying which
+    built what."""
+    assert "conv2d(x, 16" in Path(NET).read_text()
+    two_ranks(tmp_path, DIFFERENT_STEPS, NET, str(tmp_path))
+    split, network = (tmp_path / "rank0.txt").read_text().split("\n")
+    assert split.startswith("the ranks built different training steps (rank 0 chose "
+                            "pipeline=2, microbatches=2; rank 1 chose pipeline=2, "
+                            "microbatches=4), which cannot run together"), split
+    assert "rank 0 built step" in network and "rank 1 built step" in network
+    assert network.endswith("(--split and --microbatches fix the split)")
+    assert (tmp_path / "rank1.txt").read_text() == "\n".join(
+        ["the ranks built different training steps (rank 0 says which)"] * 2)

@@ -87,6 +87,10 @@ class MPIComm(Communicator):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
+    def allgather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        return self.c.allgather(obj)
+
     def memory_totals(self, color: int, need: int, state: int, read_free):
         """(need, state, free, ranks) over the ranks that share this rank's memory: those
         on this machine (MPI's shared-memory split) with the same `color` (the GPU's number;

@@ -29,6 +29,7 @@ from netdsl.config import TrainConfig
 from netdsl.errors import CheckpointError, NetdslError, NoSuchGpu
 from netdsl.frontend.train import pydantic_message
 from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.ir.serialize import fingerprint
 from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.plan import device_peaks, make_plan, value_bytes
@@ -189,12 +190,10 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")
-    if opts.mem is not None and opts.distributed:
-        raise NetdslError("--mem with --distributed is not supported yet: plan the split "
-                          "step over logical devices in one process with --devices N --mem")
-    if opts.offload_state and opts.devices > 1:
-        raise NetdslError("--offload-state with --devices is not supported yet; a split "
-                          "step is planned by recomputing and offloading activations")
+    if opts.offload_state and (opts.devices > 1 or opts.distributed):
+        raise NetdslError("--offload-state with --devices or --distributed is not supported "
+                          "yet; a split step is planned by recomputing and offloading "
+                          "activations")
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []
@@ -432,6 +431,7 @@ class Trainer:
         if opts.distributed:
             from netdsl.parallel.project import project
             self.full_graph = self.train_graph
+            _agree_on_the_step(comm, self.full_graph, self.split, self.rank)
             self.train_graph = project(self.train_graph, self.rank)
         self.ROLES = _roles(self.train_graph)
         self.budget = None
@@ -967,6 +967,34 @@ class Trainer:
     def _state_bytes(self) -> int:
         """The parameters' and optimizer state's arrays, allocated before the first step."""
         return sum(int(v.nbytes) for v in self.executor.state.values())
+
+
+def _agree_on_the_step(comm, step: Graph, split: str, rank: int) -> None:
+    """Every rank builds the split step itself, from its own copy of the network file, the
+    stdlib, the options and a --profile file; ranks that built different steps would wait
+    on messages that never come or mix unrelated values, so they compare fingerprints
+    first (an allgather of a digest) and all stop with the reason."""
+    rows = comm.allgather((split, fingerprint(step)))
+    if all(r == rows[0] for r in rows):
+        return
+    if rank != 0:
+        raise NetdslError("the ranks built different training steps (rank 0 says which)")
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(row, []).append(r)
+
+    def ranks(rs: list[int]) -> str:
+        return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+    if len({s for s, _ in rows}) > 1:
+        said = "; ".join(f"{ranks(rs)} chose {s}" for (s, _), rs in groups.items())
+    else:
+        said = "; ".join(f"{ranks(rs)} built step {fp[:12]}"
+                         for (_, fp), rs in groups.items()) + f", all {split}"
+    raise NetdslError(
+        f"the ranks built different training steps ({said}), which cannot run together: "
+        "the network file, the files it imports, a --profile file or the options differ "
+        "between them; give every rank the same ones (--split and --microbatches fix the "
+        "split)")
 
 
 def _roles(step: Graph) -> tuple[str, ...]:

@@ -440,6 +440,25 @@ def test_ranks_sharing_a_machine_are_refused_together(tiny):
         t._refuse_what_cannot_fit(t.executor.backend, Peers(2 * (need - state)))
 
 
+def test_the_devices_of_a_split_in_one_process_are_refused_together(tiny, monkeypatch):
+    """A split run in one process holds every device's part in this process's memory:
+    the plan's peak (all of them at once) is checked against what is free, as a single
+    device's is (it was not checked at all)."""
+    from netdsl.runtime import trainer as trainer_mod
+    t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1, devices=2, split="data"))
+    need, state = t.planned_peak_bytes(), t._state_bytes()
+    assert need > max(t._planned_by_device().values())  # both devices' values
+    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: (need - state) // 2)
+    with pytest.raises(NetdslError) as info:
+        Trainer(tiny.graph, tiny.train, RunOptions(steps=1, devices=2, split="data"))
+    msg = info.value.message
+    assert msg.startswith("out of memory before the first step: the 2 devices of the split, "
+                          "all in this process, need about")
+    free = (need - state) // 2 + state
+    assert f"use --mem {trainer_mod.budget_within(free, 2)} to plan the step into it for " \
+        "each device" in msg and ", another --split, or a smaller network" in msg
+
+
 def test_out_of_memory_during_a_step(tiny, monkeypatch):
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=2))
 

@@ -18,6 +18,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from netdsl.sizes import format_decimal
 from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
 
 
@@ -55,12 +56,13 @@ class _Bar:
         if plan:
             d = plan["decisions"]
             per = plan.get("per_device")  # a split step: planned per device
-            held = (f"at most {_fmt_bytes(max(v['peak_bytes'] for v in per.values()))} on "
-                    f"each of {len(per)} devices" if per
-                    else _fmt_bytes(info['planned_peak_bytes']))
+            # in decimal units, as --mem budgets are written (21GB, not 19.6 GiB)
+            held = (f"at most {format_decimal(max(v['peak_bytes'] for v in per.values()))} "
+                    f"on each of {len(per)} devices" if per
+                    else format_decimal(info['planned_peak_bytes']))
             self.err.print(
                 f"memory plan ({plan['strategy']} on {plan['profile']}): "
-                f"{held} of the {_fmt_bytes(info['budget_bytes'])} budget; "
+                f"{held} of the {format_decimal(info['budget_bytes'])} budget; "
                 f"{d.get('recompute', 0):,} values recomputed, {d.get('offload', 0):,} "
                 f"offloaded, predicted {100 * plan['predicted_overhead']:+.1f}% step time")
         else:

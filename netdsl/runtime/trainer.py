@@ -298,29 +298,32 @@ def _where(backend) -> str:
 
 def out_of_memory(needed: int, backend, batch: int, when: str,
                   free: int | None = None, budget: int | None = None,
-                  ranks: int = 1) -> NetdslError:
+                  ranks: int = 1, part: str = "rank") -> NetdslError:
     """A MemoryError (NumPy) or CuPy's OutOfMemoryError, or a step planned past the free
     memory, in words: what the step needs (static liveness analysis), what is free, and
-    what to change (`budget`: the --mem it was planned into, if any; `ranks`: MPI ranks
-    sharing that memory, whose needs `needed` sums)."""
+    what to change (`budget`: the --mem it was planned into, if any; `ranks`: the parts
+    sharing that memory, whose needs `needed` sums: MPI ranks, or with `part="device"`
+    the logical devices of a split run in this one process)."""
     free = available_bytes(backend) if free is None else free
     where = _where(backend)
     have = (f"about {_gib(free)} is free on {where}" if free is not None
             else f"{where} has less free")
     smaller = max(batch // 2, 1)
     if budget is not None:
-        share = "each rank's share of " if ranks > 1 else ""
+        share = f"each {part}'s share of " if ranks > 1 else ""
         fit = f"a --mem budget below {share}what is free (it was {_gib(budget)}), "
     elif free is not None:
-        each = " for each rank" if ranks > 1 else ""
+        each = f" for each {part}" if ranks > 1 else ""
         fit = (f"--mem {budget_within(free, ranks)} to plan the step into it{each} "
                "(activations recomputed or offloaded), ")
     else:
         fit = "--mem to plan the step into less memory, "
-    who = (f"the {ranks} ranks sharing {where} need about {_gib(needed)} together for a "
-           "training step" if ranks > 1 else
-           f"a training step needs about {_gib(needed)}")
-    fewer = ", fewer ranks on one machine" if ranks > 1 else ""
+    sharing = (f"{ranks} ranks sharing {where}" if part == "rank" else
+               f"{ranks} devices of the split, all in this process,")
+    who = (f"the {sharing} need about {_gib(needed)} together for a training step"
+           if ranks > 1 else f"a training step needs about {_gib(needed)}")
+    fewer = ((", fewer ranks on one machine" if part == "rank" else ", another --split")
+             if ranks > 1 else "")
     return NetdslError(
         f"out of memory {when}: {who} (parameters, optimizer state and the activations "
         f"kept for backward, at batch {batch}), but {have}; use {fit}a smaller batch (e.g. "
@@ -463,8 +466,7 @@ class Trainer:
         except MemoryError:
             raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
-        if opts.devices == 1 or comm is not None:  # (a split in one process: per device)
-            self._refuse_what_cannot_fit(backend, comm)
+        self._refuse_what_cannot_fit(backend, comm)
         status = getattr(backend, "cudnn_status", "")
         if status.startswith("not used"):  # (loaded by the executor: a GPU convolution)
             self.warnings.append(f"the convolutions run as columns and GEMMs; cuDNN {status}")
@@ -527,17 +529,20 @@ class Trainer:
         step would fail only after the build. The plan's peak is the executor's own count
         (tests/test_plan.py), so the refusal is not a guess. Over MPI (`comm`) the ranks
         that share one machine's memory (or one GPU) are counted together: each alone
-        could fit where all of them cannot."""
+        could fit where all of them cannot; so are the devices of a split run in one
+        process (whose plan's peak is all of them at once)."""
         need, state, ranks = self.planned_peak_bytes(), self._state_bytes(), 1
+        part = "rank"
         if comm is None:
             free = available_bytes(backend)
+            ranks, part = self.opts.devices, "device"
         else:
             need, state, free, ranks = comm.memory_totals(
                 getattr(backend, "device", 0) if backend.name == "cupy" else 0, need, state,
                 lambda: available_bytes(backend))
         if free is not None and need - state > free:
             raise out_of_memory(need, backend, self.batch, "before the first step",
-                                free + state, self.budget, ranks)
+                                free + state, self.budget, ranks, part)
 
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),

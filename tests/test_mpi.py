@@ -453,3 +453,14 @@ def test_ranks_that_built_different_steps_stop_with_the_reason(tmp_path):
     assert network.endswith("(--split and --microbatches fix the split)")
     assert (tmp_path / "rank1.txt").read_text() == "\n".join(
         ["the ranks built different training steps (rank 0 says which)"] * 2)
+
+
+def test_a_failure_of_every_rank_is_reported_by_rank_0(tmp_path):
+    """A budget no split meets fails on every rank: rank 0 reports it as one process does
+    (--json: the error on stdout), the others wait for it instead of racing it to stop
+    the run (rank 1 often won, and --json printed nothing)."""
+    out = netdsl("--split", "tensor", "--mem", "600KB", "--steps", "1", "--json", ranks=2)
+    assert out.returncode == 3, out.stderr
+    msg = json.loads(out.stdout)["errors"][0]["message"]
+    assert msg.startswith("no split onto 2 device(s) fits 600.00 kB per device"), msg
+    assert "rank 1" not in out.stderr, out.stderr

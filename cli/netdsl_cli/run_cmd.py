@@ -5,6 +5,7 @@ import contextlib
 import functools
 import io
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -268,6 +269,9 @@ def run(**kwargs) -> None:
         raise typer.Exit(code)
 
 
+QUIET_RANK_GRACE_S = 3.0  # how long a failed rank other than 0 waits for rank 0 to report
+
+
 def _run_rank(kwargs) -> int | None:
     import netdsl.runtime.mpi as mpi
     with guard(kwargs["json_output"]):
@@ -279,7 +283,12 @@ def _run_rank(kwargs) -> int | None:
             return _run(**{**kwargs, "json_output": kwargs["json_output"] or quiet})
     except typer.Exit as e:
         if e.exit_code:
-            if quiet:  # the reason, or only "rank 1 failed" reached the user
+            if quiet:
+                # most failures are every rank's (a budget no split meets): rank 0 reports
+                # them as a plain run does (--json on stdout) and stops the rest meanwhile
+                time.sleep(QUIET_RANK_GRACE_S)
+                # else this rank fails alone: its reason, or only "rank 1 failed" reached
+                # the user
                 sys.stderr.write("".join(f"netdsl: rank {rank}: {m}\n"
                                          for m in _error_messages(said.getvalue())))
             sys.stderr.write(f"netdsl: rank {rank} failed; stopping every rank\n")

@@ -284,10 +284,11 @@ r = t.fit()
 """
 
 
-# a pipeline's sends hold their buffers until the peer has taken them, which the plan does
-# not count (3.8% here; 9.4% on rank 0 when every buffer was held to the end of the step)
+# a pipeline's part has 8 micro-batches' nodes, and the interpreter's objects for each of
+# them (the run's program, its caches: about 0.6 MB here, counted by no plan) are 2.4-3.1%
+# of its ranks' peaks at batch 8 (before: 3.8-9.4%, sends not counted, unread images held)
 @pytest.mark.parametrize("split, bound", [("tensor", 1.02), ("spatial", 1.02), ("data", 1.02),
-                                          ("pipeline", 1.06)])
+                                          ("pipeline", 1.045)])
 def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
     """Each rank's peak as tracemalloc measures it (not the executor's count) is within its
     storage plan's, and the executor's count is the plan's. The collectives' results used

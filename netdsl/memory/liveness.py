@@ -2,8 +2,10 @@
 
 A run executes the nodes its requested outputs need, in graph order (a rewrite sets the
 schedule by ordering the nodes); each value is released right after its last reader, the
-requested outputs are held to the end (but for the run-only roles below). `memory.plan`
-turns this into bytes.
+requested outputs are held to the end (but for the run-only roles below), and a value
+whose node names a later node in `meta["held_to"]` (or "end") is held to that node (an MPI
+rank's sends: the message stays with the sender until the peer has it;
+`parallel.project`). `memory.plan` turns this into bytes.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ def schedule(g: Graph, roles: tuple[str, ...]) -> tuple[list, list[list[str]], s
     for k, n in enumerate(order):
         for i in n.inputs:
             last[i] = k
+    held = [(k, n) for k, n in enumerate(order) if "held_to" in n.meta]
+    if held:
+        pos = {n.name: k for k, n in enumerate(order)}
+        for k, n in held:
+            to = n.meta["held_to"]
+            last[n.name] = max(last.get(n.name, k), len(order) - 1 if to == "end"
+                               else pos.get(to, len(order) - 1))
     frees: list[list[str]] = [[] for _ in order]
     for name, k in last.items():
         if name not in wanted:

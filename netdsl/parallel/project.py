@@ -8,6 +8,12 @@ ranks is cut at the communication ops, whose kernels then talk to the other rank
 its own input. Every local communication node is listed in the output role `comm`, so a
 rank runs its sends and collectives even when nothing on it reads their results, and the
 output roles keep only local values (the loss lives on rank 0).
+
+A send's message stays with the sender until the peer has received it (MPI's Isend),
+though no local node reads it: `meta["held_to"]` names the first local receive that
+cannot complete before then (of the peer's next send to this rank after its receive), or
+"end" (the step's end waits for every send), and the storage plan keeps the message to
+there.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from netdsl.ir.ops.comm import COLLECTIVES, COMM_OPS
 
 
 def project(g: Graph, rank: int) -> Graph:
+    held_to = _sends_held_to(g, rank)
     mine = [n.copy() for n in g.nodes if n.device == rank or n.device is None]
     if not any(n.device == rank for n in mine):
         raise SplitError(f"rank {rank} has no part of graph `{g.name}`: it is split over "
@@ -25,6 +32,8 @@ def project(g: Graph, rank: int) -> Graph:
     for n in mine:
         if n.device is None:  # (the inputs, the learning rate): this rank's, counted there
             n.device = rank
+        if n.op == "send" and n.name in held_to:
+            n.meta["held_to"] = held_to[n.name]
         if n.op == "recv" and n.inputs[0] not in names:
             n.inputs = ()
         elif n.op in COLLECTIVES:
@@ -43,4 +52,27 @@ def project(g: Graph, rank: int) -> Graph:
             out.outputs[role] = local
     out.outputs["comm"] = [n.name for n in mine if n.op in COMM_OPS]
     out.meta["rank"] = rank
+    return out
+
+
+def _sends_held_to(g: Graph, rank: int) -> dict[str, str]:
+    """For each send of `rank` to another rank: the first receive on `rank` that waits for
+    a message the peer sends after it has received this one (so the send has completed by
+    the time that receive has), else "end". Ranks run their nodes in graph order."""
+    recv_of = {n.inputs[0]: n for n in g.nodes if n.op == "recv"}
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    # each peer's sends to `rank`, in its order, with the receive on `rank` they feed
+    back: dict[int, list[tuple[int, str]]] = {}
+    for k, n in enumerate(g.nodes):
+        r = recv_of.get(n.name)
+        if n.op == "send" and r is not None and r.device == rank and n.device != rank:
+            back.setdefault(n.device, []).append((k, r.name))
+    out = {}
+    for n in g.nodes:
+        r = recv_of.get(n.name)
+        if n.op != "send" or n.device != rank or r is None or r.device == rank:
+            continue
+        after = pos[r.name]  # the peer has received it once it has run this receive
+        later = [name for k, name in back.get(r.device, ()) if k > after]
+        out[n.name] = later[0] if later else "end"
     return out

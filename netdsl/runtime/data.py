@@ -24,9 +24,12 @@ class Split:
     def __len__(self) -> int:
         return len(self.arrays[0]) if self.arrays else 0
 
-    def take(self, idx) -> list[np.ndarray]:
-        """The samples at `idx` (an index array or a slice), one array per input."""
-        return [a[idx] for a in self.arrays]
+    def take(self, idx, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
+        """The samples at `idx` (an index array or a slice), one array per input (None for
+        an input `wanted` leaves out: one an MPI rank's part of the step does not read)."""
+        if wanted is None:
+            return [a[idx] for a in self.arrays]
+        return [a[idx] if w else None for a, w in zip(self.arrays, wanted, strict=True)]
 
 
 class DrawnSplit:
@@ -40,10 +43,13 @@ class DrawnSplit:
     def __len__(self) -> int:
         return self.count
 
-    def take(self, idx) -> list[np.ndarray]:
+    def take(self, idx, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
         if isinstance(idx, slice):
             idx = np.arange(self.count)[idx]
-        return self.draw(np.asarray(idx, dtype=np.int64))
+        arrays = self.draw(np.asarray(idx, dtype=np.int64))  # (labels may need every input)
+        if wanted is None:
+            return arrays
+        return [a if w else None for a, w in zip(arrays, wanted, strict=True)]
 
 
 @dataclass
@@ -353,13 +359,13 @@ class Loader:
             return np.arange(n)
         return np.random.default_rng((self.seed, self.epoch)).permutation(n)
 
-    def next(self) -> list[np.ndarray]:
+    def next(self, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
         if self.pos + self.batch > len(self.split):
             self.epoch, self.pos = self.epoch + 1, 0
             self._perm = self._permutation()
         idx = self._perm[self.pos:self.pos + self.batch]
         self.pos += self.batch
-        return self.split.take(idx)
+        return self.split.take(idx, wanted)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}

@@ -431,6 +431,10 @@ class Executor:
                 for name, off in plan.offsets.items() if name not in wanted}
         return self._arenas[roles]
 
+    def feed_names(self) -> set[str]:
+        """The feeds a run reads (a split graph's copies of an input read the input's)."""
+        return {n.meta.get("feed_of", n.name) for n in self.graph.nodes if n.op == "input"}
+
     def _feed(self, n: Node, feeds: dict[str, Any]):
         # a split graph's copy of an input is fed the rows of the whole batch it holds
         key = n.meta.get("feed_of", n.name)

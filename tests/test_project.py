@@ -59,3 +59,26 @@ def test_a_rank_is_fed_only_what_its_part_reads(pipeline):
     from netdsl.runtime.executor import Executor
     fed = [Executor(project(pipeline, r), get_backend("numpy")).feed_names() for r in (0, 1)]
     assert "x" in fed[0] and "x" not in fed[1] and "y" in fed[1]
+
+
+def test_the_planner_holds_the_sends_as_the_storage_plan_does(pipeline):
+    """A step run over MPI is planned with its sends held (`hold_sends`): the memory
+    planner's simulation grows by what the storage plan the executor follows grows, on
+    each device (the two differ by the 4-byte learning rate, counted on device 0 by the
+    simulation alone, marks or not)."""
+    from netdsl.ir.graph import Graph
+    from netdsl.memory.plan import device_peaks
+    from netdsl.memory.simulate import prepare, simulate
+    from netdsl.parallel.project import hold_sends
+    roles = ("loss", "output", "updates")
+
+    def peaks(g):
+        return simulate(prepare(g, roles)).device_peaks, device_peaks(g, make_plan(g, roles))
+    sim0, plan0 = peaks(pipeline)
+    held = hold_sends(Graph(pipeline.name, [n.copy() for n in pipeline.nodes],
+                            {k: list(v) for k, v in pipeline.outputs.items()},
+                            pipeline.batch, dict(pipeline.parallel), dict(pipeline.meta)))
+    sim1, plan1 = peaks(held)
+    assert plan1[0] > plan0[0] and all(plan1[d] >= plan0[d] for d in plan0)
+    assert {d: sim1[d] - sim0[d] for d in sim0} == {d: plan1[d] - plan0[d] for d in plan0}
+    assert all("held_to" not in n.meta for n in pipeline.nodes)  # (a copy was marked)

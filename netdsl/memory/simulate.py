@@ -88,6 +88,10 @@ class Prepared:
     # positions a clone may not copy: communication (the copy would send again)
     fixed: set[int] = field(default_factory=set)
     devices: list[int] = field(default_factory=lambda: [0])  # the devices, in order
+    # an MPI step's sends, held past their readers as MPI holds them (meta "held_to",
+    # parallel.project): the position holding them -> theirs, and those held to the end
+    held: dict[int, list[int]] = field(default_factory=dict)
+    held_end: set[int] = field(default_factory=set)
 
     def name(self, p: int) -> str:
         return self.names[p]
@@ -166,10 +170,18 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             written[k] = tuple(root[inputs[k][j]] for j in op.written_inputs(n))
     if not eager_updates:
         early, updates = [], []
+    held: dict[int, list[int]] = {}
+    held_end: set[int] = set()
+    for k, n in enumerate(order):
+        to = n.meta.get("held_to")
+        if to is not None and to in pos:
+            held.setdefault(pos[to], []).append(k)
+        elif to is not None:  # "end" (or a node the step does not run)
+            held_end.add(k)
     return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
                     opnames, full, opt_state, first_late, first_bwd, early, late_node,
                     updates, written, root, device, dev_state, dev_ws, fixed,
-                    sorted(set(device)) or [0])
+                    sorted(set(device)) or [0], held, held_end)
 
 
 @dataclass
@@ -318,6 +330,9 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
                 last[r * n + u] = i
                 if r == 2:
                     reads_dev.setdefault(i, []).append(u)
+            if kind == NODE:
+                for u in prep.held.get(p, ()):
+                    last[u] = max(last[u], i)
         elif kind == D2H:
             host_start[p] = i
             if phase[p] == STATE:
@@ -339,7 +354,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         b = nbytes[p] if phase[p] != STATE else full[p] if vid >= 2 * n else 0
         if b == 0:
             continue
-        if vid < n and p in wanted:
+        if vid < n and (p in wanted or p in prep.held_end):
             e = m
         elif last[vid] >= 0:
             e = last[vid] + 1

@@ -25,6 +25,7 @@ from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
+from netdsl.parallel.project import hold_sends
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.sizes import format_decimal
 
@@ -138,9 +139,11 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),
            float_dtype: str = "f32", progress=None, schedule: str | None = None,
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
-           mem_strategy: str = "auto") -> Chosen:
+           mem_strategy: str = "auto", over_mpi: bool = False) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
-    `outputs`: output roles to add to every split step (the trainer's logits)."""
+    `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
+    the step runs one process per device, whose sends MPI holds until the peer has them
+    (`project.hold_sends`: predicted and planned so)."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes),
                        any(n.op == "conv2d" for n in fwd.nodes))
@@ -153,7 +156,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     def build(spec: SplitSpec) -> Graph:
         g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
         g.outputs.update(outputs or {})
-        return g
+        return hold_sends(g) if over_mpi else g
 
     best: Choice | None = None  # the fastest candidate that fits so far
 

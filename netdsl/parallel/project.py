@@ -17,13 +17,16 @@ there.
 """
 from __future__ import annotations
 
+import bisect
+
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
 from netdsl.ir.ops.comm import COLLECTIVES, COMM_OPS
 
 
 def project(g: Graph, rank: int) -> Graph:
-    held_to = _sends_held_to(g, rank)
+    held_to = ({} if any("held_to" in n.meta for n in g.nodes if n.op == "send")
+               else sends_held_to(g))  # (marked before the step was planned: kept)
     mine = [n.copy() for n in g.nodes if n.device == rank or n.device is None]
     if not any(n.device == rank for n in mine):
         raise SplitError(f"rank {rank} has no part of graph `{g.name}`: it is split over "
@@ -55,24 +58,33 @@ def project(g: Graph, rank: int) -> Graph:
     return out
 
 
-def _sends_held_to(g: Graph, rank: int) -> dict[str, str]:
-    """For each send of `rank` to another rank: the first receive on `rank` that waits for
-    a message the peer sends after it has received this one (so the send has completed by
-    the time that receive has), else "end". Ranks run their nodes in graph order."""
+def sends_held_to(g: Graph) -> dict[str, str]:
+    """For each send to another device: the first receive on the sender's device that
+    waits for a message the peer sends after it has received this one (so the send has
+    completed by the time that receive has), else "end". Ranks run their nodes in graph
+    order. The names are kept in each send's `meta["held_to"]` (`hold_sends`)."""
     recv_of = {n.inputs[0]: n for n in g.nodes if n.op == "recv"}
     pos = {n.name: k for k, n in enumerate(g.nodes)}
-    # each peer's sends to `rank`, in its order, with the receive on `rank` they feed
-    back: dict[int, list[tuple[int, str]]] = {}
+    # the sends from one device to another, in order, with the receive they feed
+    lanes: dict[tuple[int, int], list[tuple[int, str]]] = {}
     for k, n in enumerate(g.nodes):
         r = recv_of.get(n.name)
-        if n.op == "send" and r is not None and r.device == rank and n.device != rank:
-            back.setdefault(n.device, []).append((k, r.name))
+        if n.op == "send" and r is not None and r.device != n.device:
+            lanes.setdefault((n.device, r.device), []).append((k, r.name))
     out = {}
     for n in g.nodes:
         r = recv_of.get(n.name)
-        if n.op != "send" or n.device != rank or r is None or r.device == rank:
+        if n.op != "send" or r is None or r.device == n.device:
             continue
-        after = pos[r.name]  # the peer has received it once it has run this receive
-        later = [name for k, name in back.get(r.device, ()) if k > after]
-        out[n.name] = later[0] if later else "end"
+        lane = lanes.get((r.device, n.device), ())
+        i = bisect.bisect_right(lane, (pos[r.name], "\uffff"))  # sent after it received
+        out[n.name] = lane[i][1] if i < len(lane) else "end"
     return out
+
+
+def hold_sends(g: Graph) -> Graph:
+    """Mark each send's `meta["held_to"]` (`sends_held_to`), so that storage plans and the
+    memory planner of a step run over MPI count its message as MPI holds it."""
+    for name, to in sends_held_to(g).items():
+        g[name].meta["held_to"] = to
+    return g

@@ -563,7 +563,8 @@ class Trainer:
                         mem=mem, microbatches=opts.microbatches, schedule=opts.schedule,
                         gather=(self.acc[0],) if self.acc else (), plan=mem is not None,
                         mem_strategy=opts.strategy, float_dtype=opts.dtype,
-                        outputs={"logits": [self.acc[0]]} if self.acc else None)
+                        outputs={"logits": [self.acc[0]]} if self.acc else None,
+                        over_mpi=opts.distributed)
         # --mem: the chosen split planned per device (None when it fits as it is)
         best = chosen.best
         self.mem_plan = best.memory

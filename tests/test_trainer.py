@@ -259,7 +259,8 @@ def test_the_backends_thread_set_up_is_held_across_the_whole_run(net, monkeypatc
 
     monkeypatch.setattr(be, "running", Held)
     draw = tr.loader.next
-    monkeypatch.setattr(tr.loader, "next", lambda: seen.append(depth[0]) or draw())
+    monkeypatch.setattr(tr.loader, "next",
+                        lambda wanted=None: seen.append(depth[0]) or draw(wanted))
     evaluate = tr.evaluate
     monkeypatch.setattr(tr, "evaluate", lambda: seen.append(depth[0]) or evaluate())
     tr.fit()

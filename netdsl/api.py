@@ -102,14 +102,15 @@ def load_cpu_kernels(backend: str = "numpy") -> bool:
     return load_fused() is not None
 
 
-def plan(net: Network, mem: int | str, batch: int | None = None,
+def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
          profile: str = "k40-12gb", strategy: str = "auto", float_dtype: str = "f32",
          prefetch: int | None = None, progress=None, verify: bool = True,
          offload_state: bool = False):
-    """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works) on a device
-    `profile`; returns a `netdsl.memory.search.PlanResult` (`feasible` says whether it
-    fits). With `verify`, the decisions are applied (`memory.strategies.apply_decisions`)
-    and the storage plan of the rewritten step (`memory.plan.make_plan`) gives
+    """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works; None: the
+    profile's memory) on a device `profile`; returns a `netdsl.memory.search.PlanResult`
+    (`feasible` says whether it fits). With `verify`, the decisions are applied
+    (`memory.strategies.apply_decisions`) and the storage plan of the rewritten step
+    (`memory.plan.make_plan`) gives
     `verified_peak_bytes`; were it over the budget, the search is run again with the
     budget lowered by the excess (`memory.search.plan_and_apply`). Raises NetdslError for
     bad sizes, profiles or strategies."""
@@ -117,6 +118,8 @@ def plan(net: Network, mem: int | str, batch: int | None = None,
     from netdsl.memory.search import plan_and_apply
     from netdsl.runtime.trainer import training_graph
     b = batch if batch is not None else net.default_batch
+    if mem is None:
+        mem = get_profile(profile).capacity_bytes
     # a GPU's step (its kernels' variants, and their scratch) for a device profile, as
     # `run --backend cupy --mem` plans it; the CPU's for a unified one
     step = training_graph(net.lower(b), net.train or TrainConfig(),

@@ -31,6 +31,13 @@ def test_plan_json_keys_and_fit():
     assert "conv" in dec["by_layer_type"]
 
 
+def test_without_mem_the_budget_is_the_profiles_memory():
+    for profile, budget in (("k40-12gb", 12 * 10**9), ("cpu", 24 * 10**9)):
+        r = plan("--profile", profile, "--json")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["budget_bytes"] == budget
+
+
 def test_plan_table():
     r = plan("--mem", "5MB", "--strategy", "offload-all")
     assert r.exit_code == 0, r.output

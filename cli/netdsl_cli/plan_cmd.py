@@ -31,8 +31,9 @@ EXIT_INFEASIBLE = 3
 @app.command()
 def plan(
     file: FileArg,
-    mem: Annotated[str, typer.Option("--mem", help="device memory budget: 12GB, 300MB, "
-                                     "1.5GiB (KB/MB/GB decimal, KiB/MiB/GiB binary)")],
+    mem: Annotated[str | None, typer.Option(
+        "--mem", help="device memory budget: 12GB, 300MB, 1.5GiB (KB/MB/GB decimal, "
+        "KiB/MiB/GiB binary); default: the profile's memory (12 GB on k40-12gb)")] = None,
     batch: BatchOpt = None,
     profile: Annotated[str, typer.Option(help="device profile: k40-12gb, v100-16gb, "
                                          "a100-40gb, h200, cpu, or a JSON file from "

@@ -326,8 +326,8 @@ def test_out_of_memory_is_said_in_words(tmp_path, monkeypatch):
     assert "the least a plan needs is about 2251.80 TB" in out.stderr
     assert "--batch 1" in out.stderr
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr
-    from netdsl.runtime import trainer as trainer_mod
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: None)
+    from netdsl.runtime import room
+    monkeypatch.setattr(room, "available_bytes", lambda be: None)
     net = netdsl.load(p)
     with pytest.raises(NetdslError, match="out of memory allocating the parameters: a "
                        "training step needs about .* this machine has less free"):
@@ -354,7 +354,7 @@ def test_a_step_that_does_not_fit_the_free_memory_is_planned_into_it(tmp_path,
     into nine tenths of it (Linux would let it start and then kill it), says so, and
     trains to the same numbers; one that no plan fits is refused before anything is
     allocated, with what a plan needs."""
-    from netdsl.runtime import trainer as trainer_mod
+    from netdsl.runtime import room
     p = tmp_path / "deep.net"
     p.write_text(DEEP)
     net = netdsl.load(p)
@@ -363,9 +363,9 @@ def test_a_step_that_does_not_fit_the_free_memory_is_planned_into_it(tmp_path,
     assert whole.mem is None and whole.warnings == []
     expected = whole.fit()
     free = int(need * 0.7)
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: free)
+    monkeypatch.setattr(room, "available_bytes", lambda be: free)
     t = Trainer(net.graph, net.train, RunOptions(steps=2))
-    assert t.mem == trainer_mod.budget_within(free) == f"{int(free * 0.9 / 1e6)}MB"
+    assert t.mem == room.budget_within(free) == f"{int(free * 0.9 / 1e6)}MB"
     assert t.warnings == [f"the step as written needs about {need / 1e6:.2f} MB and about "
                           f"{free / 1e6:.2f} MB is free on this machine: planned into --mem "
                           f"{t.mem} (activations recomputed or offloaded, so a step takes "
@@ -375,7 +375,7 @@ def test_a_step_that_does_not_fit_the_free_memory_is_planned_into_it(tmp_path,
     assert r.planned_peak_bytes <= r.budget_bytes < free
     assert r.peak_bytes <= r.budget_bytes  # measured (tracemalloc + the state's arrays)
     np.testing.assert_allclose(r.losses, expected.losses, rtol=1e-5)
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: need // 4)
+    monkeypatch.setattr(room, "available_bytes", lambda be: need // 4)
     with pytest.raises(NetdslError) as info:
         Trainer(net.graph, net.train, RunOptions(steps=1))
     msg = info.value.message
@@ -391,21 +391,21 @@ def test_a_step_planned_past_the_free_memory_is_refused_before_it_starts(tiny,
     """Memory taken by others after the plan was made: the planned peak is more than the
     memory left after the state, so the step is refused up front, with the --mem to plan
     it into; with --mem already given, the budget is named instead."""
-    from netdsl.runtime import trainer as trainer_mod
+    from netdsl.runtime import room
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
     need = t.planned_peak_bytes()
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: need // 4)
+    monkeypatch.setattr(room, "available_bytes", lambda be: need // 4)
     with pytest.raises(NetdslError) as info:
         t._refuse_what_cannot_fit(t.executor.backend)
     msg = info.value.message
     assert msg.startswith("out of memory before the first step: a training step needs")
     free = need // 4 + t._state_bytes()  # (the state is allocated already)
-    assert (f"is free on this machine; use --mem {trainer_mod.budget_within(free)} to plan "
+    assert (f"is free on this machine; use --mem {room.budget_within(free)} to plan "
             "the step into it") in msg
     assert "--batch 4" in msg
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: 40 * need)
+    monkeypatch.setattr(room, "available_bytes", lambda be: 40 * need)
     Trainer(tiny.graph, tiny.train, RunOptions(steps=1)).fit()  # room enough: it runs
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: 10)
+    monkeypatch.setattr(room, "available_bytes", lambda be: 10)
     with pytest.raises(NetdslError, match="use a --mem budget below what is free"):
         Trainer(tiny.graph, tiny.train, RunOptions(steps=1, mem=1_000_000))
 
@@ -444,18 +444,18 @@ def test_the_devices_of_a_split_in_one_process_are_refused_together(tiny, monkey
     """A split run in one process holds every device's part in this process's memory:
     the plan's peak (all of them at once) is checked against what is free, as a single
     device's is (it was not checked at all)."""
-    from netdsl.runtime import trainer as trainer_mod
+    from netdsl.runtime import room
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1, devices=2, split="data"))
     need, state = t.planned_peak_bytes(), t._state_bytes()
     assert need > max(t._planned_by_device().values())  # both devices' values
-    monkeypatch.setattr(trainer_mod, "available_bytes", lambda be: (need - state) // 2)
+    monkeypatch.setattr(room, "available_bytes", lambda be: (need - state) // 2)
     with pytest.raises(NetdslError) as info:
         Trainer(tiny.graph, tiny.train, RunOptions(steps=1, devices=2, split="data"))
     msg = info.value.message
     assert msg.startswith("out of memory before the first step: the 2 devices of the split, "
                           "all in this process, need about")
     free = (need - state) // 2 + state
-    assert f"use --mem {trainer_mod.budget_within(free, 2)} to plan the step into it for " \
+    assert f"use --mem {room.budget_within(free, 2)} to plan the step into it for " \
         "each device" in msg and ", another --split, or a smaller network" in msg
 
 
@@ -474,13 +474,13 @@ def test_out_of_memory_during_a_step(tiny, monkeypatch):
 
 def test_free_memory_is_the_smaller_of_the_hosts_and_the_cgroups(monkeypatch):
     from netdsl.backends.numpy import NumpyBackend
-    from netdsl.runtime import trainer as trainer_mod
+    from netdsl.runtime import room
     be = NumpyBackend()
-    monkeypatch.setattr(trainer_mod, "_cgroup_room", lambda: None)
-    host = trainer_mod.available_bytes(be)
+    monkeypatch.setattr(room, "_cgroup_room", lambda: None)
+    host = room.available_bytes(be)
     assert host is None or host > 1000
-    monkeypatch.setattr(trainer_mod, "_cgroup_room", lambda: 1000)
-    assert trainer_mod.available_bytes(be) == 1000
+    monkeypatch.setattr(room, "_cgroup_room", lambda: 1000)
+    assert room.available_bytes(be) == 1000
 
 
 def test_free_gpu_memory_counts_what_cupys_pool_holds_free():
@@ -488,7 +488,7 @@ def test_free_gpu_memory_counts_what_cupys_pool_holds_free():
     its step, though the device does not count them as free."""
     from types import SimpleNamespace as NS
 
-    from netdsl.runtime import trainer as trainer_mod
+    from netdsl.runtime import room
     xp = NS(cuda=NS(Device=lambda: NS(mem_info=(1000, 8000))),
             get_default_memory_pool=lambda: NS(free_bytes=lambda: 500))
-    assert trainer_mod.available_bytes(NS(name="cupy", xp=xp)) == 1500
+    assert room.available_bytes(NS(name="cupy", xp=xp)) == 1500

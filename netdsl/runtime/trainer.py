@@ -37,7 +37,7 @@ from netdsl.memory.profiles import get_profile
 from netdsl.passes.fuse import fusion_enabled
 from netdsl.passes.optimizer import group_updates
 from netdsl.passes.pipeline import run_pipeline
-from netdsl.runtime import checkpoint
+from netdsl.runtime import checkpoint, room
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.schedule import lr_at
@@ -244,92 +244,6 @@ def preflight(opts: RunOptions) -> None:
             raise NetdslError(f"--log {p} cannot be written: {e.strerror or e}") from None
 
 
-def available_bytes(backend) -> int | None:
-    """Free memory where the run allocates: the device's for CuPy (with what CuPy's pool
-    holds free, which the step reuses), else the host's (less where the process's cgroup,
-    a container's limit, leaves less)."""
-    try:
-        if backend.name == "cupy":
-            return int(backend.xp.cuda.Device().mem_info[0]) + int(
-                backend.xp.get_default_memory_pool().free_bytes())
-        free = None
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-        known = [v for v in (free, _cgroup_room()) if v is not None]
-        return min(known) if known else None
-    except Exception:  # noqa: BLE001 - an estimate only; the error is said without it
-        return None
-
-
-def _cgroup_room() -> int | None:
-    """What a cgroup v2 memory limit leaves (memory.max - memory.current), or None."""
-    try:
-        root = Path("/sys/fs/cgroup")
-        cap = (root / "memory.max").read_text().strip()
-        if not cap.isdigit():  # "max": no limit
-            return None
-        return max(int(cap) - int((root / "memory.current").read_text()), 0)
-    except (OSError, ValueError):
-        return None
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
-
-
-def budget_within(free: int, ranks: int = 1) -> str:
-    """The --mem budget for a step planned into `free` bytes shared by `ranks` processes:
-    nine tenths of a rank's share, rounded down to two figures (21GB, 4.8GB, 730MB); the
-    rest is left for what a run holds besides its plan (the interpreter and libraries:
-    resnet2504's process held 0.33 GB above its 12 GB plan)."""
-    share = max(free * 0.9 / ranks, 1)
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
-        if share >= scale:
-            v = share / scale
-            return f"{int(v)}{unit}" if v >= 10 else f"{int(v * 10) / 10:g}{unit}"
-    raise AssertionError("unreachable: share >= 1")
-
-
-def _where(backend) -> str:
-    return "the GPU" if backend.name == "cupy" else "this machine"
-
-
-def out_of_memory(needed: int, backend, batch: int, when: str,
-                  free: int | None = None, budget: int | None = None,
-                  ranks: int = 1, part: str = "rank") -> NetdslError:
-    """A MemoryError (NumPy) or CuPy's OutOfMemoryError, or a step planned past the free
-    memory, in words: what the step needs (static liveness analysis), what is free, and
-    what to change (`budget`: the --mem it was planned into, if any; `ranks`: the parts
-    sharing that memory, whose needs `needed` sums: MPI ranks, or with `part="device"`
-    the logical devices of a split run in this one process)."""
-    free = available_bytes(backend) if free is None else free
-    where = _where(backend)
-    have = (f"about {_gib(free)} is free on {where}" if free is not None
-            else f"{where} has less free")
-    smaller = max(batch // 2, 1)
-    if budget is not None:
-        share = f"each {part}'s share of " if ranks > 1 else ""
-        fit = f"a --mem budget below {share}what is free (it was {_gib(budget)}), "
-    elif free is not None:
-        each = f" for each {part}" if ranks > 1 else ""
-        fit = (f"--mem {budget_within(free, ranks)} to plan the step into it{each} "
-               "(activations recomputed or offloaded), ")
-    else:
-        fit = "--mem to plan the step into less memory, "
-    sharing = (f"{ranks} ranks sharing {where}" if part == "rank" else
-               f"{ranks} devices of the split, all in this process,")
-    who = (f"the {sharing} need about {_gib(needed)} together for a training step"
-           if ranks > 1 else f"a training step needs about {_gib(needed)}")
-    fewer = ((", fewer ranks on one machine" if part == "rank" else ", another --split")
-             if ranks > 1 else "")
-    return NetdslError(
-        f"out of memory {when}: {who} (parameters, optimizer state and the activations "
-        f"kept for backward, at batch {batch}), but {have}; use {fit}a smaller batch (e.g. "
-        f"--batch {smaller}: activations shrink with it){fewer}, or a smaller network")
-
-
 def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
     if "loss" not in forward.outputs:
         raise NetdslError(f"network `{forward.name}` declares no `loss`, so it cannot be "
@@ -464,7 +378,7 @@ class Trainer:
                                      budget_bytes=self.budget,
                                      budget_includes_host=self.budget_host, comm=comm)
         except MemoryError:
-            raise out_of_memory(self.planned_peak_bytes(), backend, self.batch,
+            raise room.out_of_memory(self.planned_peak_bytes(), backend, self.batch,
                                 "allocating the parameters") from None
         self._refuse_what_cannot_fit(backend, comm)
         # the inputs this process's step reads (an MPI rank's part may read none of a
@@ -497,20 +411,20 @@ class Trainer:
         would tell the user to give), with a warning saying so."""
         if self.opts.devices > 1 or self.opts.distributed:
             return None  # (a split chooses with --mem; without it, it is refused below)
-        free = available_bytes(backend)
+        free = room.available_bytes(backend)
         if free is None:
             return None
         need = make_plan(step, _roles(step), self.opts.dtype, pack_arena=False).peak_bytes
         self._as_written = need, free
         if need <= free:
             return None
-        mem = budget_within(free)
+        mem = room.budget_within(free)
         self.warnings = [w for w in self.warnings if not w.startswith("--profile and")]
         self.warnings.append(
             f"the step as written needs about {format_decimal(need)} and about "
-            f"{format_decimal(free)} is free on {_where(backend)}: planned into --mem {mem} "
-            "(activations recomputed or offloaded, so a step takes longer; give --mem to "
-            "choose the budget)")
+            f"{format_decimal(free)} is free on {room.where(backend)}: planned into --mem "
+            f"{mem} (activations recomputed or offloaded, so a step takes longer; give --mem "
+            "to choose the budget)")
         return mem
 
     def _cannot_fit_even_planned(self, backend) -> NetdslError:
@@ -520,8 +434,8 @@ class Trainer:
         return NetdslError(
             f"out of memory before the first step: a training step needs about "
             f"{format_decimal(need)} as written (at batch {self.batch}), about "
-            f"{format_decimal(free)} is free on {_where(backend)}, and no memory plan fits "
-            f"{format_decimal(p.budget_bytes)} of it: the least a plan needs is about "
+            f"{format_decimal(free)} is free on {room.where(backend)}, and no memory plan "
+            f"fits {format_decimal(p.budget_bytes)} of it: the least a plan needs is about "
             f"{format_decimal(p.min_feasible_bytes)}, "
             f"dominated by {p.dominant or 'the persistent state'}; use a smaller batch "
             f"(e.g. --batch {max(self.batch // 2, 1)}: activations shrink with it), or a "
@@ -540,14 +454,14 @@ class Trainer:
         need, state, ranks = self.planned_peak_bytes(), self._state_bytes(), 1
         part = "rank"
         if comm is None:
-            free = available_bytes(backend)
+            free = room.available_bytes(backend)
             ranks, part = self.opts.devices, "device"
         else:
             need, state, free, ranks = comm.memory_totals(
                 getattr(backend, "device", 0) if backend.name == "cupy" else 0, need, state,
-                lambda: available_bytes(backend))
+                lambda: room.available_bytes(backend))
         if free is not None and need - state > free:
-            raise out_of_memory(need, backend, self.batch, "before the first step",
+            raise room.out_of_memory(need, backend, self.batch, "before the first step",
                                 free + state, self.budget, ranks, part)
 
     def _split_step(self, backend):
@@ -723,13 +637,13 @@ class Trainer:
             # the eval executor's state and forward pass, and the entry on its way in
             need = plan.peak_bytes + max((value_bytes(n.type, self.opts.dtype)
                                           for n in g.nodes if n.op in STATE_OPS), default=0)
-            free = available_bytes(self.executor.backend)
+            free = room.available_bytes(self.executor.backend)
             if free is not None and need > free:
                 why = (f"evaluation skipped: it runs the whole model, joined from every "
                        f"{'rank' if self.opts.distributed else 'device'} of the split, "
-                       f"which needs about {_gib(need)} "
+                       f"which needs about {room.gib(need)} "
                        f"(its parameters and the forward pass at batch {self.batch}), "
-                       f"but {_gib(free)} is free on its machine; use --eval-samples 0 not "
+                       f"but {room.gib(free)} is free on its machine; use --eval-samples 0 not "
                        "to evaluate, or evaluate a checkpoint in one process")
         if not self.opts.distributed:
             return why
@@ -750,8 +664,8 @@ class Trainer:
             try:
                 return self._fit()
             except MemoryError:
-                raise out_of_memory(self.planned_peak_bytes(), self.executor.backend, self.batch,
-                                    f"at step {self.step + 1}") from None
+                raise room.out_of_memory(self.planned_peak_bytes(), self.executor.backend,
+                                         self.batch, f"at step {self.step + 1}") from None
 
     def _open_log(self):
         """The log to append to. On resume it goes on from the checkpoint's step: lines of

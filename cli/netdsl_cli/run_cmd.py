@@ -269,7 +269,15 @@ def run(**kwargs) -> None:
         raise typer.Exit(code)
 
 
-QUIET_RANK_GRACE_S = 3.0  # how long a failed rank other than 0 waits for rank 0 to report
+# how long a failed rank other than 0 waits for rank 0 to report a failure they share: a
+# tenth of the time it has run, 3-30 s (resnet2504's ranks planned their split for 10
+# minutes and failed 3 s or more apart); below the 60 s a waiting peer allows
+# (NETDSL_COMM_TIMEOUT), so that a rank failing alone still says why first
+_STARTED = time.monotonic()
+
+
+def _grace_s() -> float:
+    return min(30.0, max(3.0, 0.1 * (time.monotonic() - _STARTED)))
 
 
 def _run_rank(kwargs) -> int | None:
@@ -286,7 +294,7 @@ def _run_rank(kwargs) -> int | None:
             if quiet:
                 # most failures are every rank's (a budget no split meets): rank 0 reports
                 # them as a plain run does (--json on stdout) and stops the rest meanwhile
-                time.sleep(QUIET_RANK_GRACE_S)
+                time.sleep(_grace_s())
                 # else this rank fails alone: its reason, or only "rank 1 failed" reached
                 # the user
                 sys.stderr.write("".join(f"netdsl: rank {rank}: {m}\n"

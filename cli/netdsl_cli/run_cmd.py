@@ -14,6 +14,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -43,8 +44,25 @@ class _Bar:
         self.eval_task = None
         self.first_time = 0.0
         self.records: list[dict] = []  # every step's record, for --plot
+        self.setup = None
+
+    def preparing(self) -> None:
+        """A spinner with the time spent while the step is built (a split of a deep network
+        and its memory plan take minutes; nothing was shown meanwhile); gone at the start."""
+        if self.quiet:
+            return
+        self.setup = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"),
+                              TimeElapsedColumn(), console=self.err, transient=True)
+        self.setup.add_task("building the training step", total=None)
+        self.setup.start()
+
+    def _prepared(self) -> None:
+        if self.setup is not None:
+            self.setup.stop()
+            self.setup = None
 
     def on_start(self, info: dict) -> None:
+        self._prepared()
         if self.quiet:
             return
         for w in info.get("warnings", ()):
@@ -120,6 +138,7 @@ class _Bar:
             self.progress.stop()
 
     def close(self):
+        self._prepared()
         if self.progress is not None:
             self.progress.stop()
 
@@ -208,6 +227,7 @@ def _run(
         if not json_output:
             from netdsl_cli.app import load_cpu_kernels_shown
             load_cpu_kernels_shown(backend)
+        bar.preparing()
         try:
             result = train(net, opts, bar)
         finally:

@@ -87,10 +87,6 @@ class MPIComm(Communicator):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def allgather(self, obj) -> list:
-        """Every rank's `obj`, in rank order, on every rank."""
-        return self.c.allgather(obj)
-
     def memory_totals(self, color: int, need: int, state: int, read_free):
         """(need, state, free, ranks) over the ranks that share this rank's memory: those
         on this machine (MPI's shared-memory split) with the same `color` (the GPU's number;
@@ -257,15 +253,20 @@ def merge_all(d: dict) -> dict:
     """Every rank's dict merged (rank order: a key held by several ranks, such as a
     replica, keeps rank 0's value), on every rank."""
     out: dict = {}
-    for part in _mpi().COMM_WORLD.allgather(d):
+    for part in allgather(d):
         for k, v in part.items():
             out.setdefault(k, v)
     return out
 
 
+def allgather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    return _mpi().COMM_WORLD.allgather(obj)
+
+
 def first_on_any_rank(value):
     """The first rank's non-None `value` (None if every rank's is None), on every rank."""
-    return next((v for v in _mpi().COMM_WORLD.allgather(value) if v is not None), None)
+    return next((v for v in allgather(value) if v is not None), None)
 
 
 def bcast(obj, root: int = 0):

@@ -49,7 +49,7 @@ def budget_within(free: int, ranks: int = 1) -> str:
     """The --mem budget for a step planned into `free` bytes shared by `ranks` processes:
     nine tenths of a rank's share, rounded down to two figures (21GB, 4.8GB, 730MB); the
     rest is left for what a run holds besides its plan (the interpreter and libraries:
-    resnet2504's process held 0.33 GB above its 12 GB plan)."""
+    resnet2504's process held 0.65 GB above its 19.98 GB plan)."""
     share = max(free * 0.9 / ranks, 1)
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
         if share >= scale:

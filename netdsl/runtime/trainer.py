@@ -197,9 +197,6 @@ def check_options(opts: RunOptions) -> list[str]:
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []
-    if opts.mem is None and (opts.profile is not None or opts.strategy != "auto"):
-        warnings.append("--profile and --strategy have no effect without --mem (they say "
-                        "how to plan the step into a memory budget)")
     if opts.backend == "numpy" and opts.device not in (None, 0):
         warnings.append(f"--device {opts.device} has no effect with the NumPy backend (it "
                         "picks a GPU for --backend cupy)")
@@ -345,10 +342,13 @@ class Trainer:
                 self.train_graph = grouped
             else:
                 self.mem_from = "free memory"
+        if self.mem is None and (opts.profile is not None or opts.strategy != "auto"):
+            self.warnings.append("--profile and --strategy have no effect without --mem "
+                                 "(they say how to plan the step into a memory budget)")
         if opts.distributed:
             from netdsl.parallel.project import project
             self.full_graph = self.train_graph
-            _agree_on_the_step(comm, self.full_graph, self.split, self.rank)
+            _agree_on_the_step(self.full_graph, self.split, self.rank)
             self.train_graph = project(self.train_graph, self.rank)
         self.ROLES = _roles(self.train_graph)
         self.budget = None
@@ -419,7 +419,6 @@ class Trainer:
         if need <= free:
             return None
         mem = room.budget_within(free)
-        self.warnings = [w for w in self.warnings if not w.startswith("--profile and")]
         self.warnings.append(
             f"the step as written needs about {format_decimal(need)} and about "
             f"{format_decimal(free)} is free on {room.where(backend)}: planned into --mem "
@@ -895,12 +894,13 @@ class Trainer:
         return sum(int(v.nbytes) for v in self.executor.state.values())
 
 
-def _agree_on_the_step(comm, step: Graph, split: str, rank: int) -> None:
+def _agree_on_the_step(step: Graph, split: str, rank: int) -> None:
     """Every rank builds the split step itself, from its own copy of the network file, the
     stdlib, the options and a --profile file; ranks that built different steps would wait
     on messages that never come or mix unrelated values, so they compare fingerprints
     first (an allgather of a digest) and all stop with the reason."""
-    rows = comm.allgather((split, fingerprint(step)))
+    from netdsl.runtime.mpi import allgather
+    rows = allgather((split, fingerprint(step)))
     if all(r == rows[0] for r in rows):
         return
     if rank != 0:

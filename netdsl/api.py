@@ -138,11 +138,12 @@ class SplitResult:
     chosen: object  # netdsl.parallel.choose.Chosen
     batch: int
     gate: object | None = None  # netdsl.runtime.gate.GateResult
+    mpi: bool = False  # predicted and planned as one process per device runs it
 
     def to_json(self) -> dict:
         best = self.chosen.best
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
-               "spec": best.spec.describe(),
+               "spec": best.spec.describe(), "mpi": self.mpi,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
                                  "fits": c.fits, "planned": c.memory is not None
                                  and c.memory.feasible,
@@ -171,13 +172,15 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           microbatches: int | None = None, mem: int | str | None = None,
           profile: str = "k40-12gb", interconnect: str = "pcie3", bn: str = "sync",
           verify: bool = False, seed: int = 0, progress=None,
-          schedule: str | None = None) -> SplitResult:
+          schedule: str | None = None, mpi: bool = False) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto); with `verify`, the
     equivalence gate on one batch in float64. With `mem`, a split that does not fit a
-    device is planned per device (recompute, offload: `parallel.memplan`). Raises
-    SplitError (exit 3) for splits that cannot be made or do not fit."""
+    device is planned per device (recompute, offload: `parallel.memplan`). `mpi`: predict
+    and plan the split as `run --distributed` runs it, one process per device, whose sends
+    MPI holds until the peer has them (`project.hold_sends`). Raises SplitError (exit 3)
+    for splits that cannot be made or do not fit."""
     from netdsl.memory.profiles import get_profile
     from netdsl.parallel.choose import choose
     from netdsl.parallel.predict import get_interconnect
@@ -188,8 +191,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     chosen = choose(net.graph, b, strategy, devices, cfg.optimizer.model_dump(),
                     get_profile(profile), get_interconnect(interconnect), budget,
                     microbatches, bn, progress=progress, schedule=schedule,
-                    plan=budget is not None)
-    result = SplitResult(chosen, b)
+                    plan=budget is not None, over_mpi=mpi)
+    result = SplitResult(chosen, b, mpi=mpi)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset
         from netdsl.runtime.gate import verify_split

@@ -187,6 +187,28 @@ def test_impossible_budget_exits_3_naming_the_device(tmp_path):
     assert "on device" in r.output
 
 
+def test_mpi_plans_the_messages_mpi_holds():
+    """`split --mpi` predicts and plans as `run --distributed` runs the split: a pipeline's
+    first stage holds each micro-batch's activations it sent until the gradients come
+    back (MPI keeps a message until the peer has it), so 500 kB, which the in-process
+    pipeline meets (422,796 and 494,268 B), is refused naming the least over MPI, the
+    figure `mpiexec -n 2 netdsl run --distributed --mem 500KB` refuses with."""
+    args = ["split", str(ROOT / "examples" / "digits-cnn.net"), "--devices", "2",
+            "--strategy", "pipeline", "--profile", "cpu", "--mem", "500KB", "--json"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["mpi"] is False
+    assert [d["peak_bytes"] for d in out["per_device"]] == [422_796, 494_268]
+    r = runner.invoke(app, args + ["--mpi"])
+    assert r.exit_code == 3, r.output
+    msg = json.loads(r.output)["errors"][0]["message"]
+    assert "needs at least 599.28 kB on device 0" in msg, msg
+    out = json.loads(runner.invoke(app, args[:-2] + ["600KB", "--json", "--mpi"]).output)
+    assert out["mpi"] is True
+    assert [d["peak_bytes"] for d in out["per_device"]][0] == 599_276
+
+
 def test_auto_takes_a_split_that_fits_only_when_planned(resnet):
     net, _, _ = resnet
     plain = api.split(net, 2, "auto", batch=BATCH, mem="1TB", microbatches=1).to_json()

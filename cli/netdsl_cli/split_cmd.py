@@ -48,6 +48,10 @@ def split(
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
                                          "one batch in float64 and compare every "
                                          "gradient and updated value")] = False,
+    mpi: Annotated[bool, typer.Option("--mpi", help="predict and plan the split as `run "
+                                      "--distributed` runs it: one process per device, "
+                                      "MPI holding each message sent until its peer has "
+                                      "it (a pipeline's stages hold more)")] = False,
     plot: Annotated[Path | None, typer.Option(help="draw the schedule (Gantt chart per "
                                               "device) into this image")] = None,
     json_output: JsonOpt = False,
@@ -61,7 +65,7 @@ def split(
         n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
         kw = dict(devices=n, strategy=strategy, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
-                  schedule=schedule)
+                  schedule=schedule, mpi=mpi)
         if json_output:
             res = split_api(net, **kw)
         else:
@@ -92,7 +96,7 @@ def _print(res) -> None:
     best = res.chosen.best
     rep = best.report
     t = Table(title=f"{best.graph.name} on {rep.devices} device(s): {best.spec.describe()} "
-                    f"(batch {res.batch})")
+                    f"(batch {res.batch}{', one process a device over MPI' if res.mpi else ''})")
     mem = best.memory.per_device if best.memory is not None else None
     cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "sends", "collectives",
             "sent / step"]

@@ -90,18 +90,6 @@ def train(net: Network, options=None, callback=None):
     return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()
 
 
-def load_cpu_kernels(backend: str = "numpy") -> bool:
-    """Load the NumPy backend's fused CPU kernels now rather than inside `train`'s set-up:
-    on a machine's first run Numba compiles them (about two minutes) and caches them for
-    later runs (a second or two). True where they loaded; False for another backend,
-    without Numba (the `fast` extra) or with NETDSL_FUSED_KERNELS=0. A caller shows this
-    wait; the kernels stay compiled in the process, so `train` does not wait again."""
-    if backend != "numpy":
-        return False
-    from netdsl.backends.numpy import load_fused
-    return load_fused() is not None
-
-
 def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
          profile: str = "k40-12gb", strategy: str = "auto", float_dtype: str = "f32",
          prefetch: int | None = None, progress=None, verify: bool = True,

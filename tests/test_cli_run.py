@@ -133,21 +133,35 @@ def test_an_impossible_budget_exits_3_naming_the_smallest():
 
 
 _LOAD_PROBE = """
-import sys
+import json
 from netdsl import api
-print(api.load_cpu_kernels("cupy"), "cupy" in sys.modules, api.load_cpu_kernels("numpy"))
+from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+seen = []
+class Seen(Callback):
+    def on_phase(self, text):
+        seen.append(text)
+    def on_start(self, info):
+        seen.append("start")
+t = Trainer(api.load("examples/digits-cnn.net").graph, None,
+            RunOptions(steps=1, eval_samples=0), Seen())
+t.fit()
+f = t.executor.backend.fused
+print(json.dumps([seen, sorted(f"{g}:{d}" for g, d in f.loaded) if f else None]))
 """
 
 
 def test_the_cpu_kernels_load_before_the_run_not_inside_it():
-    """`netdsl run` loads (on a first run, compiles) the fused kernels under a status line
-    before the trainer starts: api.load_cpu_kernels loads them for the NumPy backend only,
-    without importing CuPy, and says whether they loaded (switched off: False)."""
+    """The trainer loads (on a first run, compiles) the fused kernels its step's ops call,
+    in its dtype, while it builds the step, and says so to its callback first (`netdsl
+    run`'s spinner shows it); switched off, nothing loads and nothing is said."""
     pytest.importorskip("numba")
-    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE], capture_output=True, text=True,
-                         check=True).stdout.split()
-    assert out == ["False", "False", "True"]
-    off = subprocess.run([sys.executable, "-c", _LOAD_PROBE], capture_output=True, text=True,
-                         check=True, env={**os.environ, "NETDSL_FUSED_KERNELS": "0"}
-                         ).stdout.split()
-    assert off == ["False", "False", "False"]
+    probe = [sys.executable, "-c", _LOAD_PROBE]
+    seen, loaded = json.loads(subprocess.run(probe, capture_output=True, text=True, check=True,
+                                             cwd=ROOT).stdout)
+    assert seen == ["loading the fused CPU kernels the step uses (a first run compiles "
+                    "them)", "start"]
+    assert "batchnorm:float32" in loaded and "depthwise:float32" not in loaded
+    assert not any(k.endswith("float64") for k in loaded)
+    off = subprocess.run(probe, capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "NETDSL_FUSED_KERNELS": "0"}).stdout
+    assert json.loads(off) == [["start"], None]

@@ -719,38 +719,69 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import numba
 from _examples import example_feeds, load
-from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_depthwise,
-                             numpy_fused_gemm, numpy_fused_norm, numpy_fused_optim,
-                             numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
+from netdsl.backends import (numpy_fused, numpy_fused_activation, numpy_fused_attention,
+                             numpy_fused_depthwise, numpy_fused_gemm, numpy_fused_loss,
+                             numpy_fused_norm, numpy_fused_optim, numpy_fused_pool,
+                             numpy_fused_scatter, numpy_winograd)
 from netdsl.backends.numpy import NumpyBackend
 from netdsl.passes.autodiff import autodiff
 from netdsl.passes.fuse import fuse, fuse_grads
 from netdsl.passes.optimizer import add_optimizer
 from netdsl.runtime.executor import Executor
 be = NumpyBackend()
-assert be.fused is not None
-modules = (numpy_fused_activation, numpy_fused_depthwise, numpy_fused_gemm, numpy_fused_norm,
-           numpy_fused_optim, numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
+assert be.fused is not None and not be.fused.loaded  # nothing loads before an executor
+modules = (numpy_fused_activation, numpy_fused_attention, numpy_fused_depthwise,
+           numpy_fused_gemm, numpy_fused_loss, numpy_fused_norm, numpy_fused_optim,
+           numpy_fused_pool, numpy_fused_scatter, numpy_winograd)
 kernels = [f for m in modules for f in vars(m).values()
            if isinstance(f, numba.core.registry.CPUDispatcher)]
-before = [len(k.signatures) for k in kernels]
-for name, batch, dtype, opt in (("resnet20-cifar.net", 16, "f32", "sgd"),
+late, loaded = [], {}
+for name, batch, dtype, opt in (("digits-cnn.net", 8, "f32", "sgd"),
+                                ("resnet20-cifar.net", 16, "f32", "sgd"),
                                 ("transformer-tiny.net", 4, "f32", "adamw"),
+                                ("gpt-tiny.net", 2, "f32", "adam"),
                                 ("digits-cnn.net", 8, "f64", "adam"),
                                 ("mobilenet_v2.net", 1, "f32", "sgd")):
     g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(batch), enabled=True)),
                                  enabled=True), opt)
-    Executor(g, be, dtype=dtype, seed=0).run(example_feeds(g), roles=("loss", "updates"))
-print(json.dumps([k.__name__ for k, b in zip(kernels, before) if len(k.signatures) != b]))
+    ex = Executor(g, be, dtype=dtype, seed=0)  # loads the kernels g's ops use
+    loaded[name + ":" + dtype] = sorted(f"{k}:{d}" for k, d in be.fused.loaded)
+    before = [len(k.signatures) for k in kernels]
+    ex.run(example_feeds(g), roles=("loss", "updates"))
+    late += [k.__name__ for k, b in zip(kernels, before) if len(k.signatures) != b]
+print(json.dumps([late, loaded]))
 """
+
+
+def test_every_op_names_kernel_groups_that_exist():
+    """The groups an op declares (OpDef.extra["fused_kernels"]) are the ones the fused
+    kernels load by; a convolution's follow its geometry (conv.kernel_groups)."""
+    pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused import KERNEL_GROUPS
+    from netdsl.ir import registry
+    from netdsl.ir.ops._util import fused_groups
+    from netdsl.ir.ops.conv import kernel_groups
+    plain = {"kernel": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1),
+             "groups": 1}
+    assert kernel_groups(plain) == ("gemm", "im2col", "winograd")
+    assert kernel_groups({**plain, "stride": (2, 2)}) == ("gemm", "im2col")
+    assert kernel_groups({**plain, "groups": 32}) == ("gemm", "im2col", "depthwise")
+    declared = set()
+    for name, op in registry.load_all().items():
+        groups = fused_groups(op, plain)  # (any op's attributes do for a tuple)
+        assert isinstance(groups, tuple) and set(groups) <= set(KERNEL_GROUPS), name
+        declared |= set(groups)
+    declared |= {"depthwise"}  # (a grouped convolution's)
+    assert declared == set(KERNEL_GROUPS)  # none loads for no op
 
 
 def test_no_fused_kernel_compiles_inside_a_step():
     """Every signature the training steps call (Winograd's strided tile matrices, GELU,
-    layernorm, both optimizers, max pooling, depthwise convolutions and batchnorm + relu6,
-    f32 and f64) is loaded when the kernels load,
-    in a fresh process: a compile, or a load from Numba's cache, inside a step would be
-    in its time and in its tracemalloc peak (`run --mem` measured 63% over its plan)."""
+    layernorm, attention, both optimizers, max pooling, depthwise convolutions and
+    batchnorm + relu6, f32 and f64) is loaded when the executor is made, in a fresh
+    process: a compile, or a load from Numba's cache, inside a step would be in its time
+    and in its tracemalloc peak (`run --mem` measured 63% over its plan). Only the groups
+    its graph's ops name load, in its dtype (a first run compiles only those)."""
     pytest.importorskip("numba")
     import json
     import subprocess
@@ -758,7 +789,20 @@ def test_no_fused_kernel_compiles_inside_a_step():
     from pathlib import Path
     out = subprocess.run([sys.executable, "-c", _NO_COMPILE_PROBE, str(Path(__file__).parent)],
                          capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.strip().splitlines()[-1]) == []
+    late, loaded = json.loads(out.strip().splitlines()[-1])
+    assert late == []
+    # each executor loads what its graph's ops call, in its dtype: digits-cnn in float32
+    # none of the depthwise, attention, layernorm or float64 kernels (its 3x3
+    # convolutions may take Winograd's: conv.kernel_groups asks the geometry alone)
+    assert loaded["digits-cnn.net:f32"] == [
+        "batchnorm:float32", "gemm:float32", "im2col:float32", "loss:float32",
+        "optimizer:float32", "pool:float32", "winograd:float32"]
+    assert "winograd:float32" in loaded["resnet20-cifar.net:f32"]
+    assert {"attention:float32", "layernorm:float32", "gelu:float32"} <= set(
+        loaded["transformer-tiny.net:f32"])
+    assert "depthwise:float32" in loaded["mobilenet_v2.net:f32"]
+    assert not any(k.endswith("float64") for k in loaded["mobilenet_v2.net:f32"]
+                   if k not in loaded["digits-cnn.net:f64"])
 
 
 _WAIT_PROBE = """
@@ -893,7 +937,8 @@ def pooled_gemm():
     if cblas is None:
         pytest.skip("NumPy does not link the scipy-openblas64 build here")
     gemm = PooledGemm(cblas, 2)
-    gemm.warm_up()
+    for dt in (np.float32, np.float64):
+        gemm.warm_up(dt)
     with cblas.limit(1):
         yield gemm
 

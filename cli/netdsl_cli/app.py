@@ -51,15 +51,6 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, markup=False, emoji=False, highlight=False, width=width)
 
 
-def load_cpu_kernels_shown(backend: str) -> None:
-    """Load the fused CPU kernels before a command executes graphs, under a status line:
-    Numba compiles them on a machine's first run, minutes with nothing on the screen."""
-    from netdsl.api import load_cpu_kernels
-    with console(stderr=True).status("loading the fused CPU kernels (a first run compiles "
-                                     "them: about 2 minutes)"):
-        load_cpu_kernels(backend)
-
-
 def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 

@@ -45,6 +45,7 @@ class _Bar:
         self.first_time = 0.0
         self.records: list[dict] = []  # every step's record, for --plot
         self.setup = None
+        self.setup_task = None
 
     def preparing(self) -> None:
         """A spinner with the time spent while the step is built (a split of a deep network
@@ -53,8 +54,12 @@ class _Bar:
             return
         self.setup = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"),
                               TimeElapsedColumn(), console=self.err, transient=True)
-        self.setup.add_task("building the training step", total=None)
+        self.setup_task = self.setup.add_task("building the training step", total=None)
         self.setup.start()
+
+    def on_phase(self, text: str) -> None:
+        if self.setup is not None:
+            self.setup.update(self.setup_task, description=text)
 
     def _prepared(self) -> None:
         if self.setup is not None:
@@ -224,9 +229,6 @@ def _run(
                           strategy=strategy, offload_state=offload_state, devices=devices,
                           split=split, microbatches=microbatches, distributed=distributed,
                           schedule=schedule)
-        if not json_output:
-            from netdsl_cli.app import load_cpu_kernels_shown
-            load_cpu_kernels_shown(backend)
         bar.preparing()
         try:
             result = train(net, opts, bar)

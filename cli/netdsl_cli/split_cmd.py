@@ -69,9 +69,6 @@ def split(
         if json_output:
             res = split_api(net, **kw)
         else:
-            if verify:  # the gate runs both steps on the NumPy backend
-                from netdsl_cli.app import load_cpu_kernels_shown
-                load_cpu_kernels_shown("numpy")
             with Progress(TextColumn("[bold]split"), BarColumn(), TimeElapsedColumn(),
                           console=console(stderr=True), transient=True) as bar:
                 task = bar.add_task("split", total=1.0)

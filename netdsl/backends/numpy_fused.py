@@ -18,7 +18,9 @@ each input about once and write each output once. By job:
 
 The NumPy kernels in netdsl.ir.ops stay the reference the tests compare these against.
 Compiled with `cache=True`: the machine code is kept in `__pycache__` next to each file,
-so only the first process after an install pays the compile. Numba and these modules are
+so only the first process after an install pays the compile, and only for the groups of
+kernels (KERNEL_GROUPS) in the dtypes its executors load (FusedKernels.load): the ones
+their graphs' ops name. Numba and these modules are
 imported lazily by `NumpyBackend.fused` (through this one), nowhere else.
 """
 from __future__ import annotations
@@ -164,64 +166,27 @@ class FusedKernels:
         # the attention kernels' "no kept probabilities": an empty [N, heads, T, T]
         self._no_probs = {np.dtype(dt): np.empty((0, 0, 0, 0), dt)
                           for dt in (np.float32, np.float64)}
-        if self.convs is not None:
-            self.convs.warm_up()
-            for dt in (np.float32, np.float64):  # (outside a step: called directly)
-                qkv, fn, one = np.ones((1, 2, 3), dt), self.cblas.gemm[np.dtype(dt)], dt(1)
-                gy, p = np.ones((1, 2, 1), dt), np.empty((1, 1, 2, 2), dt)
-                attention_probs_tasks(fn, one, qkv, 1, False, p, 1)
-                for kept in (self._no_probs[np.dtype(dt)], p):
-                    attention_tasks(fn, one, one, qkv, 1, False, kept, gy.copy(), 1)
-                    attention_grad_tasks(fn, one, one, gy, qkv, 1, False, kept,
-                                         np.empty_like(qkv), 1)
-        # each compiled signature is loaded from the cache (or compiled) on its first call:
-        # make those calls now, on tiny arrays, so none happens inside a measured step
-        for dt in (np.float32, np.float64):
-            x = np.ones((1, 1, 2), dt)
-            w, st, y = np.ones(1, dt), np.ones((4, 1), dt), np.empty_like(x)
-            bn_forward(x, w, w, 1e-5, True, np.inf, y, np.empty((2, 1)), 1)
-            bn_grad_stats(x, x, w, w, 1e-5, True, np.inf, st, 1)
-            bn_grad_input(x, x, st, w, w, True, np.inf, x, True, y, 1)
-            r2, d1 = np.ones((1, 2), dt), np.ones(2, dt)
-            sgd_update(d1, d1, d1.copy(), dt(0), dt(0), dt(0), False)
-            adam_update(d1, d1, d1.copy(), d1.copy(), *(dt(1),) * 9)
-            q = np.ones((1, 1, 2, 2), dt)
-            maxpool2d_grad(q, q, 1, 1, 1, 1, 0, 0, q.copy())
-            maxpool2x2_grad(q[:, :, :1, :1].copy(), q, q.copy())
-            maxpool2x2(q, q[:, :, :1, :1].copy())
-            labels = np.zeros(1, np.int64)
-            sce_forward(r2, labels, -100)
-            sce_grad(r2, labels, -100, 1.0, r2.copy())
-            ln_forward(r2, d1, d1, 1e-5, r2.copy())
-            ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
-            ln_grad_weight(r2, r2, 1e-5, np.zeros(2))
-            softmax_rows(r2, r2.copy())
-            softmax_grad_rows(r2, r2, r2.copy())
-            scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
-            col2im_add(np.zeros((1, 2, 2), dt), np.ones((1, 1, 1, 1, 1), dt), 1, 1, 1, 1)
-            im2col_rows(q, 1, 1, 1, 1, 0, 0, 1, 1, np.empty((1, 4), dt))
-            add(d1, d1, False, d1.copy())
-            relu_grad(d1, d1, d1, True, d1.copy())
-            window_grad(d1, d1, dt(0), dt(6), dt(1), False, d1.copy())
-            t = np.ones((1, 1, 2, 2), dt)
-            # the tile matrices are strided views (conv_winograd._tile_matrices): a
-            # different Numba type from a C-contiguous array, so warmed up as one
-            tiles = np.empty((16, 2), dt)[:, :1].reshape(16, 1, 1)
-            numpy_winograd.input_tiles(t, 1, 1, 0, 1, 1, 1, tiles)
-            numpy_winograd.output_tiles(tiles, 0, 1, 1, 1, t)
-            numpy_winograd.output_tiles_adjoint(t, 0, 1, 1, 1, tiles)
-            geom = (1, 1, 1, 1, 0, 0, 1, 1)
-            w1 = np.ones((1, 1, 1, 1), dt)
-            # (a budget that holds a task, so that each call reaches its loops)
-            numpy_fused_depthwise.conv(t, w1, geom, 1, 64)
-            numpy_fused_depthwise.grad_input(t, w1, t.shape, geom, 1, 64)
-            # (two outputs a channel: the scatter loops, not the forward's on dy)
-            numpy_fused_depthwise.grad_input(np.ones((1, 2, 2, 2), dt), np.ones((2, 1, 1, 1), dt),
-                                             t.shape, geom, 1, 64)
-            numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1, 64)
-        v = np.ones(2, np.float32)
-        gelu_f32(v, v.copy())
-        gelu_grad_f32(v, v, v.copy())
+        self.loaded: set[tuple[str, np.dtype]] = set()  # (group, dtype) called once so far
+
+    def load(self, groups, dtypes=(np.float32, np.float64)) -> None:
+        """Load (on a machine's first run, compile) the kernels of `groups` (names in
+        KERNEL_GROUPS, as the ops that call them declare: OpDef.extra["fused_kernels"]) for
+        `dtypes`, by a call on tiny arrays: each compiled signature is loaded from Numba's
+        cache, or compiled, on its first call, and none may happen inside a measured step
+        (its time, its tracemalloc peak). The executor loads what its graph's ops use, so a
+        run compiles what it runs: a float32 ResNet neither the float64 kernels nor the
+        depthwise, attention or layernorm ones (about a quarter of the two minutes that
+        compiling every kernel takes on two cores)."""
+        for group in groups:
+            warm = KERNEL_GROUPS[group]
+            for dt in dtypes:
+                key = (group, np.dtype(dt))
+                if key not in self.loaded:
+                    warm(self, np.dtype(dt).type)
+                    self.loaded.add(key)
+
+    def load_all(self) -> None:
+        self.load(KERNEL_GROUPS)
 
     @staticmethod
     def gelu(x):
@@ -345,3 +310,117 @@ class FusedKernels:
     def __repr__(self) -> str:
         gemm = ", GEMMs on them" if self.gemm is not None else ""
         return f"FusedKernels(numba {numba.__version__}, {self.threads} threads{gemm})"
+
+
+# -- loading by group: one call per compiled signature, on tiny arrays (FusedKernels.load) ----
+def _warm_gemm(f: FusedKernels, dt) -> None:
+    if f.convs is not None:
+        f.convs.warm_up(dt)
+
+
+def _warm_attention(f: FusedKernels, dt) -> None:
+    if f.convs is None:
+        return
+    qkv, fn, one = np.ones((1, 2, 3), dt), f.cblas.gemm[np.dtype(dt)], dt(1)
+    gy, p = np.ones((1, 2, 1), dt), np.empty((1, 1, 2, 2), dt)
+    attention_probs_tasks(fn, one, qkv, 1, False, p, 1)
+    for kept in (f._no_probs[np.dtype(dt)], p):
+        attention_tasks(fn, one, one, qkv, 1, False, kept, gy.copy(), 1)
+        attention_grad_tasks(fn, one, one, gy, qkv, 1, False, kept, np.empty_like(qkv), 1)
+
+
+def _warm_batchnorm(f: FusedKernels, dt) -> None:
+    x = np.ones((1, 1, 2), dt)
+    w, st, y = np.ones(1, dt), np.ones((4, 1), dt), np.empty_like(x)
+    bn_forward(x, w, w, 1e-5, True, np.inf, y, np.empty((2, 1)), 1)
+    bn_grad_stats(x, x, w, w, 1e-5, True, np.inf, st, 1)
+    bn_grad_input(x, x, st, w, w, True, np.inf, x, True, y, 1)
+
+
+def _warm_layernorm(f: FusedKernels, dt) -> None:
+    r2, d1 = np.ones((1, 2), dt), np.ones(2, dt)
+    ln_forward(r2, d1, d1, 1e-5, r2.copy())
+    ln_grad_input(r2, r2, d1, 1e-5, r2.copy())
+    ln_grad_weight(r2, r2, 1e-5, np.zeros(2))
+
+
+def _warm_softmax(f: FusedKernels, dt) -> None:
+    r2 = np.ones((1, 2), dt)
+    softmax_rows(r2, r2.copy())
+    softmax_grad_rows(r2, r2, r2.copy())
+
+
+def _warm_loss(f: FusedKernels, dt) -> None:
+    r2, labels = np.ones((1, 2), dt), np.zeros(1, np.int64)
+    sce_forward(r2, labels, -100)
+    sce_grad(r2, labels, -100, 1.0, r2.copy())
+
+
+def _warm_optimizer(f: FusedKernels, dt) -> None:
+    d1 = np.ones(2, dt)
+    sgd_update(d1, d1, d1.copy(), dt(0), dt(0), dt(0), False)
+    adam_update(d1, d1, d1.copy(), d1.copy(), *(dt(1),) * 9)
+
+
+def _warm_pool(f: FusedKernels, dt) -> None:
+    q = np.ones((1, 1, 2, 2), dt)
+    maxpool2d_grad(q, q, 1, 1, 1, 1, 0, 0, q.copy())
+    maxpool2x2_grad(q[:, :, :1, :1].copy(), q, q.copy())
+    maxpool2x2(q, q[:, :, :1, :1].copy())
+
+
+def _warm_scatter(f: FusedKernels, dt) -> None:
+    r2 = np.ones((1, 2), dt)
+    scatter_add_rows(r2.copy(), np.zeros(1, np.int64), r2)
+
+
+def _warm_im2col(f: FusedKernels, dt) -> None:
+    q = np.ones((1, 1, 2, 2), dt)
+    col2im_add(np.zeros((1, 2, 2), dt), np.ones((1, 1, 1, 1, 1), dt), 1, 1, 1, 1)
+    im2col_rows(q, 1, 1, 1, 1, 0, 0, 1, 1, np.empty((1, 4), dt))
+
+
+def _warm_elementwise(f: FusedKernels, dt) -> None:
+    d1 = np.ones(2, dt)
+    add(d1, d1, False, d1.copy())
+    relu_grad(d1, d1, d1, True, d1.copy())
+    window_grad(d1, d1, dt(0), dt(6), dt(1), False, d1.copy())
+
+
+def _warm_gelu(f: FusedKernels, dt) -> None:
+    if dt is np.float32:  # (other dtypes take the exact erf)
+        v = np.ones(2, np.float32)
+        gelu_f32(v, v.copy())
+        gelu_grad_f32(v, v, v.copy())
+
+
+def _warm_winograd(f: FusedKernels, dt) -> None:
+    t = np.ones((1, 1, 2, 2), dt)
+    # the tile matrices are strided views (conv_winograd._tile_matrices): a different
+    # Numba type from a C-contiguous array, so loaded as one
+    tiles = np.empty((16, 2), dt)[:, :1].reshape(16, 1, 1)
+    numpy_winograd.input_tiles(t, 1, 1, 0, 1, 1, 1, tiles)
+    numpy_winograd.output_tiles(tiles, 0, 1, 1, 1, t)
+    numpy_winograd.output_tiles_adjoint(t, 0, 1, 1, 1, tiles)
+
+
+def _warm_depthwise(f: FusedKernels, dt) -> None:
+    t, w1 = np.ones((1, 1, 2, 2), dt), np.ones((1, 1, 1, 1), dt)
+    geom = (1, 1, 1, 1, 0, 0, 1, 1)
+    # (a budget that holds a task, so that each call reaches its loops)
+    numpy_fused_depthwise.conv(t, w1, geom, 1, 64)
+    numpy_fused_depthwise.grad_input(t, w1, t.shape, geom, 1, 64)
+    # (two outputs a channel: the scatter loops, not the forward's on dy)
+    numpy_fused_depthwise.grad_input(np.ones((1, 2, 2, 2), dt), np.ones((2, 1, 1, 1), dt),
+                                     t.shape, geom, 1, 64)
+    numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1, 64)
+
+
+# the groups an op names in OpDef.extra["fused_kernels"] (netdsl.ir.ops._util.fused_groups)
+KERNEL_GROUPS = {
+    "gemm": _warm_gemm, "attention": _warm_attention, "batchnorm": _warm_batchnorm,
+    "layernorm": _warm_layernorm, "softmax": _warm_softmax, "loss": _warm_loss,
+    "optimizer": _warm_optimizer, "pool": _warm_pool, "scatter": _warm_scatter,
+    "im2col": _warm_im2col, "elementwise": _warm_elementwise, "gelu": _warm_gelu,
+    "winograd": _warm_winograd, "depthwise": _warm_depthwise,
+}

@@ -451,24 +451,24 @@ class PooledGemm:
         self._no_bias = {np.dtype(dt): (np.empty(0, dt), np.empty(1, dt))
                          for dt in (np.float32, np.float64)}
 
-    def warm_up(self) -> None:
-        for dt in (np.float32, np.float64):
-            a = np.ones((2, 2), dt)
-            c = np.empty_like(a)
-            gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 1, 2, 2, 2,
-                       a.ctypes.data, _NO_TRANS, 2, a.ctypes.data, _NO_TRANS, 2,
-                       c.ctypes.data, 2, np.zeros((3, 2), np.int64), 1, 1, np.ones(2, dt),
-                       c.reshape(-1), a.reshape(-1))
-            shifted_conv_tasks(self.cblas.gemm[a.dtype], dt(1), a.reshape(1, 1, 2, 2),
-                               a.reshape(1, 2, 2)[:, :1, :1].copy(), 1, 1, 0, 0, 1, 1,
-                               np.empty((1, 1, 2, 2), dt), 1)
-            shifted_conv_grad_weight_tasks(self.cblas.gemm[a.dtype], dt(1),
-                                           a.reshape(1, 1, 2, 2), a.reshape(1, 1, 2, 2),
-                                           1, 1, 0, 0, 1, 1, np.empty((1, 1, 1), dt), 1,
-                                           False, 1)
-            shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
-                               a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
-                               np.empty_like(a).ctypes.data, 2, 0, 1)
+    def warm_up(self, dt) -> None:
+        """Call each GEMM loop once for float dtype `dt` (FusedKernels.load)."""
+        a = np.ones((2, 2), dt)
+        c = np.empty_like(a)
+        gemm_tasks(self.cblas.gemm[a.dtype], dt(1), dt(0), a.itemsize, 1, 1, 2, 2, 2,
+                   a.ctypes.data, _NO_TRANS, 2, a.ctypes.data, _NO_TRANS, 2,
+                   c.ctypes.data, 2, np.zeros((3, 2), np.int64), 1, 1, np.ones(2, dt),
+                   c.reshape(-1), a.reshape(-1))
+        shifted_conv_tasks(self.cblas.gemm[a.dtype], dt(1), a.reshape(1, 1, 2, 2),
+                           a.reshape(1, 2, 2)[:, :1, :1].copy(), 1, 1, 0, 0, 1, 1,
+                           np.empty((1, 1, 2, 2), dt), 1)
+        shifted_conv_grad_weight_tasks(self.cblas.gemm[a.dtype], dt(1),
+                                       a.reshape(1, 1, 2, 2), a.reshape(1, 1, 2, 2),
+                                       1, 1, 0, 0, 1, 1, np.empty((1, 1, 1), dt), 1,
+                                       False, 1)
+        shifted_gemm_tasks(self.cblas.gemm[a.dtype], dt(1), a.itemsize, 1, 2, 2, 2,
+                           a.ctypes.data, 2, 0, a.ctypes.data, 2, 0, np.zeros(1, np.int64),
+                           np.empty_like(a).ctypes.data, 2, 0, 1)
 
     def shifted(self, a, b, offsets, n):
         """sum over o of a[o] @ b[:, :, offsets[o]:offsets[o] + n], [batch, m, n], for

@@ -34,6 +34,7 @@ from netdsl.backends import Backend, get_backend
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.ops._util import fused_groups
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE, TensorType
@@ -171,9 +172,12 @@ class Executor:
         self.graph = graph
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.xp = self.backend.xp
-        if any(registry.OPS[n.op].extra.get("fused_kernels") for n in graph.nodes):
-            # the backend's fused kernels (Numba) load now, not inside a measured step
-            getattr(self.backend, "fused", None)
+        groups = {g for n in graph.nodes for g in fused_groups(registry.OPS[n.op], n.attrs)}
+        fused = getattr(self.backend, "fused", None) if groups else None
+        if fused is not None and hasattr(fused, "load"):
+            # the fused kernels (Numba) this graph's ops call load now, in this dtype, not
+            # inside a measured step; a first run compiles them
+            fused.load(sorted(groups), (NUMPY_DTYPE[dtype],))
         if any(n.attrs.get("target") == "gpu" for n in graph.nodes):
             getattr(self.backend, "cudnn", None)  # cuDNN too (loaded and checked once)
         self.dtype = dtype

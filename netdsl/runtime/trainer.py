@@ -143,6 +143,7 @@ class RunResult:
 class Callback:
     """Hooks for progress display; every method is optional."""
 
+    def on_phase(self, text: str) -> None: ...  # what the set-up does now (before on_start)
     def on_start(self, info: dict) -> None: ...
     def on_step(self, record: dict) -> None: ...
     def on_eval(self, record: dict) -> None: ...
@@ -370,6 +371,9 @@ class Trainer:
             self.budget = self.mem_plan.budget_bytes
             # where host and device are one memory, the host pool counts against the budget
             self.budget_host = self.mem_plan.profile.unified
+        if backend.name == "numpy" and backend.fused is not None:
+            self._phase("loading the fused CPU kernels the step uses (a first run "
+                        "compiles them)")
         try:  # the parameters and optimizer state are allocated here
             # a split step's devices are counted per value, not packed into one arena
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,
@@ -404,6 +408,11 @@ class Trainer:
             {self.acc[0]} if self.acc else set())
         self.step = 0
         self.resumed_from = None
+
+    def _phase(self, text: str) -> None:
+        on_phase = getattr(self.cb, "on_phase", None)  # (every hook is optional)
+        if on_phase is not None:
+            on_phase(text)
 
     def _budget_to_fit(self, step: Graph, backend) -> str | None:
         """A run without --mem on one device: None when `step` as written fits the free

@@ -39,7 +39,8 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
     register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,
                    grad_shape(f"{name}_grad"), "backward",
                    flops=lambda ins, out, a: (flops + 1) * out.numel(), differentiable=False,
-                   workspace=scratch_rule(scratch[1]), extra={"fused_kernels": window is not None},
+                   workspace=scratch_rule(scratch[1]),
+                   extra={"fused_kernels": ("elementwise",) if window is not None else ()},
                    doc=f"backward of {name}: dy * {name}'(x), from the forward {reads}"))
 
     kernel(name)(lambda xp, ins, a, ctx: f(xp, ins[0], a))

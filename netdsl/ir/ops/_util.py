@@ -104,11 +104,20 @@ def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None, residual=
     return y
 
 
+def fused_groups(op, attrs) -> tuple[str, ...]:
+    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) a node of `op`
+    with `attrs` may call: OpDef.extra["fused_kernels"], a tuple or a function of the
+    attributes (a convolution's depend on its geometry); () for none."""
+    spec = op.extra.get("fused_kernels", ())
+    return spec(attrs) if callable(spec) else spec
+
+
 def fused_kernels(ctx, *arrays, cuda: bool = False):
     """The backend's fused kernels (Numba loops, netdsl.backends.numpy_fused) if they take
     these arrays (float, contiguous), else None: the NumPy reference kernels run. An op
-    whose kernel asks for them sets extra={"fused_kernels": True}, so that the executor
-    loads them when it is made, not inside a step. With `cuda`, the CuPy backend's CUDA
+    whose kernel asks for them names the groups it calls in extra["fused_kernels"]
+    (`fused_groups`), so that the executor loads those when it is made, not inside a
+    step. With `cuda`, the CuPy backend's CUDA
     kernels (netdsl.backends.cupy_fused) may answer too: the few ops that pass it call
     only methods those kernels have, with the same signatures."""
     be = getattr(ctx, "backend", None)

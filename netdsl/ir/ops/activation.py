@@ -42,7 +42,7 @@ for _name, _k, _ret, _extra in _ACTS:
     register(OpDef(_name, (Arg("x", "tensor"),) + _extra, _same(_name), "activation",
                    flops=_per_elem(_k), workspace=scratch_rule(_SCRATCH.get(_name, 0)),
                    retains=_ret, doc=f"element-wise {_name}",
-                   extra={"fused_kernels": _name == "gelu"}))
+                   extra={"fused_kernels": ("gelu",) if _name == "gelu" else ()}))
 
 
 def _add_relu_shape(ins, a):
@@ -55,7 +55,7 @@ def _add_relu_shape(ins, a):
 
 register(OpDef(
     "add_relu", (Arg("a", "tensor"), Arg("b", "tensor")), _add_relu_shape, "activation",
-    flops=_per_elem(2), retains=("output",), extra={"fused_kernels": True},
+    flops=_per_elem(2), retains=("output",), extra={"fused_kernels": ("elementwise",)},
     doc="relu(a + b) in one kernel (made by the `fuse` pass from an add of two tensors of "
         "one type read only by a relu: a post-activation residual block's output)"))
 
@@ -94,7 +94,7 @@ register(OpDef("relu_grad", (Arg("dy", "tensor"), Arg("v", "tensor"), Arg("acc",
                _relu_grad_shape, "backward", flops=_per_elem(1), differentiable=False,
                # NumPy's: the mask (and the sum with acc); the fused kernel's: none
                workspace=lambda ins, out, a: int((1.5 if len(ins) > 2 else 0.5) * 4 * out.numel()),
-               extra={"fused_kernels": True},
+               extra={"fused_kernels": ("elementwise",)},
                doc="backward of relu: (dy + acc) where the output v is positive, else 0 (acc, "
                    "the other term of a gradient sum, folded in by the fuse_grads pass)"))
 for _name, _k, _extra in (("leaky_relu_grad", 2, (Arg("slope", "float"),)),
@@ -104,7 +104,8 @@ for _name, _k, _extra in (("leaky_relu_grad", 2, (Arg("slope", "float"),)),
     register(OpDef(_name, (Arg("dy", "tensor"), Arg("v", "tensor")) + _extra,
                    grad_shape(_name), "backward", flops=_per_elem(_k), differentiable=False,
                    workspace=scratch_rule(_SCRATCH[_name]),
-                   doc=f"backward of {_name[:-5]}", extra={"fused_kernels": _name == "gelu_grad"}))
+                   doc=f"backward of {_name[:-5]}",
+                   extra={"fused_kernels": ("gelu",) if _name == "gelu_grad" else ()}))
 
 
 # -- kernels --------------------------------------------------------------------------------

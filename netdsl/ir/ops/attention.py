@@ -62,7 +62,7 @@ def _scores_bytes(ins, out, a):
 register(OpDef("scaled_dot_product_attention",
                (Arg("q", "tensor"), Arg("k", "tensor"), Arg("v", "tensor")) + _ATTN,
                _sdpa_shape, "matmul", flops=_sdpa_flops, workspace=_scores_bytes,
-               retains=("inputs",), extra={"fused_kernels": True},
+               retains=("inputs",), extra={"fused_kernels": ("gemm",)},
                doc="softmax(q k^T * scale) v over [..., L, E] queries, [..., S, E] keys and "
                    "[..., S, Ev] values; scale defaults to 1/sqrt(E); causal=true lets query "
                    "i see keys 0..i"))
@@ -77,7 +77,7 @@ def _probs_shape(ins, a):
 register(OpDef("attention_probs", (Arg("q", "tensor"), Arg("k", "tensor")) + _ATTN,
                _probs_shape, "backward",
                flops=lambda ins, out, a: out.numel() * (2 * ins[0].shape[-1] + 5),
-               differentiable=False, extra={"fused_kernels": True},
+               differentiable=False, extra={"fused_kernels": ("gemm",)},
                doc="softmax(q k^T * scale), masked if causal: recomputed for the backward"))
 
 

@@ -128,7 +128,7 @@ register(OpDef(
     flops=lambda ins, out, a: _pairs(ins[0], a) * (2 * _hd(ins[0], a) if len(ins) > 1
                                                    else 4 * _hd(ins[0], a) + 5),
     workspace=lambda ins, out, a: _scratch(ins[0], a, len(ins) == 1, 1),
-    retains=("inputs",), extra={"fused_kernels": True},
+    retains=("inputs",), extra={"fused_kernels": ("attention",)},
     doc="multi-head attention over packed q/k/v: qkv [N, T, 3D] (q, k, v side by side, each "
         "of `heads` heads) -> [N, T, D], each head's softmax(q k^T * scale) v, heads merged; "
         "with p (attention_qkv_probs' result) P v; made by the fuse pass on a CPU step"))
@@ -137,13 +137,13 @@ register(OpDef(
     lambda ins, a: _probs_type(_qkv(ins[0], a, "attention_qkv_probs"), a["heads"]), "matmul",
     flops=lambda ins, out, a: _pairs(ins[0], a) * (2 * _hd(ins[0], a) + 5),
     workspace=lambda ins, out, a: _scratch(ins[0], a, 0.25),  # the rows' max and sum
-    retains=("inputs", "output"), extra={"fused_kernels": True},
+    retains=("inputs", "output"), extra={"fused_kernels": ("attention",)},
     doc="each head's softmax(q k^T * scale) [N, heads, T, T] of packed q/k/v [N, T, 3D], "
         "kept for attention_qkv(qkv, p) and its backward"))
 register(OpDef(
     "attention_qkv_grad",
     (Arg("dy", "tensor"), Arg("qkv", "tensor"), Arg("p", "tensor", None)) + _QKV,
-    _grad_shape, "backward", differentiable=False, extra={"fused_kernels": True},
+    _grad_shape, "backward", differentiable=False, extra={"fused_kernels": ("attention",)},
     flops=lambda ins, out, a: _pairs(ins[1], a) * (8 * _hd(ins[1], a) + 5 + (
         2 * _hd(ins[1], a) + 5 if len(ins) < 3 else 0)),
     workspace=lambda ins, out, a: _scratch(ins[1], a, 2 if len(ins) > 2 else 3, 1),

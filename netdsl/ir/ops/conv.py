@@ -284,6 +284,20 @@ def _workspace(kind: str):
     return rule
 
 
+def kernel_groups(a) -> tuple[str, ...]:
+    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) a convolution
+    with attributes `a` may call, loaded when an executor is made: the depthwise loops only
+    where it is grouped, Winograd's only where it is 3x3, stride 1, undilated (where
+    conv_winograd.applies may take it; it also asks for channels and tiles)."""
+    groups = ("gemm", "im2col")
+    if a.get("groups", 1) > 1:
+        return groups + ("depthwise",)
+    kh, kw, sh, sw, _, _, dh, dw = _geometry(None, a)
+    if (kh, kw, sh, sw, dh, dw) == (3, 3, 1, 1, 1, 1):
+        return groups + ("winograd",)
+    return groups
+
+
 CONV2D_ARGS = (
     Arg("x", "tensor"), Arg("out_channels", "int", range=POSITIVE),
     Arg("kernel", "pair", 1, range=POSITIVE), Arg("stride", "pair", 1, range=POSITIVE),
@@ -296,7 +310,7 @@ register(OpDef(
     retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
-    extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
+    extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -315,14 +329,14 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                flops=lambda ins, out, a: conv2d_flops([out], ins[0], a),
                workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
-               extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
+               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: conv2d_flops([ins[1]], ins[0], a),
                workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
-               extra={"spatial": 2, "fused_kernels": True, "gpu_variant": True}))
+               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
 
 
 # -- kernels ----------------------------------------------------------------------------------

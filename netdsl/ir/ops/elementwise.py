@@ -25,7 +25,7 @@ for _name, _ret in (("add", ()), ("sub", ()), ("mul", ("inputs",))):
     register(OpDef(_name, (Arg("a", "tensor"), Arg("b", "tensor")), _binary(_name),
                    "elementwise", flops=lambda ins, out, a: out.numel(), retains=_ret,
                    doc=f"element-wise {_name} with NumPy broadcasting",
-                   extra={"fused_kernels": True} if _name == "add" else {}))
+                   extra={"fused_kernels": ("elementwise",)} if _name == "add" else {}))
 
 register(OpDef("scale", (Arg("x", "tensor"), Arg("factor", "float")),
                lambda ins, a: ins[0], "elementwise", flops=lambda ins, out, a: out.numel(),

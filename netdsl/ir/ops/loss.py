@@ -22,7 +22,7 @@ def _softmax_shape(ins, a):
 register(OpDef("softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
                workspace=scratch_rule(1.25), doc="softmax along an axis (the last by default)",
-               extra={"fused_kernels": True}))
+               extra={"fused_kernels": ("softmax",)}))
 register(OpDef("log_softmax", (Arg("x", "tensor"), Arg("axis", "axis", -1)), _softmax_shape,
                "activation", flops=lambda ins, out, a: 5 * out.numel(), retains=("output",),
                doc="log of softmax along an axis, computed stably (x - logsumexp(x))"))
@@ -69,7 +69,7 @@ register(OpDef("softmax_cross_entropy",
                workspace=scratch_rule(4, of=0),
                doc="-log softmax(logits)[label] per position, reduced (torch's cross_entropy "
                    "with class weights, ignore_index and label_smoothing)",
-               extra={"fused_kernels": True}))
+               extra={"fused_kernels": ("loss",)}))
 register(OpDef("nll", (Arg("logp", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS,
                _class_loss_shape("nll"), "loss",
                flops=lambda ins, out, a: 2 * ins[0].numel(), retains=("input1",),
@@ -122,7 +122,7 @@ register(OpDef("softmax_grad", (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("ax
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
                workspace=scratch_rule(1), differentiable=False,
                doc="dx = y * (dy - sum(dy * y)) along the axis",
-               extra={"fused_kernels": True}))
+               extra={"fused_kernels": ("softmax",)}))
 register(OpDef("log_softmax_grad",
                (Arg("dy", "tensor"), Arg("y", "tensor"), Arg("axis", "axis", -1)),
                lambda ins, a: ins[1], "backward", flops=lambda ins, out, a: 4 * out.numel(),
@@ -136,7 +136,7 @@ register(OpDef("softmax_cross_entropy_grad",
                workspace=scratch_rule(5),
                doc="d(logits) = dy * (sum(c) softmax(logits) - c) / denominator, c the "
                    "per-class coefficients (one-hot, smoothed, weighted)",
-               extra={"fused_kernels": True}))
+               extra={"fused_kernels": ("loss",)}))
 register(OpDef("nll_grad", (Arg("dy", "tensor"), Arg("labels", "tensor"),
                             Arg("shape", "shape")) + _CLASS_ARGS,
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",

@@ -81,7 +81,7 @@ register(OpDef(
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"), writes=_bn_writes,
     # a recompute copy neither reads nor writes the running stats; the kernel uses the
     # backend's fused kernels where it has them (the executor loads them up front)
-    extra={"replay": True, "fused_kernels": True},
+    extra={"replay": True, "fused_kernels": ("batchnorm",)},
     doc="batch normalisation over every dim but 1; running stats in buffers; "
         "zero_init=true starts the scale at 0 (zero_init_residual)"))
 
@@ -91,7 +91,7 @@ register(OpDef(
      Arg("axis", "axis", -1)),
     _ln_shape, "norm", _ln_params, _flops, scratch_rule(2.25), retains=("inputs", "weight"),
     doc="layer normalisation over the dims from `axis` on (the last by default); weight "
-        "and bias have the shape of those dims", extra={"fused_kernels": True}))
+        "and bias have the shape of those dims", extra={"fused_kernels": ("layernorm",)}))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -109,14 +109,15 @@ register(OpDef("layernorm_grad_input",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("weight", "tensor", None),
                 Arg("eps", "float", 1e-5, range=GT0), Arg("axis", "axis", -1)),
                _gi_shape, "backward", flops=lambda ins, out, a: 10 * out.numel(),
-               workspace=scratch_rule(4), differentiable=False, extra={"fused_kernels": True},
+               workspace=scratch_rule(4), differentiable=False,
+               extra={"fused_kernels": ("layernorm",)},
                doc="dx of layernorm (statistics recomputed from x); weight optional"))
 register(OpDef("layernorm_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-5, range=GT0),
                 Arg("axis", "axis", -1)),
                _gw_shape, "backward", flops=lambda ins, out, a: 6 * ins[0].numel(),
                workspace=scratch_rule(2.25, of=1), differentiable=False,
-               extra={"fused_kernels": True},
+               extra={"fused_kernels": ("layernorm",)},
                doc="d(weight) of layernorm: sum of dy * x_hat"))
 
 
@@ -143,7 +144,7 @@ register(OpDef("batchnorm_grad_stats",
                _stats_shape, "backward",
                flops=lambda ins, out, a: (8 if a["relu"] else 7) * ins[1].numel(),
                workspace=_stats_workspace, differentiable=False,
-               extra={"fused_kernels": True},
+               extra={"fused_kernels": ("batchnorm",)},
                doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
                    "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std; "
                    "relu=true: of batchnorm_relu, dy masked where the output was 0 (or "
@@ -164,7 +165,7 @@ register(OpDef("batchnorm_grad_from_stats",
                flops=lambda ins, out, a: (9 if len(ins) > 5 else 8) * out.numel(),
                workspace=lambda ins, out, a: (
                    4 + (a.get("cap") is not None) if a["relu"] else 0) * out.numel(),
-               differentiable=False, extra={"fused_kernels": True},
+               differentiable=False, extra={"fused_kernels": ("batchnorm",)},
                doc="dx of batchnorm (relu=true: of batchnorm_relu) from "
                    "batchnorm_grad_stats' rows (nothing recomputed); weight and bias "
                    "optional; `acc`, another gradient of x, is added to dx (an `add` of a "

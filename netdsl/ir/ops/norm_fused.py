@@ -21,7 +21,7 @@ register(OpDef(
      Arg("cap", "float", None, range=GT0)),
     _bn_shape, "norm", _bn_params, lambda ins, out, a: 9 * out.numel(),
     retains=("inputs", "weight", "bias"), writes=_bn_writes,
-    extra={"replay": True, "fused_kernels": True},
+    extra={"replay": True, "fused_kernels": ("batchnorm",)},
     doc="relu(batchnorm(x)) in one kernel (made by the `fuse` pass from a batchnorm read "
         "only by a relu), min(relu(batchnorm(x)), cap) with a cap (from relu6: cap=6); "
         "arguments, parameters and buffers as batchnorm's"))

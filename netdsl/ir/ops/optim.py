@@ -39,7 +39,7 @@ register(OpDef(
      Arg("momentum_buffer", "tensor", None), Arg("momentum", "float", 0.0),
      Arg("nesterov", "bool", False), Arg("weight_decay", "float", 0.0)),
     _like_param("sgd_update"), "optimizer", flops=lambda ins, out, a: 4 * out.numel(),
-    differentiable=False, writes=(0, 3), view_of=0, extra={"fused_kernels": True},
+    differentiable=False, writes=(0, 3), view_of=0, extra={"fused_kernels": ("optimizer",)},
     doc="p -= lr * g (with L2 weight decay, momentum and Nesterov as in torch.optim.SGD)"))
 
 register(OpDef(
@@ -49,7 +49,7 @@ register(OpDef(
      Arg("beta2", "float", 0.999), Arg("eps", "float", 1e-8), Arg("weight_decay", "float", 0.0),
      Arg("decoupled", "bool", False)),
     _like_param("adam_update"), "optimizer", flops=lambda ins, out, a: 12 * out.numel(),
-    differentiable=False, writes=(0, 3, 4), view_of=0, extra={"fused_kernels": True},
+    differentiable=False, writes=(0, 3, 4), view_of=0, extra={"fused_kernels": ("optimizer",)},
     doc="Adam (decoupled=false: L2 decay in the gradient) or AdamW (decoupled=true)"))
 
 
@@ -133,7 +133,7 @@ def _register_group(base: str) -> None:
         name, (Arg("inputs", "tensors"), *single.attr_args, Arg("arity", "int"),
                Arg("grad_rows", "ints", ())), shape,
         "optimizer", flops=flops, differentiable=False, writes=writes,
-        view_of=len(GROUP_SHARED[base]), extra={"fused_kernels": True},
+        view_of=len(GROUP_SHARED[base]), extra={"fused_kernels": ("optimizer",)},
         doc=f"{base} on many parameters at once: the shared inputs once, then each "
             f"parameter's own `arity` inputs (a gradient given as row grad_rows[k] of a "
             f"matrix where that is >= 0)"))

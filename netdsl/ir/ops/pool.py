@@ -138,7 +138,7 @@ for _suffix, _d in _DIMS.items():
                    "pool", flops=_pool_flops, workspace=_pool_workspace(False),
                    retains=("inputs",), doc=f"{_what} max pooling; stride defaults to kernel",
                    extra={"default_from": {"stride": "kernel"}, "spatial": _d,
-                          "fused_kernels": _d == 2}))
+                          "fused_kernels": ("pool",) if _d == 2 else ()}))
     register(OpDef(f"avgpool{_suffix}", _sig + _AVG_EXTRA, _pool_shape(f"avgpool{_suffix}", _d),
                    "pool", flops=_pool_flops, workspace=_pool_workspace(True),
                    doc=f"{_what} average pooling; stride defaults to kernel; padding counts "
@@ -149,7 +149,8 @@ for _suffix, _d in _DIMS.items():
                    lambda ins, a: ins[1], "backward", flops=_pool_flops, differentiable=False,
                    workspace=_maxpool_grad_workspace,
                    doc="route dy to the first maximum of each window (argmax recomputed "
-                       "from x)", extra={"spatial": _d, "fused_kernels": _d == 2}))
+                       "from x)",
+                   extra={"spatial": _d, "fused_kernels": ("pool",) if _d == 2 else ()}))
     register(OpDef(f"avgpool{_suffix}_grad",
                    (Arg("dy", "tensor"), Arg("shape", "shape")) + _sig[1:] + _AVG_EXTRA,
                    lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",

@@ -249,7 +249,7 @@ register(OpDef("gather_grad", (Arg("dy", "tensor"), Arg("index", "tensor"),
                lambda ins, a: TensorType(tuple(a["shape"]), ins[0].dtype), "backward",
                differentiable=False, flops=lambda ins, out, a: ins[0].numel(),
                doc="scatter-add dy into zeros of x's shape at the indices",
-               extra={"fused_kernels": True}))
+               extra={"fused_kernels": ("scatter",)}))
 
 
 # -- kernels ----------------------------------------------------------------------------------

@@ -372,8 +372,7 @@ class Trainer:
             # where host and device are one memory, the host pool counts against the budget
             self.budget_host = self.mem_plan.profile.unified
         if backend.name == "numpy" and backend.fused is not None:
-            self._phase("loading the fused CPU kernels the step uses (a first run "
-                        "compiles them)")
+            self._phase("loading the step's CPU kernels (a first run compiles them)")
         try:  # the parameters and optimizer state are allocated here
             # a split step's devices are counted per value, not packed into one arena
             self.executor = Executor(self.train_graph, backend, opts.dtype, self.cfg.seed,

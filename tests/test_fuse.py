@@ -766,6 +766,8 @@ def test_every_op_names_kernel_groups_that_exist():
     assert kernel_groups(plain) == ("gemm", "im2col", "winograd")
     assert kernel_groups({**plain, "stride": (2, 2)}) == ("gemm", "im2col")
     assert kernel_groups({**plain, "groups": 32}) == ("gemm", "im2col", "depthwise")
+    # a spatial split's part, padded on one side
+    assert kernel_groups({**plain, "padding": (1, 1, 0, 1)})[-1] == "winograd"
     declared = set()
     for name, op in registry.load_all().items():
         groups = fused_groups(op, plain)  # (any op's attributes do for a tuple)

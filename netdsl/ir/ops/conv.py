@@ -292,8 +292,8 @@ def kernel_groups(a) -> tuple[str, ...]:
     groups = ("gemm", "im2col")
     if a.get("groups", 1) > 1:
         return groups + ("depthwise",)
-    kh, kw, sh, sw, _, _, dh, dw = _geometry(None, a)
-    if (kh, kw, sh, sw, dh, dw) == (3, 3, 1, 1, 1, 1):
+    # (not the padding: a spatial split's halves are padded on one side, four figures)
+    if (pair(a["kernel"]), pair(a["stride"]), pair(a["dilation"])) == ((3, 3), (1, 1), (1, 1)):
         return groups + ("winograd",)
     return groups
 

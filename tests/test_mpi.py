@@ -76,6 +76,25 @@ def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
         assert d["test_accuracy"] == s["test_accuracy"]
 
 
+def test_ranks_share_auto_and_choose_what_split_mpi_chooses():
+    """`--distributed` with auto shares the candidates out among the ranks (each predicts
+    and plans its share; choose.Share): the split they choose, and its plan per device,
+    are those `netdsl split --mpi` chooses in one process (at 1.5 MB none of the three
+    fastest fits unplanned: the tensor split is planned and does not fit, then 2
+    micro-batches in 1F1B order is planned and chosen)."""
+    args = ("--mem", "1.5MB", "--json")
+    ref = subprocess.run([sys.executable, "-m", "netdsl_cli", "split", NET, "--devices", "2",
+                          "--profile", "cpu", "--interconnect", "shm", "--mpi", *args],
+                         capture_output=True, text=True, timeout=300)
+    out = netdsl("--steps", "1", "--eval-samples", "0", *args, ranks=2)
+    assert ref.returncode == 0 and out.returncode == 0, ref.stderr + out.stderr
+    split, run = json.loads(ref.stdout), json.loads(out.stdout)
+    assert run["split"] == split["spec"] == "pipeline=2, microbatches=2, 1f1b"
+    planned = {a["spec"] for a in split["alternatives"] if a["planned"]}
+    assert planned == {split["spec"]}
+    assert run["memory_plan"]["per_device"] == split["memory_plan"]["per_device"]
+
+
 @pytest.mark.parametrize("split", ["pipeline", "tensor"])
 def test_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path, split):
     """Rank 0 writes the whole state in the single-device layout, joined from the ranks'

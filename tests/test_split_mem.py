@@ -7,6 +7,7 @@ the commands' --json."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import tracemalloc
 from pathlib import Path
@@ -220,6 +221,88 @@ def test_auto_takes_a_split_that_fits_only_when_planned(resnet):
     assert all(d["peak_bytes"] <= budget for d in out["per_device"])
     assert any(a["planned"] for a in out["alternatives"])
     assert all(a["planned"] for a in out["alternatives"] if a["fits"])
+
+
+def _choose_on_ranks(fwd, size: int, **kw):
+    """choose() on `size` threads standing in for MPI ranks, sharing the candidates out
+    (choose.Share with an allgather over a barrier): each one's Chosen and the specs each
+    built."""
+    import threading
+
+    from netdsl.parallel import choose as choose_mod
+    barrier, slots = threading.Barrier(size), [None] * size
+    built: dict[int, list] = {r: [] for r in range(size)}
+    split_step_ = choose_mod.split_step
+    rank_of = {}
+
+    def counted(fwd, batch, spec, *a, **k):
+        if spec.devices > 1:
+            built[rank_of[threading.get_ident()]].append(spec.describe())
+        return split_step_(fwd, batch, spec, *a, **k)
+
+    def run(r, out):
+        rank_of[threading.get_ident()] = r
+
+        def allgather(obj):  # (copies, as MPI's pickles are)
+            slots[r] = pickle.dumps(obj)
+            barrier.wait()
+            got = [pickle.loads(b) for b in slots]
+            barrier.wait()
+            return got
+        out[r] = choose_mod.choose(fwd, share=choose_mod.Share(r, size, allgather), **kw)
+
+    out = [None] * size
+    choose_mod.split_step = counted
+    try:
+        threads = [threading.Thread(target=run, args=(r, out)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        choose_mod.split_step = split_step_
+    return out, built
+
+
+def test_ranks_share_the_candidates_and_choose_as_one_process(resnet):
+    """`run --distributed` shares auto's candidates out among the ranks (each builds,
+    predicts and plans its share; choose.Share): every rank chooses what one process
+    choosing alone chooses, from the same figures, and holds the same step, planned as
+    it plans it (the same fingerprint), though it built at most half of the candidates
+    and the chosen one once more where another rank made it."""
+    from netdsl.ir.serialize import fingerprint
+    from netdsl.memory.profiles import get_profile
+    from netdsl.parallel.choose import choose
+    from netdsl.parallel.predict import get_interconnect
+    net, opt, _ = resnet
+    kw = dict(batch=BATCH, strategy="auto", devices=2, optimizer=opt,
+              profile=get_profile("cpu"), link=get_interconnect("shm"), microbatches=1,
+              over_mpi=True)
+    plain = choose(net.graph, **kw)
+    budget = int(0.85 * min(max(d.peak_bytes for d in c.report.per_device)
+                            for c in plain.considered))  # none fits unplanned
+    for mem in (None, budget):
+        alone = choose(net.graph, mem=mem, plan=mem is not None, **kw)
+        ranks, built = _choose_on_ranks(net.graph, 2, mem=mem, plan=mem is not None, **kw)
+        n = len(alone.considered)
+        assert n >= 4
+        for got in ranks:
+            assert got.best.spec == alone.best.spec
+            assert fingerprint(got.best.graph) == fingerprint(alone.best.graph)
+            assert [(c.spec, c.fits, c.report.predicted_step_s, c.memory is not None)
+                    for c in got.considered] == [
+                (c.spec, c.fits, c.report.predicted_step_s, c.memory is not None)
+                for c in alone.considered]
+            if mem is not None:
+                assert got.best.memory is not None
+                assert got.best.memory.per_device == alone.best.memory.per_device
+        # each predicts its share (then plans its share of a wave, and builds the chosen
+        # one again where another rank made it)
+        specs = [c.spec.describe() for c in alone.considered]
+        for r in range(2):
+            assert built[r][:len(specs[r::2])] == specs[r::2]
+        if mem is None:
+            assert sum(map(len, built.values())) <= n + 1
 
 
 def test_split_mem_json():

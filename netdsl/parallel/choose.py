@@ -12,12 +12,21 @@ command can show what it considered.
 With `plan=True` (`--mem`), a candidate that does not fit is planned per device
 (`memplan.plan_split`: recompute and offload on each device) and fits if the plan does;
 its report is that of the planned step, so its predicted time counts the clones and the
-host copies. Planning never makes a step faster, so only candidates that would beat the
-fastest fitting one unplanned are planned. Only the chosen candidate's graph is kept.
+host copies. Planning never makes a step faster, so the candidates that do not fit are
+planned fastest first, each only while it would beat the fastest that fits: the choice is
+the fastest step that fits, planned or not, in the fewest plans. Only the chosen
+candidate's graph is kept.
+
+Over MPI (`Share`) the ranks share the work out: each builds and predicts every size-th
+candidate, and plans one of each wave of `size`; they exchange the figures (allgather),
+so every rank makes the choice one process makes alone, from figures computed once, and
+builds the chosen step again only where another rank made it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from netdsl.config import ParallelConfig
 from netdsl.errors import SplitError
@@ -133,20 +142,43 @@ def _hybrid_factors(devices: int) -> tuple[int, int]:
                      f"(4, 6, 8 ...), not {devices}")
 
 
+@dataclass(frozen=True)
+class Share:
+    """Ranks that choose a split together (`netdsl run --distributed`): each builds and
+    predicts (and with `--mem`, plans) every size-th candidate from its rank on, and they
+    exchange what they found with `allgather` (every rank's object, in rank order), so
+    that every rank chooses from the same figures, computed once."""
+
+    rank: int
+    size: int
+    allgather: Callable[[Any], list]
+
+    def mine(self, items: list) -> list:
+        return items[self.rank::self.size]
+
+    def merged(self, found: dict) -> dict:
+        return {k: v for part in self.allgather(found) for k, v in part.items()}
+
+
 @gc_paused()  # (builds and drops whole split steps: netdsl.ir.bulk)
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
            profile: Profile, link: Interconnect, mem: int | None = None,
            microbatches: int | None = None, bn: str = "sync", gather: tuple[str, ...] = (),
            float_dtype: str = "f32", progress=None, schedule: str | None = None,
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
-           mem_strategy: str = "auto", over_mpi: bool = False) -> Chosen:
+           mem_strategy: str = "auto", over_mpi: bool = False,
+           share: Share | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
-    (`project.hold_sends`: predicted and planned so)."""
+    (`project.hold_sends`: predicted and planned so); `share`: ranks that share the
+    candidates out (`Share`; the choice and the chosen step are the ones each would have
+    made alone)."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes),
                        any(n.op == "conv2d" for n in fwd.nodes))
+    if share is not None and (share.size < 2 or len(specs) < 2):
+        share = None  # (one candidate: every rank needs its step anyway)
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
     cap = mem if mem is not None else profile.capacity_bytes
@@ -157,6 +189,17 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
         g.outputs.update(outputs or {})
         return hold_sends(g) if over_mpi else g
+
+    def evaluate(spec: SplitSpec) -> Choice | str:
+        """The candidate built and predicted, or why it cannot be made."""
+        try:
+            g = build(spec)
+        except SplitError as e:
+            if len(specs) == 1:
+                raise
+            return f"{spec.describe()}: {e.message}"
+        rep, _ = report(g, single_step, profile, link, float_dtype)
+        return Choice(spec, g, rep, all(d.peak_bytes <= cap for d in rep.per_device))
 
     best: Choice | None = None  # the fastest candidate that fits so far
 
@@ -174,31 +217,59 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         elif c is not best:
             c.graph = None
 
-    for k, spec in enumerate(specs):
+    # this rank's figures (all of them, without `share`); a graph is kept only by the
+    # best so far (keep_if_best), and with `share`, by this rank's best so far
+    order = list(range(len(specs)))
+    found: dict[int, Choice | str] = {}
+    for n, k in enumerate(share.mine(order) if share else order):
         if progress is not None:
-            progress(k / len(specs))
-        try:
-            g = build(spec)
-        except SplitError as e:
-            if len(specs) == 1:
-                raise
-            errors.append(f"{spec.describe()}: {e.message}")
+            progress(n / len(specs))
+        found[k] = c = evaluate(specs[k])
+        if isinstance(c, Choice) and not (plan and not c.fits and len(specs) == 1):
+            keep_if_best(c)  # (a lone candidate that does not fit is planned from it)
+    local = {k: c.graph for k, c in found.items()
+             if isinstance(c, Choice) and c.graph is not None}
+    if share:  # every rank's figures, on every rank
+        found = share.merged({k: c if isinstance(c, str) else replace(c, graph=None)
+                              for k, c in found.items()})
+        best = None
+    index: list[int] = []  # each considered candidate's place among the specs
+    for k in order:
+        c = found[k]
+        if isinstance(c, str):
+            errors.append(c)
             continue
-        rep, _ = report(g, single_step, profile, link, float_dtype)
-        choice = Choice(spec, g, rep, all(d.peak_bytes <= cap for d in rep.per_device))
-        considered.append(choice)
-        if plan and not choice.fits and len(specs) == 1:
-            continue  # planned below from the graph in hand
-        keep_if_best(choice)
+        considered.append(c)
+        index.append(k)
+        if share:
+            keep_if_best(c)
+    if share:  # this rank keeps the chosen one's graph, if it built it
+        local = {k: g for k, g in local.items() if found[k] is best}
     if plan:
-        # planning adds recomputation and copies, never speed: a candidate that does not
-        # fit is planned only if unplanned it would beat the fastest that fits
-        for c in considered:
-            if not c.fits and faster(c):
-                if c.graph is None:
-                    c.graph = build(c.spec)
-                _plan(c, cap, single_step, profile, link, float_dtype, mem_strategy)
-                keep_if_best(c)
+        # planning adds recomputation and copies, never speed: the candidates that do not
+        # fit are planned in the order of their unplanned predicted times, each only if
+        # it would still beat the fastest that fits (so the choice is the fastest planned
+        # or unplanned step that fits, in the fewest plans); shared out, a wave of one a
+        # rank at a time, a plan taken only where it would have been made alone
+        queue = sorted((c for c in considered if not c.fits),
+                       key=lambda c: c.report.predicted_step_s)
+        width = share.size if share else 1
+        while queue := [c for c in queue if faster(c)]:
+            wave, queue = queue[:width], queue[width:]
+            r = share.rank if share else 0
+            mine = wave[r] if r < len(wave) else None
+            g, res, rep = (None, None, None) if mine is None else _plan(
+                mine.graph if mine.graph is not None else build(mine.spec), cap,
+                single_step, profile, link, float_dtype, mem_strategy)
+            plans = share.merged({r: (res, rep)} if mine else {}) if share else \
+                {0: (res, rep)}
+            for j, c in enumerate(wave):
+                if faster(c):
+                    _take_plan(c, *plans[j], cap, g if j == r else None)
+                    keep_if_best(c)
+    if best is not None and best.graph is None:  # chosen from figures another rank made
+        k = next(k for k, c in zip(index, considered) if c is best)
+        best.graph = local[k] if k in local else _rebuild(build(best.spec), best.memory)
     if best is None:
         if not considered:
             raise SplitError("no split of this network works: " + "; ".join(errors))
@@ -226,17 +297,40 @@ def _least_peak(c: Choice) -> int:
     return max(d.peak_bytes for d in c.report.per_device)
 
 
-def _plan(c: Choice, cap: int, single_step: float, profile: Profile, link: Interconnect,
-          float_dtype: str, strategy: str = "auto") -> None:
-    """Plan candidate `c` per device into `cap` bytes; where it fits, `c` becomes the
-    planned step with its report."""
+def _fits(rep: SplitReport, cap: int) -> bool:
+    return all(d.peak_bytes <= cap for d in rep.per_device)
+
+
+def _plan(g: Graph, cap: int, single_step: float, profile: Profile, link: Interconnect,
+          float_dtype: str, strategy: str = "auto") -> tuple:
+    """Candidate step `g` planned per device into `cap` bytes: (the planned step, the plan
+    without its search state, the planned step's report), or (None, the plan, None)."""
     from netdsl.parallel.memplan import plan_split
-    planned, res = plan_split(c.graph, cap, profile, float_dtype, strategy)
+    planned, res = plan_split(g, cap, profile, float_dtype, strategy)
+    res = replace(res, prep=None, sim=None, baseline_sim=None)  # (sent between ranks)
+    if planned is None:
+        return None, res, None
+    return planned, res, report(planned, single_step, profile, link, float_dtype)[0]
+
+
+def _take_plan(c: Choice, res, rep: SplitReport | None, cap: int,
+               graph: Graph | None = None) -> None:
+    """Candidate `c` as planned (`_plan`): the planned step and its report where a plan
+    fits (`graph` None: built again if it is chosen, `_rebuild`)."""
     c.memory = res
     c.unplanned_step_s = c.report.predicted_step_s
     c.unplanned_peak_bytes = max(d.peak_bytes for d in c.report.per_device)
-    if planned is None:
-        return
-    rep, _ = report(planned, single_step, profile, link, float_dtype)
-    c.graph, c.report = planned, rep
-    c.fits = all(d.peak_bytes <= cap for d in rep.per_device)
+    c.graph = None
+    if rep is not None:
+        c.graph, c.report, c.fits = graph, rep, _fits(rep, cap)
+
+
+def _rebuild(g: Graph, res) -> Graph:
+    """A candidate's step as chosen, from its split step built again: planned (`res`,
+    the plan, or None) as plan_split rewrote it, by the plan's decisions."""
+    if res is None:
+        return g
+    from netdsl.memory.strategies import apply_decisions
+    planned = apply_decisions(g, res.decisions, prefetch=res.prefetch)
+    planned.meta["split"] = dict(g.meta.get("split", {}))
+    return planned

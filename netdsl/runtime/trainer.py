@@ -474,18 +474,22 @@ class Trainer:
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),
         the trainer's logits made whole on the loss's device."""
-        from netdsl.parallel.choose import choose
+        from netdsl.parallel.choose import Share, choose
         from netdsl.parallel.predict import get_interconnect
         opts = self.opts
         profile = get_profile(self._profile_name(backend))
         mem = parse_size(opts.mem, "--mem") if opts.mem is not None else None
+        share = None
+        if opts.distributed:  # the ranks share the candidates out
+            from netdsl.runtime import mpi
+            share = Share(*mpi.world(), mpi.allgather)
         chosen = choose(self.forward, self.batch, opts.split, opts.devices,
                         self.cfg.optimizer.model_dump(), profile, get_interconnect("shm"),
                         mem=mem, microbatches=opts.microbatches, schedule=opts.schedule,
                         gather=(self.acc[0],) if self.acc else (), plan=mem is not None,
                         mem_strategy=opts.strategy, float_dtype=opts.dtype,
                         outputs={"logits": [self.acc[0]]} if self.acc else None,
-                        over_mpi=opts.distributed)
+                        over_mpi=opts.distributed, share=share)
         # --mem: the chosen split planned per device (None when it fits as it is)
         best = chosen.best
         self.mem_plan = best.memory

@@ -450,13 +450,16 @@ rank = world()[0]
 net = netdsl.load(sys.argv[1])
 said = []
 for options, text in (({"microbatches": 2 + 2 * rank}, None),  # another split
+                      # auto over other candidates (rank 1: pipelines of 4 micro-batches
+                      # only): each chooses alone, and here the same split
+                      ({"split": "auto", "microbatches": 4 if rank else None}, None),
                       ({}, rank == 1)):  # another network on rank 1
     if text:
         src = Path(sys.argv[1]).read_text().replace("conv2d(x, 16", "conv2d(x, 8")
         net = netdsl.loads(src, file=sys.argv[1])
     try:
         Trainer(net.graph, net.train, RunOptions(steps=1, distributed=True,
-                                                 split="pipeline", **options))
+                                                 **{"split": "pipeline", **options}))
         said.append("built")
     except NetdslError as e:
         said.append(e.message)
@@ -470,14 +473,15 @@ def test_ranks_that_built_different_steps_stop_with_the_reason(tmp_path):
     built what."""
     assert "conv2d(x, 16" in Path(NET).read_text()
     two_ranks(tmp_path, DIFFERENT_STEPS, NET, str(tmp_path))
-    split, network = (tmp_path / "rank0.txt").read_text().split("\n")
+    split, auto, network = (tmp_path / "rank0.txt").read_text().split("\n")
+    assert auto == "built"  # (ranks that would share different candidates choose alone)
     assert split.startswith("the ranks built different training steps (rank 0 chose "
                             "pipeline=2, microbatches=2; rank 1 chose pipeline=2, "
                             "microbatches=4), which cannot run together"), split
     assert "rank 0 built step" in network and "rank 1 built step" in network
     assert network.endswith("(--split and --microbatches fix the split)")
-    assert (tmp_path / "rank1.txt").read_text() == "\n".join(
-        ["the ranks built different training steps (rank 0 says which)"] * 2)
+    differ = "the ranks built different training steps (rank 0 says which)"
+    assert (tmp_path / "rank1.txt").read_text() == "\n".join([differ, "built", differ])
 
 
 def test_a_failure_of_every_rank_is_reported_by_rank_0(tmp_path):

@@ -177,8 +177,15 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes),
                        any(n.op == "conv2d" for n in fwd.nodes))
-    if share is not None and (share.size < 2 or len(specs) < 2):
-        share = None  # (one candidate: every rank needs its step anyway)
+    if share is not None and share.size > 1:
+        # ranks share only the same candidates (one candidate: every rank needs its step
+        # anyway); ranks with other files or options choose alone, and the check of the
+        # steps they built (trainer) says how they differ instead of a mixed choice
+        names = [spec.describe() for spec in specs]
+        if len(specs) < 2 or any(x != names for x in share.allgather(names)):
+            share = None
+    elif share is not None:
+        share = None
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
     cap = mem if mem is not None else profile.capacity_bytes

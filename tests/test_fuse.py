@@ -755,25 +755,35 @@ print(json.dumps([late, loaded]))
 
 def test_every_op_names_kernel_groups_that_exist():
     """The groups an op declares (OpDef.extra["fused_kernels"]) are the ones the fused
-    kernels load by; a convolution's follow its geometry (conv.kernel_groups)."""
+    kernels load by; a convolution's follow its geometry and shapes (conv.kernel_groups:
+    Winograd's only where conv_winograd.applies, for dx on the shapes its stride-1
+    convolution has)."""
     pytest.importorskip("numba")
     from netdsl.backends.numpy_fused import KERNEL_GROUPS
     from netdsl.ir import registry
     from netdsl.ir.ops._util import fused_groups
-    from netdsl.ir.ops.conv import kernel_groups
-    plain = {"kernel": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1),
-             "groups": 1}
-    assert kernel_groups(plain) == ("gemm", "im2col", "winograd")
-    assert kernel_groups({**plain, "stride": (2, 2)}) == ("gemm", "im2col")
-    assert kernel_groups({**plain, "groups": 32}) == ("gemm", "im2col", "depthwise")
-    # a spatial split's part, padded on one side
-    assert kernel_groups({**plain, "padding": (1, 1, 0, 1)})[-1] == "winograd"
-    declared = set()
-    for name, op in registry.load_all().items():
-        groups = fused_groups(op, plain)  # (any op's attributes do for a tuple)
-        assert isinstance(groups, tuple) and set(groups) <= set(KERNEL_GROUPS), name
-        declared |= set(groups)
-    declared |= {"depthwise"}  # (a grouped convolution's)
+    ops = registry.load_all()
+    declared = {g for op in ops.values() if not callable(op.extra.get("fused_kernels"))
+                for g in op.extra.get("fused_kernels", ())}
+    for name in ("resnet20-cifar.net", "mobilenet_v2.net", "transformer-tiny.net"):
+        g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(16), enabled=True)),
+                                     enabled=True), "sgd")
+        for n in g.nodes:
+            groups = fused_groups(ops[n.op], n, g)
+            assert isinstance(groups, tuple) and set(groups) <= set(KERNEL_GROUPS), n.op
+            declared |= set(groups)
+            if n.op.startswith("conv2d"):
+                first = g[n.inputs[0]].type.shape[1]  # x's channels, or dy's
+                if n.op == "conv2d_grad_input":
+                    c, o = n.attrs["shape"][1], first
+                elif n.op == "conv2d_grad_weight":
+                    c, o = g[n.inputs[1]].type.shape[1], first
+                else:
+                    c, o = first, n.type.shape[1]
+                wide = tuple(n.attrs["kernel"]) == (3, 3) and n.attrs["groups"] == 1 and \
+                    tuple(n.attrs["stride"]) == (1, 1) and min(c, o) >= 32
+                assert ("winograd" in groups) == wide, (n.name, groups)
+                assert ("depthwise" in groups) == (n.attrs["groups"] > 1), n.name
     assert declared == set(KERNEL_GROUPS)  # none loads for no op
 
 
@@ -794,11 +804,11 @@ def test_no_fused_kernel_compiles_inside_a_step():
     late, loaded = json.loads(out.strip().splitlines()[-1])
     assert late == []
     # each executor loads what its graph's ops call, in its dtype: digits-cnn in float32
-    # none of the depthwise, attention, layernorm or float64 kernels (its 3x3
-    # convolutions may take Winograd's: conv.kernel_groups asks the geometry alone)
+    # none of the depthwise, Winograd (its convolutions are too narrow), attention,
+    # layernorm or float64 kernels
     assert loaded["digits-cnn.net:f32"] == [
         "batchnorm:float32", "gemm:float32", "im2col:float32", "loss:float32",
-        "optimizer:float32", "pool:float32", "winograd:float32"]
+        "optimizer:float32", "pool:float32"]
     assert "winograd:float32" in loaded["resnet20-cifar.net:f32"]
     assert {"attention:float32", "layernorm:float32", "gelu:float32"} <= set(
         loaded["transformer-tiny.net:f32"])

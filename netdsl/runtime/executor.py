@@ -172,7 +172,8 @@ class Executor:
         self.graph = graph
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.xp = self.backend.xp
-        groups = {g for n in graph.nodes for g in fused_groups(registry.OPS[n.op], n.attrs)}
+        groups = {g for n in graph.nodes
+                  for g in fused_groups(registry.OPS[n.op], n, graph)}
         fused = getattr(self.backend, "fused", None) if groups else None
         if fused is not None and hasattr(fused, "load"):
             # the fused kernels (Numba) this graph's ops call load now, in this dtype, not

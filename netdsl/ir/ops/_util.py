@@ -104,12 +104,12 @@ def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None, residual=
     return y
 
 
-def fused_groups(op, attrs) -> tuple[str, ...]:
-    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) a node of `op`
-    with `attrs` may call: OpDef.extra["fused_kernels"], a tuple or a function of the
-    attributes (a convolution's depend on its geometry); () for none."""
+def fused_groups(op, n, graph) -> tuple[str, ...]:
+    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) node `n` of
+    `op` in `graph` may call: OpDef.extra["fused_kernels"], a tuple or a function of the
+    node and its inputs' types (a convolution's depend on its geometry); () for none."""
     spec = op.extra.get("fused_kernels", ())
-    return spec(attrs) if callable(spec) else spec
+    return spec(n, [graph[i].type for i in n.inputs]) if callable(spec) else spec
 
 
 def fused_kernels(ctx, *arrays, cuda: bool = False):

@@ -284,16 +284,24 @@ def _workspace(kind: str):
     return rule
 
 
-def kernel_groups(a) -> tuple[str, ...]:
-    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) a convolution
-    with attributes `a` may call, loaded when an executor is made: the depthwise loops only
-    where it is grouped, Winograd's only where it is 3x3, stride 1, undilated (where
-    conv_winograd.applies may take it; it also asks for channels and tiles)."""
+def kernel_groups(n, ins) -> tuple[str, ...]:
+    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) convolution
+    node `n` (its inputs' types `ins`) may call, loaded when an executor is made: the
+    depthwise loops only where it is grouped, Winograd's only where conv_winograd.applies
+    (a stride-1 dx is dy convolved into x's shape with the flipped kernel)."""
+    a = n.attrs
     groups = ("gemm", "im2col")
     if a.get("groups", 1) > 1:
         return groups + ("depthwise",)
-    # (not the padding: a spatial split's halves are padded on one side, four figures)
-    if (pair(a["kernel"]), pair(a["stride"]), pair(a["dilation"])) == ((3, 3), (1, 1), (1, 1)):
+    if n.op == "conv2d_grad_input":
+        src, dst = ins[0].shape, tuple(a["shape"])
+    elif n.op == "conv2d_grad_weight":
+        src, dst = ins[1].shape, ins[0].shape
+    else:  # conv2d, conv2d_add: x into y
+        src, dst = ins[0].shape, n.type.shape
+    # (not the padding, which applies does not ask: a spatial split's parts have four)
+    geom = (*pair(a["kernel"]), *pair(a["stride"]), 0, 0, *pair(a["dilation"]))
+    if winograd.applies(geom, 1, src[0], src[1], dst[1], dst[2], dst[3]):
         return groups + ("winograd",)
     return groups
 

@@ -761,7 +761,6 @@ def test_every_op_names_kernel_groups_that_exist():
     pytest.importorskip("numba")
     from netdsl.backends.numpy_fused import KERNEL_GROUPS
     from netdsl.ir import registry
-    from netdsl.ir.ops._util import fused_groups
     ops = registry.load_all()
     declared = {g for op in ops.values() if not callable(op.extra.get("fused_kernels"))
                 for g in op.extra.get("fused_kernels", ())}
@@ -769,7 +768,7 @@ def test_every_op_names_kernel_groups_that_exist():
         g = add_optimizer(fuse_grads(autodiff(fuse(load(name).lower(16), enabled=True)),
                                      enabled=True), "sgd")
         for n in g.nodes:
-            groups = fused_groups(ops[n.op], n, g)
+            groups = ops[n.op].fused_groups(n, g)
             assert isinstance(groups, tuple) and set(groups) <= set(KERNEL_GROUPS), n.op
             declared |= set(groups)
             if n.op.startswith("conv2d"):

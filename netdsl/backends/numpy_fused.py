@@ -416,7 +416,7 @@ def _warm_depthwise(f: FusedKernels, dt) -> None:
     numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1, 64)
 
 
-# the groups an op names in OpDef.extra["fused_kernels"] (netdsl.ir.ops._util.fused_groups)
+# the groups an op names in OpDef.extra["fused_kernels"] (netdsl.ir.registry.OpDef.fused_groups)
 KERNEL_GROUPS = {
     "gemm": _warm_gemm, "attention": _warm_attention, "batchnorm": _warm_batchnorm,
     "layernorm": _warm_layernorm, "softmax": _warm_softmax, "loss": _warm_loss,

@@ -150,6 +150,14 @@ class OpDef:
         idx = w(node) if callable(w) else w
         return tuple(i for i in idx if i < len(node.inputs))  # optional inputs may be absent
 
+    def fused_groups(self, node, graph) -> tuple[str, ...]:
+        """The fused CPU kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) `node`
+        (in `graph`) may call, loaded when an executor is made, not inside a step:
+        extra["fused_kernels"], a tuple or a function of the node and its inputs' types
+        (a convolution's depend on its geometry and shapes); () for none."""
+        spec = self.extra.get("fused_kernels", ())
+        return spec(node, [graph[i].type for i in node.inputs]) if callable(spec) else spec
+
     def adds_storage(self, node) -> bool:
         """Whether `node`'s value takes storage of its own. An in-place update's value is
         the input it overwrote (`view_of` among `writes`): it adds nothing. Every other

@@ -34,7 +34,6 @@ from netdsl.backends import Backend, get_backend
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
-from netdsl.ir.ops._util import fused_groups
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.printer import node_line
 from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE, TensorType
@@ -172,8 +171,7 @@ class Executor:
         self.graph = graph
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.xp = self.backend.xp
-        groups = {g for n in graph.nodes
-                  for g in fused_groups(registry.OPS[n.op], n, graph)}
+        groups = {g for n in graph.nodes for g in registry.OPS[n.op].fused_groups(n, graph)}
         fused = getattr(self.backend, "fused", None) if groups else None
         if fused is not None and hasattr(fused, "load"):
             # the fused kernels (Numba) this graph's ops call load now, in this dtype, not

@@ -104,19 +104,11 @@ def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None, residual=
     return y
 
 
-def fused_groups(op, n, graph) -> tuple[str, ...]:
-    """The fused kernel groups (netdsl.backends.numpy_fused.KERNEL_GROUPS) node `n` of
-    `op` in `graph` may call: OpDef.extra["fused_kernels"], a tuple or a function of the
-    node and its inputs' types (a convolution's depend on its geometry); () for none."""
-    spec = op.extra.get("fused_kernels", ())
-    return spec(n, [graph[i].type for i in n.inputs]) if callable(spec) else spec
-
-
 def fused_kernels(ctx, *arrays, cuda: bool = False):
     """The backend's fused kernels (Numba loops, netdsl.backends.numpy_fused) if they take
     these arrays (float, contiguous), else None: the NumPy reference kernels run. An op
     whose kernel asks for them names the groups it calls in extra["fused_kernels"]
-    (`fused_groups`), so that the executor loads those when it is made, not inside a
+    (`OpDef.fused_groups`), so that the executor loads those when it is made, not inside a
     step. With `cuda`, the CuPy backend's CUDA
     kernels (netdsl.backends.cupy_fused) may answer too: the few ops that pass it call
     only methods those kernels have, with the same signatures."""

@@ -453,6 +453,9 @@ for options, text in (({"microbatches": 2 + 2 * rank}, None),  # another split
                       # auto over other candidates (rank 1: pipelines of 4 micro-batches
                       # only): each chooses alone, and here the same split
                       ({"split": "auto", "microbatches": 4 if rank else None}, None),
+                      # one candidate on rank 0, auto's on rank 1: every rank still takes
+                      # part in the exchange that decides whether they share
+                      ({"split": "pipeline" if rank == 0 else "auto"}, None),
                       ({}, rank == 1)):  # another network on rank 1
     if text:
         src = Path(sys.argv[1]).read_text().replace("conv2d(x, 16", "conv2d(x, 8")
@@ -473,15 +476,18 @@ def test_ranks_that_built_different_steps_stop_with_the_reason(tmp_path):
     built what."""
     assert "conv2d(x, 16" in Path(NET).read_text()
     two_ranks(tmp_path, DIFFERENT_STEPS, NET, str(tmp_path))
-    split, auto, network = (tmp_path / "rank0.txt").read_text().split("\n")
+    split, auto, one, network = (tmp_path / "rank0.txt").read_text().split("\n")
     assert auto == "built"  # (ranks that would share different candidates choose alone)
+    assert one.startswith("the ranks built different training steps (rank 0 chose "
+                          "pipeline=2"), one
     assert split.startswith("the ranks built different training steps (rank 0 chose "
                             "pipeline=2, microbatches=2; rank 1 chose pipeline=2, "
                             "microbatches=4), which cannot run together"), split
     assert "rank 0 built step" in network and "rank 1 built step" in network
     assert network.endswith("(--split and --microbatches fix the split)")
     differ = "the ranks built different training steps (rank 0 says which)"
-    assert (tmp_path / "rank1.txt").read_text() == "\n".join([differ, "built", differ])
+    assert (tmp_path / "rank1.txt").read_text() == "\n".join([differ, "built", differ,
+                                                                differ])
 
 
 def test_a_failure_of_every_rank_is_reported_by_rank_0(tmp_path):

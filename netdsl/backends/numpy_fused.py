@@ -175,8 +175,8 @@ class FusedKernels:
         cache, or compiled, on its first call, and none may happen inside a measured step
         (its time, its tracemalloc peak). The executor loads what its graph's ops use, so a
         run compiles what it runs: a float32 ResNet neither the float64 kernels nor the
-        depthwise, attention or layernorm ones (about a quarter of the two minutes that
-        compiling every kernel takes on two cores)."""
+        depthwise, attention or layernorm ones (ResNet-20's cold first run: 26 s, against the
+        two minutes that compiling every kernel took on two cores)."""
         for group in groups:
             warm = KERNEL_GROUPS[group]
             for dt in dtypes:
@@ -184,9 +184,6 @@ class FusedKernels:
                 if key not in self.loaded:
                     warm(self, np.dtype(dt).type)
                     self.loaded.add(key)
-
-    def load_all(self) -> None:
-        self.load(KERNEL_GROUPS)
 
     @staticmethod
     def gelu(x):

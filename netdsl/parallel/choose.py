@@ -180,11 +180,13 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     if share is not None and share.size > 1:
         # ranks share only the same candidates (one candidate: every rank needs its step
         # anyway); ranks with other files or options choose alone, and the check of the
-        # steps they built (trainer) says how they differ instead of a mixed choice
+        # steps they built (trainer) says how they differ instead of a mixed choice. Every
+        # rank takes part in the exchange, whatever its own candidates: one that skipped
+        # it would leave the others waiting
         names = [spec.describe() for spec in specs]
-        if len(specs) < 2 or any(x != names for x in share.allgather(names)):
+        if any(x != names for x in share.allgather(names)) or len(specs) < 2:
             share = None
-    elif share is not None:
+    else:
         share = None
     single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
     single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
@@ -206,7 +208,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
                 raise
             return f"{spec.describe()}: {e.message}"
         rep, _ = report(g, single_step, profile, link, float_dtype)
-        return Choice(spec, g, rep, all(d.peak_bytes <= cap for d in rep.per_device))
+        return Choice(spec, g, rep, _fits(rep, cap))
 
     best: Choice | None = None  # the fastest candidate that fits so far
 
@@ -268,8 +270,9 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             g, res, rep = (None, None, None) if mine is None else _plan(
                 mine.graph if mine.graph is not None else build(mine.spec), cap,
                 single_step, profile, link, float_dtype, mem_strategy)
-            plans = share.merged({r: (res, rep)} if mine else {}) if share else \
-                {0: (res, rep)}
+            plans = {} if mine is None else {r: (res, rep)}
+            if share:
+                plans = share.merged(plans)
             for j, c in enumerate(wave):
                 if faster(c):
                     _take_plan(c, *plans[j], cap, g if j == r else None)

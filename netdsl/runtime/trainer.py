@@ -382,7 +382,7 @@ class Trainer:
                                      budget_includes_host=self.budget_host, comm=comm)
         except MemoryError:
             raise room.out_of_memory(self.planned_peak_bytes(), backend, self.batch,
-                                "allocating the parameters") from None
+                                     "allocating the parameters") from None
         self._refuse_what_cannot_fit(backend, comm)
         # the inputs this process's step reads (an MPI rank's part may read none of a
         # pipeline's images: held through its step, they were 2.5-4% of rank 1's peak),
@@ -469,7 +469,7 @@ class Trainer:
                 lambda: room.available_bytes(backend))
         if free is not None and need - state > free:
             raise room.out_of_memory(need, backend, self.batch, "before the first step",
-                                free + state, self.budget, ranks, part)
+                                     free + state, self.budget, ranks, part)
 
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),

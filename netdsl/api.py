@@ -160,15 +160,17 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           microbatches: int | None = None, mem: int | str | None = None,
           profile: str = "k40-12gb", interconnect: str = "pcie3", bn: str = "sync",
           verify: bool = False, seed: int = 0, progress=None,
-          schedule: str | None = None, mpi: bool = False) -> SplitResult:
+          schedule: str | None = None, mpi: bool = False,
+          jobs: int | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto); with `verify`, the
     equivalence gate on one batch in float64. With `mem`, a split that does not fit a
     device is planned per device (recompute, offload: `parallel.memplan`). `mpi`: predict
     and plan the split as `run --distributed` runs it, one process per device, whose sends
-    MPI holds until the peer has them (`project.hold_sends`). Raises SplitError (exit 3)
-    for splits that cannot be made or do not fit."""
+    MPI holds until the peer has them (`project.hold_sends`). `jobs`: processes that
+    build and predict the candidates (None: one a core where they are big enough;
+    `choose`). Raises SplitError (exit 3) for splits that cannot be made or do not fit."""
     from netdsl.memory.profiles import get_profile
     from netdsl.parallel.choose import choose
     from netdsl.parallel.predict import get_interconnect
@@ -179,7 +181,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     chosen = choose(net.graph, b, strategy, devices, cfg.optimizer.model_dump(),
                     get_profile(profile), get_interconnect(interconnect), budget,
                     microbatches, bn, progress=progress, schedule=schedule,
-                    plan=budget is not None, over_mpi=mpi)
+                    plan=budget is not None, over_mpi=mpi, jobs=jobs)
     result = SplitResult(chosen, b, mpi=mpi)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset

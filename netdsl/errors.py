@@ -114,6 +114,11 @@ class NetdslError(Exception):
         self.diagnostics = diagnostics
         super().__init__(self.render())
 
+    def __reduce__(self):
+        # pickled with its attributes (a worker process raises it in rank 0: fanout),
+        # not rebuilt from the rendered text as Exception's args would be
+        return _rebuilt, (type(self), self.__dict__)
+
     @property
     def message(self) -> str:
         return self.diagnostics[0].message
@@ -127,6 +132,13 @@ class NetdslError(Exception):
 
     def to_json(self) -> dict:
         return {"errors": [d.to_json() for d in self.diagnostics]}
+
+
+def _rebuilt(cls: type, state: dict) -> NetdslError:
+    e = cls.__new__(cls)
+    e.__dict__.update(state)
+    Exception.__init__(e, e.render())
+    return e
 
 
 class ShapeError(Exception):

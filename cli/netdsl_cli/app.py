@@ -123,6 +123,10 @@ FileArg = Annotated[Path, typer.Argument(help="a .net file", show_default=False)
 BatchOpt = Annotated[int | None, typer.Option("--batch", "-b", min=1,
                                               help="batch size to bind N to")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
+JobsOpt = Annotated[int | None, typer.Option(
+    "--jobs", "-j", min=1, help="processes that build and predict the candidate splits "
+    "(default: one a core, up to 8, where the network is big enough to pay for starting "
+    "them; 1: this process alone)")]
 
 
 # -- commands ---------------------------------------------------------------------------------

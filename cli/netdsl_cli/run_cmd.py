@@ -21,7 +21,7 @@ from rich.progress import (
 )
 
 from netdsl.sizes import format_decimal
-from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.app import JobsOpt, JsonOpt, app, console, guard, load_network, print_json
 
 
 def _fmt_bytes(n: int) -> str:
@@ -205,6 +205,7 @@ def _run(
     distributed: Annotated[bool, typer.Option(
         "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
         "extra): each rank runs its part of the split step; rank 0 reports")] = False,
+    jobs: JobsOpt = None,
     json_output: JsonOpt = False,
 ) -> int | None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
@@ -228,7 +229,7 @@ def _run(
                           eval_samples=eval_samples, mem=mem, profile=profile,
                           strategy=strategy, offload_state=offload_state, devices=devices,
                           split=split, microbatches=microbatches, distributed=distributed,
-                          schedule=schedule)
+                          schedule=schedule, jobs=jobs)
         bar.preparing()
         try:
             result = train(net, opts, bar)

@@ -11,7 +11,17 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from netdsl_cli.app import BatchOpt, FileArg, JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.app import (
+    BatchOpt,
+    FileArg,
+    JobsOpt,
+    JsonOpt,
+    app,
+    console,
+    guard,
+    load_network,
+    print_json,
+)
 
 
 def _mb(n: float) -> str:
@@ -54,6 +64,7 @@ def split(
                                       "it (a pipeline's stages hold more)")] = False,
     plot: Annotated[Path | None, typer.Option(help="draw the schedule (Gantt chart per "
                                               "device) into this image")] = None,
+    jobs: JobsOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Split a training step across devices: per-device work, memory and communication."""
@@ -65,7 +76,7 @@ def split(
         n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
         kw = dict(devices=n, strategy=strategy, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
-                  schedule=schedule, mpi=mpi)
+                  schedule=schedule, mpi=mpi, jobs=jobs)
         if json_output:
             res = split_api(net, **kw)
         else:

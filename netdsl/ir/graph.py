@@ -118,6 +118,12 @@ class Graph:
     meta: dict[str, Any] = field(default_factory=dict)
     _index: dict[str, Node] | None = field(default=None, repr=False, compare=False)
 
+    def __reduce__(self):
+        # rebuilt through the constructor, so the node list tracks its graph again (the
+        # list's weak reference does not pickle): a split's worker processes get graphs
+        return (Graph, (self.name, list(self.nodes), self.outputs, self.batch,
+                        self.parallel, self.meta))
+
     def __setattr__(self, key, value):
         if key == "nodes":  # every node list a graph holds tracks its changes
             value = NodeList(value, self)

@@ -20,7 +20,10 @@ candidate's graph is kept.
 Over MPI (`Share`) the ranks share the work out: each builds and predicts every size-th
 candidate, and plans one of each wave of `size`; they exchange the figures (allgather),
 so every rank makes the choice one process makes alone, from figures computed once, and
-builds the chosen step again only where another rank made it.
+builds the chosen step again only where another rank made it. In one process, `jobs`
+worker processes share it out the same way (`fanout`; by default one a core where the
+candidates are big enough to pay for starting them), and only the caller builds the
+chosen step.
 """
 from __future__ import annotations
 
@@ -33,12 +36,20 @@ from netdsl.errors import SplitError
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
+from netdsl.parallel import fanout
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
 from netdsl.parallel.project import hold_sends
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.sizes import format_decimal
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
+
+# `jobs` None: worker processes only where the forward nodes times the candidates reach
+# this (resnet20's 183 x 13 took 6 s alone; transformer-tiny's 88 x 7, 1.8 s, about what
+# starting a worker and sending it the network costs), one a core, at most MAX_AUTO_JOBS
+# (each holds a candidate's step: 1.5-2.7 GB for resnet2504's)
+FANOUT_MIN_WORK = 1000
+MAX_AUTO_JOBS = 8
 
 
 @dataclass
@@ -147,14 +158,26 @@ class Share:
     """Ranks that choose a split together (`netdsl run --distributed`): each builds and
     predicts (and with `--mem`, plans) every size-th candidate from its rank on, and they
     exchange what they found with `allgather` (every rank's object, in rank order), so
-    that every rank chooses from the same figures, computed once."""
+    that every rank chooses from the same figures, computed once. `needs_step` False: a
+    rank that wants the figures only, not the chosen step (a worker process)."""
 
     rank: int
     size: int
     allgather: Callable[[Any], list]
+    needs_step: bool = True
 
-    def mine(self, items: list) -> list:
-        return items[self.rank::self.size]
+    def mine(self, items: list, work: list[float]) -> list:
+        """This rank's items: the largest `work` first, each to the rank with the least so
+        far (ties to the lowest rank), so the ranks finish about together; every rank
+        computes the same assignment."""
+        load = [0.0] * self.size
+        out = []
+        for k in sorted(range(len(items)), key=lambda k: -work[k]):
+            r = load.index(min(load))
+            load[r] += work[k]
+            if r == self.rank:
+                out.append(items[k])
+        return out
 
     def merged(self, found: dict) -> dict:
         return {k: v for part in self.allgather(found) for k, v in part.items()}
@@ -167,16 +190,26 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            float_dtype: str = "f32", progress=None, schedule: str | None = None,
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
-           share: Share | None = None) -> Chosen:
+           share: Share | None = None, jobs: int | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
     (`project.hold_sends`: predicted and planned so); `share`: ranks that share the
     candidates out (`Share`; the choice and the chosen step are the ones each would have
-    made alone)."""
+    made alone); `jobs`: without `share`, the processes that share them so (this one and
+    jobs - 1 workers; None: `_jobs`' default)."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes),
                        any(n.op == "conv2d" for n in fwd.nodes))
+    n_jobs = 1 if share is not None else _jobs(jobs, len(specs), len(fwd.nodes))
+    if n_jobs > 1:
+        args = dict(fwd=fwd, batch=batch, strategy=strategy, devices=devices,
+                    optimizer=optimizer, profile=profile, link=link, mem=mem,
+                    microbatches=microbatches, bn=bn, gather=gather,
+                    float_dtype=float_dtype, schedule=schedule, plan=plan, outputs=outputs,
+                    mem_strategy=mem_strategy, over_mpi=over_mpi)
+        with fanout.workers(n_jobs, f"{__name__}:_helper", args) as allgather:
+            return choose(**args, progress=progress, share=Share(0, n_jobs, allgather))
     if share is not None and share.size > 1:
         # ranks share only the same candidates (one candidate: every rank needs its step
         # anyway); ranks with other files or options choose alone, and the check of the
@@ -230,9 +263,10 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     # best so far (keep_if_best), and with `share`, by this rank's best so far
     order = list(range(len(specs)))
     found: dict[int, Choice | str] = {}
-    for n, k in enumerate(share.mine(order) if share else order):
+    mine = share.mine(order, [_work(spec) for spec in specs]) if share else order
+    for n, k in enumerate(mine):
         if progress is not None:
-            progress(n / len(specs))
+            progress(n / len(mine))
         found[k] = c = evaluate(specs[k])
         if isinstance(c, Choice) and not (plan and not c.fits and len(specs) == 1):
             keep_if_best(c)  # (a lone candidate that does not fit is planned from it)
@@ -266,18 +300,19 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         while queue := [c for c in queue if faster(c)]:
             wave, queue = queue[:width], queue[width:]
             r = share.rank if share else 0
-            mine = wave[r] if r < len(wave) else None
-            g, res, rep = (None, None, None) if mine is None else _plan(
-                mine.graph if mine.graph is not None else build(mine.spec), cap,
+            ours = wave[r] if r < len(wave) else None
+            g, res, rep = (None, None, None) if ours is None else _plan(
+                ours.graph if ours.graph is not None else build(ours.spec), cap,
                 single_step, profile, link, float_dtype, mem_strategy)
-            plans = {} if mine is None else {r: (res, rep)}
+            plans = {} if ours is None else {r: (res, rep)}
             if share:
                 plans = share.merged(plans)
             for j, c in enumerate(wave):
                 if faster(c):
                     _take_plan(c, *plans[j], cap, g if j == r else None)
                     keep_if_best(c)
-    if best is not None and best.graph is None:  # chosen from figures another rank made
+    if best is not None and best.graph is None and (share is None or share.needs_step):
+        # chosen from figures another rank made
         k = next(k for k, c in zip(index, considered) if c is best)
         best.graph = local[k] if k in local else _rebuild(build(best.spec), best.memory)
     if best is None:
@@ -298,6 +333,31 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             f"best ({worst.spec.describe()}) needs {peak.peak_bytes / 1e9:.3g} GB on device "
             f"{peak.device}; use more devices, a smaller batch, or more memory")
     return Chosen(best, single, considered)
+
+
+def _work(spec: SplitSpec) -> float:
+    """About a candidate's cost to build and predict, its node count: a data, tensor or
+    spatial part costs about five micro-batches (resnet164 on four devices, in single
+    steps' nodes: a data replica 3.3, a pipeline's micro-batch 0.64; a pipeline of 128
+    micro-batches took 25 s of the 56 that all 13 candidates took)."""
+    return spec.data * spec.tensor * spec.spatial * (5 + spec.microbatches)
+
+
+def _jobs(jobs: int | None, n_specs: int, n_nodes: int) -> int:
+    """The processes to share `n_specs` candidates of an `n_nodes`-node network among."""
+    if jobs is None:
+        if n_nodes * n_specs < FANOUT_MIN_WORK:
+            return 1
+        jobs = min(fanout.cores(), MAX_AUTO_JOBS)
+    if jobs < 1:
+        raise SplitError(f"--jobs must be at least 1, not {jobs}")
+    return min(jobs, max(n_specs, 1))
+
+
+def _helper(rank: int, size: int, allgather: Callable[[Any], list], **args) -> None:
+    """A worker process's part of `choose` (fanout): its share of the candidates, the
+    figures sent to the caller, no chosen step built."""
+    choose(**args, share=Share(rank, size, allgather, needs_step=False))
 
 
 def _least_peak(c: Choice) -> int:

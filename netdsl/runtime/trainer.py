@@ -86,6 +86,9 @@ class RunOptions:
     # one process per device under `mpiexec` (the MPI world's size is the device count);
     # rank 0 logs, evaluates and writes checkpoints
     distributed: bool = False
+    # processes that build and predict auto's candidates with --devices (None: choose's
+    # default, one a core where the network is big enough; --distributed: the ranks)
+    jobs: int | None = None
 
 
 # The memory meter watches a run's first steps and then stops: tracemalloc records every
@@ -489,7 +492,7 @@ class Trainer:
                         gather=(self.acc[0],) if self.acc else (), plan=mem is not None,
                         mem_strategy=opts.strategy, float_dtype=opts.dtype,
                         outputs={"logits": [self.acc[0]]} if self.acc else None,
-                        over_mpi=opts.distributed, share=share)
+                        over_mpi=opts.distributed, share=share, jobs=opts.jobs)
         # --mem: the chosen split planned per device (None when it fits as it is)
         best = chosen.best
         self.mem_plan = best.memory

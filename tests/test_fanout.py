@@ -1,0 +1,156 @@
+"""Worker processes that share auto's candidates with the calling process (`--jobs`,
+netdsl.parallel.fanout): the same choice and step as one process alone, a share of the
+work in each process, and a clear error when a worker fails or dies."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from netdsl import api
+from netdsl.errors import NetdslError, SplitError
+from netdsl.ir.serialize import fingerprint
+from netdsl.memory.profiles import get_profile
+from netdsl.parallel import choose as choose_mod
+from netdsl.parallel import fanout
+from netdsl.parallel.predict import get_interconnect
+from netdsl_cli.app import app
+
+HERE = Path(__file__).parent
+EXAMPLES = HERE.parent / "examples"
+runner = CliRunner()
+
+
+def _figures(chosen) -> list:
+    return [(c.spec, c.fits, c.report.predicted_step_s, c.memory is not None,
+             None if c.memory is None else c.memory.per_device) for c in chosen.considered]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    net = api.load(EXAMPLES / "digits-cnn.net")
+    kw = dict(batch=32, strategy="auto", devices=4, optimizer=net.train.optimizer.model_dump(),
+              profile=get_profile("cpu"), link=get_interconnect("shm"))
+    return net, kw
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_workers_choose_what_one_process_chooses(digits, monkeypatch, planned):
+    """Two processes (this one and a worker) make the choice, the figures and the step
+    (its fingerprint) that this process makes alone, and this one builds only its share
+    of the candidates (the worker is another process: its builds are not counted)."""
+    net, kw = digits
+    if planned:  # a budget none of the candidates fits unplanned: each is planned
+        plain = choose_mod.choose(net.graph, jobs=1, **kw)
+        kw = dict(kw, plan=True, mem=int(0.95 * min(
+            max(d.peak_bytes for d in c.report.per_device) for c in plain.considered)))
+    alone = choose_mod.choose(net.graph, jobs=1, **kw)
+    built = []
+    split_step = choose_mod.split_step
+
+    def counted(fwd, batch, spec, *a, **k):
+        built.append(spec)
+        return split_step(fwd, batch, spec, *a, **k)
+
+    monkeypatch.setattr(choose_mod, "split_step", counted)
+    shared = choose_mod.choose(net.graph, jobs=2, **kw)
+    assert shared.best.spec == alone.best.spec
+    assert _figures(shared) == _figures(alone)
+    assert fingerprint(shared.best.graph) == fingerprint(alone.best.graph)
+    if planned:
+        assert alone.best.memory is not None
+    specs = choose_mod.candidates("auto", 4, 32, None, dict(net.graph.parallel), "sync",
+                                  None, True, True)
+    assert len(specs) >= 6
+    ours = choose_mod.Share(0, 2, None).mine(specs, [choose_mod._work(s) for s in specs])
+    assert 0 < len(ours) < len(specs)
+    # the single-device step, this process's share, and the chosen step again where the
+    # worker made it (with a plan: the candidates this process planned are among them)
+    assert built[1:1 + len(ours)] == ours
+    assert len(built) <= 1 + len(ours) + (len(specs) if planned else 1)
+
+
+def test_split_jobs_prints_what_one_process_prints():
+    args = ["split", str(EXAMPLES / "digits-cnn.net"), "--devices", "4", "--json"]
+    one = runner.invoke(app, args + ["--jobs", "1"])
+    two = runner.invoke(app, args + ["--jobs", "2"])
+    assert one.exit_code == two.exit_code == 0, two.output
+    a, b = json.loads(one.output), json.loads(two.output)
+    assert a == b and len(a["alternatives"]) >= 6
+
+
+def test_default_jobs_start_workers_only_for_big_candidates(monkeypatch):
+    monkeypatch.setattr(fanout, "cores", lambda: 16)
+    assert choose_mod._jobs(None, 13, 24) == 1  # digits-cnn: not worth a worker's start
+    assert choose_mod._jobs(None, 13, 1372) == choose_mod.MAX_AUTO_JOBS
+    assert choose_mod._jobs(None, 3, 1372) == 3  # no more processes than candidates
+    assert choose_mod._jobs(4, 13, 24) == 4  # asked for
+    monkeypatch.setattr(fanout, "cores", lambda: 1)
+    assert choose_mod._jobs(None, 13, 1372) == 1
+    with pytest.raises(SplitError, match="--jobs must be at least 1"):
+        choose_mod._jobs(0, 13, 24)
+
+
+def test_a_graph_travels_to_a_worker_whole():
+    g = api.load(EXAMPLES / "resnet20-cifar.net").graph
+    h = pickle.loads(pickle.dumps(g))
+    assert h.to_text() == g.to_text() and h.outputs == g.outputs and h.meta == g.meta
+    n = h.nodes[3]
+    assert h[n.name] is n
+    h.nodes = h.nodes[:3]  # the unpickled list still tracks its graph: the index follows
+    assert n.name not in h
+
+
+# -- workers that fail (targets importable by the worker: this directory on its path) ----
+
+def _echo(rank, size, allgather, value):
+    got = allgather((rank, value))
+    allgather(len(got))
+
+
+def _raise_netdsl(rank, size, allgather):
+    raise SplitError("the worker's own message")
+
+
+def _raise_bug(rank, size, allgather):
+    raise ZeroDivisionError("a bug in a worker")
+
+
+def _die(rank, size, allgather):
+    print("about to die")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+
+
+def test_ranks_exchange_in_rank_order(on_path):
+    with fanout.workers(3, "test_fanout:_echo", {"value": "v"}) as allgather:
+        assert allgather((0, "v")) == [(0, "v"), (1, "v"), (2, "v")]
+        assert allgather(3) == [3, 3, 3]
+
+
+def test_a_workers_error_is_raised_in_the_caller(on_path):
+    with pytest.raises(SplitError, match="the worker's own message") as e:
+        with fanout.workers(2, "test_fanout:_raise_netdsl", {}) as allgather:
+            allgather(None)
+    assert e.value.exit_code == 3
+    with pytest.raises(RuntimeError, match="(?s)worker process 1 failed.*ZeroDivisionError"):
+        with fanout.workers(2, "test_fanout:_raise_bug", {}) as allgather:
+            allgather(None)
+
+
+def test_a_worker_that_dies_is_named_with_how(on_path):
+    with pytest.raises(NetdslError) as e:
+        with fanout.workers(2, "test_fanout:_die", {}) as allgather:
+            allgather(None)
+    msg = str(e.value)
+    assert "worker process 1" in msg and "killed by signal 9" in msg
+    assert "--jobs 1" in msg and "about to die" in msg

@@ -7,6 +7,9 @@ import json
 import os
 import pickle
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +124,12 @@ def _raise_bug(rank, size, allgather):
     raise ZeroDivisionError("a bug in a worker")
 
 
+def _sleep(rank, size, allgather, pidfile):
+    Path(pidfile).write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+
+
 def _die(rank, size, allgather):
     print("about to die")
     os.kill(os.getpid(), signal.SIGKILL)
@@ -154,3 +163,35 @@ def test_a_worker_that_dies_is_named_with_how(on_path):
     msg = str(e.value)
     assert "worker process 1" in msg and "killed by signal 9" in msg
     assert "--jobs 1" in msg and "about to die" in msg
+
+
+CALLER = """
+import sys, time
+from netdsl.parallel import fanout
+with fanout.workers(2, "test_fanout:_sleep", {"pidfile": sys.argv[1]}) as allgather:
+    time.sleep(60)
+"""
+
+
+def test_workers_exit_when_the_caller_is_killed(on_path, tmp_path):
+    """A caller killed outright runs no `finally`: its workers notice and exit (before,
+    one went on building its candidate until its next exchange)."""
+    pidfile = tmp_path / "worker.pid"
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, str(pidfile)])
+    try:
+        for _ in range(300):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.1)
+        pid = int(pidfile.read_text())
+    finally:
+        caller.kill()
+        caller.wait()
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the worker outlived its caller by 5 s")

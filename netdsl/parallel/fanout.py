@@ -11,7 +11,8 @@ exchange travel as pickles over the worker's stdin and stdout; a worker's own pr
 to its stderr, kept in a file that an error report quotes. A worker that fails sends its
 exception (a NetdslError as itself, anything else as its traceback) to the next exchange,
 where rank 0 raises it; one that dies (killed, out of memory) is named with its exit
-status. The workers are killed when the caller leaves the block, however it leaves it.
+status. The workers are killed when the caller leaves the block, however it leaves it, and
+exit by themselves when the caller is killed.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -144,6 +147,7 @@ def _serve() -> None:
         put("part", obj)
         return pickle.load(inp)
 
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     target, rank, size = pickle.load(inp)
     kwargs = pickle.load(inp)
     module, name = target.split(":")
@@ -156,6 +160,14 @@ def _serve() -> None:
         put("raised", e)
     except Exception:
         put("failed", traceback.format_exc())
+
+
+def _exit_with(parent: int) -> None:
+    """Exit when the caller has gone (killed: nothing ran its `finally`), rather than
+    finish a candidate nobody will read."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 if __name__ == "__main__":

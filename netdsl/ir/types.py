@@ -34,10 +34,12 @@ class TensorType:
 
     @property
     def symbolic(self) -> bool:
-        for d in self.shape:  # a loop, not any(): this runs for every node, several times
-            if not isinstance(d, int):
-                return True
-        return False
+        try:  # asked millions of times by the passes over a big step: worked out once
+            return self.__dict__["_symbolic"]
+        except KeyError:
+            s = not all(isinstance(d, int) for d in self.shape)
+            object.__setattr__(self, "_symbolic", s)  # (a cache: not a field)
+            return s
 
     def bind(self, batch: int) -> TensorType:
         if not self.symbolic:
@@ -45,10 +47,18 @@ class TensorType:
         return TensorType(tuple(bind_dim(d, batch) for d in self.shape), self.dtype)
 
     def numel(self, batch: int | None = None) -> int:
+        if batch is None:
+            try:  # (as `symbolic`)
+                return self.__dict__["_numel"]
+            except KeyError:
+                pass
         t = self.bind(batch) if batch is not None else self
         if t.symbolic:
             raise ValueError(f"type {self} has a symbolic dimension; bind a batch first")
-        return math.prod(t.shape)
+        n = math.prod(t.shape)
+        if batch is None:
+            object.__setattr__(self, "_numel", n)
+        return n
 
     def nbytes(self, batch: int | None = None) -> int:
         return self.numel(batch) * DTYPES[self.dtype]

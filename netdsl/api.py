@@ -140,7 +140,9 @@ class SplitResult:
                                  "bubble": c.report.bubble,
                                  "max_peak_bytes": max(d.peak_bytes
                                                        for d in c.report.per_device)}
-                                for c in self.chosen.considered]}
+                                for c in self.chosen.considered],
+               # not built: more micro-batches of a pipeline that could not win
+               "skipped": [spec.describe() for spec in self.chosen.skipped]}
         out["memory_plan"] = None
         if best.memory is not None:  # planned per device (--mem): what each one does
             from netdsl.parallel.memplan import summary

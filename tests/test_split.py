@@ -367,3 +367,35 @@ def test_device_and_replicate_annotations():
     conv.annotations["replicate"] = True
     s = split_step(g, BATCH, SplitSpec(spatial=2), opt)
     assert conv.name not in s.meta["spatial_layers"]
+
+
+def test_auto_skips_only_pipelines_that_could_not_win():
+    """auto builds a pipeline's micro-batch counts in rising order and stops once one is
+    slower than the one before and than a split that fits (choose._past_its_best): each
+    candidate it did not build, built here, is slower than its choice; where nothing
+    fits unplanned, it builds every one."""
+    from netdsl.parallel.choose import candidates, choose
+    net = api.load(ROOT / "examples" / "digits-cnn.net")
+    kw = dict(batch=32, strategy="auto", devices=4, optimizer=net.train.optimizer.model_dump(),
+              profile=get_profile("cpu"), link=get_interconnect("shm"), jobs=1)
+    chosen = choose(net.graph, **kw)
+    every = candidates("auto", 4, 32, None, {}, "sync", None, True, True)
+    assert chosen.skipped and all(s.pipeline == 4 for s in chosen.skipped)
+    assert sorted(map(str, [c.spec for c in chosen.considered] + chosen.skipped)) == \
+        sorted(map(str, every))
+    t = chosen.best.report.predicted_step_s
+    peaks = {}
+    for spec in chosen.skipped:
+        alone = choose(net.graph, **dict(kw, strategy="pipeline",
+                                         microbatches=spec.microbatches,
+                                         schedule=spec.schedule))
+        assert alone.best.spec == spec and alone.best.report.predicted_step_s > t
+        peaks[spec] = max(d.peak_bytes for d in alone.best.report.per_device)
+    out = runner.invoke(app, ["split", str(ROOT / "examples" / "digits-cnn.net"),
+                              "--devices", "4", "--batch", "32", "--profile", "cpu",
+                              "--interconnect", "shm", "--jobs", "1", "--json"])
+    assert json.loads(out.output)["skipped"] == [s.describe() for s in chosen.skipped]
+    # a budget only the most micro-batches fit: nothing fits before it, nothing skipped
+    last = chosen.skipped[-1]
+    tight = choose(net.graph, **dict(kw, mem=peaks[last]))
+    assert tight.best.spec == last and not tight.skipped

@@ -7,7 +7,9 @@ and (for a network with convolutions) the spatial split and its data x spatial h
 predicts each one's step time
 and per-device peak (`predict.report`), drops those that do not fit a device (`--mem`,
 else the profile's capacity), and picks the fastest. The alternatives are kept, so the
-command can show what it considered.
+command can show what it considered. It builds them in rounds: a pipeline's micro-batch
+counts in rising order, each only while it could still win (`_past_its_best`); the
+counts not built are listed as skipped.
 
 With `plan=True` (`--mem`), a candidate that does not fit is planned per device
 (`memplan.plan_split`: recompute and offload on each device) and fits if the plan does;
@@ -68,6 +70,9 @@ class Chosen:
     best: Choice
     single: Graph
     considered: list[Choice] = field(default_factory=list)
+    # candidates not built: more micro-batches of a pipeline already slower than a split
+    # that fits (`_past_its_best`)
+    skipped: list[SplitSpec] = field(default_factory=list)
 
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
@@ -248,6 +253,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     def faster(c: Choice) -> bool:
         return best is None or c.report.predicted_step_s < best.report.predicted_step_s
 
+    local: dict[SplitSpec, Graph] = {}  # the best's graph, where this rank has it
+
     def keep_if_best(c: Choice) -> None:
         """Make `c` the best if it fits and is faster; only the best keeps its graph
         (a resnet2504 split step is gigabytes; another is built again to be planned)."""
@@ -255,39 +262,59 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         if c.fits and faster(c):
             if best is not None:
                 best.graph = None
+            local.clear()
             best = c
+            if c.graph is not None:
+                local[c.spec] = c.graph
         elif c is not best:
             c.graph = None
 
-    # this rank's figures (all of them, without `share`); a graph is kept only by the
-    # best so far (keep_if_best), and with `share`, by this rank's best so far
-    order = list(range(len(specs)))
+    # candidates in rounds: every family's first (a family: pipelines that differ only in
+    # their micro-batches, by their count; any other candidate alone), then each family's
+    # next while it could still win (`_past_its_best`). A rank evaluates its share of a
+    # round (all of it without `share`) and the ranks exchange the figures; a graph is
+    # kept only by the best so far (keep_if_best), and between rounds only where it is
+    # the best of every figure so far
+    work = [_work(spec) for spec in specs]
+    families = _families(specs)
     found: dict[int, Choice | str] = {}
-    mine = share.mine(order, [_work(spec) for spec in specs]) if share else order
-    for n, k in enumerate(mine):
-        if progress is not None:
-            progress(n / len(mine))
-        found[k] = c = evaluate(specs[k])
-        if isinstance(c, Choice) and not (plan and not c.fits and len(specs) == 1):
-            keep_if_best(c)  # (a lone candidate that does not fit is planned from it)
-    local = {k: c.graph for k, c in found.items()
-             if isinstance(c, Choice) and c.graph is not None}
-    if share:  # every rank's figures, on every rank
-        found = share.merged({k: c if isinstance(c, str) else replace(c, graph=None)
-                              for k, c in found.items()})
-        best = None
-    index: list[int] = []  # each considered candidate's place among the specs
-    for k in order:
+    skipped: list[int] = []
+    depth = 0
+    going = list(range(len(families)))
+    while going:
+        now = [families[f][depth] for f in going]
+        got: dict[int, Choice | str] = {}
+        for k in share.mine(now, [work[k] for k in now]) if share else now:
+            if progress is not None:
+                progress((len(found) + len(got)) / len(specs))
+            got[k] = c = evaluate(specs[k])
+            if isinstance(c, Choice) and not (plan and not c.fits and len(specs) == 1):
+                keep_if_best(c)  # (a lone candidate that does not fit is planned from it)
+        if share:  # every rank's figures, on every rank
+            got = share.merged({k: c if isinstance(c, str) else replace(c, graph=None)
+                                for k, c in got.items()})
+        found.update(got)
+        best = None  # the fastest that fits of every figure so far, visited in spec order
+        for k in sorted(found):
+            c = found[k]
+            if isinstance(c, Choice) and c.fits and faster(c):
+                best = c
+        for spec in [x for x in local if best is None or x != best.spec]:
+            del local[spec]
+        depth += 1
+        going, stopped = [], going
+        for f in stopped:
+            fam = families[f]
+            if depth < len(fam) and not _past_its_best(found, fam[depth - 1::-1][:2], best):
+                going.append(f)
+            else:
+                skipped.extend(fam[depth:])
+    for k in sorted(found):
         c = found[k]
         if isinstance(c, str):
             errors.append(c)
-            continue
-        considered.append(c)
-        index.append(k)
-        if share:
-            keep_if_best(c)
-    if share:  # this rank keeps the chosen one's graph, if it built it
-        local = {k: g for k, g in local.items() if found[k] is best}
+        else:
+            considered.append(c)
     if plan:
         # planning adds recomputation and copies, never speed: the candidates that do not
         # fit are planned in the order of their unplanned predicted times, each only if
@@ -312,9 +339,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
                     _take_plan(c, *plans[j], cap, g if j == r else None)
                     keep_if_best(c)
     if best is not None and best.graph is None and (share is None or share.needs_step):
-        # chosen from figures another rank made
-        k = next(k for k, c in zip(index, considered) if c is best)
-        best.graph = local[k] if k in local else _rebuild(build(best.spec), best.memory)
+        # chosen from figures (another rank's, or this one's made before an exchange)
+        best.graph = local.get(best.spec) or _rebuild(build(best.spec), best.memory)
     if best is None:
         if not considered:
             raise SplitError("no split of this network works: " + "; ".join(errors))
@@ -332,7 +358,33 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
             f"best ({worst.spec.describe()}) needs {peak.peak_bytes / 1e9:.3g} GB on device "
             f"{peak.device}; use more devices, a smaller batch, or more memory")
-    return Chosen(best, single, considered)
+    return Chosen(best, single, considered, [specs[k] for k in sorted(skipped)])
+
+
+def _families(specs: list[SplitSpec]) -> list[list[int]]:
+    """The candidates (their places) by family: pipelines that differ only in their
+    micro-batches together, fewest first; any other candidate alone."""
+    out: dict[SplitSpec, list[int]] = {}
+    for k, spec in enumerate(specs):
+        key = replace(spec, microbatches=1) if spec.pipeline > 1 else spec
+        out.setdefault(key, []).append(k)
+    return [sorted(ks, key=lambda k: specs[k].microbatches) for ks in out.values()]
+
+
+def _past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool:
+    """Whether a pipeline family's next candidates (more micro-batches) cannot win: its
+    last (`last_two`: the last and the one before) was slower than the one before and
+    than `best`, the fastest that fits. The predicted time of a pipeline falls with its
+    bubble, (p - 1) / (m + p - 1), and rises with its per-node costs, which grow with m,
+    so once it rises it goes on rising (resnet164 on four devices, m = 1, 4 ... 128:
+    0.211, 0.112, 0.114, 0.144, 0.212, 0.357, 0.648 s), and planning only adds time."""
+    if best is None or len(last_two) < 2:
+        return False
+    last, before = (found[k] for k in last_two)
+    if isinstance(last, str) or isinstance(before, str):
+        return False
+    t = last.report.predicted_step_s
+    return t > before.report.predicted_step_s and t >= best.report.predicted_step_s
 
 
 def _work(spec: SplitSpec) -> float:

@@ -164,12 +164,15 @@ class Share:
     predicts (and with `--mem`, plans) every size-th candidate from its rank on, and they
     exchange what they found with `allgather` (every rank's object, in rank order), so
     that every rank chooses from the same figures, computed once. `needs_step` False: a
-    rank that wants the figures only, not the chosen step (a worker process)."""
+    rank that wants the figures only, not the chosen step (a worker process); `gather`
+    (every rank's object on rank 0, None elsewhere), where only rank 0 needs the step:
+    the rank that built it sends it there instead of rank 0 building it again."""
 
     rank: int
     size: int
     allgather: Callable[[Any], list]
     needs_step: bool = True
+    gather: Callable[[Any], list | None] | None = None
 
     def mine(self, items: list, work: list[float]) -> list:
         """This rank's items: the largest `work` first, each to the rank with the least so
@@ -213,8 +216,9 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
                     microbatches=microbatches, bn=bn, gather=gather,
                     float_dtype=float_dtype, schedule=schedule, plan=plan, outputs=outputs,
                     mem_strategy=mem_strategy, over_mpi=over_mpi)
-        with fanout.workers(n_jobs, f"{__name__}:_helper", args) as allgather:
-            return choose(**args, progress=progress, share=Share(0, n_jobs, allgather))
+        with fanout.workers(n_jobs, f"{__name__}:_helper", args) as ex:
+            return choose(**args, progress=progress,
+                          share=Share(0, n_jobs, ex.allgather, gather=ex.gather))
     if share is not None and share.size > 1:
         # ranks share only the same candidates (one candidate: every rank needs its step
         # anyway); ranks with other files or options choose alone, and the check of the
@@ -269,20 +273,33 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
         elif c is not best:
             c.graph = None
 
-    # candidates in rounds: every family's first (a family: pipelines that differ only in
-    # their micro-batches, by their count; any other candidate alone), then each family's
-    # next while it could still win (`_past_its_best`). A rank evaluates its share of a
-    # round (all of it without `share`) and the ranks exchange the figures; a graph is
-    # kept only by the best so far (keep_if_best), and between rounds only where it is
-    # the best of every figure so far
+    # candidates in rounds, as `_rounds` goes through them: every family's first (a
+    # family: pipelines that differ only in their micro-batches, by their count; any
+    # other candidate alone), then each family's next while it could still win. The
+    # ranks (all of them: one without `share`) build and predict a round's candidates,
+    # and several ranks the next count of each of its families ahead, more where ranks
+    # would be idle (figures that `_rounds` drops where it stops before them, so the
+    # choice, the figures and the skipped counts are those of one process); then they
+    # exchange the figures. Only
+    # the best so far keeps its graph (keep_if_best), between rounds the best by
+    # `_rounds`
     work = [_work(spec) for spec in specs]
     families = _families(specs)
+    width = share.size if share else 1
     found: dict[int, Choice | str] = {}
-    skipped: list[int] = []
-    depth = 0
-    going = list(range(len(families)))
-    while going:
-        now = [families[f][depth] for f in going]
+    while True:
+        taken, now, best = _rounds(families, found)
+        for spec in [x for x in local if best is None or x != best.spec]:
+            del local[spec]
+        if not now:
+            break
+        if width > 1:  # the ranks build ahead: the next count of each family in the
+            # round, and more where they would be idle
+            ahead = [[k for k in fam if k not in found and k not in now]
+                     for fam in families if any(k in now for k in fam)]
+            now += [rest.pop(0) for rest in ahead if rest]
+            for rest in ahead:
+                now += rest[:max(0, width - len(now))]
         got: dict[int, Choice | str] = {}
         for k in share.mine(now, [work[k] for k in now]) if share else now:
             if progress is not None:
@@ -294,22 +311,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             got = share.merged({k: c if isinstance(c, str) else replace(c, graph=None)
                                 for k, c in got.items()})
         found.update(got)
-        best = None  # the fastest that fits of every figure so far, visited in spec order
-        for k in sorted(found):
-            c = found[k]
-            if isinstance(c, Choice) and c.fits and faster(c):
-                best = c
-        for spec in [x for x in local if best is None or x != best.spec]:
-            del local[spec]
-        depth += 1
-        going, stopped = [], going
-        for f in stopped:
-            fam = families[f]
-            if depth < len(fam) and not _past_its_best(found, fam[depth - 1::-1][:2], best):
-                going.append(f)
-            else:
-                skipped.extend(fam[depth:])
-    for k in sorted(found):
+    skipped = [k for k in range(len(specs)) if k not in taken]
+    for k in sorted(taken):
         c = found[k]
         if isinstance(c, str):
             errors.append(c)
@@ -338,9 +341,15 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
                 if faster(c):
                     _take_plan(c, *plans[j], cap, g if j == r else None)
                     keep_if_best(c)
+    if share is not None and share.gather is not None and best is not None:
+        # (every rank: the same condition) the chosen step from the rank that has it
+        sent = share.gather(None if share.rank == 0 else local.get(best.spec))
+        if share.rank == 0 and best.graph is None:
+            best.graph = next((g for g in sent if g is not None), None)
     if best is not None and best.graph is None and (share is None or share.needs_step):
         # chosen from figures (another rank's, or this one's made before an exchange)
-        best.graph = local.get(best.spec) or _rebuild(build(best.spec), best.memory)
+        g = local.get(best.spec)
+        best.graph = g if g is not None else _rebuild(build(best.spec), best.memory)
     if best is None:
         if not considered:
             raise SplitError("no split of this network works: " + "; ".join(errors))
@@ -369,6 +378,40 @@ def _families(specs: list[SplitSpec]) -> list[list[int]]:
         key = replace(spec, microbatches=1) if spec.pipeline > 1 else spec
         out.setdefault(key, []).append(k)
     return [sorted(ks, key=lambda k: specs[k].microbatches) for ks in out.values()]
+
+
+def _rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
+                                                             Choice | None]:
+    """One process's way through the candidates, on the figures `found` so far: each
+    round every family's next candidate (its first, then more micro-batches while
+    `_past_its_best` does not stop it), the best (the fastest that fits, visited in spec
+    order) after each. Returns (the candidates taken so far, the next round's candidates
+    that have no figures yet, [] when it is done, and the best so far)."""
+    depth = [0] * len(families)
+    going = list(range(len(families)))
+    taken: set[int] = set()
+    best = None
+    while going:
+        now = [families[f][depth[f]] for f in going]
+        if any(k not in found for k in now):
+            return taken, [k for k in now if k not in found], best
+        taken.update(now)
+        best = None
+        for k in sorted(taken):
+            c = found[k]
+            if isinstance(c, Choice) and c.fits and (
+                    best is None
+                    or c.report.predicted_step_s < best.report.predicted_step_s):
+                best = c
+        stopped, going = going, []
+        for f in stopped:
+            depth[f] += 1
+            fam = families[f]
+            if depth[f] < len(fam) and not _past_its_best(
+                    found, [fam[depth[f] - 1], fam[depth[f] - 2]] if depth[f] > 1 else [],
+                    best):
+                going.append(f)
+    return taken, [], best
 
 
 def _past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool:
@@ -406,10 +449,11 @@ def _jobs(jobs: int | None, n_specs: int, n_nodes: int) -> int:
     return min(jobs, max(n_specs, 1))
 
 
-def _helper(rank: int, size: int, allgather: Callable[[Any], list], **args) -> None:
+def _helper(ex: fanout.Exchange, **args) -> None:
     """A worker process's part of `choose` (fanout): its share of the candidates, the
-    figures sent to the caller, no chosen step built."""
-    choose(**args, share=Share(rank, size, allgather, needs_step=False))
+    figures sent to the caller, and the chosen step where it built it."""
+    choose(**args, share=Share(ex.rank, ex.size, ex.allgather, needs_step=False,
+                               gather=ex.gather))
 
 
 def _least_peak(c: Choice) -> int:

@@ -1,8 +1,9 @@
 """Worker processes on this machine that share one job out with the calling process, as
 MPI ranks share it: `workers(n, target, kwargs)` starts n - 1 processes, each calling
-`target(rank=r, size=n, allgather=..., **kwargs)` for r = 1 .. n - 1, and yields the
-`allgather` of rank 0, the caller (every rank's object, in rank order). `netdsl split` and
-`run --devices` build and predict auto's candidates so (`choose.Share`).
+`target(Exchange(r, n, ...), **kwargs)` for r = 1 .. n - 1, and yields rank 0's Exchange,
+the caller's: `allgather` (every rank's object, in rank order, on every rank) and
+`gather` (on rank 0 only). `netdsl split` and `run --devices` build and predict auto's
+candidates so (`choose.Share`).
 
 Workers are fresh interpreters (`python -m netdsl.parallel.fanout`), not forks: a fork
 would copy whatever threads the caller runs (BLAS, Numba) in whatever state they are, and
@@ -34,6 +35,16 @@ from typing import IO, Any
 from netdsl.errors import NetdslError
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What a rank has of the others: its place, and the two exchanges."""
+
+    rank: int
+    size: int
+    allgather: Callable[[Any], list]  # every rank's object, in rank order, on every rank
+    gather: Callable[[Any], list | None]  # ... on rank 0; None on the others
 
 
 class WorkerError(NetdslError):
@@ -99,9 +110,9 @@ class _Worker:
 
 
 @contextmanager
-def workers(n: int, target: str, kwargs: dict) -> Iterator[Callable[[Any], list]]:
+def workers(n: int, target: str, kwargs: dict) -> Iterator[Exchange]:
     """Start n - 1 workers calling `target` ("module:function") with `kwargs` (pickled)
-    and yield rank 0's allgather (module docstring)."""
+    and yield rank 0's Exchange (module docstring)."""
     job = pickle.dumps(kwargs, _PROTOCOL)
     env = dict(os.environ)
     # the package this process imported, first on the worker's path; one BLAS thread a
@@ -120,14 +131,17 @@ def workers(n: int, target: str, kwargs: dict) -> Iterator[Callable[[Any], list]
             started.append(w)
             w.send(pickle.dumps((target, rank, n), _PROTOCOL) + job)
 
+        def gather(obj: Any) -> list:
+            return [obj] + [w.receive() for w in started]
+
         def allgather(obj: Any) -> list:
-            parts = [obj] + [w.receive() for w in started]
+            parts = gather(obj)
             data = pickle.dumps(parts, _PROTOCOL)
             for w in started:
                 w.send(data)
             return parts
 
-        yield allgather
+        yield Exchange(0, n, allgather, gather)
     finally:
         for w in started:
             w.stop()
@@ -147,13 +161,16 @@ def _serve() -> None:
         put("part", obj)
         return pickle.load(inp)
 
+    def gather(obj: Any) -> None:
+        put("part", obj)
+
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     target, rank, size = pickle.load(inp)
     kwargs = pickle.load(inp)
     module, name = target.split(":")
     try:
-        getattr(importlib.import_module(module), name)(rank=rank, size=size,
-                                                        allgather=allgather, **kwargs)
+        getattr(importlib.import_module(module), name)(
+            Exchange(rank, size, allgather, gather), **kwargs)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # rank 0 has gone: nobody to tell
     except NetdslError as e:

@@ -150,7 +150,7 @@ def _print(res) -> None:
         out.print(alt)
     if res.chosen.skipped:
         out.print("not built (more micro-batches of a pipeline already slower than a split "
-                  "that fits): " + ", ".join(s.describe() for s in res.chosen.skipped))
+                  "that fits): " + "; ".join(s.describe() for s in res.chosen.skipped))
     g = res.gate
     if g is not None:
         verdict = "equal" if g.ok else "DIFFERENT"

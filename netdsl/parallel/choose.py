@@ -19,13 +19,13 @@ planned fastest first, each only while it would beat the fastest that fits: the 
 the fastest step that fits, planned or not, in the fewest plans. Only the chosen
 candidate's graph is kept.
 
-Over MPI (`Share`) the ranks share the work out: each builds and predicts every size-th
-candidate, and plans one of each wave of `size`; they exchange the figures (allgather),
-so every rank makes the choice one process makes alone, from figures computed once, and
-builds the chosen step again only where another rank made it. In one process, `jobs`
-worker processes share it out the same way (`fanout`; by default one a core where the
-candidates are big enough to pay for starting them), and only the caller builds the
-chosen step.
+Over MPI (`Share`) the ranks share the work out: each builds and predicts its share of
+each round (by estimated work, `Share.mine`), and plans one of each wave of `size`; they
+exchange the figures (allgather), so every rank makes the choice one process makes alone,
+from figures computed once, and builds the chosen step again only where another rank made
+it. In one process, `jobs` worker processes share it out the same way (`fanout`; by
+default one a core where the candidates are big enough to pay for starting them), and the
+worker that made the chosen step sends it to the caller.
 """
 from __future__ import annotations
 
@@ -160,9 +160,9 @@ def _hybrid_factors(devices: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Share:
-    """Ranks that choose a split together (`netdsl run --distributed`): each builds and
-    predicts (and with `--mem`, plans) every size-th candidate from its rank on, and they
-    exchange what they found with `allgather` (every rank's object, in rank order), so
+    """Ranks that choose a split together (`netdsl run --distributed`, `--jobs`): each
+    builds and predicts (and with `--mem`, plans) its share of the candidates (`mine`),
+    and they exchange what they found with `allgather` (every rank's object, in rank order), so
     that every rank chooses from the same figures, computed once. `needs_step` False: a
     rank that wants the figures only, not the chosen step (a worker process); `gather`
     (every rank's object on rank 0, None elsewhere), where only rank 0 needs the step:
@@ -280,9 +280,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     # and several ranks the next count of each of its families ahead, more where ranks
     # would be idle (figures that `_rounds` drops where it stops before them, so the
     # choice, the figures and the skipped counts are those of one process); then they
-    # exchange the figures. Only
-    # the best so far keeps its graph (keep_if_best), between rounds the best by
-    # `_rounds`
+    # exchange the figures. Only the best so far keeps its graph (keep_if_best), between
+    # rounds the best by `_rounds`
     work = [_work(spec) for spec in specs]
     families = _families(specs)
     width = share.size if share else 1

@@ -164,3 +164,27 @@ def test_the_cpu_kernels_load_before_the_run_not_inside_it():
     off = subprocess.run(probe, capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "NETDSL_FUSED_KERNELS": "0"}).stdout
     assert json.loads(off) == [["start"], None]
+
+
+_SPLIT_PHASES = """
+import json
+from netdsl import api
+from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+seen = []
+class Seen(Callback):
+    def on_phase(self, text):
+        seen.append(text)
+t = Trainer(api.load("examples/digits-cnn.net").graph, None,
+            RunOptions(steps=1, eval_samples=0, devices=2, batch=8), Seen())
+print(json.dumps([seen, t.split]))
+"""
+
+
+def test_a_split_run_says_it_is_choosing_then_building():
+    """`run --devices`: choosing a split (auto's candidates, minutes on a deep network)
+    and building the chosen step are phases the spinner names."""
+    seen, split = json.loads(subprocess.run(
+        [sys.executable, "-c", _SPLIT_PHASES], capture_output=True, text=True, check=True,
+        cwd=ROOT, env={**os.environ, "NETDSL_FUSED_KERNELS": "0"}).stdout)
+    assert seen[:2] == ["choosing how to split the step over 2 devices",
+                        f"building the training step ({split})"], seen

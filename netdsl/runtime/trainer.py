@@ -482,6 +482,8 @@ class Trainer:
         opts = self.opts
         profile = get_profile(self._profile_name(backend))
         mem = parse_size(opts.mem, "--mem") if opts.mem is not None else None
+        self._phase(f"choosing how to split the step over {opts.devices} devices"
+                    + (f" ({opts.split})" if opts.split else ""))
         share = None
         if opts.distributed:  # the ranks share the candidates out
             from netdsl.runtime import mpi
@@ -493,6 +495,7 @@ class Trainer:
                         mem_strategy=opts.strategy, float_dtype=opts.dtype,
                         outputs={"logits": [self.acc[0]]} if self.acc else None,
                         over_mpi=opts.distributed, share=share, jobs=opts.jobs)
+        self._phase(f"building the training step ({chosen.best.spec.describe()})")
         # --mem: the chosen split planned per device (None when it fits as it is)
         best = chosen.best
         self.mem_plan = best.memory

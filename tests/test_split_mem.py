@@ -278,7 +278,7 @@ def test_ranks_share_the_candidates_and_choose_as_one_process(resnet):
     kw = dict(batch=BATCH, strategy="auto", devices=2, optimizer=opt,
               profile=get_profile("cpu"), link=get_interconnect("shm"), microbatches=1,
               over_mpi=True)
-    plain = choose(net.graph, **kw)
+    plain = choose(net.graph, jobs=1, **kw)
     budget = int(0.85 * min(max(d.peak_bytes for d in c.report.per_device)
                             for c in plain.considered))  # none fits unplanned
     for mem in (None, budget):

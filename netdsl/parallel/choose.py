@@ -47,8 +47,8 @@ from netdsl.sizes import format_decimal
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 
 # `jobs` None: worker processes only where the forward nodes times the candidates reach
-# this (resnet20's 183 x 13 took 6 s alone; transformer-tiny's 88 x 7, 1.8 s, about what
-# starting a worker and sending it the network costs), one a core, at most MAX_AUTO_JOBS
+# this (resnet20's 183 x 13, about the break-even: 1.8-2.2 s with or without a worker, on
+# four devices; mobilenet_v2's 418 x 10, 5.2 -> 4.7 s), one a core, at most MAX_AUTO_JOBS
 # (each holds a candidate's step: 1.5-2.7 GB for resnet2504's)
 FANOUT_MIN_WORK = 1000
 MAX_AUTO_JOBS = 8
@@ -292,21 +292,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             del local[spec]
         if not now:
             break
-        if width > 1:  # the ranks build ahead: each family's next count, all of its
-            # counts where they cost less than the rest of the round (they run beside it
-            # rather than after it), more where ranks would be idle
-            total = sum(work[k] for k in now)
-            ahead = []
-            for fam in families:
-                if any(k in now for k in fam):
-                    rest = [k for k in fam if k not in found and k not in now]
-                    mine = sum(work[k] for k in fam if k in now)
-                    if sum(work[k] for k in rest) <= total - mine:
-                        rest, now = [], now + rest
-                    ahead.append(rest)
-            now += [rest.pop(0) for rest in ahead if rest]
-            for rest in ahead:
-                now += rest[:max(0, width - len(now))]
+        if width > 1:
+            now += _ahead(families, found, now, work, width)
         got: dict[int, Choice | str] = {}
         for k in share.mine(now, [work[k] for k in now]) if share else now:
             if progress is not None:
@@ -403,13 +390,8 @@ def _rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int]
         if any(k not in found for k in now):
             return taken, [k for k in now if k not in found], best
         taken.update(now)
-        best = None
-        for k in sorted(taken):
-            c = found[k]
-            if isinstance(c, Choice) and c.fits and (
-                    best is None
-                    or c.report.predicted_step_s < best.report.predicted_step_s):
-                best = c
+        best = min((c for k in sorted(taken) if isinstance(c := found[k], Choice) and c.fits),
+                   key=lambda c: c.report.predicted_step_s, default=None)  # (the first)
         stopped, going = going, []
         for f in stopped:
             depth[f] += 1
@@ -419,6 +401,25 @@ def _rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int]
                     best):
                 going.append(f)
     return taken, [], best
+
+
+def _ahead(families: list[list[int]], found: dict, now: list[int], work: list[float],
+           width: int) -> list[int]:
+    """The counts `width` ranks build ahead of round `now`: each of its families' next
+    count, all of a family's where they cost less than the rest of the round (they run
+    beside it rather than after it), more where ranks would be idle."""
+    total = sum(work[k] for k in now)
+    out, rests = [], []
+    for fam in (fam for fam in families if any(k in now for k in fam)):
+        rest = [k for k in fam if k not in found and k not in now]
+        if sum(work[k] for k in rest) <= total - sum(work[k] for k in fam if k in now):
+            out += rest
+        elif rest:
+            out.append(rest.pop(0))
+            rests.append(rest)
+    for rest in rests:
+        out += rest[:max(0, width - len(now) - len(out))]
+    return out
 
 
 def _past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool:

@@ -170,7 +170,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     equivalence gate on one batch in float64. With `mem`, a split that does not fit a
     device is planned per device (recompute, offload: `parallel.memplan`). `mpi`: predict
     and plan the split as `run --distributed` runs it, one process per device, whose sends
-    MPI holds until the peer has them (`project.hold_sends`). `jobs`: processes that
+    MPI holds until the peer has them (`project.mark_over_mpi`). `jobs`: processes that
     build and predict the candidates (None: one a core where they are big enough;
     `choose`). Raises SplitError (exit 3) for splits that cannot be made or do not fit."""
     from netdsl.memory.profiles import get_profile

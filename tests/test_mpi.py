@@ -79,10 +79,11 @@ def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
 def test_ranks_share_auto_and_choose_what_split_mpi_chooses():
     """`--distributed` with auto shares the candidates out among the ranks (each predicts
     and plans its share; choose.Share): the split they choose, and its plan per device,
-    are those `netdsl split --mpi` chooses in one process (at 1.5 MB none of the three
-    fastest fits unplanned: the tensor split is planned and does not fit, then 2
-    micro-batches in 1F1B order is planned and chosen)."""
-    args = ("--mem", "1.5MB", "--json")
+    are those `netdsl split --mpi` chooses in one process (at 1.6 MB, each rank's inputs
+    and objects counted, none of the three fastest fits unplanned: the tensor split is
+    planned and does not fit, then 2 micro-batches in 1F1B order is planned and
+    chosen)."""
+    args = ("--mem", "1.6MB", "--json")
     ref = subprocess.run([sys.executable, "-m", "netdsl_cli", "split", NET, "--devices", "2",
                           "--profile", "cpu", "--interconnect", "shm", "--mpi", *args],
                          capture_output=True, text=True, timeout=300)
@@ -291,34 +292,35 @@ PEAKS = """
 import json, sys
 from pathlib import Path
 import netdsl
+from netdsl.memory.plan import process_reserves
 from netdsl.runtime.mpi import world
 from netdsl.runtime.trainer import RunOptions, Trainer
 net = netdsl.load(sys.argv[1])
 t = Trainer(net.graph, net.train, RunOptions(steps=3, eval_samples=0, distributed=True,
                                              split=sys.argv[2], batch=int(sys.argv[4])))
 r = t.fit()
-(Path(sys.argv[3]) / f"rank{world()[0]}.json").write_text(json.dumps(
+rank = world()[0]
+(Path(sys.argv[3]) / f"rank{rank}.json").write_text(json.dumps(
     {"planned": t.planned_peak_bytes(), "measured": r.peak_bytes,
-     "counted": t.executor.peak_bytes}))
+     "counted": t.executor.peak_bytes, "reserve": process_reserves(t.full_graph)[rank]}))
 """
 
 
-# a pipeline's part has 8 micro-batches' nodes, and the interpreter's objects for each of
-# them (the run's program, its caches: about 0.6 MB here, counted by no plan) are 2.4-3.1%
-# of its ranks' peaks at batch 8 on a quiet machine, 4.6% seen beside a CI run (before:
-# 3.8-9.4%, the sends not counted, unread images held)
-@pytest.mark.parametrize("split, bound", [("tensor", 1.02), ("spatial", 1.02), ("data", 1.02),
-                                          ("pipeline", 1.06)])
-def test_each_rank_stays_within_its_planned_peak(tmp_path, split, bound):
+@pytest.mark.parametrize("split", ["tensor", "spatial", "data", "pipeline"])
+def test_each_rank_stays_within_its_planned_peak(tmp_path, split):
     """Each rank's peak as tracemalloc measures it (not the executor's count) is within its
-    storage plan's, and the executor's count is the plan's. The collectives' results used
-    to be held to the end of the step, as outputs, and by the trainer into the next: the
-    ranks measured 1.11x (data), 1.19x (spatial) and 1.55x (tensor) their plans here."""
+    storage plan's and what its process is reserved besides (`plan.process_reserves`: its
+    inputs and interpreter objects; measured 0.15-0.25 MB above the plans of a pipeline's
+    ranks here, with 0.34-0.42 MB reserved; 0.18-0.51 MB while a message was held twice,
+    varying from run to run), and the executor's count is the plan's. The
+    collectives' results used to be held to the end of the step, as outputs, and by the
+    trainer into the next: the ranks measured 1.11x (data), 1.19x (spatial) and 1.55x
+    (tensor) their plans here."""
     two_ranks(tmp_path, PEAKS, str(ROOT / "examples" / "resnet20-cifar.net"), split,
               str(tmp_path), "8")
     for r in (0, 1):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert d["measured"] <= bound * d["planned"], (r, d)
+        assert d["measured"] <= d["planned"] + d["reserve"], (r, d)
         # the executor's count is its plan's (rank 1 counted its inputs as another device's
         # and summed the two devices' peaks: 196,608 B over its plan with spatial=2)
         assert d["counted"] == d["planned"], (r, d)
@@ -418,25 +420,25 @@ def test_a_failing_rank_other_than_0_says_why(tmp_path):
     assert "netdsl: rank 1 failed; stopping every rank" in out.stderr
 
 
-def test_ranks_plan_the_split_into_mem_as_one_process_does(tmp_path):
-    """`--distributed --mem`: every rank plans the chosen split per device as the
-    in-process run does, but with its sends held as MPI holds them (to a receive that
-    proves the peer has them): the same loss; each rank's count is its plan's and within
-    the budget (measured too, on rank 0); a plan at or above the in-process one."""
-    args = ("--steps", "2", "--split", "pipeline", "--mem", "600KB", "--eval-samples", "0",
-            "--json")
-    a, b = netdsl(*args, "--devices", "2"), netdsl(*args, ranks=2)
+def test_ranks_plan_the_split_into_mem_and_stay_within_it(tmp_path):
+    """`--distributed --mem`: every rank plans the chosen split per device with its sends
+    held as MPI holds them (to a receive that proves the peer has them) and room for what
+    its process holds besides its plan (its inputs, its interpreter objects): the loss of
+    the in-process run (planned into less, as one process needs: recomputing changes no
+    figure); each rank's count is its plan's; rank 0's peak as tracemalloc measures it
+    within the budget (before the room was reserved, 600 kB planned over MPI measured
+    519-586 kB quiet and 651 kB beside a CI run)."""
+    args = ("--steps", "2", "--split", "pipeline", "--eval-samples", "0", "--json")
+    a = netdsl(*args, "--mem", "600KB", "--devices", "2")
+    b = netdsl(*args, "--mem", "820KB", ranks=2)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     one, two = json.loads(a.stdout), json.loads(b.stdout)
     assert two["final_loss"] == one["final_loss"]
-    per, per_one = two["memory_plan"]["per_device"], one["memory_plan"]["per_device"]
-    assert all(d["recompute"] > 0 for d in per.values())
-    assert per["0"]["peak_bytes"] > per_one["0"]["peak_bytes"]  # its held sends
+    per = two["memory_plan"]["per_device"]
+    assert all(d["recompute"] > 0 and d["outside_plan_bytes"] > 0 for d in per.values())
+    assert all(d["peak_bytes"] + d["outside_plan_bytes"] <= 820_000 for d in per.values())
     assert two["counted_peak_bytes"] == two["planned_peak_bytes"] == per["0"]["peak_bytes"]
-    assert two["counted_peak_bytes"] <= two["budget_bytes"] == 600_000
-    # measured: 519-586 kB quiet or beside two busy loops, 651 kB beside a CI run (the
-    # interpreter's objects, which no plan over MPI reserves, are a large part of 600 kB)
-    assert two["peak_bytes"] <= 1.15 * two["counted_peak_bytes"]
+    assert two["peak_bytes"] <= two["budget_bytes"] == 820_000
 
 
 DIFFERENT_STEPS = """

@@ -62,20 +62,20 @@ def test_a_rank_is_fed_only_what_its_part_reads(pipeline):
 
 
 def test_the_planner_holds_the_sends_as_the_storage_plan_does(pipeline):
-    """A step run over MPI is planned with its sends held (`hold_sends`): the memory
+    """A step run over MPI is planned with its sends held (`mark_over_mpi`): the memory
     planner's simulation grows by what the storage plan the executor follows grows, on
     each device (the two differ by the 4-byte learning rate, counted on device 0 by the
     simulation alone, marks or not)."""
     from netdsl.ir.graph import Graph
     from netdsl.memory.plan import device_peaks
     from netdsl.memory.simulate import prepare, simulate
-    from netdsl.parallel.project import hold_sends
+    from netdsl.parallel.project import mark_over_mpi
     roles = ("loss", "output", "updates")
 
     def peaks(g):
         return simulate(prepare(g, roles)).device_peaks, device_peaks(g, make_plan(g, roles))
     sim0, plan0 = peaks(pipeline)
-    held = hold_sends(Graph(pipeline.name, [n.copy() for n in pipeline.nodes],
+    held = mark_over_mpi(Graph(pipeline.name, [n.copy() for n in pipeline.nodes],
                             {k: list(v) for k, v in pipeline.outputs.items()},
                             pipeline.batch, dict(pipeline.parallel), dict(pipeline.meta)))
     sim1, plan1 = peaks(held)

@@ -121,13 +121,18 @@ def _print(res) -> None:
                     f"{m.get('offload', 0):,} ({_mb(m.get('offload_bytes', 0))})"]
         t.add_row(*row)
     out.print(t)
+    reserve = max(d.outside_plan_bytes for d in rep.per_device)
+    if reserve:
+        out.print(f"each device's process also holds up to {_mb(reserve)} besides its peak "
+                  "memory (its inputs and interpreter objects), counted where the split is "
+                  "fitted to memory")
     if best.memory is not None:
         p = best.memory
         out.print(f"memory plan ({p.strategy} on {p.profile.name}): every device within "
                   f"{_mb(p.budget_bytes)}; {p.counts.get('recompute', 0):,} values "
                   f"recomputed, {p.counts.get('offload', 0):,} offloaded "
                   f"({_mb(p.offload_bytes)} to the hosts); unplanned the split would need "
-                  f"{_mb(best.unplanned_peak_bytes)} and take "
+                  f"{_mb(best.unplanned_peak_bytes + reserve)} and take "
                   f"{best.unplanned_step_s * 1e3:,.1f} ms")
     out.print(f"predicted step {rep.predicted_step_s * 1e3:,.1f} ms on {rep.profile} over "
               f"{rep.interconnect} (one device: {rep.single_step_s * 1e3:,.1f} ms), "

@@ -18,6 +18,11 @@ original:
 which is how the executor initialises a replica with the same values as the original and
 how checkpoints are written in the single-device layout, so a run saved on 4 devices
 resumes on 1.
+
+A split step that will run one process per device (over MPI) says so in its
+`meta[PER_PROCESS]` (`parallel.project.mark_over_mpi`): each device is then a process of
+its own, which holds, besides its plan, its own inputs and interpreter objects
+(`memory.plan.process_reserves`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 from netdsl.ir.graph import Graph, Node
 
 _SUFFIX = re.compile(r"@(?:d\d+|m\d+|s\d+)+")
+
+PER_PROCESS = "one_process_per_device"  # graph meta: a split step run over MPI
 
 
 def copy_name(name: str, device: int | None = None, micro: int | None = None,

@@ -451,13 +451,21 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     result), or (None, the result) when no plan fits (`result.feasible` is False) or
     `verify` is off. Optimizer state the plan offloads is streamed from the host
     (`strategies.apply_decisions`, rule 5). A split step is planned and checked per
-    device (`plan.device_peaks`; its values are not packed into arenas)."""
-    from netdsl.memory.plan import device_peaks, make_plan, unplanned_bytes
+    device (`plan.device_peaks`; its values are not packed into arenas); run over MPI,
+    each device is a process that holds its own inputs and objects besides its plan
+    (`plan.process_reserves`): the search plans into the budget less the largest of those,
+    and the check counts each device's own. The check counts the rewritten step's
+    (recomputed values add nodes, and so objects)."""
+    from netdsl.memory.plan import device_peaks, make_plan, process_reserves, unplanned_bytes
     from netdsl.memory.strategies import apply_decisions
     budget = parse_size(mem, "--mem")
     profile = get_profile(profile)
     split = any(n.device is not None for n in step.nodes)
-    outside = unplanned_bytes(step, float_dtype) if profile.unified and not split else 0
+    reserves = process_reserves(step, float_dtype) if profile.unified and split else {}
+    if split:
+        outside = max(reserves.values(), default=0)
+    else:
+        outside = unplanned_bytes(step, float_dtype) if profile.unified else 0
 
     def search(target: int) -> PlanResult:
         res = plan_memory(step, max(target, 1), profile, strategy, float_dtype,
@@ -465,7 +473,12 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
                           offload_state=offload_state, roles=roles)
         res.budget_bytes = budget
         res.outside_plan_bytes = outside
-        res.feasible = res.feasible and res.planned_peak_bytes + outside <= budget
+        for d, row in res.per_device.items():
+            row["outside_plan_bytes"] = reserves.get(d, 0)
+        res.feasible = res.feasible and (
+            all(row["peak_bytes"] + row["outside_plan_bytes"] <= budget
+                for row in res.per_device.values()) if res.per_device
+            else res.planned_peak_bytes + outside <= budget)
         return res
 
     def check(res: PlanResult) -> tuple[Graph, int]:
@@ -475,14 +488,19 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         if res.per_device:  # a split step: every device within the budget
             mp = make_plan(g, roles, float_dtype, pack_arena=False)
             peaks = device_peaks(g, mp)
+            own = process_reserves(g, float_dtype) if res.profile.unified else {}
             if res.profile.unified:  # the host pools count too (all of them: an upper bound)
-                peaks = {d: v + mp.host_peak_bytes for d, v in peaks.items()}
+                peaks = {d: v + mp.host_peak_bytes + own.get(d, 0) for d, v in peaks.items()}
             for d, v in peaks.items():
-                res.per_device.setdefault(d, {})["verified_peak_bytes"] = v
+                row = res.per_device.setdefault(d, {})
+                row["verified_peak_bytes"], row["outside_plan_bytes"] = v, own.get(d, 0)
+            res.outside_plan_bytes = max(own.values(), default=0)
             peak = max(peaks.values())
         else:
             mp = make_plan(g, roles, float_dtype, pack_arena=arena)
-            peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + outside
+            if res.profile.unified:
+                res.outside_plan_bytes = unplanned_bytes(g, float_dtype)
+            peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + res.outside_plan_bytes
             if res.profile.unified:  # host and device are one memory: the pool counts too
                 peak += mp.host_bytes if arena else mp.host_peak_bytes
         res.verified_peak_bytes = peak
@@ -513,6 +531,10 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         floor.feasible, floor.dominant = True, ""
         return g, floor
     floor.feasible = False
+    held = floor.per_device.get(floor.worst_device, {}).get("outside_plan_bytes")
+    if held:  # (over MPI) what the device's process holds besides its plan
+        floor.dominant += (f", and its process's inputs and interpreter objects "
+                           f"{format_decimal(held)}")
     return None, floor
 
 

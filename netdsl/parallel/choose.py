@@ -40,7 +40,7 @@ from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel import fanout
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
-from netdsl.parallel.project import hold_sends
+from netdsl.parallel.project import mark_over_mpi
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.sizes import format_decimal
 
@@ -202,7 +202,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
-    (`project.hold_sends`: predicted and planned so); `share`: ranks that share the
+    (`project.mark_over_mpi`: predicted and planned so); `share`: ranks that share the
     candidates out (`Share`; the choice and the chosen step are the ones each would have
     made alone); `jobs`: without `share`, the processes that share them so (this one and
     jobs - 1 workers; None: `_jobs`' default)."""
@@ -239,7 +239,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     def build(spec: SplitSpec) -> Graph:
         g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
         g.outputs.update(outputs or {})
-        return hold_sends(g) if over_mpi else g
+        return mark_over_mpi(g) if over_mpi else g
 
     def evaluate(spec: SplitSpec) -> Choice | str:
         """The candidate built and predicted, or why it cannot be made."""
@@ -353,13 +353,15 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             raise SplitError(
                 f"no split onto {devices} device(s) fits {format_decimal(cap)} per device, "
                 f"even with memory planning: the best ({worst.spec.describe()}) needs at "
-                f"least {format_decimal(m.min_feasible_bytes)} on device {m.worst_device} "
+                f"least {format_decimal(m.min_feasible_bytes)} ({m.min_feasible_bytes:,} "
+                f"bytes) on device {m.worst_device} "
                 f"({m.dominant or 'its persistent state'}); use more devices, a smaller "
                 "batch, or more memory")
-        peak = max(worst.report.per_device, key=lambda d: d.peak_bytes)
+        peak = max(worst.report.per_device, key=lambda d: d.peak_bytes + d.outside_plan_bytes)
         raise SplitError(
             f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
-            f"best ({worst.spec.describe()}) needs {peak.peak_bytes / 1e9:.3g} GB on device "
+            f"best ({worst.spec.describe()}) needs "
+            f"{(peak.peak_bytes + peak.outside_plan_bytes) / 1e9:.3g} GB on device "
             f"{peak.device}; use more devices, a smaller batch, or more memory")
     return Chosen(best, single, considered, [specs[k] for k in sorted(skipped)])
 
@@ -471,14 +473,15 @@ def _helper(ex: fanout.Exchange, **args) -> None:
 
 
 def _least_peak(c: Choice) -> int:
-    """The smallest largest-device peak a candidate reaches (planned, where it was)."""
+    """The smallest budget a candidate fits (planned, where it was): its largest device
+    peak with what that device's process holds besides it (over MPI)."""
     if c.memory is not None:
         return c.memory.min_feasible_bytes
-    return max(d.peak_bytes for d in c.report.per_device)
+    return max(d.peak_bytes + d.outside_plan_bytes for d in c.report.per_device)
 
 
 def _fits(rep: SplitReport, cap: int) -> bool:
-    return all(d.peak_bytes <= cap for d in rep.per_device)
+    return all(d.peak_bytes + d.outside_plan_bytes <= cap for d in rep.per_device)
 
 
 def _plan(g: Graph, cap: int, single_step: float, profile: Profile, link: Interconnect,

@@ -38,4 +38,5 @@ def summary(res: PlanResult, unplanned_step_s: float | None = None,
             "recompute_flops": res.recompute_flops, "plan_s": res.plan_s,
             "predicted_step_s": predicted_step_s, "unplanned_step_s": unplanned_step_s,
             "predicted_overhead": overhead, "unplanned_peak_bytes": unplanned_peak_bytes,
+            "outside_plan_bytes": res.outside_plan_bytes,
             "per_device": {str(d): dict(v) for d, v in sorted(res.per_device.items())}}

@@ -24,7 +24,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.ops.comm import COLLECTIVES, comm_bytes
 from netdsl.ir.placement import devices_of
-from netdsl.memory.plan import device_peaks, make_plan, value_bytes
+from netdsl.memory.plan import device_peaks, make_plan, process_reserves, value_bytes
 from netdsl.memory.profiles import Profile
 
 
@@ -68,6 +68,9 @@ class DeviceReport:
     sends: int
     collectives: int
     busy_s: float = 0.0
+    # run as a process of its own (over MPI), what it holds besides its plan in unified
+    # memory: its inputs, its interpreter objects (`plan.process_reserves`)
+    outside_plan_bytes: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -198,6 +201,7 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
     is the predicted step of the single-device graph it came from (`step_time`)."""
     plan = make_plan(g, _roles(g), float_dtype, pack_arena=False)
     peaks = device_peaks(g, plan)
+    reserves = process_reserves(g, float_dtype) if profile.unified else {}
     step, busy, timeline = simulate(g, profile, link, float_dtype, plan.order)
     per = []
     lower = 0
@@ -220,7 +224,8 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
                 lower += b
         per.append(DeviceReport(d, len(nodes), sum(n.type.numel() for n in nodes
                                                    if n.op == "param"),
-                                flops, peaks.get(d, 0), sent, sends, colls, busy.get(d, 0.0)))
+                                flops, peaks.get(d, 0), sent, sends, colls, busy.get(d, 0.0),
+                                reserves.get(d, 0)))
     split = g.meta.get("split", {})
     k, m = split.get("pipeline", 1), split.get("microbatches", 1)
     total_busy = sum(busy.values())

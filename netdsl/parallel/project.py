@@ -22,6 +22,7 @@ import bisect
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
 from netdsl.ir.ops.comm import COLLECTIVES, COMM_OPS
+from netdsl.ir.placement import PER_PROCESS
 
 
 def project(g: Graph, rank: int) -> Graph:
@@ -62,7 +63,7 @@ def sends_held_to(g: Graph) -> dict[str, str]:
     """For each send to another device: the first receive on the sender's device that
     waits for a message the peer sends after it has received this one (so the send has
     completed by the time that receive has), else "end". Ranks run their nodes in graph
-    order. The names are kept in each send's `meta["held_to"]` (`hold_sends`)."""
+    order. The names are kept in each send's `meta["held_to"]` (`mark_over_mpi`)."""
     recv_of = {n.inputs[0]: n for n in g.nodes if n.op == "recv"}
     pos = {n.name: k for k, n in enumerate(g.nodes)}
     # the sends from one device to another, in order, with the receive they feed
@@ -82,9 +83,12 @@ def sends_held_to(g: Graph) -> dict[str, str]:
     return out
 
 
-def hold_sends(g: Graph) -> Graph:
-    """Mark each send's `meta["held_to"]` (`sends_held_to`), so that storage plans and the
-    memory planner of a step run over MPI count its message as MPI holds it."""
+def mark_over_mpi(g: Graph) -> Graph:
+    """Mark split step `g` as run over MPI, one process per device: each send's
+    `meta["held_to"]` (`sends_held_to`), so that storage plans and the memory planner
+    count its message as MPI holds it, and `meta[PER_PROCESS]`, so that a budget leaves
+    each process room for what it holds besides its plan (`plan.process_reserves`)."""
     for name, to in sends_held_to(g).items():
         g[name].meta["held_to"] = to
+    g.meta[PER_PROCESS] = True
     return g

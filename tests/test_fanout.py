@@ -103,7 +103,9 @@ def test_split_jobs_prints_what_one_process_prints():
 
 
 def test_default_jobs_start_workers_only_for_big_candidates(monkeypatch):
+    from netdsl.backends import host_memory
     monkeypatch.setattr(fanout, "cores", lambda: 16)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: None)
     assert choose_mod._jobs(None, 13, 24) == 1  # digits-cnn: not worth a worker's start
     assert choose_mod._jobs(None, 13, 1372) == choose_mod.MAX_AUTO_JOBS
     assert choose_mod._jobs(None, 3, 1372) == 3  # no more processes than candidates
@@ -112,6 +114,24 @@ def test_default_jobs_start_workers_only_for_big_candidates(monkeypatch):
     assert choose_mod._jobs(None, 13, 1372) == 1
     with pytest.raises(SplitError, match="--jobs must be at least 1"):
         choose_mod._jobs(0, 13, 24)
+
+
+def test_default_jobs_are_no_more_than_the_free_memory_holds(monkeypatch):
+    """Each process building candidates holds up to about 5 kB a forward node for each
+    copy of the network in the largest (resnet2504's 20,895 nodes, 16 micro-batches:
+    1.8 GB); the default starts no more than the free host memory holds, the caller
+    included; --jobs is taken as asked."""
+    from netdsl.backends import host_memory
+    monkeypatch.setattr(fanout, "cores", lambda: 16)
+    each = choose_mod._process_bytes(20895, 16)
+    assert 1.7e9 < each < 1.9e9
+    for free, jobs in ((100 * each, choose_mod.MAX_AUTO_JOBS), (3.5 * each, 3), (each, 1),
+                       (each // 2, 1)):
+        monkeypatch.setattr(host_memory, "available_bytes", lambda f=free: int(f))
+        assert choose_mod._jobs(None, 10, 20895, 16) == jobs, free
+    assert choose_mod._jobs(4, 10, 20895, 16) == 4
+    specs = choose_mod.candidates(None, 4, 16, None, {}, "sync", None, True, True)
+    assert max(map(choose_mod._copies, specs)) == 16  # pipeline=4, 16 micro-batches
 
 
 def test_a_graph_travels_to_a_worker_whole():

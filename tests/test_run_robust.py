@@ -473,13 +473,14 @@ def test_out_of_memory_during_a_step(tiny, monkeypatch):
 
 
 def test_free_memory_is_the_smaller_of_the_hosts_and_the_cgroups(monkeypatch):
+    from netdsl.backends import host_memory
     from netdsl.backends.numpy import NumpyBackend
     from netdsl.runtime import room
     be = NumpyBackend()
-    monkeypatch.setattr(room, "_cgroup_room", lambda: None)
+    monkeypatch.setattr(host_memory, "_cgroup_room", lambda: None)
     host = room.available_bytes(be)
     assert host is None or host > 1000
-    monkeypatch.setattr(room, "_cgroup_room", lambda: 1000)
+    monkeypatch.setattr(host_memory, "_cgroup_room", lambda: 1000)
     assert room.available_bytes(be) == 1000
 
 

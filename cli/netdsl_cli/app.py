@@ -125,8 +125,8 @@ BatchOpt = Annotated[int | None, typer.Option("--batch", "-b", min=1,
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
 JobsOpt = Annotated[int | None, typer.Option(
     "--jobs", "-j", min=1, help="processes that build and predict the candidate splits "
-    "(default: one a core, up to 8, where the network is big enough to pay for starting "
-    "them; 1: this process alone)")]
+    "(default: one a core, up to 8 and as many as the free memory holds, where the network "
+    "is big enough to pay for starting them; 1: this process alone)")]
 
 
 # -- commands ---------------------------------------------------------------------------------

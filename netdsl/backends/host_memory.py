@@ -1,4 +1,5 @@
-"""Keep freed host memory in the process (glibc malloc tuning) for the NumPy backend.
+"""Host memory: what is free (`available_bytes`), and keeping freed memory in the process
+(glibc malloc tuning) for the NumPy backend.
 
 A training step allocates and frees the same large arrays every step. glibc serves any
 request above its mmap threshold (at most 32 MB) with a fresh mmap and unmaps it on free,
@@ -16,6 +17,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+from pathlib import Path
 
 from netdsl.config import env_switch
 
@@ -48,3 +50,30 @@ def _tune() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # mallopt takes an int: trimming starts only above 2 GiB of free memory at the heap top
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def available_bytes() -> int | None:
+    """The host memory free to this process: MemAvailable, less where its cgroup (a
+    container's limit) leaves less; None where neither can be read."""
+    free = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    known = [v for v in (free, _cgroup_room()) if v is not None]
+    return min(known) if known else None
+
+
+def _cgroup_room() -> int | None:
+    """What a cgroup v2 memory limit leaves (memory.max - memory.current), or None."""
+    try:
+        root = Path("/sys/fs/cgroup")
+        cap = (root / "memory.max").read_text().strip()
+        if not cap.isdigit():  # "max": no limit
+            return None
+        return max(int(cap) - int((root / "memory.current").read_text()), 0)
+    except (OSError, ValueError):
+        return None

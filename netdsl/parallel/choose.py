@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from netdsl.backends import host_memory
 from netdsl.config import ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.bulk import gc_paused
@@ -48,10 +49,18 @@ CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 
 # `jobs` None: worker processes only where the forward nodes times the candidates reach
 # this (resnet20's 183 x 13, about the break-even: 1.8-2.2 s with or without a worker, on
-# four devices; mobilenet_v2's 418 x 10, 5.2 -> 4.7 s), one a core, at most MAX_AUTO_JOBS
-# (each holds a candidate's step: 1.5-2.7 GB for resnet2504's)
+# four devices; mobilenet_v2's 418 x 10, 5.2 -> 4.7 s), one a core, at most MAX_AUTO_JOBS,
+# and no more than the free host memory holds (`_process_bytes`)
 FANOUT_MIN_WORK = 1000
 MAX_AUTO_JOBS = 8
+# What a process that builds candidates holds at most (resident): the interpreter, and
+# about 5 kB a forward node for each copy of the network in the largest candidate (a
+# pipeline's micro-batches, data or spatial parts, tensor shards). Measured: resnet2504 at
+# batch 16 on 4 devices (16 micro-batches), a worker 1.65 GB and the caller 2.20 GB
+# against 1.77 GB estimated; resnet164 (128 micro-batches, the largest counts skipped by
+# the rounds) 0.21 GB against 0.98 GB.
+PROCESS_BASE_BYTES = 100 << 20
+PROCESS_BYTES_PER_NODE_COPY = 5 << 10
 
 
 @dataclass
@@ -209,7 +218,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
                        schedule, any(n.op == "batchnorm" for n in fwd.nodes),
                        any(n.op == "conv2d" for n in fwd.nodes))
-    n_jobs = 1 if share is not None else _jobs(jobs, len(specs), len(fwd.nodes))
+    n_jobs = 1 if share is not None else _jobs(jobs, len(specs), len(fwd.nodes),
+                                               max(map(_copies, specs), default=1))
     if n_jobs > 1:
         args = dict(fwd=fwd, batch=batch, strategy=strategy, devices=devices,
                     optimizer=optimizer, profile=profile, link=link, mem=mem,
@@ -454,15 +464,29 @@ def _work(spec: SplitSpec) -> float:
         1.4 if spec.tensor > 1 else 1.0)
 
 
-def _jobs(jobs: int | None, n_specs: int, n_nodes: int) -> int:
-    """The processes to share `n_specs` candidates of an `n_nodes`-node network among."""
+def _jobs(jobs: int | None, n_specs: int, n_nodes: int, copies: int = 1) -> int:
+    """The processes to share `n_specs` candidates of an `n_nodes`-node network among, the
+    largest making `copies` copies of it."""
     if jobs is None:
         if n_nodes * n_specs < FANOUT_MIN_WORK:
             return 1
         jobs = min(fanout.cores(), MAX_AUTO_JOBS)
+        free = host_memory.available_bytes()
+        if free is not None:  # the caller builds candidates too
+            jobs = max(1, min(jobs, free // _process_bytes(n_nodes, copies)))
     if jobs < 1:
         raise SplitError(f"--jobs must be at least 1, not {jobs}")
     return min(jobs, max(n_specs, 1))
+
+
+def _process_bytes(n_nodes: int, copies: int) -> int:
+    """What a process building candidates holds at most (PROCESS_BYTES_PER_NODE_COPY)."""
+    return PROCESS_BASE_BYTES + PROCESS_BYTES_PER_NODE_COPY * n_nodes * copies
+
+
+def _copies(spec: SplitSpec) -> int:
+    """The copies of the network a candidate's step makes (as `_process_bytes` counts)."""
+    return spec.microbatches * spec.data * spec.spatial * spec.tensor
 
 
 def _helper(ex: fanout.Exchange, **args) -> None:

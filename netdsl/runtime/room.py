@@ -5,8 +5,7 @@ The trainer reads it before the first step; tests stand in for `available_bytes`
 """
 from __future__ import annotations
 
-from pathlib import Path
-
+from netdsl.backends import host_memory
 from netdsl.errors import NetdslError
 
 
@@ -18,26 +17,8 @@ def available_bytes(backend) -> int | None:
         if backend.name == "cupy":
             return int(backend.xp.cuda.Device().mem_info[0]) + int(
                 backend.xp.get_default_memory_pool().free_bytes())
-        free = None
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-        known = [v for v in (free, _cgroup_room()) if v is not None]
-        return min(known) if known else None
+        return host_memory.available_bytes()
     except Exception:  # noqa: BLE001 - an estimate only; the error is said without it
-        return None
-
-
-def _cgroup_room() -> int | None:
-    """What a cgroup v2 memory limit leaves (memory.max - memory.current), or None."""
-    try:
-        root = Path("/sys/fs/cgroup")
-        cap = (root / "memory.max").read_text().strip()
-        if not cap.isdigit():  # "max": no limit
-            return None
-        return max(int(cap) - int((root / "memory.current").read_text()), 0)
-    except (OSError, ValueError):
         return None
 
 

@@ -57,26 +57,32 @@ OBJECT_BYTES_PER_NODE = 128
 OBJECT_BYTES_FIXED = 160 << 10
 
 
-def unplanned_bytes(g: Graph, float_dtype: str = "f32", device: int | None = None) -> int:
+def unplanned_bytes(g: Graph, float_dtype: str = "f32") -> int:
     """What a run of `g` holds in unified memory besides the plan (above): the fed inputs'
-    bytes and an allowance for the interpreter's objects. With `device`, what the process
-    that runs device `device` of a split step holds: its own nodes' share and the unplaced
-    ones' (every rank has those: `parallel.project`)."""
-    nodes = g.nodes if device is None else [n for n in g.nodes if n.device in (device, None)]
-    feeds = sum(value_bytes(n.type, float_dtype) for n in nodes if n.op == "input")
-    return feeds + OBJECT_BYTES_FIXED + OBJECT_BYTES_PER_NODE * len(nodes)
+    bytes and an allowance for the interpreter's objects."""
+    return _held_besides(g.nodes, float_dtype)
 
 
 def process_reserves(g: Graph, float_dtype: str = "f32") -> dict[int, int]:
     """Per device of a split step run one process per device (over MPI: `meta[PER_PROCESS]`),
-    what that process holds besides its device's plan (`unplanned_bytes`); empty for a
-    step run in one process, whose devices share one interpreter. (ResNet-20's pipeline
-    ranks at batch 8 measured 0.15-0.25 MB above their plans, with 0.34-0.42 MB reserved:
+    what that process holds besides its device's plan: `unplanned_bytes` of its own nodes
+    and of the unplaced ones, which every rank has (`parallel.project`). Empty for a step
+    run in one process, whose devices share one interpreter. (ResNet-20's pipeline ranks
+    at batch 8 measured 0.15-0.25 MB above their plans, with 0.34-0.42 MB reserved:
     docs/parallel.md.)"""
     if not g.meta.get(PER_PROCESS):
         return {}
-    devices = sorted({n.device for n in g.nodes if n.device is not None}) or [0]
-    return {d: unplanned_bytes(g, float_dtype, d) for d in devices}
+    own: dict[int, list[Node]] = {}
+    shared: list[Node] = []
+    for n in g.nodes:
+        (shared if n.device is None else own.setdefault(n.device, [])).append(n)
+    return {d: _held_besides(own.get(d, []) + shared, float_dtype)
+            for d in sorted(own) or [0]}
+
+
+def _held_besides(nodes: list[Node], float_dtype: str) -> int:
+    feeds = sum(value_bytes(n.type, float_dtype) for n in nodes if n.op == "input")
+    return feeds + OBJECT_BYTES_FIXED + OBJECT_BYTES_PER_NODE * len(nodes)
 
 
 def space_of(n: Node) -> str:

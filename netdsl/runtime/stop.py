@@ -3,8 +3,9 @@ pre-empting the job) asks the trainer to stop after the step it is running, save
 checkpoint and report; a second one stops at once, as before (the last checkpoint kept).
 
 A step stopped half way would leave some parameters updated and others not, which is why
-the first signal only raises a flag the trainer reads between steps. Handlers are set only
-on the main thread (Python runs signal handlers there) and put back when the run ends.
+the first signal only raises a flag the trainer reads between steps. The handlers stay
+through the final checkpoint save, which a first signal lets finish too. They are set only
+on the main thread (Python runs signal handlers there) and put back after that save.
 """
 from __future__ import annotations
 
@@ -15,17 +16,24 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopRequest:
-    """A context manager; `requested` is the name of the first signal ("SIGINT"), or None."""
+    """A context manager; `requested` is the name of the first signal ("SIGINT"), or None.
+    Over MPI the trainer sets `requested` to the first signal any rank got, so a signal is
+    "the second" only where this process got one before: mpiexec passes Ctrl-C to the
+    ranks one after another, and a rank can get it after the ranks agreed to stop on
+    another's, while it saves (stopped at once there, it left the others waiting)."""
 
     def __init__(self):
         self.requested: str | None = None
+        self.received = 0  # signals this process got
         self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
-        if self.requested is not None:  # the second: stop now
+        self.received += 1
+        if self.received > 1:  # the second: stop now
             self._restore()
             raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():

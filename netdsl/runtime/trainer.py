@@ -739,9 +739,11 @@ class Trainer:
         meter = be.memory_meter()
         meter.__enter__()
         metering = True
-        stop = StopRequest()  # (put back when the loop ends: a signal while saving stops)
-        try:
-            with stop:
+        # the handlers stay through the final save: a first signal then lets it finish (over
+        # MPI a rank can get Ctrl-C after the ranks agreed to stop; StopRequest)
+        stop = StopRequest()
+        with stop:
+            try:
                 while self.step < self.total:
                     arrays = self.loader.next(self._fed)
                     lr = lr_at(self.cfg.schedule, lr_base, self.step, self.total)
@@ -786,16 +788,16 @@ class Trainer:
                         metering = False
                     if self._stop_requested(stop):
                         break
-        finally:
-            if metering:
-                meter.__exit__(None, None, None)
-            if log:
-                log.close()
-        every = self.opts.checkpoint_every
-        just_saved = bool(losses) and bool(every) and self.step % every == 0
-        if self.opts.checkpoint and not just_saved:  # the final state, once
-            self.save()
-        interrupted = stop.requested
+            finally:
+                if metering:
+                    meter.__exit__(None, None, None)
+                if log:
+                    log.close()
+            interrupted = stop.requested  # (over MPI: every rank's, after the last step)
+            every = self.opts.checkpoint_every
+            just_saved = bool(losses) and bool(every) and self.step % every == 0
+            if self.opts.checkpoint and not just_saved:  # the final state, once
+                self.save()
         final_eval = (self.evaluate() if self.data.test is not None and not interrupted
                       else {})
         steady = times[METERED_STEPS:] or times[1:] or times  # (the metered steps run slower)

@@ -58,9 +58,9 @@ OBJECT_BYTES_FIXED = 160 << 10
 
 
 def unplanned_bytes(g: Graph, float_dtype: str = "f32") -> int:
-    """What a run of `g` holds in unified memory besides the plan (above): the fed inputs'
+    """What a run of `g` holds in unified memory besides the plan (above): the fed arrays'
     bytes and an allowance for the interpreter's objects."""
-    return _held_besides(g.nodes, float_dtype)
+    return _held_besides(g.nodes, g.batch, float_dtype)
 
 
 def process_reserves(g: Graph, float_dtype: str = "f32") -> dict[int, int]:
@@ -76,13 +76,24 @@ def process_reserves(g: Graph, float_dtype: str = "f32") -> dict[int, int]:
     shared: list[Node] = []
     for n in g.nodes:
         (shared if n.device is None else own.setdefault(n.device, [])).append(n)
-    return {d: _held_besides(own.get(d, []) + shared, float_dtype)
+    return {d: _held_besides(own.get(d, []) + shared, g.batch, float_dtype)
             for d in sorted(own) or [0]}
 
 
-def _held_besides(nodes: list[Node], float_dtype: str) -> int:
-    feeds = sum(value_bytes(n.type, float_dtype) for n in nodes if n.op == "input")
-    return feeds + OBJECT_BYTES_FIXED + OBJECT_BYTES_PER_NODE * len(nodes)
+def _held_besides(nodes: list[Node], batch, float_dtype: str) -> int:
+    """The fed arrays the caller keeps (each whole: a split step's copy of an input, the
+    rows of a micro-batch or a data part, is fed from the whole batch's array, which every
+    rank that reads it loads) and the objects' allowance."""
+    fed: dict[str, int] = {}
+    for n in nodes:
+        if n.op == "input":
+            b = value_bytes(n.type, float_dtype)
+            rows = n.meta.get("rows")
+            if rows is not None and isinstance(batch, int) and rows[1] > rows[0]:
+                b = b * batch // (rows[1] - rows[0])
+            key = n.meta.get("feed_of", n.name)
+            fed[key] = max(fed.get(key, 0), b)
+    return sum(fed.values()) + OBJECT_BYTES_FIXED + OBJECT_BYTES_PER_NODE * len(nodes)
 
 
 def space_of(n: Node) -> str:

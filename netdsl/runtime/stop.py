@@ -16,14 +16,19 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopRequest:
-    """A context manager; `requested` is the name of the first signal ("SIGINT"), or None.
-    Over MPI the trainer sets `requested` to the first signal any rank got, so a signal is
-    "the second" only where this process got one before: mpiexec passes Ctrl-C to the
-    ranks one after another, and a rank can get it after the ranks agreed to stop on
-    another's, while it saves (stopped at once there, it left the others waiting)."""
+    """A context manager; `requested` is the name of the first signal this process got
+    ("SIGINT"), or None. The trainer decides on `agreed`: over MPI the first signal any
+    rank had got by the agreement after a step, else `requested` then. Only the handler
+    writes `requested`: the agreement, which wrote its result there, lost a signal that
+    arrived while it waited for the other ranks (where a rank waits most), and the ranks
+    trained on. A signal is "the second" only where this process got one before: mpiexec
+    passes Ctrl-C to the ranks one after another, and a rank can get it after the ranks
+    agreed to stop on another's, while it saves (stopped at once there, it left the others
+    waiting)."""
 
     def __init__(self):
         self.requested: str | None = None
+        self.agreed: str | None = None  # the trainer's: stop after this step, for this
         self.received = 0  # signals this process got
         self._old: dict = {}
 

@@ -707,12 +707,14 @@ class Trainer:
 
     def _stop_requested(self, stop: StopRequest) -> bool:
         """Whether to stop after this step: a signal arrived (over MPI: on any rank, so
-        that every rank stops after the same step)."""
-        if not self.opts.distributed:
-            return stop.requested is not None
-        from netdsl.runtime.mpi import first_on_any_rank
-        stop.requested = first_on_any_rank(stop.requested)
-        return stop.requested is not None
+        that every rank stops after the same step; `stop.agreed`). A signal that arrives
+        during the agreement counts at the next one (StopRequest)."""
+        if self.opts.distributed:
+            from netdsl.runtime.mpi import first_on_any_rank
+            stop.agreed = first_on_any_rank(stop.requested)
+        else:
+            stop.agreed = stop.requested
+        return stop.agreed is not None
 
     def _fit(self) -> RunResult:
         if self.opts.resume:
@@ -793,7 +795,7 @@ class Trainer:
                     meter.__exit__(None, None, None)
                 if log:
                     log.close()
-            interrupted = stop.requested  # (over MPI: every rank's, after the last step)
+            interrupted = stop.agreed  # (over MPI: every rank's, after the last step)
             every = self.opts.checkpoint_every
             just_saved = bool(losses) and bool(every) and self.step % every == 0
             if self.opts.checkpoint and not just_saved:  # the final state, once

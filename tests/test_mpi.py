@@ -433,8 +433,7 @@ def test_a_signal_that_reaches_a_rank_after_the_ranks_agreed_to_stop(tmp_path):
     """mpiexec passes Ctrl-C to the ranks one after another: a rank can get it after the
     ranks agreed (on another rank's signal) to stop, while it saves. It is the first signal
     this rank got, so it lets the save finish, as a first signal lets a step finish; it
-    stopped the rank at once, mid-save, and the other waited for it (test_ctrl_c below
-    timed out beside a test run, 1 in about 30)."""
+    stopped the rank at once, mid-save, and the other waited for it without end."""
     path = tmp_path / "script.py"
     path.write_text(LATE_SIGNAL)
     out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(path), NET,

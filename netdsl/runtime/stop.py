@@ -28,7 +28,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested: str | None = None
-        self.agreed: str | None = None  # the trainer's: stop after this step, for this
+        self.agreed: str | None = None  # the trainer's decision after a step (every rank's)
         self.received = 0  # signals this process got
         self._old: dict = {}
 

@@ -19,7 +19,9 @@ def signal_after_steps(cmd: list[str], log: Path, sig: int, steps: int = 5,
         while not (log.exists() and len(log.read_text().splitlines()) >= steps):
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.1)
-        for pid in to(p.pid) if to is not None else [p.pid]:
+        pids = to(p.pid) if to is not None else [p.pid]
+        assert pids, "no process to signal"  # (else the command runs on to the timeout)
+        for pid in pids:
             os.kill(pid, sig)
         out, err = p.communicate(timeout=timeout)
     finally:

@@ -352,3 +352,30 @@ def test_what_split_memory_plans_do_not_cover_yet_is_an_error():
                            "--distributed is not supported yet"):
             check_options(RunOptions(mem="1GB", offload_state=True, **split))
         check_options(RunOptions(mem="1GB", **split))  # planned per device
+
+
+def test_each_process_planned_into_the_budget_less_its_own_reserve(resnet):
+    """Over MPI each device is a process holding its own inputs besides its plan (a
+    pipeline's first stage the images, its last the labels: `plan.process_reserves`), and
+    each device is planned into the budget less its own reserve: at a budget where the last
+    stage fits with its own reserve but not with the first stage's, the plan fits (with
+    one reserve for all, the largest, it would not), every device within the budget."""
+    from netdsl.memory.plan import process_reserves
+    from netdsl.memory.search import plan_and_apply, plan_memory
+    from netdsl.parallel.project import mark_over_mpi
+    net, opt, _ = resnet
+    step = mark_over_mpi(split_step(net.graph, 64, SplitSpec(pipeline=2, microbatches=2), opt))
+    own = process_reserves(step)
+    assert own[0] > own[1] + 500_000  # 64 images on device 0
+    floor = plan_memory(step, 1, "cpu").per_device  # the least each device can hold
+    held = {d: floor[d]["peak_bytes"] + own[d] for d in own}
+    budget = floor[1]["peak_bytes"] + (own[0] + own[1]) // 2
+    assert budget >= held[0] and budget >= held[1]  # each fits with its own reserve
+    res = plan_memory(step, budget, "cpu", reserves=own)
+    assert res.feasible
+    assert all(r["peak_bytes"] + own[d] <= budget for d, r in res.per_device.items())
+    same = plan_memory(step, budget, "cpu", reserves=dict.fromkeys(own, own[0]))
+    assert not same.feasible  # device 1 with device 0's reserve
+    planned, res = plan_and_apply(step, budget, "cpu", roles=_roles(step))
+    assert planned is not None and res.feasible
+    assert all(r["verified_peak_bytes"] <= budget for r in res.per_device.values())

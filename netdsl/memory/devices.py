@@ -31,7 +31,7 @@ def shortest_prefixes(pl, ladder, budget: int, consider, tick) -> None:
         dec: dict[int, str] = {}
         for d, k in ks.items():
             dec.update(ladders[d][:k])
-        return pl.device_peaks(consider(dec)[0])
+        return pl.held_peaks(consider(dec)[0])  # (with each process's reserve)
 
     lo = {d: 0 for d in ladders}
     hi = {d: len(lad) for d, lad in ladders.items()}

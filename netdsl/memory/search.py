@@ -131,7 +131,7 @@ class PlanResult:
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
                  overrides: dict[str, str] | None, offload_state: bool = False,
-                 roles: tuple[str, ...] = ROLES):
+                 roles: tuple[str, ...] = ROLES, reserves: dict[int, int] | None = None):
         self.prep = prepare(g, roles, float_dtype=float_dtype)
         self.costs = Costs(self.prep, profile, float_dtype)
         self.profile = profile
@@ -144,6 +144,9 @@ class Planner:
         self.fixed = prep.fixed  # communication: never recomputed
         self.devices = prep.devices
         self.multi = len(self.devices) > 1  # a split step: the budget is per device
+        # per device, what its process holds besides its plan (over MPI:
+        # `plan.process_reserves`), within the same budget
+        self.reserve = reserves or {}
         self.forced = self._forced(g, overrides or {})
         self.cache: dict[tuple, tuple[Sim, float]] = {}
 
@@ -211,13 +214,19 @@ class Planner:
         return sim, t, dec
 
     def peak(self, sim: Sim) -> int:
-        """The peak the budget bounds: a split step's largest device peak."""
+        """The peak the budget bounds: a split step's largest device peak, each with its
+        process's reserve."""
         if self.multi:
-            return max(self.device_peaks(sim).values())
+            return max(self.held_peaks(sim).values())
         return sim.unified_peak if self.profile.unified else sim.peak_bytes
 
     def device_peaks(self, sim: Sim) -> dict[int, int]:
+        """Each device's planned peak."""
         return sim.device_unified_peaks if self.profile.unified else sim.device_peaks
+
+    def held_peaks(self, sim: Sim) -> dict[int, int]:
+        """Each device's planned peak and its process's reserve: what the budget bounds."""
+        return {d: v + self.reserve.get(d, 0) for d, v in self.device_peaks(sim).items()}
 
     # -- strategies ---------------------------------------------------------------------
     def baseline(self, strategy: str) -> dict[int, str]:
@@ -337,9 +346,12 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
                 strategy: str = "auto", float_dtype: str = "f32",
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
                 progress=None, offload_state: bool = False,
-                roles: tuple[str, ...] = ROLES) -> PlanResult:
+                roles: tuple[str, ...] = ROLES,
+                reserves: dict[int, int] | None = None) -> PlanResult:
     """Plan bound training-step graph `g` into `budget_bytes` (module doc); a split step
-    into `budget_bytes` per device. `roles`: the outputs the step computes.
+    into `budget_bytes` per device, each device's plan into the budget less its
+    `reserves` entry (what its process holds besides its plan: `plan_and_apply`).
+    `roles`: the outputs the step computes.
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
@@ -357,13 +369,14 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
     if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
         res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
-                          DEFAULT_PREFETCH, progress, offload_state, roles)
+                          DEFAULT_PREFETCH, progress, offload_state, roles, reserves)
         if not res.feasible:
             res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
-                              progress, offload_state, roles)
+                              progress, offload_state, roles, reserves)
         res.plan_s = time.perf_counter() - t0
         return res
-    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state, roles)
+    pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state, roles,
+                 reserves)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options: list[tuple[float, int, dict[int, str], Sim]] = []
@@ -424,7 +437,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         min_peak, "", sim, base_sim, prep, len(state_off), len(prep.opt_state))
     if pl.multi:
         res.per_device = per_device(pl, dec, sim)
-        peaks = pl.device_peaks(sim)
+        peaks = pl.held_peaks(sim)
         res.worst_device = max(peaks, key=lambda d: (peaks[d], -d))
     if not feasible:
         best = min(options, key=lambda o: o[1])
@@ -453,7 +466,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     (`strategies.apply_decisions`, rule 5). A split step is planned and checked per
     device (`plan.device_peaks`; its values are not packed into arenas); run over MPI,
     each device is a process that holds its own inputs and objects besides its plan
-    (`plan.process_reserves`): the search plans into the budget less the largest of those,
+    (`plan.process_reserves`): the search plans each device into the budget less its own,
     and the check counts each device's own. The check counts the rewritten step's
     (recomputed values add nodes, and so objects)."""
     from netdsl.memory.plan import device_peaks, make_plan, process_reserves, unplanned_bytes
@@ -462,7 +475,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     profile = get_profile(profile)
     split = any(n.device is not None for n in step.nodes)
     reserves = process_reserves(step, float_dtype) if profile.unified and split else {}
-    if split:
+    if split:  # (the search plans each device into the budget less its own reserve)
         outside = max(reserves.values(), default=0)
     else:
         outside = unplanned_bytes(step, float_dtype) if profile.unified else 0
@@ -470,7 +483,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     def search(target: int) -> PlanResult:
         res = plan_memory(step, max(target, 1), profile, strategy, float_dtype,
                           prefetch=prefetch, progress=progress,
-                          offload_state=offload_state, roles=roles)
+                          offload_state=offload_state, roles=roles, reserves=reserves)
         res.budget_bytes = budget
         res.outside_plan_bytes = outside
         for d, row in res.per_device.items():
@@ -507,7 +520,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         res.verify_s = time.perf_counter() - t0
         return g, peak
 
-    target = budget - outside
+    target = budget if split else budget - outside
     res = None
     for _ in range(4):
         res = search(target)
@@ -618,7 +631,8 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
             continue
         grain = grain_of(us)
         fixed = (pl.prep.state_bytes + pl.prep.workspace if d is None else
-                 pl.prep.device_state.get(d, 0) + pl.prep.device_workspace.get(d, 0))
+                 pl.prep.device_state.get(d, 0) + pl.prep.device_workspace.get(d, 0)
+                 + pl.reserve.get(d, 0))
         # the smallest limit the model finds a plan for (none is below the largest unit):
         # doubling, then bisection (the dynamic program is quick at small limits)
         lo = max(u.held + u.temp for u in us) - 1
@@ -642,7 +656,7 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
             plans[d] = chain_plan(us, limit, grain)
             dec.update(decisions_of(us, plans[d]))
         sim, _ = consider(dec)
-        peaks = pl.device_peaks(sim) if pl.multi else {None: pl.peak(sim)}
+        peaks = pl.held_peaks(sim) if pl.multi else {None: pl.peak(sim)}
         for d, (us, _, fixed, _, _) in groups.items():
             error[d] = max(error[d], peaks[d] - fixed - model_peak(us, plans[d]))
     dec = {}
@@ -667,8 +681,8 @@ def dominant(pl: Planner, sim: Sim) -> str:
     (a split step's: on the device with the largest peak)."""
     prep = pl.prep
     if pl.multi:
-        peaks = pl.device_peaks(sim)
-        d = max(peaks, key=lambda k: (peaks[k], -k))
+        held, peaks = pl.held_peaks(sim), pl.device_peaks(sim)
+        d = max(held, key=lambda k: (held[k], -k))
         streamed = {p for kind, p in sim.entries if kind == H2D and prep.phase[p] == STATE}
         hosted = sum(prep.full_bytes[p] for p in streamed if prep.device[p] == d)
         state = prep.device_state.get(d, 0) - hosted

@@ -359,7 +359,9 @@ def test_a_step_that_does_not_fit_the_free_memory_is_planned_into_it(tmp_path,
     p.write_text(DEEP)
     net = netdsl.load(p)
     whole = Trainer(net.graph, net.train, RunOptions(steps=2))
-    need = whole.planned_peak_bytes()
+    # its storage plan, and its batch and interpreter objects besides
+    need = (whole.planned_peak_bytes()
+            + whole._held_besides_plan(whole.train_graph, whole.executor.backend))
     assert whole.mem is None and whole.warnings == []
     expected = whole.fit()
     free = int(need * 0.7)
@@ -393,7 +395,7 @@ def test_a_step_planned_past_the_free_memory_is_refused_before_it_starts(tiny,
     it into; with --mem already given, the budget is named instead."""
     from netdsl.runtime import room
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
-    need = t.planned_peak_bytes()
+    need = t.planned_peak_bytes() + t._held_besides_plan(t.train_graph, t.executor.backend)
     monkeypatch.setattr(room, "available_bytes", lambda be: need // 4)
     with pytest.raises(NetdslError) as info:
         t._refuse_what_cannot_fit(t.executor.backend)
@@ -415,7 +417,10 @@ def test_ranks_sharing_a_machine_are_refused_together(tiny):
     stand-in here, the real split in tests/test_mpi.py): each could fit alone where all
     of them cannot, and the error says so and sizes --mem for each rank."""
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
-    need, state = t.planned_peak_bytes(), t._state_bytes()
+    be = t.executor.backend
+    besides = t._held_besides_plan(t.train_graph, be)  # its batch, interpreter objects
+    assert besides > 0
+    need, state = t.planned_peak_bytes() + besides, t._state_bytes()
     seen = []
 
     class Peers:  # three ranks like this one; the least free memory any of them read
@@ -427,6 +432,9 @@ def test_ranks_sharing_a_machine_are_refused_together(tiny):
             return 3 * n, 3 * s, self.free, 3
 
     t._refuse_what_cannot_fit(t.executor.backend, Peers(4 * (need - state)))  # fits
+    with pytest.raises(NetdslError):  # the plans fit; with what each holds besides, not
+        t._refuse_what_cannot_fit(be, Peers(3 * (need - state) - besides))
+    seen.pop()
     with pytest.raises(NetdslError) as info:
         t._refuse_what_cannot_fit(t.executor.backend, Peers(2 * (need - state)))
     assert seen == [(0, need, state)] * 2  # the host's memory: colour 0

@@ -32,7 +32,7 @@ from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.serialize import fingerprint
 from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
-from netdsl.memory.plan import device_peaks, make_plan, value_bytes
+from netdsl.memory.plan import device_peaks, make_plan, unplanned_bytes, value_bytes
 from netdsl.memory.profiles import get_profile
 from netdsl.passes.fuse import fusion_enabled
 from netdsl.passes.optimizer import group_updates
@@ -425,7 +425,8 @@ class Trainer:
         free = room.available_bytes(backend)
         if free is None:
             return None
-        need = make_plan(step, _roles(step), self.opts.dtype, pack_arena=False).peak_bytes
+        need = (make_plan(step, _roles(step), self.opts.dtype, pack_arena=False).peak_bytes
+                + self._held_besides_plan(step, backend))
         self._as_written = need, free
         if need <= free:
             return None
@@ -460,8 +461,11 @@ class Trainer:
         (tests/test_plan.py), so the refusal is not a guess. Over MPI (`comm`) the ranks
         that share one machine's memory (or one GPU) are counted together: each alone
         could fit where all of them cannot; so are the devices of a split run in one
-        process (whose plan's peak is all of them at once)."""
+        process (whose plan's peak is all of them at once). What a process holds besides
+        its plan counts too (`_held_besides_plan`)."""
         need, state, ranks = self.planned_peak_bytes(), self._state_bytes(), 1
+        if not self.executor.arena:  # (an arena run's planned peak counts it already)
+            need += self._held_besides_plan(self.train_graph, backend)
         part = "rank"
         if comm is None:
             free = room.available_bytes(backend)
@@ -473,6 +477,13 @@ class Trainer:
         if free is not None and need - state > free:
             raise room.out_of_memory(need, backend, self.batch, "before the first step",
                                      free + state, self.budget, ranks, part)
+
+    def _held_besides_plan(self, step: Graph, backend) -> int:
+        """What a process running `step` holds besides its storage plan in the memory that
+        `room` reads: on NumPy the fed batch and the interpreter's objects
+        (`memory.plan.unplanned_bytes`; over MPI `step` is this rank's part, so this is
+        its reserve, `plan.process_reserves`); on a GPU those are host memory."""
+        return unplanned_bytes(step, self.opts.dtype) if backend.name == "numpy" else 0
 
     def _split_step(self, backend):
         """The training step split over `--devices` logical devices (netdsl.parallel),

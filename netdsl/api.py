@@ -86,7 +86,8 @@ def _paths_relative_to(file: str, train: TrainConfig | None) -> TrainConfig | No
 def train(net: Network, options=None, callback=None):
     """Train `net` as its `train` section says, with `options` (a RunOptions) overriding it.
     Returns a RunResult; raises NetdslError for bad data, checkpoints or settings."""
-    from netdsl.runtime.trainer import RunOptions, Trainer
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Trainer
     return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()
 
 

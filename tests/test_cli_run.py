@@ -19,7 +19,8 @@ def run(*args, cwd=None):
 def _step_plan(path: str):
     """The storage plan `netdsl run FILE` follows (built, not run)."""
     from netdsl import load
-    from netdsl.runtime.trainer import RunOptions, Trainer
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Trainer
     net = load(ROOT / path)
     t = Trainer(net.graph, net.train, RunOptions(eval_samples=0))
     return t.executor.plan(t.ROLES)
@@ -135,7 +136,8 @@ def test_an_impossible_budget_exits_3_naming_the_smallest():
 _LOAD_PROBE = """
 import json
 from netdsl import api
-from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Callback, Trainer
 seen = []
 class Seen(Callback):
     def on_phase(self, text):
@@ -169,7 +171,8 @@ def test_the_cpu_kernels_load_before_the_run_not_inside_it():
 _SPLIT_PHASES = """
 import json
 from netdsl import api
-from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Callback, Trainer
 seen = []
 class Seen(Callback):
     def on_phase(self, text):

@@ -107,7 +107,8 @@ def test_gpt_tiny_learns_the_synthetic_next_token_task():
     to well under that within a dozen small steps."""
     import numpy as np
 
-    from netdsl.runtime.trainer import RunOptions, Trainer
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Trainer
     net = load("gpt-tiny.net")
     train = net.train.model_copy(update={"data": net.train.data.model_copy(
         update={"samples": 128, "test_samples": 0})})
@@ -124,7 +125,8 @@ def test_unet_blocks_train_on_dense_labels(tmp_path):
     import numpy as np
 
     import netdsl
-    from netdsl.runtime.trainer import RunOptions, Trainer
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Trainer
     src = (ROOT / "examples" / "unet-small.net").read_text()
     src = src.replace("64, 64]", "16, 16]").replace("depth=3", "depth=2")
     p = tmp_path / "unet16.net"

@@ -276,7 +276,8 @@ train { data = synthetic(samples=16, test_samples=4); batch = 4; steps = 2 }
     "eval_samples": st.sampled_from([-1, 0, 1, 1000]),
 }))
 def test_run_option_combinations(tmp_path_factory, options):
-    from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Callback, Trainer
 
     class Count(Callback):
         steps = 0

@@ -202,7 +202,8 @@ import netdsl
 from netdsl.errors import NetdslError
 from netdsl.runtime import checkpoint
 from netdsl.runtime.mpi import world
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Trainer
 
 real, seen = checkpoint._write, {"headers": 0, "entries": 0}
 
@@ -251,7 +252,8 @@ from pathlib import Path
 import netdsl
 from netdsl.errors import NetdslError
 from netdsl.runtime.mpi import MPIComm, world
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Trainer
 
 real = MPIComm.memory_totals
 room = float(sys.argv[2])  # free memory: this many times one rank's step less its state
@@ -294,7 +296,8 @@ from pathlib import Path
 import netdsl
 from netdsl.memory.plan import process_reserves
 from netdsl.runtime.mpi import world
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Trainer
 net = netdsl.load(sys.argv[1])
 t = Trainer(net.graph, net.train, RunOptions(steps=3, eval_samples=0, distributed=True,
                                              split=sys.argv[2], batch=int(sys.argv[4])))
@@ -332,7 +335,8 @@ from pathlib import Path
 import netdsl
 import netdsl.runtime.room as room
 from netdsl.runtime.mpi import world
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Trainer
 net = netdsl.load(sys.argv[1])
 t = Trainer(net.graph, net.train, RunOptions(steps=2, distributed=True))
 room.available_bytes = lambda backend: 1000  # (after the step's own check)
@@ -357,7 +361,7 @@ GPUS = """
 import json, sys
 from pathlib import Path
 from netdsl.runtime.mpi import world
-from netdsl.runtime.trainer import RunOptions, gpu_of
+from netdsl.runtime.options import RunOptions, gpu_of
 picks = [gpu_of(RunOptions(distributed=True, backend="cupy")),
          gpu_of(RunOptions(distributed=True, backend="cupy", device=1)),
          gpu_of(RunOptions(distributed=True)), gpu_of(RunOptions(backend="cupy"))]
@@ -400,7 +404,8 @@ import json, os, signal, sys
 from pathlib import Path
 import netdsl
 from netdsl.runtime.mpi import world
-from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Callback, Trainer
 
 rank = world()[0]
 
@@ -503,7 +508,8 @@ from pathlib import Path
 import netdsl
 from netdsl.errors import NetdslError
 from netdsl.runtime.mpi import world
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Trainer
 rank = world()[0]
 net = netdsl.load(sys.argv[1])
 said = []

@@ -19,7 +19,7 @@ from netdsl.errors import InteropError  # noqa: E402
 from netdsl.interop.onnx_export import export_onnx  # noqa: E402
 from netdsl.interop.onnx_import import import_onnx  # noqa: E402
 from netdsl.runtime import checkpoint  # noqa: E402
-from netdsl.runtime.trainer import RunOptions  # noqa: E402
+from netdsl.runtime.options import RunOptions  # noqa: E402
 from netdsl_cli.app import app  # noqa: E402
 
 runner = CliRunner()

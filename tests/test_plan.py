@@ -213,7 +213,8 @@ def test_device_pass_marks_the_convolutions_for_a_gpu_only():
     kind cpu changes nothing; the Trainer marks its step on CuPy only."""
     from netdsl.config import TrainConfig
     from netdsl.passes.device import for_device
-    from netdsl.runtime.trainer import RunOptions, Trainer, training_graph
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Trainer, training_graph
     net = load("resnet20-cifar.net")
     step = training_graph(net.lower(2), net.train or TrainConfig(), "gpu")
     convs = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}

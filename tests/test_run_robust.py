@@ -19,7 +19,8 @@ from netdsl.errors import NetdslError
 from netdsl.ir.graph import Node
 from netdsl.ir.types import TensorType
 from netdsl.runtime.executor import init_value
-from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

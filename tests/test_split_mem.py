@@ -346,7 +346,7 @@ def test_run_devices_mem_json():
 
 def test_what_split_memory_plans_do_not_cover_yet_is_an_error():
     from netdsl.errors import NetdslError
-    from netdsl.runtime.trainer import RunOptions, check_options
+    from netdsl.runtime.options import RunOptions, check_options
     for split in ({"devices": 2}, {"distributed": True}):
         with pytest.raises(NetdslError, match="--offload-state with --devices or "
                            "--distributed is not supported yet"):

@@ -13,8 +13,9 @@ import pytest
 import netdsl
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.runtime import checkpoint
+from netdsl.runtime.options import RunOptions
 from netdsl.runtime.state_parts import StateParts, gather_order
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.trainer import Trainer
 
 MLP = """
 network mlp {

@@ -16,7 +16,8 @@ from _signals import signal_after_steps
 
 import netdsl
 from netdsl.runtime import checkpoint
-from netdsl.runtime.trainer import Callback, RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

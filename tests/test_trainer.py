@@ -12,8 +12,9 @@ from netdsl.errors import CheckpointError, NetdslError
 from netdsl.runtime import checkpoint
 from netdsl.runtime import data as data_mod
 from netdsl.runtime.data import DrawnSplit, Loader, Split, synthetic
+from netdsl.runtime.options import RunOptions
 from netdsl.runtime.schedule import lr_at
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.trainer import Trainer
 
 SMALL = """
 network small {

@@ -141,7 +141,8 @@ def test_a_group_with_inputs_that_do_not_split_into_members_is_a_shape_error():
 
 
 def test_the_trainer_groups_an_unplanned_step_only():
-    from netdsl.runtime.trainer import RunOptions, Trainer
+    from netdsl.runtime.options import RunOptions
+    from netdsl.runtime.trainer import Trainer
     net = load("digits-cnn.net")
     plain = Trainer(net.graph, net.train, RunOptions(steps=1))
     assert plain.train_graph.by_op("adam_update_group")

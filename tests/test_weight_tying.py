@@ -10,7 +10,8 @@ from test_errors import fails
 import netdsl
 from netdsl.passes.autodiff import autodiff
 from netdsl.runtime.executor import Executor
-from netdsl.runtime.trainer import RunOptions, Trainer
+from netdsl.runtime.options import RunOptions
+from netdsl.runtime.trainer import Trainer
 
 LM = """
 network lm {

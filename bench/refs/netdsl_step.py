@@ -48,8 +48,9 @@ import numpy as np  # noqa: E402
 import netdsl  # noqa: E402
 from netdsl.ir import registry  # noqa: E402
 from netdsl.ir.stats import summarize  # noqa: E402
+from netdsl.runtime.options import RunOptions  # noqa: E402
 from netdsl.runtime.schedule import lr_at  # noqa: E402
-from netdsl.runtime.trainer import RunOptions, Trainer  # noqa: E402
+from netdsl.runtime.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -212,7 +212,7 @@ def _run(
     bar = _Bar(quiet=json_output)
     with guard(json_output):
         from netdsl.api import train
-        from netdsl.runtime.trainer import RunOptions
+        from netdsl.runtime.options import RunOptions
         if steps is not None and epochs is not None:
             from netdsl.errors import NetdslError
             raise NetdslError("give --steps or --epochs, not both")

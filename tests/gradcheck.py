@@ -76,7 +76,7 @@ def check_grads(g: Graph, seed: int = 0, max_elems: int = 24, eps: float = 1e-6,
     keeps the test fast while any systematic error still shows.
     """
     rng = np.random.default_rng(seed)
-    tg = autodiff(g)
+    tg = autodiff(g).verify()  # (run_pipeline verifies after each pass; here, this)
     ex = Executor(tg, "numpy", dtype="f64", seed=seed)
     randomise_params(ex, rng, positive)
     feeds = random_feeds(tg, rng)

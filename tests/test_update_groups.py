@@ -39,7 +39,7 @@ def _state_after(g, dtype: str, fused: bool, steps: int = 3) -> dict:
 @pytest.mark.parametrize("kind,hyper", OPTIMIZERS)
 def test_one_group_per_kind_at_the_end_of_the_step(kind, hyper):
     g = _step_graph("digits-cnn", 4, kind, hyper)
-    h = group_updates(g)
+    h = group_updates(g).verify()
     single = f"{'sgd' if kind == 'sgd' else 'adam'}_update"
     groups = [n for n in h.nodes if n.op == f"{single}_group"]
     assert len(groups) == 1 and not h.by_op(single)

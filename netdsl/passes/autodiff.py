@@ -182,8 +182,7 @@ def autodiff(g: Graph) -> Graph:
     g.outputs["grads"] = grad_names
     g.meta["grad_of"] = grad_of
     _prune_backward(g, set(grad_names))
-    g.verify(recheck_shapes=False)  # shapes: run_pipeline rechecks them
-    return g
+    return g  # (verified by run_pipeline)
 
 
 def _prune_backward(g: Graph, keep: set[str]) -> None:

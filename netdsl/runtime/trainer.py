@@ -31,7 +31,6 @@ from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.plan import device_peaks, make_plan, unplanned_bytes, value_bytes
 from netdsl.memory.profiles import get_profile
 from netdsl.passes.fuse import fusion_enabled
-from netdsl.passes.optimizer import group_updates
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint, room
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
@@ -174,7 +173,7 @@ class Trainer:
         if opts.mem is None:
             # the updates as one node per kind, settings and device (a planned step keeps
             # each update right after its gradient, which frees the gradient early)
-            grouped = group_updates(self.train_graph)
+            grouped = run_pipeline(self.train_graph, ["group_updates"], recheck_shapes=False)
             self.mem = self._budget_to_fit(grouped, backend)
             if self.mem is None:
                 self.train_graph = grouped

@@ -88,8 +88,8 @@ def split(
             from netdsl.memory.profiles import get_profile
             from netdsl.parallel.predict import get_interconnect, simulate
             from netdsl.tooling.schedule_plot import plot_schedule
-            _, _, timeline = simulate(res.chosen.best.graph, get_profile(profile),
-                                      get_interconnect(interconnect))
+            timeline = simulate(res.chosen.best.graph, get_profile(profile),
+                                get_interconnect(interconnect)).timeline
             plot_schedule(timeline, plot, title=f"{net.name}: {res.chosen.best.spec.describe()}")
         if json_output:
             print_json(res.to_json())

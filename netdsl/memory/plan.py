@@ -110,6 +110,19 @@ def takes_storage(n: Node) -> bool:
     return n.op == "input" or registry.OPS[n.op].adds_storage(n)
 
 
+def _op_facts(o: str) -> tuple[bool, bool | None, str]:
+    """For `make_plan`'s loop, per op: whether it has a workspace rule (`workspace_bytes`
+    is 0 without one), whether its nodes take storage (True, False, or None: ask
+    `takes_storage` per node, for ops that write in place) and the space of a non-state
+    value (`space_of`)."""
+    op = registry.OPS[o]
+    if o in STATE_OPS:
+        return False, False, DEVICE  # (state: counted apart, its space per node)
+    storage = True if o == "input" or not op.writes else None
+    return (op.workspace is not registry.OpDef.workspace and o != "input", storage,
+            op.extra.get("space", DEVICE))
+
+
 def workspace_bytes(g: Graph, n: Node, float_dtype: str = "f32") -> int:
     op = registry.OPS[n.op]
     if n.is_source:
@@ -175,17 +188,24 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
     sizes: dict[str, int] = {}
     space: dict[str, str] = {}
     workspaces: dict[str, int] = {}
+    facts: dict[str, tuple] = {}  # per op, what the rules below ask of it (700k nodes)
     for n in order:
-        w = workspace_bytes(g, n, float_dtype)
+        name, o = n.name, n.op
+        f = facts.get(o)
+        if f is None:
+            f = facts[o] = _op_facts(o)
+        has_workspace, storage, where = f
+        w = workspace_bytes(g, n, float_dtype) if has_workspace else 0
         if w:
-            workspaces[n.name] = w
-        workspace = max(workspace, w)
-        if takes_storage(n):
-            sizes[n.name] = value_bytes(n.type, float_dtype)
-            space[n.name] = space_of(n)
-            if space[n.name] == DEVICE:
-                w += sizes[n.name]
-        transient = max(transient, w)
+            workspaces[name] = w
+            workspace = max(workspace, w)
+        if storage is True or (storage is not False and takes_storage(n)):
+            b = sizes[name] = value_bytes(n.type, float_dtype)
+            space[name] = where
+            if where == DEVICE:
+                w += b
+        if w > transient:
+            transient = w
     base = state + workspace
     cur, peak, peak_at = base, base, None
     host_cur = host_peak = host_state  # optimizer state streamed from the host lives there
@@ -223,32 +243,39 @@ def device_peaks(g: Graph, plan: MemoryPlan) -> dict[int, int]:
     """The plan's device bytes split by device (a split graph's nodes name theirs; None is
     device 0), by the same rule as `make_plan`: each device holds its state and the
     largest workspace of its own nodes all the time, and its values while they live."""
-    def dev(name: str) -> int:
-        d = g[name].device
-        return 0 if d is None else d
-
+    dev = {n.name: n.device or 0 for n in g.nodes}
     base: dict[int, int] = {}
     for n in g.nodes:
         if n.op in STATE_OPS and space_of(n) == DEVICE:
-            base[dev(n.name)] = base.get(dev(n.name), 0) + value_bytes(n.type, plan.float_dtype)
-    for d, w in device_workspaces(g, plan).items():
+            d = dev[n.name]
+            base[d] = base.get(d, 0) + value_bytes(n.type, plan.float_dtype)
+    for d, w in device_workspaces(g, plan, dev).items():
         base[d] = base.get(d, 0) + w
     cur, peak = dict(base), dict(base)
+    sizes, frees = plan.sizes, plan.frees
+    # only device values count: the host pool's, and values with no storage, are skipped
+    on_device = {name for name, where in plan.space.items() if where == DEVICE}
     for k, name in enumerate(plan.order):
-        if plan.space.get(name) == DEVICE:
-            d = dev(name)
-            cur[d] = cur.get(d, 0) + plan.sizes[name]
-            peak[d] = max(peak.get(d, 0), cur[d])
-        for x in plan.frees[k]:
-            if plan.space.get(x) == DEVICE:
-                cur[dev(x)] -= plan.sizes[x]
+        if name in on_device:
+            d = dev[name]
+            c = cur[d] = cur.get(d, 0) + sizes[name]
+            if c > peak.get(d, 0):
+                peak[d] = c
+        for x in frees[k]:
+            if x in on_device:
+                cur[dev[x]] -= sizes[x]
     return dict(sorted(peak.items()))
 
 
-def device_workspaces(g: Graph, plan: MemoryPlan) -> dict[int, int]:
-    """The shared workspace region of each device: the largest of its nodes' workspaces."""
-    out: dict[int, int] = {}
-    for name in plan.order:
-        d = g[name].device or 0
-        out[d] = max(out.get(d, 0), plan.workspaces.get(name, 0))
+def device_workspaces(g: Graph, plan: MemoryPlan,
+                      dev: dict[str, int] | None = None) -> dict[int, int]:
+    """The shared workspace region of each device: the largest of its nodes' workspaces
+    (`dev`: each node's device, 0 for None, where the caller has it)."""
+    if dev is None:
+        dev = {n.name: n.device or 0 for n in g.nodes}
+    out = dict.fromkeys({dev[name] for name in plan.order}, 0)
+    for name, w in plan.workspaces.items():
+        d = dev[name]
+        if w > out[d]:
+            out[d] = w
     return out

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 
 _SUFFIX = re.compile(r"@(?:d\d+|m\d+|s\d+)+")
@@ -66,7 +67,6 @@ class Placement:
 
     @staticmethod
     def of(n: Node) -> Placement:
-        from netdsl.ir import registry
         if n.op in ("param", "buffer"):
             space = n.meta.get("space", "device")
         else:

@@ -143,7 +143,9 @@ class SplitResult:
                                                        for d in c.report.per_device)}
                                 for c in self.chosen.considered],
                # not built: more micro-batches of a pipeline that could not win
-               "skipped": [spec.describe() for spec in self.chosen.skipped]}
+               "skipped": [spec.describe() for spec in self.chosen.skipped],
+               # cannot be made, with why
+               "unavailable": list(self.chosen.unavailable)}
         out["memory_plan"] = None
         if best.memory is not None:  # planned per device (--mem): what each one does
             from netdsl.parallel.memplan import summary

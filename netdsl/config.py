@@ -35,6 +35,9 @@ class SGD(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
     nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0)
+    # the gradients scaled so that their global 2-norm is at most this before the update
+    # (torch.nn.utils.clip_grad_norm_; Chainer's GradientClipping); None: not clipped
+    clip_grad_norm: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self):
@@ -50,6 +53,7 @@ class Adam(_Strict):
     beta2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    clip_grad_norm: float | None = Field(None, gt=0)  # (as SGD's)
 
 
 class AdamW(Adam):

@@ -399,3 +399,28 @@ def test_auto_skips_only_pipelines_that_could_not_win():
     last = chosen.skipped[-1]
     tight = choose(net.graph, **dict(kw, mem=peaks[last]))
     assert tight.best.spec == last and not tight.skipped
+
+
+CLIPPED = (ROOT / "examples" / "digits-cnn.net").read_text().replace(
+    "optimizer = adam(lr=3e-3)", "optimizer = adam(lr=3e-3, clip_grad_norm=0.5)")
+
+
+def test_clip_grad_norm_over_replicas_equals_one_device():
+    """With clip_grad_norm each replica scales the gradients, summed over the replicas, by
+    the global norm it computes itself: a data split's step equals the single device's
+    (the gate); splits whose devices hold different parameters or parts of them are
+    refused, and `auto` passes over them, saying why."""
+    import netdsl
+    net = netdsl.loads(CLIPPED)
+    assert net.train.optimizer.clip_grad_norm == 0.5
+    res = api.split(net, 2, "data", batch=8, verify=True)
+    assert res.gate.ok, res.gate
+    assert all(len(c.graph.by_op("grad_norm_scale")) == 2 for c in [res.chosen.best])
+    for strategy in ("pipeline", "tensor"):
+        with pytest.raises(SplitError, match="clip_grad_norm needs every device to hold"):
+            api.split(net, 2, strategy, batch=8)
+    auto = api.split(net, 2, "auto", batch=8).to_json()
+    assert auto["strategy"] == "data"
+    made = {u.split("=")[0] for u in auto["unavailable"]}
+    assert made == {"pipeline", "tensor", "spatial"}, auto["unavailable"]
+    assert all("clip_grad_norm needs" in u for u in auto["unavailable"])

@@ -416,6 +416,41 @@ def test_optimizers_match_torch_optim(kind, hyper, make):
     np.testing.assert_allclose(ex.state["fc.bias"], lin.bias.detach().numpy(), rtol=1e-10)
 
 
+@pytest.mark.parametrize("kind,hyper,make", [
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("adamw", {"lr": 0.01, "weight_decay": 0.1},
+     lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)),
+])
+@pytest.mark.parametrize("max_norm", [0.05, 0.5, 100.0])  # clipped, some steps, never
+def test_clip_grad_norm_matches_torch(kind, hyper, make, max_norm):
+    """`clip_grad_norm=c` scales the gradients as torch.nn.utils.clip_grad_norm_(c) does
+    before the step (the first steps' norms here are 0.7-3)."""
+    from test_executor import reg_feeds
+    t = add_optimizer(autodiff(regression_graph()), kind, clip_grad_norm=max_norm, **hyper)
+    assert len(t.by_op("grad_norm_scale")) == 1
+    ex = Executor(t.verify(), "numpy", dtype="f64", seed=0)
+    lin = torch.nn.Linear(3, 1).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor(ex.state["fc.weight"]))
+        lin.bias.copy_(torch.tensor(ex.state["fc.bias"]))
+    opt = make(lin.parameters())
+    norms = []
+    for step in range(4):
+        feeds = reg_feeds(step)
+        ex.run(feeds)
+        opt.zero_grad()
+        F.mse_loss(lin(torch.tensor(feeds["x"])), torch.tensor(feeds["t"])).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(lin.parameters(), max_norm)))
+        opt.step()
+    np.testing.assert_allclose(ex.state["fc.weight"], lin.weight.detach().numpy(), rtol=1e-10)
+    np.testing.assert_allclose(ex.state["fc.bias"], lin.bias.detach().numpy(), rtol=1e-10)
+    if max_norm == 0.05:
+        assert min(norms) > max_norm  # (clipped every step)
+    if max_norm == 100.0:
+        assert max(norms) < max_norm
+
+
 # The kernels pick other paths on large maps (a flat-shift weight gradient from 256
 # pixels up, a flipped-kernel input gradient at stride 1): cover them explicitly.
 @pytest.mark.parametrize("groups,k,s,p,d", [(1, 3, 1, 1, 1), (2, 3, 1, 2, 2), (1, 5, 1, 0, 1),

@@ -153,6 +153,8 @@ def _print(res) -> None:
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         _mb(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)
+    for why in res.chosen.unavailable:
+        out.print(f"cannot be made: {why}")
     if res.chosen.skipped:
         out.print("not built (more micro-batches of a pipeline already slower than a split "
                   "that fits): " + "; ".join(s.describe() for s in res.chosen.skipped))

@@ -47,6 +47,9 @@ def check(g: Graph, fwd: Graph) -> None:
                 loc=n.loc, stack=n.stack)
     update_names = set(g.outputs.get("updates", []))
     read_by_update = {i for n in g.nodes if n.name in update_names for i in n.inputs}
+    # a clipped gradient reaches its update through its scaled copy (passes.optimizer)
+    read_by_update |= {g[i].meta["clip_of"] for i in list(read_by_update)
+                       if "clip_of" in g[i].meta}
     for gp in g.outputs.get("grads", []):
         if update_names and gp not in read_by_update:
             raise SplitCheckError(f"split check: gradient %{gp} reaches no update")

@@ -82,6 +82,9 @@ class Chosen:
     # candidates not built: more micro-batches of a pipeline already slower than a split
     # that fits (`_past_its_best`)
     skipped: list[SplitSpec] = field(default_factory=list)
+    # candidates that cannot be made, each "spec: why" (a tensor split of a layer that has
+    # no split rule; a pipeline with clip_grad_norm)
+    unavailable: list[str] = field(default_factory=list)
 
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
@@ -373,7 +376,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             f"best ({worst.spec.describe()}) needs "
             f"{(peak.peak_bytes + peak.outside_plan_bytes) / 1e9:.3g} GB on device "
             f"{peak.device}; use more devices, a smaller batch, or more memory")
-    return Chosen(best, single, considered, [specs[k] for k in sorted(skipped)])
+    return Chosen(best, single, considered, [specs[k] for k in sorted(skipped)], errors)
 
 
 def _families(specs: list[SplitSpec]) -> list[list[int]]:

@@ -13,7 +13,9 @@
 
 Semantics are PyTorch's: SGD(lr, momentum, nesterov, weight_decay) with dampening 0;
 Adam(lr, betas, eps, weight_decay) with L2 decay added to the gradient; AdamW with
-decoupled decay p *= 1 - lr * weight_decay; both with bias correction.
+decoupled decay p *= 1 - lr * weight_decay; both with bias correction. With
+`clip_grad_norm=c` the gradients are first scaled as torch.nn.utils.clip_grad_norm_(c)
+scales them (`_clip_grad_norm`).
 
 `group_updates(g)` then makes the updates that run one after another (with nothing but
 other updates between them, as `add_optimizer` leaves them at the end of the step) one
@@ -24,17 +26,21 @@ numbers do not change.
 """
 from __future__ import annotations
 
-from netdsl.errors import NetdslError
+from netdsl.errors import NetdslError, SplitError
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.ops.optim import GROUP_SHARED, group_op, member_inputs
+from netdsl.ir.placement import canonical
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 from netdsl.passes.pipeline import register_pass
 
 KINDS = {
-    "sgd": {"lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0},
-    "adam": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
-    "adamw": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2},
+    "sgd": {"lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0,
+            "clip_grad_norm": None},
+    "adam": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+             "clip_grad_norm": None},
+    "adamw": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2,
+              "clip_grad_norm": None},
 }
 
 
@@ -77,6 +83,9 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
                {"shape": (), "dtype": "f32", "default": float(h["lr"]), "role": "lr"},
                meta={"phase": "optimizer"}))
     params = [n for n in g.nodes if n.op == "param"]
+    grads = list(g.outputs["grads"])
+    if h["clip_grad_norm"] is not None:
+        grads = _clip_grad_norm(g, params, grads, float(h["clip_grad_norm"]))
     updates: list[str] = []
     step = None
     if kind in ("adam", "adamw"):
@@ -84,7 +93,7 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
         updates.append(_update(g, g.fresh_name("optimizer.step_increment"), "step_increment",
                                [step], {}, g[lr]))
         step = updates[-1]  # updates read the incremented counter (t = 1 on the first step)
-    for p, gp in zip(params, g.outputs["grads"], strict=True):
+    for p, gp in zip(params, grads, strict=True):
         name = g.fresh_name(f"{p.name}.update")
         if kind == "sgd":
             ins = [p.name, gp, lr]
@@ -105,6 +114,39 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
     g.outputs["updates"] = updates
     g.meta["optimizer"] = {"kind": kind, **h}
     return g  # (verified by run_pipeline)
+
+
+def _clip_grad_norm(g: Graph, params: list[Node], grads: list[str],
+                    max_norm: float) -> list[str]:
+    """The gradients scaled by min(1, max_norm / (their global 2-norm + 1e-6)), as
+    torch.nn.utils.clip_grad_norm_ scales them before the step: a `grad_norm_scale` node
+    per device over the gradients of its parameters, then a `mul` per gradient (each
+    gradient is freed as its scaled copy is made: one gradient more at a time). A split
+    step's devices must each hold every parameter whole (a data split's replicas, whose
+    gradients are summed over the replicas by then); where devices hold different
+    parameters or shards (pipeline, tensor, spatial splits) the global norm would need
+    their partial norms summed, which is refused."""
+    by_device: dict[int | None, list[tuple[Node, str]]] = {}
+    for p, gp in zip(params, grads, strict=True):
+        by_device.setdefault(p.device, []).append((p, gp))
+    held = {tuple(sorted(canonical(p.name) for p, _ in pg)) for pg in by_device.values()}
+    if len(held) > 1 or any("shard" in p.meta for p in params):
+        raise SplitError("clip_grad_norm needs every device to hold every parameter whole, "
+                         "as a data split's replicas do: the devices of this split hold "
+                         "different parameters or parts of them, whose partial gradient "
+                         "norms would need summing across the devices, which netdsl does "
+                         "not do yet")
+    scaled: dict[str, str] = {}
+    for pg in by_device.values():
+        factor = g.fresh_name("optimizer.grad_norm_scale")
+        g.add(make_node(g, factor, "grad_norm_scale", [gp for _, gp in pg],
+                        {"max_norm": max_norm}, like=pg[0][0], meta={"phase": "optimizer"}))
+        for p, gp in pg:
+            name = g.fresh_name(f"{p.name}.grad_clipped")
+            g.add(make_node(g, name, "mul", [gp, factor], {}, like=p,
+                            meta={"phase": "optimizer", "clip_of": gp}))
+            scaled[gp] = name
+    return [scaled[gp] for gp in grads]
 
 
 @register_pass("group_updates")

@@ -150,6 +150,23 @@ def _step_shape(ins, a):
     return s
 
 
+def _norm_scale_shape(ins, a):
+    if not ins:
+        raise ShapeError("grad_norm_scale: no gradients")
+    dtypes = {t.dtype for t in ins}
+    if len(dtypes) > 1:
+        raise ShapeError(f"grad_norm_scale: the gradients' dtypes differ ({sorted(dtypes)})")
+    return TensorType((), ins[0].dtype)
+
+
+register(OpDef(
+    "grad_norm_scale", (Arg("grads", "tensors"), Arg("max_norm", "float")),
+    _norm_scale_shape, "optimizer",
+    flops=lambda ins, out, a: 2 * sum(t.numel() for t in ins), differentiable=False,
+    doc="min(1, max_norm / (the gradients' global 2-norm + 1e-6)): the factor "
+        "torch.nn.utils.clip_grad_norm_ scales them by"))
+
+
 register(OpDef("step_increment", (Arg("step", "tensor"),), _step_shape, "optimizer",
                differentiable=False, writes=(0,), view_of=0,
                doc="add one to the optimizer's step counter (in place)"))
@@ -281,6 +298,17 @@ def _adam_group(xp, ins, a, ctx):
     for m in ms:
         _adam(xp, base_inputs("adam_update", [lr, step], m), a, ctx)
     return ms[0][0]
+
+
+@kernel("grad_norm_scale")
+def _grad_norm_scale(xp, ins, a, ctx):
+    total = None
+    for g in ins:  # each a dot product of its flat view: no temporary the gradient's size
+        flat = g.reshape(-1)
+        s = xp.dot(flat, flat)
+        total = s if total is None else total + s
+    scale = xp.minimum(a["max_norm"] / (xp.sqrt(total) + 1e-6), 1.0)  # (on the device)
+    return xp.asarray(scale, dtype=ins[0].dtype)
 
 
 @kernel("step_increment")

@@ -76,6 +76,24 @@ def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
         assert d["test_accuracy"] == s["test_accuracy"]
 
 
+def test_clip_grad_norm_over_ranks_gives_the_losses_of_one_process(tmp_path):
+    """clip_grad_norm over a pipeline's ranks: each rank's squared-norm part is
+    all-reduced (a scalar over MPI) and both scale by one factor, bit for bit the losses
+    of the same split in one process."""
+    net = tmp_path / "clipped.net"
+    net.write_text(Path(NET).read_text().replace("optimizer = adam(lr=3e-3)",
+                                                 "optimizer = adam(lr=3e-3, clip_grad_norm=0.5)"))
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    cmd = [sys.executable, "-m", "netdsl_cli", "run", str(net), "--steps", "3",
+           "--eval-samples", "0", "--split", "pipeline"]
+    a = subprocess.run(cmd + ["--devices", "2", "--log", str(one)], capture_output=True,
+                       text=True, timeout=300)
+    b = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--distributed", "--log", str(two)],
+                       capture_output=True, text=True, timeout=300)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert losses(two) == losses(one)
+
+
 def test_ranks_share_auto_and_choose_what_split_mpi_chooses():
     """`--distributed` with auto shares the candidates out among the ranks (each predicts
     and plans its share; choose.Share): the split they choose, and its plan per device,

@@ -369,6 +369,21 @@ def test_device_and_replicate_annotations():
     assert conv.name not in s.meta["spatial_layers"]
 
 
+def test_auto_lists_the_candidates_it_cannot_make_with_why():
+    """A layer pinned by @device(k) can only be split as a pipeline stage: `auto` passes
+    over the other schemes and says why (`unavailable`; before, the reasons were dropped
+    whenever another candidate worked)."""
+    from netdsl.parallel.choose import choose
+    net = api.load(ROOT / "examples" / "digits-cnn.net")
+    g = net.graph.copy()
+    next(n for n in g.nodes if n.op == "linear").annotations["device"] = 1
+    chosen = choose(g, 32, "auto", 2, net.train.optimizer.model_dump(), get_profile("cpu"),
+                    get_interconnect("shm"), jobs=1)
+    assert chosen.best.spec.pipeline == 2
+    assert {u.split("=")[0] for u in chosen.unavailable} == {"data", "tensor", "spatial"}
+    assert all("places it on one device" in u for u in chosen.unavailable)
+
+
 def test_auto_skips_only_pipelines_that_could_not_win():
     """auto builds a pipeline's micro-batch counts in rising order and stops once one is
     slower than the one before and than a split that fits (choose._past_its_best): each
@@ -405,22 +420,26 @@ CLIPPED = (ROOT / "examples" / "digits-cnn.net").read_text().replace(
     "optimizer = adam(lr=3e-3)", "optimizer = adam(lr=3e-3, clip_grad_norm=0.5)")
 
 
-def test_clip_grad_norm_over_replicas_equals_one_device():
-    """With clip_grad_norm each replica scales the gradients, summed over the replicas, by
-    the global norm it computes itself: a data split's step equals the single device's
-    (the gate); splits whose devices hold different parameters or parts of them are
-    refused, and `auto` passes over them, saying why."""
+@pytest.mark.parametrize("strategy,devices,micro", [
+    ("data", 2, None), ("pipeline", 2, 2), ("tensor", 2, None), ("spatial", 2, None),
+    ("hybrid", 4, 1)])
+def test_clip_grad_norm_split_equals_one_device(strategy, devices, micro):
+    """With clip_grad_norm each device sums the squares of the gradients it owns (a
+    parameter held by several devices is counted by its first), the sums are all-reduced
+    and every device scales its gradients by the same factor: each split's step equals
+    the single device's (the equivalence gate, float64)."""
     import netdsl
     net = netdsl.loads(CLIPPED)
     assert net.train.optimizer.clip_grad_norm == 0.5
-    res = api.split(net, 2, "data", batch=8, verify=True)
+    res = api.split(net, devices, strategy, batch=8, microbatches=micro, verify=True)
     assert res.gate.ok, res.gate
-    assert all(len(c.graph.by_op("grad_norm_scale")) == 2 for c in [res.chosen.best])
-    for strategy in ("pipeline", "tensor"):
-        with pytest.raises(SplitError, match="clip_grad_norm needs every device to hold"):
-            api.split(net, 2, strategy, batch=8)
-    auto = api.split(net, 2, "auto", batch=8).to_json()
-    assert auto["strategy"] == "data"
-    made = {u.split("=")[0] for u in auto["unavailable"]}
-    assert made == {"pipeline", "tensor", "spatial"}, auto["unavailable"]
-    assert all("clip_grad_norm needs" in u for u in auto["unavailable"])
+    g = res.chosen.best.graph
+    # one partial sum a device (a zero where every parameter it holds another owns)
+    partials = [n for n in g.nodes if n.name.startswith("optimizer.grad_sumsq")
+                and n.op in ("grad_sumsq", "fill")]
+    assert sorted(n.device for n in partials) == list(range(devices))
+    if strategy == "hybrid":  # the second replica owns nothing
+        assert {n.device for n in partials if n.op == "fill"} == {2, 3}
+    assert len(g.by_op("clip_factor")) == devices
+    assert len({n.attrs["group"] for n in g.by_op("all_reduce")
+                if n.meta.get("phase") == "optimizer"}) == 1

@@ -110,6 +110,14 @@ class Shard:
         return Shard(int(axis), int(lo), int(hi), tuple(full))
 
 
+def replica_key(n: Node) -> str:
+    """What the copies of one piece of state share: the single-device name, and for a
+    shard its range (the same shard in several data-parallel replicas is one piece)."""
+    sh = Shard.of(n)
+    name = canonical(n.name)
+    return name if sh is None else f"{name}.shard{sh.lo}_{sh.hi}"
+
+
 def even_parts(n: int, p: int) -> list[tuple[int, int]]:
     """`p` contiguous ranges [lo, hi) covering 0..n, sizes differing by at most one (the
     first n % p one larger): batch rows per part, channels per shard, ring chunks."""

@@ -12,7 +12,7 @@ identical.
 from __future__ import annotations
 
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.placement import Shard, canonical
+from netdsl.ir.placement import replica_key
 from netdsl.ir.rewrite import make_node, splice
 from netdsl.passes.pipeline import register_pass
 
@@ -31,9 +31,7 @@ def sync_gradients(g: Graph, bucket_bytes: int = BUCKET_BYTES) -> Graph:
     for k, p in enumerate(params):
         # a shard's gradient is whole over its replica's devices; the same shard in
         # several data-parallel replicas is summed like any replicated parameter
-        sh = Shard.of(p)
-        key = canonical(p.name) if sh is None else f"{canonical(p.name)}.shard{sh.lo}_{sh.hi}"
-        groups.setdefault(key, []).append(k)
+        groups.setdefault(replica_key(p), []).append(k)
     pos = {n.name: i for i, n in enumerate(g.nodes)}
     ready = []
     for key, idx in groups.items():

@@ -96,12 +96,12 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     if loss.attrs.get("reduction") == "none":
         raise SplitError(f"the loss %{loss.name} is not reduced (reduction=\"none\"); a "
                          "split needs a scalar loss", )
+    _check_devices(fwd, spec)  # (a tensor or spatial split ignored the pins)
     if spec.tensor > 1:
         return _tensor_forward(fwd, batch, spec, gather)
     if spec.spatial > 1:
         return _spatial_forward(fwd, batch, spec, gather)
     stages = spec.pipeline
-    _check_devices(fwd, spec)
     if stages > 1:
         stage_of = stage_of or assign_stages(
             fwd, stages, profile, max(1, batch // (spec.data * spec.microbatches)))
@@ -248,7 +248,10 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
 
 def _check_devices(fwd: Graph, spec: SplitSpec) -> None:
     """`@device(k)` places a layer on device k, which only a pipeline of one replica does
-    (there device k is stage k); every other scheme runs each layer on every device."""
+    (there device k is stage k); every other scheme runs each layer on every device. One
+    device (the single-device step `auto` measures its speed-ups against) runs them all."""
+    if spec.devices == 1:
+        return
     for n in fwd.nodes:
         k = n.annotations.get("device")
         if k is None:

@@ -26,10 +26,10 @@ numbers do not change.
 """
 from __future__ import annotations
 
-from netdsl.errors import NetdslError, SplitError
+from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.ops.optim import GROUP_SHARED, group_op, member_inputs
-from netdsl.ir.placement import canonical
+from netdsl.ir.placement import replica_key
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
 from netdsl.passes.pipeline import register_pass
@@ -119,28 +119,46 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
 def _clip_grad_norm(g: Graph, params: list[Node], grads: list[str],
                     max_norm: float) -> list[str]:
     """The gradients scaled by min(1, max_norm / (their global 2-norm + 1e-6)), as
-    torch.nn.utils.clip_grad_norm_ scales them before the step: a `grad_norm_scale` node
-    per device over the gradients of its parameters, then a `mul` per gradient (each
-    gradient is freed as its scaled copy is made: one gradient more at a time). A split
-    step's devices must each hold every parameter whole (a data split's replicas, whose
-    gradients are summed over the replicas by then); where devices hold different
-    parameters or shards (pipeline, tensor, spatial splits) the global norm would need
-    their partial norms summed, which is refused."""
+    torch.nn.utils.clip_grad_norm_ scales them before the step: per device the squares of
+    the gradients it owns summed (`grad_sumsq`; each parameter, or shard of one, is owned
+    by the first device that holds it: a split's replicas hold the same summed gradient
+    by now), the devices' sums added by an all_reduce over them (a scalar), then per
+    device the factor (`clip_factor`) and a `mul` per gradient (each original freed as
+    its scaled copy is made: one gradient more at a time)."""
     by_device: dict[int | None, list[tuple[Node, str]]] = {}
+    owned: dict[int | None, list[str]] = {}
+    owners: set[str] = set()
     for p, gp in zip(params, grads, strict=True):
         by_device.setdefault(p.device, []).append((p, gp))
-    held = {tuple(sorted(canonical(p.name) for p, _ in pg)) for pg in by_device.values()}
-    if len(held) > 1 or any("shard" in p.meta for p in params):
-        raise SplitError("clip_grad_norm needs every device to hold every parameter whole, "
-                         "as a data split's replicas do: the devices of this split hold "
-                         "different parameters or parts of them, whose partial gradient "
-                         "norms would need summing across the devices, which netdsl does "
-                         "not do yet")
+        key = replica_key(p)
+        if key not in owners:
+            owners.add(key)
+            owned.setdefault(p.device, []).append(gp)
+    dtype = g[grads[0]].type.dtype
+    partial: dict[int | None, str] = {}
+    for d, pg in by_device.items():
+        at = "" if d is None else f"@d{d}"
+        name = partial[d] = g.fresh_name(f"optimizer.grad_sumsq{at}")
+        if owned.get(d):
+            g.add(make_node(g, name, "grad_sumsq", owned[d], {}, like=pg[0][0],
+                            meta={"phase": "optimizer"}))
+        else:  # every parameter here is owned by another device
+            g.add(make_node(g, name, "fill", [], {"shape": (), "value": 0.0, "dtype": dtype},
+                            like=pg[0][0], meta={"phase": "optimizer"}))
+    total = partial
+    if len(by_device) > 1:  # (a split: every device holds parameters)
+        group = tuple(sorted(by_device))
+        names = [g.fresh_name(f"optimizer.grad_sumsq.all_reduce@d{d}") for d in group]
+        for j, (d, name) in enumerate(zip(group, names, strict=True)):
+            g.add(make_node(g, name, "all_reduce", [partial[x] for x in group],
+                            {"group": group, "index": j}, like=by_device[d][0][0],
+                            meta={"phase": "optimizer", "members": tuple(names)}))
+        total = dict(zip(group, names, strict=True))
     scaled: dict[str, str] = {}
-    for pg in by_device.values():
-        factor = g.fresh_name("optimizer.grad_norm_scale")
-        g.add(make_node(g, factor, "grad_norm_scale", [gp for _, gp in pg],
-                        {"max_norm": max_norm}, like=pg[0][0], meta={"phase": "optimizer"}))
+    for d, pg in by_device.items():
+        factor = g.fresh_name(f"optimizer.clip_factor{'' if d is None else f'@d{d}'}")
+        g.add(make_node(g, factor, "clip_factor", [total[d]], {"max_norm": max_norm},
+                        like=pg[0][0], meta={"phase": "optimizer"}))
         for p, gp in pg:
             name = g.fresh_name(f"{p.name}.grad_clipped")
             g.add(make_node(g, name, "mul", [gp, factor], {}, like=p,

@@ -150,21 +150,33 @@ def _step_shape(ins, a):
     return s
 
 
-def _norm_scale_shape(ins, a):
+def _sumsq_shape(ins, a):
     if not ins:
-        raise ShapeError("grad_norm_scale: no gradients")
+        raise ShapeError("grad_sumsq: no gradients")
     dtypes = {t.dtype for t in ins}
     if len(dtypes) > 1:
-        raise ShapeError(f"grad_norm_scale: the gradients' dtypes differ ({sorted(dtypes)})")
+        raise ShapeError(f"grad_sumsq: the gradients' dtypes differ ({sorted(dtypes)})")
     return TensorType((), ins[0].dtype)
 
 
+def _clip_factor_shape(ins, a):
+    (s,) = ins
+    if s.shape != ():
+        raise ShapeError(f"clip_factor expects a scalar sum of squares, got {s}")
+    return s
+
+
+# gradient clipping by the global norm (netdsl.passes.optimizer): the squares summed per
+# device, over the devices (an all_reduce), then the factor torch.nn.utils.clip_grad_norm_
+# scales the gradients by
 register(OpDef(
-    "grad_norm_scale", (Arg("grads", "tensors"), Arg("max_norm", "float")),
-    _norm_scale_shape, "optimizer",
+    "grad_sumsq", (Arg("grads", "tensors"),), _sumsq_shape, "optimizer",
     flops=lambda ins, out, a: 2 * sum(t.numel() for t in ins), differentiable=False,
-    doc="min(1, max_norm / (the gradients' global 2-norm + 1e-6)): the factor "
-        "torch.nn.utils.clip_grad_norm_ scales them by"))
+    doc="the sum of the squares of every element of the gradients (a scalar)"))
+register(OpDef(
+    "clip_factor", (Arg("sumsq", "tensor"), Arg("max_norm", "float")), _clip_factor_shape,
+    "optimizer", flops=lambda ins, out, a: 4, differentiable=False,
+    doc="min(1, max_norm / (sqrt(sumsq) + 1e-6)): the global-norm clipping factor"))
 
 
 register(OpDef("step_increment", (Arg("step", "tensor"),), _step_shape, "optimizer",
@@ -300,15 +312,20 @@ def _adam_group(xp, ins, a, ctx):
     return ms[0][0]
 
 
-@kernel("grad_norm_scale")
-def _grad_norm_scale(xp, ins, a, ctx):
+@kernel("grad_sumsq")
+def _grad_sumsq(xp, ins, a, ctx):
     total = None
     for g in ins:  # each a dot product of its flat view: no temporary the gradient's size
         flat = g.reshape(-1)
         s = xp.dot(flat, flat)
         total = s if total is None else total + s
-    scale = xp.minimum(a["max_norm"] / (xp.sqrt(total) + 1e-6), 1.0)  # (on the device)
-    return xp.asarray(scale, dtype=ins[0].dtype)
+    return xp.asarray(total, dtype=ins[0].dtype)
+
+
+@kernel("clip_factor")
+def _clip_factor(xp, ins, a, ctx):
+    s = ins[0]  # (kept on the device: no host read inside a step)
+    return xp.asarray(xp.minimum(a["max_norm"] / (xp.sqrt(s) + 1e-6), 1.0), dtype=s.dtype)
 
 
 @kernel("step_increment")

@@ -212,6 +212,11 @@ def test_command_line_overrides(net):
     t = Trainer(net.graph, net.train, RunOptions(steps=3, batch=4, lr=0.5, seed=9))
     assert (t.cfg.batch, t.cfg.optimizer.lr, t.cfg.seed, t.total) == (4, 0.5, 9, 3)
     assert t.cfg.optimizer.momentum == 0.9  # the rest of the file's section is kept
+    t = Trainer(net.graph, net.train, RunOptions(steps=3, lr=0.5, clip_grad_norm=0.25))
+    assert (t.cfg.optimizer.lr, t.cfg.optimizer.clip_grad_norm) == (0.5, 0.25)
+    assert len(t.train_graph.by_op("clip_factor")) == 1  # (the step clips)
+    with pytest.raises(NetdslError, match="`--clip-grad-norm` must be greater than 0"):
+        Trainer(net.graph, net.train, RunOptions(steps=3, clip_grad_norm=0.0))
 
 
 def test_untrainable_network_is_a_clear_error(tmp_path):

@@ -155,6 +155,9 @@ def _run(
     epochs: Annotated[int | None, typer.Option(min=1, help="epochs instead of steps")] = None,
     batch: Annotated[int | None, typer.Option("--batch", "-b", min=1)] = None,
     lr: Annotated[float | None, typer.Option(min=0.0, help="base learning rate")] = None,
+    clip_grad_norm: Annotated[float | None, typer.Option(
+        "--clip-grad-norm", help="scale the gradients to this global 2-norm at most before "
+        "each update (the optimizer's clip_grad_norm)")] = None,
     seed: Annotated[int | None, typer.Option(min=0)] = None,
     backend: Annotated[str, typer.Option(help="numpy or cupy")] = "numpy",
     device: Annotated[int | None, typer.Option(
@@ -220,7 +223,8 @@ def _run(
             from netdsl.tooling.curves import require_matplotlib
             require_matplotlib()
         net = load_network(file)
-        opts = RunOptions(steps=steps, epochs=epochs, batch=batch, lr=lr, seed=seed,
+        opts = RunOptions(steps=steps, epochs=epochs, batch=batch, lr=lr,
+                          clip_grad_norm=clip_grad_norm, seed=seed,
                           backend=backend, device=device, dtype=dtype,
                           log=str(log) if log else None,
                           checkpoint=str(checkpoint) if checkpoint else None,

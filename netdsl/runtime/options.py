@@ -25,6 +25,7 @@ class RunOptions:
     epochs: int | None = None
     batch: int | None = None
     lr: float | None = None
+    clip_grad_norm: float | None = None  # the optimizer's (scale gradients to this norm)
     seed: int | None = None
     backend: str = "numpy"
     # the GPU (CuPy): None = GPU 0, or over MPI each rank its own, its place among the
@@ -73,8 +74,10 @@ def resolve_config(cfg: TrainConfig | None, opts: RunOptions) -> TrainConfig:
         update.update(steps=opts.steps, epochs=None)
     elif opts.epochs is not None:
         update.update(epochs=opts.epochs, steps=None)
-    if opts.lr is not None:
-        update["optimizer"] = cfg.optimizer.model_copy(update={"lr": opts.lr})
+    optimizer = {k: getattr(opts, k) for k in ("lr", "clip_grad_norm")
+                 if getattr(opts, k) is not None}
+    if optimizer:
+        update["optimizer"] = cfg.optimizer.model_copy(update=optimizer)
     out = cfg.model_copy(update=update)
     # re-validate: model_copy does not run validators. A bad value can only come from a
     # command-line option here (the file's section was checked when it was loaded), so the

@@ -281,3 +281,13 @@ def test_training_graph_survives_json_and_bind():
     bound = t2.bind(4).verify()
     assert float(Executor(bound, "numpy", dtype="f64", seed=2).run(feeds_for(g))["loss"][0]) \
         == float(Executor(t, "numpy", dtype="f64", seed=2).run(feeds_for(g))["loss"][0])
+
+
+def test_clip_grad_norm_without_parameters_is_a_step_with_nothing_to_update():
+    """(An IndexError before: the clipping looked at the first gradient's dtype.)"""
+    import netdsl
+    from netdsl.passes.optimizer import add_optimizer
+    net = netdsl.loads("network f { input x: f32[N, 4]\n input y: f32[N, 4]\n output x\n"
+                       " loss mse(x, y) }", "f.net")
+    t = add_optimizer(autodiff(net.graph.bind(2)), "sgd", clip_grad_norm=1.0).verify()
+    assert t.outputs["updates"] == [] and not t.by_op("grad_sumsq")

@@ -83,6 +83,7 @@ def test_clip_grad_norm_over_ranks_gives_the_losses_of_one_process(tmp_path):
     net = tmp_path / "clipped.net"
     net.write_text(Path(NET).read_text().replace("optimizer = adam(lr=3e-3)",
                                                  "optimizer = adam(lr=3e-3, clip_grad_norm=0.5)"))
+    assert "clip_grad_norm=0.5" in net.read_text()  # (else both runs are unclipped)
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     cmd = [sys.executable, "-m", "netdsl_cli", "run", str(net), "--steps", "3",
            "--eval-samples", "0", "--split", "pipeline"]

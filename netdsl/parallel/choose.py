@@ -82,8 +82,8 @@ class Chosen:
     # candidates not built: more micro-batches of a pipeline already slower than a split
     # that fits (`_past_its_best`)
     skipped: list[SplitSpec] = field(default_factory=list)
-    # candidates that cannot be made, each "spec: why" (a tensor split of a layer that has
-    # no split rule; a pipeline with clip_grad_norm)
+    # candidates that cannot be made, each "spec: why" (with a layer pinned by @device(k),
+    # every scheme but a pipeline)
     unavailable: list[str] = field(default_factory=list)
 
 

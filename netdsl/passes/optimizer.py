@@ -84,7 +84,7 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
                meta={"phase": "optimizer"}))
     params = [n for n in g.nodes if n.op == "param"]
     grads = list(g.outputs["grads"])
-    if h["clip_grad_norm"] is not None:
+    if h["clip_grad_norm"] is not None and params:  # (nothing to clip without parameters)
         grads = _clip_grad_norm(g, params, grads, float(h["clip_grad_norm"]))
     updates: list[str] = []
     step = None

@@ -94,9 +94,11 @@ def train(net: Network, options=None, callback=None):
 def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
          profile: str = "k40-12gb", strategy: str = "auto", float_dtype: str = "f32",
          prefetch: int | None = None, progress=None, verify: bool = True,
-         offload_state: bool = False):
+         offload_state: bool = False, microbatches: int = 1):
     """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works; None: the
-    profile's memory) on a device `profile`; returns a `netdsl.memory.search.PlanResult`
+    profile's memory) on a device `profile`, its gradients accumulated over `microbatches`
+    parts of the batch (`runtime.trainer.accumulating_step`, as `run --microbatches`
+    runs it); returns a `netdsl.memory.search.PlanResult`
     (`feasible` says whether it fits). With `verify`, the decisions are applied
     (`memory.strategies.apply_decisions`) and the storage plan of the rewritten step
     (`memory.plan.make_plan`) gives
@@ -105,14 +107,18 @@ def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
     bad sizes, profiles or strategies."""
     from netdsl.memory.profiles import get_profile
     from netdsl.memory.search import plan_and_apply
-    from netdsl.runtime.trainer import training_graph
+    from netdsl.runtime.trainer import accumulating_step, training_graph
     b = batch if batch is not None else net.default_batch
     if mem is None:
         mem = get_profile(profile).capacity_bytes
     # a GPU's step (its kernels' variants, and their scratch) for a device profile, as
     # `run --backend cupy --mem` plans it; the CPU's for a unified one
-    step = training_graph(net.lower(b), net.train or TrainConfig(),
-                          "cpu" if get_profile(profile).unified else "gpu")
+    device = "cpu" if get_profile(profile).unified else "gpu"
+    cfg = net.train or TrainConfig()
+    if microbatches > 1:
+        step = accumulating_step(net.graph, b, cfg, microbatches, device=device)
+    else:
+        step = training_graph(net.lower(b), cfg, device)
     # checked as `run --mem` runs the step: values packed into an arena
     _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, arena=True,
                             prefetch=prefetch, progress=progress,

@@ -132,6 +132,10 @@ class TrainConfig(_Strict):
         return self
 
 
+MICROBATCHES_APPLY = ("microbatches apply to pipelines, to data-parallel replicas and to one "
+                      "device (gradient accumulation), not to tensor or spatial splits")
+
+
 class ParallelConfig(_Strict):
     """The network-level `parallel { }` declaration; devices = data x pipeline x tensor x
     spatial."""
@@ -141,7 +145,9 @@ class ParallelConfig(_Strict):
     microbatches: int = Field(1, ge=1, le=INT_MAX)
     tensor: int = Field(1, ge=1, le=INT_MAX)
     spatial: int = Field(1, ge=1, le=INT_MAX)
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    # a pipeline's order; None: the scheme's own (GPipe for a declared pipeline, 1F1B for
+    # micro-batches accumulated and for `auto`)
+    schedule: Literal["gpipe", "1f1b"] | None = None
 
     @property
     def devices(self) -> int:
@@ -149,6 +155,8 @@ class ParallelConfig(_Strict):
 
     @model_validator(mode="after")
     def _microbatches(self):
-        if self.pipeline == 1 and self.microbatches != 1:
-            raise ValueError("microbatches only apply with pipeline > 1")
+        # without a pipeline, micro-batches accumulate the gradients (on one device, or
+        # on each data-parallel replica)
+        if self.microbatches != 1 and self.pipeline == 1 and self.tensor * self.spatial > 1:
+            raise ValueError(MICROBATCHES_APPLY)
         return self

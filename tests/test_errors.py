@@ -176,8 +176,9 @@ CASES = [
     ("parallel-schedule", net('parallel { pipeline = 2; schedule = "zigzag" }\noutput x'),
      'invalid parallel declaration: `schedule` must be "gpipe" or "1f1b", not "zigzag"',
      4, 30),
-    ("parallel-microbatches", net("parallel { microbatches = 4 }\noutput x"),
-     "microbatches only apply with pipeline > 1", 4, 16),
+    ("parallel-microbatches", net("parallel { tensor = 2; microbatches = 4 }\noutput x"),
+     "microbatches apply to pipelines, to data-parallel replicas and to one device "
+     "(gradient accumulation), not to tensor or spatial splits", 4, 28),
     ("parallel-twice", net("parallel { data = 2 }\nparallel { data = 2 }\noutput x"),
      "a network has one `parallel` declaration", 5, 5),
     # -- train ---------------------------------------------------------------------------

@@ -76,6 +76,27 @@ def test_two_ranks_give_the_losses_of_one_process(tmp_path, split, rtol, same):
         assert d["test_accuracy"] == s["test_accuracy"]
 
 
+def test_ranks_accumulating_micro_batches_give_the_plain_losses(tmp_path):
+    """Each rank of a data split accumulates its rows in two parts (no batchnorm: the
+    whole batch's step), and a --distributed run of one process is a clear error."""
+    mlp = str(ROOT / "examples" / "digits-mlp.net")
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    cmd = [sys.executable, "-m", "netdsl_cli", "run", mlp, "--steps", "3",
+           "--eval-samples", "0"]
+    a = subprocess.run(cmd + ["--log", str(one)], capture_output=True, text=True,
+                       timeout=300)
+    b = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--distributed", "--split", "data",
+                        "--microbatches", "2", "--log", str(two), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(b.stdout)["split"] == "data=2, microbatches=2"
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+    c = subprocess.run(cmd + ["--distributed"], capture_output=True, text=True, timeout=300)
+    assert c.returncode == 1 and "Traceback" not in c.stderr, c.stderr
+    assert "this is one process; run without --distributed" in c.stdout + c.stderr
+    assert "stopping every rank" not in c.stderr
+
+
 def test_clip_grad_norm_over_ranks_gives_the_losses_of_one_process(tmp_path):
     """clip_grad_norm over a pipeline's ranks: each rank's squared-norm part is
     all-reduced (a scalar over MPI) and both scale by one factor, bit for bit the losses

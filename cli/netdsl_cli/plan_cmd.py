@@ -47,6 +47,9 @@ def plan(
     offload_state: Annotated[bool, typer.Option(
         "--offload-state", help="let the plan keep optimizer state in host memory as a "
         "last resort (`netdsl run --mem --offload-state` executes it)")] = False,
+    microbatches: Annotated[int, typer.Option(
+        "--microbatches", min=1, help="accumulate the gradients over this many parts of "
+        "the batch, one after the other, as `netdsl run --microbatches` does")] = 1,
     exact: Annotated[bool, typer.Option(help="also solve the exact program (SciPy HiGHS "
                                         "MILP; small networks) and report auto's gap")]
     = False,
@@ -60,12 +63,14 @@ def plan(
         net = load_network(file)
         b = batch if batch is not None else net.default_batch
         if json_output:
-            res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state)
+            res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
+                           microbatches=microbatches)
         else:
             with Progress(TextColumn("[bold]plan"), BarColumn(), TimeElapsedColumn(),
                           console=console(stderr=True), transient=True) as bar:
                 task = bar.add_task("plan", total=1.0)
                 res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
+                               microbatches=microbatches,
                                progress=lambda f: bar.update(task, completed=f))
         if plot is not None:
             from netdsl.tooling.memory_plot import plot_memory
@@ -80,9 +85,9 @@ def plan(
                               "predicted_overhead": x.predicted_overhead,
                               "solve_s": x.solve_s, "rounds": x.rounds, "auto_gap": gap}
         if json_output:
-            print_json(plan_json(res, b, depth, extra))
+            print_json(plan_json(res, b, depth, extra, microbatches))
         else:
-            _print(res, b, depth)
+            _print(res, b, depth, microbatches)
             if exact:
                 e = extra["exact"]
                 line = (f"exact (MILP)        step {e['predicted_step_s']:.3f} s, "
@@ -100,7 +105,7 @@ def plan(
             raise typer.Exit(EXIT_INFEASIBLE)
 
 
-def _print(res, batch: int, depth: int) -> None:
+def _print(res, batch: int, depth: int, microbatches: int = 1) -> None:
     from netdsl.ir.stats import fmt_si
     from netdsl.memory.report import decision_rows
     from netdsl.sizes import format_decimal as fb
@@ -108,7 +113,9 @@ def _print(res, batch: int, depth: int) -> None:
     out = console()
     arena, bound = res.sim.arena()
     lines = [
-        f"{res.network} at batch {batch} on {res.profile.name}, strategy {res.strategy}"
+        f"{res.network} at batch {batch}"
+        + (f" in {microbatches} micro-batches" if microbatches > 1 else "")
+        + f" on {res.profile.name}, strategy {res.strategy}"
         f" (planned in {res.plan_s:.2f} s)",
         f"budget              {fb(res.budget_bytes)}",
         f"peak without a plan {fb(res.baseline_peak_bytes)}",

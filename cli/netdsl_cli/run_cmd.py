@@ -201,10 +201,13 @@ def _run(
         "(default: "
         "the file's `parallel` declaration, else auto)")] = None,
     microbatches: Annotated[int | None, typer.Option(
-        "--microbatches", min=1, help="with --devices: micro-batches per step (pipelines)")]
+        "--microbatches", min=1, help="micro-batches per step: a pipeline's, or the parts "
+        "of the batch each device accumulates gradients over, one after the other (on one "
+        "device: less memory, the same gradients but through batchnorm)")]
     = None,
     schedule: Annotated[str | None, typer.Option(
-        "--schedule", help="with --devices: a pipeline's order, gpipe or 1f1b")] = None,
+        "--schedule", help="the micro-batches' order: gpipe or 1f1b (default: 1f1b where "
+        "auto chooses and where gradients are accumulated, else gpipe)")] = None,
     distributed: Annotated[bool, typer.Option(
         "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
         "extra): each rank runs its part of the split step; rank 0 reports")] = False,
@@ -310,14 +313,14 @@ def _grace_s() -> float:
 def _run_rank(kwargs) -> int | None:
     import netdsl.runtime.mpi as mpi
     with guard(kwargs["json_output"]):
-        rank, _ = mpi.world()
+        rank, size = mpi.world()
     quiet = rank != 0
     said = io.StringIO()  # a quiet rank's output: its error, as JSON, if it fails
     try:
         with contextlib.redirect_stdout(said) if quiet else contextlib.nullcontext():
             return _run(**{**kwargs, "json_output": kwargs["json_output"] or quiet})
     except typer.Exit as e:
-        if e.exit_code:
+        if e.exit_code and size > 1:  # (one process has no other rank to stop)
             if quiet:
                 # most failures are every rank's (a budget no split meets): rank 0 reports
                 # them as a plain run does (--json on stdout) and stops the rest meanwhile

@@ -68,11 +68,13 @@ def decision_rows(res: PlanResult, depth: int = 2) -> list[DecisionRow]:
     return rows
 
 
-def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = None) -> dict:
+def plan_json(res: PlanResult, batch: int, depth: int = 2, extra: dict | None = None,
+              microbatches: int = 1) -> dict:
     """The `netdsl plan --json` object (docs/memory.md lists the keys)."""
     arena, bound = res.sim.arena()
     d = {
-        "network": res.network, "batch": batch, "profile": res.profile.name,
+        "network": res.network, "batch": batch, "microbatches": microbatches,
+        "profile": res.profile.name,
         "strategy": res.strategy, "budget_bytes": res.budget_bytes,
         "feasible": res.feasible, "baseline_peak_bytes": res.baseline_peak_bytes,
         "planned_peak_bytes": res.planned_peak_bytes,

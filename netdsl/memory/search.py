@@ -564,13 +564,14 @@ def infeasible_error(res: PlanResult) -> BudgetError:
             f"bytes) even with {row.get(RECOMPUTE, 0):,} values recomputed and "
             f"{row.get(OFFLOAD, 0):,} offloaded, dominated by "
             f"{res.dominant or 'the persistent state'}; give --mem at least that, more "
-            "devices, a smaller --batch, or another split")
+            "devices, a smaller --batch, more --microbatches, or another split")
     return BudgetError(
         f"no memory plan fits {format_decimal(res.budget_bytes)} for `{res.network}` "
         f"(strategy {res.strategy}, profile {res.profile.name}): the smallest budget that "
         f"works is about {format_decimal(need)} ({need:,} bytes), dominated by "
         f"{res.dominant or 'the persistent state'}; give --mem at least that, a smaller "
-        "--batch, or another --strategy")
+        "--batch, more --microbatches (the gradients accumulated over parts of the batch), "
+        "or another --strategy")
 
 
 def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from netdsl.backends import host_memory
-from netdsl.config import ParallelConfig
+from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
@@ -102,6 +102,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
         d, p, t, s = (declared.get(k, 1) for k in ("data", "pipeline", "tensor", "spatial"))
         if ParallelConfig(**declared).devices == devices > 1:
+            if p == 1 and not (schedule or declared.get("schedule")):
+                sched = "1f1b"  # replicas accumulating micro-batches: each part in turn
             return [SplitSpec(data=d, pipeline=p, tensor=t, spatial=s, bn=bn, schedule=sched,
                               microbatches=microbatches or declared.get("microbatches", 1))]
         strategy = "auto"
@@ -124,8 +126,11 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             m *= 2
         return out or [1]
 
-    if strategy == "data":
-        return [SplitSpec(data=devices, bn=bn)]
+    if strategy in ("tensor", "spatial") and (microbatches or 1) > 1:
+        raise SplitError(f"--microbatches {microbatches}: {MICROBATCHES_APPLY}")
+    if strategy == "data":  # micro-batches: each replica accumulates, each part in turn
+        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1,
+                          schedule=schedule or declared.get("schedule") or "1f1b")]
     if strategy == "tensor":
         return [SplitSpec(tensor=devices, bn=bn)]
     if strategy == "spatial":

@@ -9,7 +9,9 @@ each device's work by micro-batch:
 - 1F1B: stage s of p runs (p - s - 1) warm-up forward micro-batches, then alternates one
   forward and one backward, then drains the backward ones (PipeDream-Flush, Narayanan et
   al. 2021): GPipe's bubble with at most p micro-batches' activations alive on a stage
-  instead of all m.
+  instead of all m. On one stage (micro-batches on one device, or on each data
+  replica: gradient accumulation) 1F1B is forward then backward of each micro-batch in
+  turn, one micro-batch's activations alive at a time.
 The result is a topological order (Kahn's algorithm, lowest priority first, ties in the
 old order, so a collective's members stay side by side); what depends on no input (the
 loss seed and the gradients of the parts' loss weights sent back to them) goes first, and
@@ -75,7 +77,7 @@ def _sum_in_schedule_order(g: Graph, key: dict, readers: dict) -> None:
 def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
     split = g.meta.get("split", {})
     stages, micro = split.get("pipeline", 1), split.get("microbatches", 1)
-    if stages < 2:
+    if micro < 2:
         return g
     tasks = {s: _tasks(s, stages, micro, schedule) for s in range(stages)}
     inf = float("inf")

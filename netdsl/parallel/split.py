@@ -80,6 +80,9 @@ class SplitSpec:
             parts.append(f"tensor={self.tensor}")
         if self.spatial > 1:
             parts.append(f"spatial={self.spatial}")
+        if self.pipeline == 1 and self.microbatches > 1:  # gradients accumulated
+            parts.append(f"microbatches={self.microbatches}"
+                         + (", gpipe" if self.schedule == "gpipe" else ""))
         return ", ".join(parts) or "one device"
 
 

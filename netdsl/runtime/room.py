@@ -8,6 +8,10 @@ from __future__ import annotations
 from netdsl.backends import host_memory
 from netdsl.errors import NetdslError
 
+# (one device's runs; the message's "activations shrink with it" goes before it)
+ACCUMULATE = (", more --microbatches (the batch in parts, one after the other, "
+              "their gradients accumulated)")
+
 
 def available_bytes(backend) -> int | None:
     """Free memory where the run allocates: the device's for CuPy (with what CuPy's pool
@@ -70,7 +74,7 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
     who = (f"the {sharing} need about {gib(needed)} together for a training step"
            if ranks > 1 else f"a training step needs about {gib(needed)}")
     fewer = ((", fewer ranks on one machine" if part == "rank" else ", another --split")
-             if ranks > 1 else "")
+             if ranks > 1 else ACCUMULATE if batch > 1 else "")
     return NetdslError(
         f"out of memory {when}: {who} (parameters, optimizer state and the activations "
         f"kept for backward, at batch {batch}), but {have}; use {fit}a smaller batch (e.g. "

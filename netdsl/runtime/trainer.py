@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from netdsl.config import TrainConfig
+from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.serialize import fingerprint
@@ -102,10 +102,14 @@ class Callback:
     def on_eval_progress(self, done: int, total: int) -> None: ...
     def on_end(self, result: RunResult) -> None: ...
 
-def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
+def _require_loss(forward: Graph) -> None:
     if "loss" not in forward.outputs:
         raise NetdslError(f"network `{forward.name}` declares no `loss`, so it cannot be "
                           "trained; add e.g. `loss softmax_cross_entropy(logits, y)`")
+
+
+def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
+    _require_loss(forward)
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
@@ -119,6 +123,41 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
                                   "autodiff", ("fuse_grads", fusing),
                                   "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])
+
+def accumulating_step(forward: Graph, batch: int, cfg: TrainConfig, microbatches: int,
+                      schedule: str = "1f1b", gather: tuple[str, ...] = (),
+                      device: str = "cpu") -> Graph:
+    """The training step of unbound `forward` at `batch` on one device with its gradients
+    accumulated over `microbatches` parts of the batch: netdsl.parallel's split onto one
+    device, whose `1f1b` order runs each part's forward then its backward, so that one
+    part's activations are alive at a time (`gpipe`: every forward first; the same numbers
+    and no saving). The loss is the rows-weighted sum of the parts' losses, so the
+    gradients are the whole batch's, except through batchnorm, which normalises each part
+    with its own statistics (as a pipeline's micro-batches do; the first part's copies
+    update the running statistics). `gather`: outputs made whole (the trainer's logits). Its nodes
+    are left unfused, as a split step's are; `device` marks the kernels' variants for
+    "cpu" or "gpu", as `training_graph` does."""
+    from netdsl.parallel.split import SplitSpec, split_step
+    _require_loss(forward)
+    g = split_step(forward, batch, SplitSpec(microbatches=microbatches, schedule=schedule),
+                   cfg.optimizer.model_dump(), gather)
+    if device == "cpu":  # (the CPU's kernels are the unmarked ones)
+        return g
+    return run_pipeline(g, [("device", {"kind": device})], recheck_shapes=False)
+
+
+def accumulation(forward: Graph, opts: RunOptions) -> tuple[int, str]:
+    """The micro-batches a one-device run accumulates its gradients over, and their
+    order: `--microbatches`, else the file's `parallel { microbatches }` declared alone
+    (1: none). A split over devices takes them as its own (`--devices`)."""
+    declared = dict(forward.parallel)
+    if opts.devices > 1 or opts.distributed:
+        return 1, "1f1b"
+    alone = ParallelConfig(**declared).devices == 1
+    m = opts.microbatches if opts.microbatches is not None else (
+        declared.get("microbatches", 1) if alone else 1)
+    return m, opts.schedule or (declared.get("schedule") if alone else None) or "1f1b"
+
 
 class Trainer:
     ROLES = ("loss", "output", "updates")  # what a training step computes
@@ -154,13 +193,25 @@ class Trainer:
         if opts.distributed:
             from netdsl.runtime.mpi import MPIComm, world
             self.rank, size = world()
+            if size == 1:  # (a split of one device has no parts to spread)
+                raise NetdslError("--distributed runs one process per device under "
+                                  "`mpiexec -n N` with N of 2 or more, and this is one "
+                                  "process; run without --distributed, or under mpiexec")
             if opts.devices not in (1, size):
                 raise NetdslError(f"--devices {opts.devices} but mpiexec started {size} "
                                   "ranks; with --distributed there is one device per rank")
             opts.devices = size
             comm = MPIComm(backend)
+        micro, order = accumulation(forward, opts)
         if opts.devices > 1:
             self.train_graph, self.split = self._split_step(backend)
+        elif micro > 1:
+            self._phase(f"building the training step ({micro} micro-batches)")
+            self.train_graph = accumulating_step(
+                forward, self.batch, self.cfg, micro, order, (self.acc[0],) if self.acc else (),
+                "gpu" if backend.name == "cupy" else "cpu")
+            from netdsl.parallel.split import SplitSpec
+            self.split = SplitSpec(microbatches=micro, schedule=order).describe()
         else:
             self.train_graph = training_graph(
                 bound, self.cfg, "gpu" if backend.name == "cupy" else "cpu").verify()
@@ -282,8 +333,8 @@ class Trainer:
             f"fits {format_decimal(p.budget_bytes)} of it: the least a plan needs is about "
             f"{format_decimal(p.min_feasible_bytes)}, "
             f"dominated by {p.dominant or 'the persistent state'}; use a smaller batch "
-            f"(e.g. --batch {max(self.batch // 2, 1)}: activations shrink with it), or a "
-            "smaller network")
+            f"(e.g. --batch {max(self.batch // 2, 1)}: activations shrink with it)"
+            f"{room.ACCUMULATE if self.batch > 1 else ''}, or a smaller network")
 
     def _refuse_what_cannot_fit(self, backend, comm=None) -> None:
         """Refuse, before the first step, a step whose planned peak is more than the memory

@@ -18,9 +18,11 @@ import subprocess
 import sys
 
 
-def run(args, mem: str | None) -> dict:
+def run(args, mem: str | None, *extra: str) -> dict:
+    """`netdsl run --json` of args.file at args.batch for args.steps, in a process of its
+    own (its tracemalloc peak its own), with `--mem mem` and `extra` options."""
     cmd = [sys.executable, "-m", "netdsl_cli", "run", args.file, "--batch", str(args.batch),
-           "--steps", str(args.steps), "--json", "--eval-samples", "0"]
+           "--steps", str(args.steps), "--json", "--eval-samples", "0", *extra]
     if mem:
         cmd += ["--mem", mem]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -97,7 +97,7 @@ def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
          offload_state: bool = False, microbatches: int = 1):
     """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works; None: the
     profile's memory) on a device `profile`, its gradients accumulated over `microbatches`
-    parts of the batch (`runtime.trainer.accumulating_step`, as `run --microbatches`
+    parts of the batch (`runtime.accumulate.accumulating_step`, as `run --microbatches`
     runs it); returns a `netdsl.memory.search.PlanResult`
     (`feasible` says whether it fits). With `verify`, the decisions are applied
     (`memory.strategies.apply_decisions`) and the storage plan of the rewritten step
@@ -107,7 +107,8 @@ def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
     bad sizes, profiles or strategies."""
     from netdsl.memory.profiles import get_profile
     from netdsl.memory.search import plan_and_apply
-    from netdsl.runtime.trainer import accumulating_step, training_graph
+    from netdsl.runtime.accumulate import accumulating_step
+    from netdsl.runtime.trainer import training_graph
     b = batch if batch is not None else net.default_batch
     if mem is None:
         mem = get_profile(profile).capacity_bytes
@@ -124,6 +125,25 @@ def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
                             prefetch=prefetch, progress=progress,
                             offload_state=offload_state, verify=verify)
     return res
+
+
+def microbatches_to_fit(net: Network, failed, batch: int | None = None,
+                        float_dtype: str = "f32", offload_state: bool = False,
+                        microbatches: int = 1) -> int | None:
+    """For a `plan` result that does not fit (`failed`, of the step at `batch` in
+    `microbatches` parts), a larger count of micro-batches whose step a plan fits into
+    the same budget, profile and strategy, or None
+    (`runtime.accumulate.fewest_microbatches`: three plans at most)."""
+    from netdsl.memory.search import plan_and_apply
+    from netdsl.runtime.accumulate import fewest_microbatches
+    b = batch if batch is not None else net.default_batch
+    prof = failed.profile
+
+    def fits(step):
+        return plan_and_apply(step, failed.budget_bytes, prof, failed.strategy, float_dtype,
+                              arena=True, offload_state=offload_state)[1]
+    return fewest_microbatches(net.graph, b, net.train or TrainConfig(), failed, fits,
+                               microbatches, "cpu" if prof.unified else "gpu")
 
 
 @dataclass

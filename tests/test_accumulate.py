@@ -149,7 +149,7 @@ def test_plan_microbatches_json():
                                 "--batch", "32", "--profile", "cpu", "--mem", "40MB",
                                 "--microbatches", str(m), "--json"])
         assert r.exit_code == 0, r.output
-        out[m] = json.loads(r.output)
+        out[m] = json.loads(r.stdout)
     assert out[4]["microbatches"] == 4 and out[1]["microbatches"] == 1
     assert out[4]["baseline_peak_bytes"] < 0.5 * out[1]["baseline_peak_bytes"]
 
@@ -163,3 +163,27 @@ def test_microbatches_where_they_do_not_apply_are_refused():
                             "--microbatches", "64", "--batch", "32", "--steps", "1"])
     assert r.exit_code == 3, r.output
     assert "cannot split a batch of 32 into 64 parts" in r.output
+
+
+def test_a_budget_no_plan_meets_names_the_micro_batches_that_fit():
+    """transformer-tiny at batch 32 (float32) needs about 10.8 MB planned whole; at 6 MB
+    `plan` and `run` name 4 parts, which `plan --microbatches 4` then plans within 6 MB
+    and a run holds as tracemalloc measures it; under the state and workspace alone
+    (3 MB) no count is named."""
+    tiny = str(ROOT / "examples" / "transformer-tiny.net")
+
+    def plan(mem, *more):
+        r = runner.invoke(app, ["plan", tiny, "--profile", "cpu", "--mem", mem, "--json",
+                                *more])
+        return r.exit_code, json.loads(r.stdout)
+    code, out = plan("6MB")
+    assert code == 3 and not out["feasible"] and out["fits_with_microbatches"] == 4
+    code, out = plan("6MB", "--microbatches", "4")
+    assert code == 0 and out["feasible"] and out["fits_with_microbatches"] is None
+    code, out = plan("3MB")
+    assert code == 3 and out["fits_with_microbatches"] is None
+    with pytest.raises(NetdslError, match=r"with --microbatches 4 \(the gradients"):
+        api.train(load("transformer-tiny.net"), RunOptions(steps=1, mem="6MB"))
+    res = api.train(load("transformer-tiny.net"),
+                    RunOptions(steps=1, mem="6MB", microbatches=4, eval_samples=0))
+    assert res.peak_bytes <= 6_000_000

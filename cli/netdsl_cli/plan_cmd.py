@@ -5,6 +5,7 @@ Exit 3 when no plan fits the budget (the message names the smallest budget that 
 and what dominates it)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -72,6 +73,13 @@ def plan(
                 res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
                                microbatches=microbatches,
                                progress=lambda f: bar.update(task, completed=f))
+        fitting = None  # where no plan fits: more micro-batches that one would fit
+        if not res.feasible:
+            from netdsl.api import microbatches_to_fit
+            with (contextlib.nullcontext() if json_output else
+                  console(stderr=True).status("no plan fits: trying more micro-batches")):
+                fitting = microbatches_to_fit(net, res, b, offload_state=offload_state,
+                                              microbatches=microbatches)
         if plot is not None:
             from netdsl.tooling.memory_plot import plot_memory
             plot_memory(res, plot)
@@ -85,7 +93,8 @@ def plan(
                               "predicted_overhead": x.predicted_overhead,
                               "solve_s": x.solve_s, "rounds": x.rounds, "auto_gap": gap}
         if json_output:
-            print_json(plan_json(res, b, depth, extra, microbatches))
+            print_json(plan_json(res, b, depth, {**extra, "fits_with_microbatches": fitting},
+                                 microbatches))
         else:
             _print(res, b, depth, microbatches)
             if exact:
@@ -97,11 +106,13 @@ def plan(
                         "exact (MILP)        found no plan that fits")
                 console().print(Text(line))
         if not res.feasible:
+            from netdsl.runtime.accumulate import fits_with
             from netdsl.sizes import format_decimal
             sys.stderr.write(
                 f"netdsl: no plan fits {format_decimal(res.budget_bytes)}: the smallest "
                 f"budget that works is {format_decimal(res.min_feasible_bytes)} "
-                f"({res.min_feasible_bytes} bytes); it is dominated by {res.dominant}\n")
+                f"({res.min_feasible_bytes} bytes); it is dominated by {res.dominant}"
+                f"{fits_with(fitting)}\n")
             raise typer.Exit(EXIT_INFEASIBLE)
 
 

@@ -551,9 +551,9 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     return None, floor
 
 
-def infeasible_error(res: PlanResult) -> BudgetError:
+def infeasible_error(res: PlanResult, also: str = "") -> BudgetError:
     """The exit-3 error for a budget no plan meets: the smallest budget that works and
-    what dominates it."""
+    what dominates it (then `also`, a sentence's end of the caller's)."""
     need = res.min_feasible_bytes
     if res.worst_device is not None:
         row = res.per_device.get(res.worst_device, {})
@@ -564,14 +564,14 @@ def infeasible_error(res: PlanResult) -> BudgetError:
             f"bytes) even with {row.get(RECOMPUTE, 0):,} values recomputed and "
             f"{row.get(OFFLOAD, 0):,} offloaded, dominated by "
             f"{res.dominant or 'the persistent state'}; give --mem at least that, more "
-            "devices, a smaller --batch, more --microbatches, or another split")
+            "devices, a smaller --batch, more --microbatches, or another split" + also)
     return BudgetError(
         f"no memory plan fits {format_decimal(res.budget_bytes)} for `{res.network}` "
         f"(strategy {res.strategy}, profile {res.profile.name}): the smallest budget that "
         f"works is about {format_decimal(need)} ({need:,} bytes), dominated by "
         f"{res.dominant or 'the persistent state'}; give --mem at least that, a smaller "
         "--batch, more --microbatches (the gradients accumulated over parts of the batch), "
-        "or another --strategy")
+        "or another --strategy" + also)
 
 
 def _shortest_prefix(pl: Planner, ladder, budget: int, consider, tick) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from netdsl.config import ParallelConfig, TrainConfig
+from netdsl.config import TrainConfig
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.serialize import fingerprint
@@ -33,6 +33,13 @@ from netdsl.memory.profiles import get_profile
 from netdsl.passes.fuse import fusion_enabled
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint, room
+from netdsl.runtime.accumulate import (
+    accumulating_step,
+    accumulation,
+    fewest_microbatches,
+    fits_with,
+    require_loss,
+)
 from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.options import RunOptions, backend_for, check_options, preflight, resolve_config
@@ -102,14 +109,8 @@ class Callback:
     def on_eval_progress(self, done: int, total: int) -> None: ...
     def on_end(self, result: RunResult) -> None: ...
 
-def _require_loss(forward: Graph) -> None:
-    if "loss" not in forward.outputs:
-        raise NetdslError(f"network `{forward.name}` declares no `loss`, so it cannot be "
-                          "trained; add e.g. `loss softmax_cross_entropy(logits, y)`")
-
-
 def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
-    _require_loss(forward)
+    require_loss(forward)
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
@@ -123,41 +124,6 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
                                   "autodiff", ("fuse_grads", fusing),
                                   "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])
-
-def accumulating_step(forward: Graph, batch: int, cfg: TrainConfig, microbatches: int,
-                      schedule: str = "1f1b", gather: tuple[str, ...] = (),
-                      device: str = "cpu") -> Graph:
-    """The training step of unbound `forward` at `batch` on one device with its gradients
-    accumulated over `microbatches` parts of the batch: netdsl.parallel's split onto one
-    device, whose `1f1b` order runs each part's forward then its backward, so that one
-    part's activations are alive at a time (`gpipe`: every forward first; the same numbers
-    and no saving). The loss is the rows-weighted sum of the parts' losses, so the
-    gradients are the whole batch's, except through batchnorm, which normalises each part
-    with its own statistics (as a pipeline's micro-batches do; the first part's copies
-    update the running statistics). `gather`: outputs made whole (the trainer's logits). Its nodes
-    are left unfused, as a split step's are; `device` marks the kernels' variants for
-    "cpu" or "gpu", as `training_graph` does."""
-    from netdsl.parallel.split import SplitSpec, split_step
-    _require_loss(forward)
-    g = split_step(forward, batch, SplitSpec(microbatches=microbatches, schedule=schedule),
-                   cfg.optimizer.model_dump(), gather)
-    if device == "cpu":  # (the CPU's kernels are the unmarked ones)
-        return g
-    return run_pipeline(g, [("device", {"kind": device})], recheck_shapes=False)
-
-
-def accumulation(forward: Graph, opts: RunOptions) -> tuple[int, str]:
-    """The micro-batches a one-device run accumulates its gradients over, and their
-    order: `--microbatches`, else the file's `parallel { microbatches }` declared alone
-    (1: none). A split over devices takes them as its own (`--devices`)."""
-    declared = dict(forward.parallel)
-    if opts.devices > 1 or opts.distributed:
-        return 1, "1f1b"
-    alone = ParallelConfig(**declared).devices == 1
-    m = opts.microbatches if opts.microbatches is not None else (
-        declared.get("microbatches", 1) if alone else 1)
-    return m, opts.schedule or (declared.get("schedule") if alone else None) or "1f1b"
-
 
 class Trainer:
     ROLES = ("loss", "output", "updates")  # what a training step computes
@@ -202,7 +168,7 @@ class Trainer:
                                   "ranks; with --distributed there is one device per rank")
             opts.devices = size
             comm = MPIComm(backend)
-        micro, order = accumulation(forward, opts)
+        micro, order = accumulation(forward, opts.microbatches, opts.schedule, opts.devices)
         if opts.devices > 1:
             self.train_graph, self.split = self._split_step(backend)
         elif micro > 1:
@@ -250,10 +216,11 @@ class Trainer:
             planned, self.mem_plan = plan_and_apply(
                 self.train_graph, self.mem, profile, opts.strategy, opts.dtype,
                 roles=self.ROLES, arena=True, offload_state=opts.offload_state)
-            if planned is None and self.mem_from == "free memory":
-                raise self._cannot_fit_even_planned(backend)
             if planned is None:
-                raise infeasible_error(self.mem_plan)
+                fitting = self._microbatches_to_fit(profile, micro, backend)
+                if self.mem_from == "free memory":
+                    raise self._cannot_fit_even_planned(backend, fitting)
+                raise infeasible_error(self.mem_plan, fits_with(fitting))
             self.train_graph = planned
             self.budget = self.mem_plan.budget_bytes
             # where host and device are one memory, the host pool counts against the budget
@@ -322,9 +289,26 @@ class Trainer:
             "to choose the budget)")
         return mem
 
-    def _cannot_fit_even_planned(self, backend) -> NetdslError:
+    def _microbatches_to_fit(self, profile: str, micro: int, backend) -> int | None:
+        """For a budget no plan of the step meets: more micro-batches whose step a plan
+        fits into it, for the error to name (the run does not switch by itself: with
+        batchnorm the step would compute other numbers), or None."""
+        from netdsl.memory.search import plan_and_apply
+        opts, failed = self.opts, self.mem_plan
+        if self.opts.devices > 1 or self.batch <= micro:
+            return None
+        self._phase("no plan fits: trying more micro-batches")
+
+        def fits(step):
+            return plan_and_apply(step, failed.budget_bytes, profile, opts.strategy,
+                                  opts.dtype, roles=_roles(step), arena=True,
+                                  offload_state=opts.offload_state)[1]
+        return fewest_microbatches(self.forward, self.batch, self.cfg, failed, fits, micro,
+                                   "gpu" if backend.name == "cupy" else "cpu")
+
+    def _cannot_fit_even_planned(self, backend, fitting: int | None = None) -> NetdslError:
         """The error for a run without --mem whose step fits the free memory neither as
-        written nor planned."""
+        written nor planned (`fitting`: micro-batches a plan of whose step would fit)."""
         (need, free), p = self._as_written, self.mem_plan
         return NetdslError(
             f"out of memory before the first step: a training step needs about "
@@ -334,7 +318,8 @@ class Trainer:
             f"{format_decimal(p.min_feasible_bytes)}, "
             f"dominated by {p.dominant or 'the persistent state'}; use a smaller batch "
             f"(e.g. --batch {max(self.batch // 2, 1)}: activations shrink with it)"
-            f"{room.ACCUMULATE if self.batch > 1 else ''}, or a smaller network")
+            f"{room.ACCUMULATE if self.batch > 1 else ''}, or a smaller network"
+            f"{fits_with(fitting)}")
 
     def _refuse_what_cannot_fit(self, backend, comm=None) -> None:
         """Refuse, before the first step, a step whose planned peak is more than the memory

@@ -143,7 +143,7 @@ def microbatches_to_fit(net: Network, failed, batch: int | None = None,
         return plan_and_apply(step, failed.budget_bytes, prof, failed.strategy, float_dtype,
                               arena=True, offload_state=offload_state)[1]
     return fewest_microbatches(net.graph, b, net.train or TrainConfig(), failed, fits,
-                               microbatches, "cpu" if prof.unified else "gpu")
+                               microbatches, "cpu" if prof.unified else "gpu", float_dtype)
 
 
 @dataclass

@@ -187,3 +187,54 @@ def test_a_budget_no_plan_meets_names_the_micro_batches_that_fit():
     res = api.train(load("transformer-tiny.net"),
                     RunOptions(steps=1, mem="6MB", microbatches=4, eval_samples=0))
     assert res.peak_bytes <= 6_000_000
+
+
+@pytest.mark.parametrize("batch,need,have,found,tried", [
+    (16, 3, 1, 4, [4, 2]),  # predicted 3: the next divisor, then one below that fails
+    (16, 16, 1, 16, [16, 8]),
+    (32, 5, 1, 8, [8, 4]),
+    (7, 2, 1, 2, [2]),  # a prime batch: any count
+    (16, 3, 2, 4, [4]),  # above the count given
+    (16, 40, 1, None, []),  # not even one sample a part comes near
+])
+def test_the_search_for_micro_batches_plans_few_steps(monkeypatch, batch, need, have,
+                                                      found, tried):
+    """`fewest_microbatches` on a stand-in: activations of 100 bytes that shrink with the
+    parts (`need` parts fit), no state; the plans it asks for, in order."""
+    from types import SimpleNamespace as NS
+
+    from netdsl.runtime import accumulate
+    monkeypatch.setattr(accumulate, "accumulating_step", lambda f, b, c, m, device: m)
+    fwd = NS(nodes=[None] * 10, params=list)
+    failed = NS(state_bytes=0, workspace_bytes=0, outside_plan_bytes=0,
+                min_feasible_bytes=100, budget_bytes=100 * have / need + 1e-9)
+    asked = []
+
+    def plan(m):
+        asked.append(m)
+        return NS(feasible=m >= need)
+    assert accumulate.fewest_microbatches(fwd, batch, None, failed, plan, have) == found
+    assert asked == tried
+
+
+def test_the_search_counts_the_gradients_and_the_steps_size():
+    """From two parts on every gradient is held to the update: parameters whose gradients
+    do not fit beside the state are no count at all; nor is a count whose copies of the
+    network would pass max_nodes."""
+    from types import SimpleNamespace as NS
+
+    from netdsl.runtime.accumulate import fewest_microbatches
+    net = load("digits-mlp.net")
+    grads = sum(p.type.numel() * 4 for p in net.graph.params())
+    failed = NS(state_bytes=2 * grads, workspace_bytes=0, outside_plan_bytes=0,
+                min_feasible_bytes=2 * grads + 10_000, budget_bytes=2 * grads + 20_000)
+    assert fewest_microbatches(net.graph, 32, net.train, failed,
+                               lambda s: pytest.fail("planned"), 1) is None
+    failed.budget_bytes = 3 * grads + 5_000  # 2 parts predicted
+    ok = NS(feasible=True)
+    assert fewest_microbatches(net.graph, 32, net.train, failed, lambda s: ok, 1) == 2
+    failed.budget_bytes = 3 * grads + 1_000  # 10 parts predicted: tries 16, 8, 4
+    assert fewest_microbatches(net.graph, 32, net.train, failed, lambda s: ok, 1) == 4
+    assert fewest_microbatches(net.graph, 32, net.train, failed,
+                               lambda s: pytest.fail("planned"), 1,
+                               max_nodes=4 * len(net.graph.nodes)) is None

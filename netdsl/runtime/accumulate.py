@@ -8,6 +8,7 @@ from __future__ import annotations
 from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
+from netdsl.memory.plan import value_bytes
 from netdsl.passes.pipeline import run_pipeline
 
 
@@ -54,24 +55,35 @@ def accumulation(forward: Graph, microbatches: int | None, schedule: str | None,
 
 
 def fewest_microbatches(forward: Graph, batch: int, cfg: TrainConfig, failed, plan,
-                        have: int = 1, device: str = "cpu", tries: int = 3) -> int | None:
+                        have: int = 1, device: str = "cpu", float_dtype: str = "f32",
+                        tries: int = 3, max_nodes: int = 100_000) -> int | None:
     """The fewest micro-batches above `have` that divide the batch (any count where
     none does) whose accumulating step a plan fits, for a budget that no plan of the step
     in `have` parts meets (`failed`: that PlanResult), or None. `plan(step)` plans a step
     into the budget and returns its PlanResult. The activations shrink about in
-    proportion to the parts while the state and workspace stay: the search starts at the
-    count that proportion predicts and walks down the counts while they fit, up while
-    they do not (`tries` plans at most; none where the state and workspace alone are
-    over the budget)."""
+    proportion to the parts while the state and workspace stay, and from two parts on
+    every parameter's gradient is held from the first part's backward to the update (a
+    plain step frees each at its update): the search starts at the count that predicts
+    and walks down the counts while they fit, up while they do not (`tries` plans at
+    most; none where the state, workspace and gradients alone are over the budget: a
+    deep network's parameters, resnet2504's 3.7 GB, can make that so). Counts whose
+    copies of the forward graph would pass `max_nodes` nodes are not tried: this runs
+    before an error, and resnet2504's step in 16 parts took two minutes to build and
+    plan."""
     fixed = failed.state_bytes + failed.workspace_bytes + failed.outside_plan_bytes
-    room = failed.budget_bytes - fixed
-    varying = (failed.min_feasible_bytes or 0) - fixed
+    grads = sum(value_bytes(p.type, float_dtype) for p in forward.params())
+    # what shrinks with the parts: the failed plan's values less the gradients it held
+    varying = (failed.min_feasible_bytes or 0) - fixed - (grads if have > 1 else 0)
+    room = failed.budget_bytes - fixed - grads
     if room <= 0 or varying <= 0 or batch <= have:
         return None
-    counts = [m for m in range(have + 1, batch + 1) if batch % m == 0]
-    if len(counts) < 2:  # (a prime batch: its parts need not be even)
-        counts = list(range(have + 1, batch + 1))
+    most = min(batch, max(have + 1, max_nodes // max(len(forward.nodes), 1)))
+    counts = [m for m in range(have + 1, most + 1) if batch % m == 0]
+    if not counts or counts == [batch]:  # (say a prime batch: parts need not be even)
+        counts = list(range(have + 1, most + 1))
     guess = have * varying / room
+    if guess > 2 * counts[-1]:  # (not even one sample a part comes near)
+        return None
     k = next((i for i, m in enumerate(counts) if m >= guess), len(counts) - 1)
     best, tried = None, set()
     for _ in range(tries):

@@ -304,7 +304,7 @@ class Trainer:
                                   opts.dtype, roles=_roles(step), arena=True,
                                   offload_state=opts.offload_state)[1]
         return fewest_microbatches(self.forward, self.batch, self.cfg, failed, fits, micro,
-                                   "gpu" if backend.name == "cupy" else "cpu")
+                                   "gpu" if backend.name == "cupy" else "cpu", opts.dtype)
 
     def _cannot_fit_even_planned(self, backend, fitting: int | None = None) -> NetdslError:
         """The error for a run without --mem whose step fits the free memory neither as

@@ -91,6 +91,24 @@ def train(net: Network, options=None, callback=None):
     return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()
 
 
+def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
+             split: str = "test", samples: int | None = None, backend: str = "numpy",
+             device: int | None = None, dtype: str = "f32", progress=None):
+    """Evaluate `net` with the parameters and buffers of the checkpoint in `checkpoint`
+    (a run's, or the weights `netdsl import` writes) on the `split` ("test" or "train")
+    samples of its train section's data, in evaluation mode; returns a
+    `netdsl.runtime.evaluate.EvalResult` (loss, accuracy, images/s). Raises NetdslError
+    (CheckpointError for a missing, corrupt or mismatched checkpoint)."""
+    from netdsl.runtime.evaluate import evaluate_checkpoint
+    from netdsl.runtime.options import RunOptions, backend_for
+    if dtype not in ("f32", "f64"):
+        from netdsl.errors import NetdslError
+        raise NetdslError(f"--dtype must be f32 or f64, not {dtype!r}")
+    be = backend_for(RunOptions(backend=backend, device=device))
+    return evaluate_checkpoint(net.graph, net.train, checkpoint, batch=batch, split=split,
+                               samples=samples, backend=be, dtype=dtype, progress=progress)
+
+
 def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
          profile: str = "k40-12gb", strategy: str = "auto", float_dtype: str = "f32",
          prefetch: int | None = None, progress=None, verify: bool = True,

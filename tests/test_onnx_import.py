@@ -143,6 +143,11 @@ def test_import_then_train_from_the_cli(tmp_path):
     assert "input x: f32[N, 4]" in text and "sigmoid(relu(linear(x, 3, bias=false)))" in text
     import shutil
     shutil.copytree(tmp_path / "m.ckpt", tmp_path / "m64.ckpt")
+    # the imported weights evaluate as they are (no training step: `step` is null)
+    res = runner.invoke(app, ["eval", str(tmp_path / "m.net"), "--checkpoint",
+                              str(tmp_path / "m.ckpt"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["step"] is None
     res = runner.invoke(app, ["run", str(tmp_path / "m.net"), "--checkpoint",
                               str(tmp_path / "m.ckpt"), "--resume", "--steps", "2", "--json"])
     assert res.exit_code == 0, res.output

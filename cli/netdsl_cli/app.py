@@ -246,12 +246,12 @@ def graph(
             sys.stdout.write(to_dot(g, fold=not unfold, depth=depth))
 
 
-# -- netdsl run, export, import, fmt, lsp, report, plan, calibrate ---------------------------
+# -- netdsl run, eval, export, import, fmt, lsp, report, plan, calibrate------------------------
 # each in its own module (it registers itself on `app`); imported here, after the plumbing above
 import netdsl_cli.fmt_cmd  # noqa: E402,F401  (the tools for .net files: fmt, lsp, report)
 import netdsl_cli.lsp_cmd  # noqa: E402,F401
 import netdsl_cli.report_cmd  # noqa: E402,F401
-from netdsl_cli import onnx_cmd, plan_cmd, run_cmd, split_cmd  # noqa: E402,F401
+from netdsl_cli import eval_cmd, onnx_cmd, plan_cmd, run_cmd, split_cmd  # noqa: E402,F401
 
 
 def _version(value: bool) -> None:

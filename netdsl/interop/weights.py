@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-from netdsl.errors import CheckpointError
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.runtime import checkpoint
@@ -31,19 +30,8 @@ def from_checkpoint(path: str | Path, graph: Graph) -> Weights:
     buffers: every one present, with its shape; the network's name must match."""
     arrays, header = checkpoint.load(path)
     where = checkpoint.path_in(path) if Path(path).is_dir() else Path(path)
-    if header.get("network") != graph.name:
-        raise CheckpointError(f"checkpoint {where} belongs to network "
-                              f"`{header.get('network')}`, not `{graph.name}`")
-    state = [n for n in graph.nodes if n.op in STATE_OPS]
-    missing = [n.name for n in state if n.name not in arrays]
-    if missing:
-        raise CheckpointError(f"checkpoint {where} lacks {len(missing)} of the network's "
-                              f"tensors: " + ", ".join(missing[:5])
-                              + (" ..." if len(missing) > 5 else ""))
-    for n in state:  # by the header's shapes: each array is read from disk when used
-        want = tuple(n.type.bind(1).shape)
-        have = tuple(header["arrays"][n.name][0])
-        if have != want:
-            raise CheckpointError(f"checkpoint {where}: `{n.name}` is {list(have)} but the "
-                                  f"network expects {list(want)}")
+    # by the header's shapes: each array is read from disk when used
+    checkpoint.check_holds(str(where), header, graph.name,
+                           {n.name: n.type.bind(1).shape for n in graph.nodes
+                            if n.op in STATE_OPS})
     return lambda n: np.ascontiguousarray(arrays[n.name], dtype=_dtype(n))

@@ -126,7 +126,7 @@ def load(directory: str | Path) -> tuple[Arrays, dict]:
     p = Path(directory)
     p = path_in(p) if p.is_dir() else p
     if not p.exists():
-        raise CheckpointError(f"no checkpoint to resume from: {p} does not exist")
+        raise CheckpointError(f"no checkpoint at {p}: it does not exist")
     try:
         npz = np.load(p, allow_pickle=False)
     except DAMAGED as e:
@@ -148,14 +148,26 @@ def load(directory: str | Path) -> tuple[Arrays, dict]:
     return Arrays(p, npz, specs), header
 
 
-def check_compatible(p: str, header: dict, network: str, expected: dict[str, tuple]) -> None:
-    """Refuse a checkpoint of another network or with other shapes, saying what differs."""
+def check_holds(p: str, header: dict, network: str, shapes: dict[str, tuple]) -> None:
+    """Refuse a checkpoint of another network, or one that lacks an entry of `shapes` or
+    holds it in another shape; any dtype (the reader casts) and other entries (a run's
+    optimizer state) are fine: what evaluating or exporting a network reads."""
+    file = header.get("arrays", {})
+    check_compatible(p, header, network, {k: (tuple(s), file.get(k, [None, None])[1])
+                                          for k, s in shapes.items()}, extra_ok=True)
+
+
+def check_compatible(p: str, header: dict, network: str, expected: dict[str, tuple],
+                     extra_ok: bool = False) -> None:
+    """Refuse a checkpoint of another network or with other shapes, saying what differs.
+    `extra_ok`: entries besides `expected` are fine (evaluation reads the parameters and
+    buffers of a run's checkpoint, not its optimizer state)."""
     if header.get("network") != network:
         raise CheckpointError(f"checkpoint {p} belongs to network `{header.get('network')}`, "
                               f"not `{network}`")
     have = {k: (tuple(s), d) for k, (s, d) in header["arrays"].items()}
     missing = sorted(set(expected) - set(have))
-    extra = sorted(set(have) - set(expected))
+    extra = [] if extra_ok else sorted(set(have) - set(expected))
     if missing or extra:
         parts = []
         if missing:

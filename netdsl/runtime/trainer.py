@@ -40,7 +40,8 @@ from netdsl.runtime.accumulate import (
     fits_with,
     require_loss,
 )
-from netdsl.runtime.data import Loader, Split, accuracy, batches, loss_labels, make_dataset
+from netdsl.runtime.data import Loader, Split, accuracy, loss_labels, make_dataset
+from netdsl.runtime.evaluate import eval_pass
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.options import RunOptions, backend_for, check_options, preflight, resolve_config
 from netdsl.runtime.schedule import lr_at
@@ -487,37 +488,11 @@ class Trainer:
                 return {}
             self._eval_base.load_state_items(items)
         test = Split(self.data.test.take(slice(0, limit)))
-        total = -(-limit // self.batch)
-        progress = getattr(self.cb, "on_eval_progress", None)
-        losses, correct, seen = [], 0, 0
-        roles = tuple(r for r in ("output", "loss", "logits") if r in
-                      self.forward.outputs or (r == "logits" and self.acc))
-        be = self.executor.backend
-        for k, arrays in enumerate(batches(test, self.batch)):
-            if progress is not None:
-                progress(k, total)
-            n = len(arrays[0])
-            if n not in self._eval_execs:  # a binding per batch size (the last may be short)
-                g = self.forward.bind(n)
-                if self.acc:
-                    g.outputs["logits"] = [self.acc[0]]
-                self._eval_execs[n] = self._eval_base.with_graph(g)
-            out = self._eval_execs[n].run(self.feeds(arrays), training=False, roles=roles)
-            if "loss" in out:
-                losses.append((float(be.to_host(out["loss"][0])), n))
-            if self.acc:
-                labels = arrays[self.data.input_names.index(self.acc[1])]
-                c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2], labels)
-                correct += c
-                seen += k
-        if progress is not None:
-            progress(total, total)
-        rec = {"step": self.step, "eval_samples": limit}
-        if losses:
-            rec["test_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
-        if seen:
-            rec["test_accuracy"] = correct / seen
-        return rec
+        out = eval_pass(self._eval_base, self.forward, self.data.input_names, test,
+                        self.batch, self.acc, self._eval_execs,
+                        getattr(self.cb, "on_eval_progress", None))
+        return {"step": self.step, "eval_samples": limit,
+                **{f"test_{k}": v for k, v in out.items()}}
 
     def _joined_eval_refusal(self) -> str:
         """Where the state is split (over MPI, or in shards) rank 0 evaluates with an
@@ -541,7 +516,7 @@ class Trainer:
                        f"which needs about {room.gib(need)} "
                        f"(its parameters and the forward pass at batch {self.batch}), "
                        f"but {room.gib(free)} is free on its machine; use --eval-samples 0 not "
-                       "to evaluate, or evaluate a checkpoint in one process")
+                       "to evaluate, or evaluate a checkpoint afterwards with `netdsl eval`")
         if not self.opts.distributed:
             return why
         from netdsl.runtime.mpi import bcast

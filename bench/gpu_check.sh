@@ -124,6 +124,16 @@ EOF
   cli resnet164 60 examples/resnet164-cifar.net --steps 5 --batch 16
   NETDSL_CUDA_GRAPH=1 cli "resnet164, CUDA graphs" 60 examples/resnet164-cifar.net --steps 5 \
       --batch 16
+  # gradient accumulation and clipping on the device (untested there so far), and a
+  # checkpoint evaluated with `netdsl eval --backend cupy` against the run's own figures
+  cli "resnet20 --microbatches 4 --clip-grad-norm 1" 45 examples/resnet20-cifar.net \
+      --steps 3 --batch 32 --microbatches 4 --clip-grad-norm 1
+  echo "## digits-cnn run then eval" >> "$OUT/cli-runs.txt"
+  step 60 $PY -m netdsl_cli run examples/digits-cnn.net --steps 20 --backend cupy \
+      --checkpoint "$OUT/ck" --overwrite --json >> "$OUT/cli-runs.txt"
+  step 30 $PY -m netdsl_cli eval examples/digits-cnn.net --checkpoint "$OUT/ck" \
+      --backend cupy --json >> "$OUT/cli-runs.txt"
+  rm -rf "$OUT/ck"
   for split in data pipeline tensor; do
     cli "resnet20 --devices 2 --split $split" 45 examples/resnet20-cifar.net --steps 3 \
         --batch 16 --devices 2 --split "$split"

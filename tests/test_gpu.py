@@ -287,3 +287,29 @@ def test_cuda_graph_replays_equal_ordinary_steps(example, batch, kind, monkeypat
     sa, sb = plain.state_dict(), ex.state_dict()
     for k in sa:
         np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-10, err_msg=k)
+
+
+def test_accumulated_step_and_evaluation_match_numpy(tmp_path):
+    """Gradient accumulation (four parts, the GPU's kernel variants) computes on the GPU
+    what it computes on NumPy, and a checkpoint evaluates to the same loss on both."""
+    from test_split import setup
+
+    from netdsl.runtime.accumulate import accumulating_step
+    from netdsl.runtime.checkpoint import save
+    from netdsl.runtime.evaluate import evaluate_checkpoint
+    gpu = _gpu_backend()
+    net, _, feeds = setup("resnet20")
+    g = accumulating_step(net.graph, 8, net.train, 4, device="gpu")
+    roles = ("loss", "grads")
+    cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
+    gpu_ex = Executor(g, gpu, dtype="f64", seed=0)
+    a = cpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
+    b = gpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
+    np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
+    for x, y in zip(a["grads"], b["grads"], strict=True):
+        np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
+    save(tmp_path, cpu_ex.state_items(), {"network": net.graph.name, "step": 1})
+    kw = dict(batch=8, samples=16, dtype="f64")
+    on_cpu = evaluate_checkpoint(net.graph, net.train, tmp_path, backend="numpy", **kw)
+    on_gpu = evaluate_checkpoint(net.graph, net.train, tmp_path, backend=gpu, **kw)
+    assert on_gpu.loss == pytest.approx(on_cpu.loss, rel=1e-9)

@@ -238,3 +238,10 @@ def test_the_search_counts_the_gradients_and_the_steps_size():
     assert fewest_microbatches(net.graph, 32, net.train, failed,
                                lambda s: pytest.fail("planned"), 1,
                                max_nodes=4 * len(net.graph.nodes)) is None
+
+
+def test_the_run_says_it_accumulates():
+    r = runner.invoke(app, ["run", str(ROOT / "examples" / "digits-mlp.net"),
+                            "--microbatches", "4", "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    assert "batch 32 (microbatches=4)" in r.output

@@ -73,8 +73,9 @@ class _Bar:
         for w in info.get("warnings", ()):
             self.err.print(f"warning: {w}", style="yellow", highlight=False)
         self.total = info["total_steps"]
+        split = f" ({info['split']})" if info.get("split") else ""  # e.g. microbatches=4
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
-                       f"{info['backend']} ({info['device']}), batch {info['batch']}, "
+                       f"{info['backend']} ({info['device']}), batch {info['batch']}{split}, "
                        f"data {info['dataset']} ({info['train_samples']:,} samples)")
         plan = info.get("memory_plan")
         if plan:

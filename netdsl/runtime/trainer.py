@@ -583,7 +583,7 @@ class Trainer:
                 "total_steps": self.total, "start_step": self.step,
                 "planned_peak_bytes": self.planned_peak_bytes(), "dataset": self.data.name,
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
-                "memory_plan": self._plan_summary()}
+                "memory_plan": self._plan_summary(), "split": self.split}
         self.cb.on_start(info)
         log = self._open_log() if self.opts.log and self.rank == 0 else None
         times, losses = [], []

@@ -307,7 +307,9 @@ MPIComm.memory_totals = totals
 net = netdsl.load(sys.argv[1])
 said = Path(sys.argv[3]) / f"rank{world()[0]}.txt"  # (the ranks' prints would interleave)
 try:
-    Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=0, distributed=True))
+    # (a data split: both ranks need the same, so the room is the same multiple of each)
+    Trainer(net.graph, net.train, RunOptions(steps=1, eval_samples=0, distributed=True,
+                                             split="data"))
 except NetdslError as e:  # (exit 0: a rank's non-zero exit would stop the other)
     said.write_text(e.message)
 else:
@@ -554,9 +556,9 @@ rank = world()[0]
 net = netdsl.load(sys.argv[1])
 said = []
 for options, text in (({"microbatches": 2 + 2 * rank}, None),  # another split
-                      # auto over other candidates (rank 1: pipelines of 4 micro-batches
-                      # only): each chooses alone, and here the same split
-                      ({"split": "auto", "microbatches": 4 if rank else None}, None),
+                      # auto over other candidates (rank 1: pipelines of 2 micro-batches
+                      # only, rank 0's choice among all): each chooses alone, the same split
+                      ({"split": "auto", "microbatches": 2 if rank else None}, None),
                       # one candidate on rank 0, auto's on rank 1: every rank still takes
                       # part in the exchange that decides whether they share
                       ({"split": "pipeline" if rank == 0 else "auto"}, None),

@@ -130,7 +130,8 @@ def test_synchronised_batchnorm_plans_cut_at_anchors(monkeypatch):
     planned, res = plan_split(g, budget, get_profile("cpu"), "f64")
     assert planned is not None
     assert max(unplanned_peaks(planned, "f64").values()) <= budget
-    residual = [n.name for n in g.nodes if n.op == "add" and ".add@d" in n.name]
+    # (the adds, or the products they are fused into, named as the adds)
+    residual = [n.name for n in g.nodes if n.op in ("add", "conv2d_add") and ".add@d" in n.name]
     rebuilt = [x for x in residual if res.decisions.get(x) == "recompute"]
     assert rebuilt and len(rebuilt) < len(residual)  # some inside segments, some kept
     r = verify_split(net.graph, BATCH, SplitSpec(data=2), opt, feeds, split=planned)
@@ -192,27 +193,27 @@ def test_mpi_plans_the_messages_mpi_holds():
     """`split --mpi` predicts and plans as `run --distributed` runs the split: a pipeline's
     first stage holds each micro-batch's activations it sent until the gradients come
     back (MPI keeps a message until the peer has it), and each device is a process that
-    holds its inputs and interpreter objects besides its plan, so 500 kB, which the
-    in-process pipeline meets (422,796 and 494,268 B), is refused naming the least over
-    MPI, the figure `mpiexec -n 2 netdsl run --distributed --mem 500KB` refuses with; at
+    holds its inputs and interpreter objects besides its plan, so 520 kB, which the
+    in-process pipeline meets (439,180 and 518,844 B), is refused naming the least over
+    MPI, the figure `mpiexec -n 2 netdsl run --distributed --mem 520KB` refuses with; at
     that budget device 0 is planned as small as it can be."""
     args = ["split", str(ROOT / "examples" / "digits-cnn.net"), "--devices", "2",
-            "--strategy", "pipeline", "--profile", "cpu", "--mem", "500KB", "--json"]
+            "--strategy", "pipeline", "--profile", "cpu", "--mem", "520KB", "--json"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["mpi"] is False
-    assert [d["peak_bytes"] for d in out["per_device"]] == [422_796, 494_268]
+    assert [d["peak_bytes"] for d in out["per_device"]] == [439_180, 518_844]
     r = runner.invoke(app, args + ["--mpi"])
     assert r.exit_code == 3, r.output
     msg = json.loads(r.output)["errors"][0]["message"]
-    assert "needs at least 802.03 kB (802,032 bytes) on device 0" in msg, msg
-    assert "its process's inputs and interpreter objects 202.76 kB" in msg, msg
-    out = json.loads(runner.invoke(app, args[:-2] + ["802032", "--json", "--mpi"]).output)
+    assert "needs at least 798.96 kB (798,960 bytes) on device 0" in msg, msg
+    assert "its process's inputs and interpreter objects 199.68 kB" in msg, msg
+    out = json.loads(runner.invoke(app, args[:-2] + ["798960", "--json", "--mpi"]).output)
     assert out["mpi"] is True
     dev0 = out["memory_plan"]["per_device"]["0"]
-    assert dev0["peak_bytes"] == 599_276  # (its sends held: 584,908 B in one process)
-    assert dev0["verified_peak_bytes"] == 599_276 + dev0["outside_plan_bytes"] == 802_032
+    assert dev0["peak_bytes"] == 599_276  # (its sends held)
+    assert dev0["verified_peak_bytes"] == 599_276 + dev0["outside_plan_bytes"] == 798_960
 
 
 def test_auto_takes_a_split_that_fits_only_when_planned(resnet):

@@ -248,14 +248,16 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
             share = None
     else:
         share = None
-    single = split_step(fwd, batch, SplitSpec(), optimizer, gather)
+    # the kernels' fusions of the device the profile describes (a unified one: a CPU's)
+    device = "cpu" if profile.unified else "gpu"
+    single = split_step(fwd, batch, SplitSpec(), optimizer, gather, device=device)
     single_step = step_time(single, profile, link, float_dtype)  # once, for every speed-up
     cap = mem if mem is not None else profile.capacity_bytes
     considered: list[Choice] = []
     errors = []
 
     def build(spec: SplitSpec) -> Graph:
-        g = split_step(fwd, batch, spec, optimizer, gather, profile=profile)
+        g = split_step(fwd, batch, spec, optimizer, gather, profile=profile, device=device)
         g.outputs.update(outputs or {})
         return mark_over_mpi(g) if over_mpi else g
 

@@ -36,9 +36,11 @@ from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import sync_batchnorms
+from netdsl.passes.fuse import fuse_grads, fusion_enabled, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
 
 STRATEGIES = ("data", "pipeline", "hybrid", "tensor", "spatial", "none")
+NORMS = ("batchnorm", "batchnorm_relu")  # the ops with running statistics
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
 
     g, copies = copy_forward(fwd, parts, batch, state_name, device_of)
     if spec.bn == "sync" and spec.data > 1:
-        if micro > 1 and any(n.op == "batchnorm" for n in fwd.nodes):
+        if micro > 1 and any(n.op in NORMS for n in fwd.nodes):
             raise SplitError("synchronised batchnorm over data-parallel replicas with "
                              "micro-batches is not supported; use --bn local, or one "
                              "micro-batch")
@@ -221,7 +223,7 @@ def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
         first: set[int | None] = set()
         for x in names:
             n = g[x]
-            if n.op != "batchnorm":
+            if n.op not in NORMS:
                 break
             if n.device in first:
                 n.inputs = n.inputs[:len(n.inputs) - 2]
@@ -231,9 +233,14 @@ def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
 
 def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                gather: tuple[str, ...] = (), stage_of: dict[str, int] | None = None,
-               profile: Profile | None = None) -> Graph:
+               profile: Profile | None = None, device: str = "cpu") -> Graph:
     """The split training step: split forward, autodiff, gradient all-reduce, optimizer,
-    then the structural check. `profile` prices nodes for balancing pipeline stages."""
+    then the structural check. `profile` prices nodes for balancing pipeline stages.
+    Data and pipeline splits fuse as the single-device step on `device` ("cpu" or
+    "gpu") does (`_fusing`)."""
+    fusing = _fusing(fwd, spec, device)
+    if fusing is not None:
+        fwd = run_pipeline(fwd, [("fuse", fusing)], recheck_shapes=False)
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
@@ -241,12 +248,32 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                      recheck_shapes=False)
     if spec.schedule not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
-    # one verify for both reorderings, every shape rule once (a verify of a 700k-node
-    # step takes 1.3 s without the shapes, 4 s with them)
-    g = order_micro_batches(defer_results(g), spec.schedule).verify()
+    g = order_micro_batches(defer_results(g), spec.schedule)
+    # after the reordering, which re-chains gradient sums by part: gradient sums of one
+    # device into the kernels that make them (fuse_grads), q/k/v's into a concat
+    if fusing is not None:
+        g = fuse_grads(g, enabled=True)
+    g = join_slice_grads(g)
+    # one verify for the reorderings and fusions, every shape rule once (a verify of a
+    # 700k-node step takes 1.3 s without the shapes, 4 s with them)
+    g = g.verify()
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g
+
+
+def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:
+    """The `fuse` pass's options for the forward graph of a split, as
+    `runtime.trainer.training_graph` fuses a single device's (the residual and attention
+    kernels on a CPU only), or None: fusion off (netdsl.passes.fuse.fusion_enabled), or a
+    tensor or spatial split, which rewrite the products and windows themselves. A
+    batchnorm synchronised over replicas is rewritten into its collectives, so there it is
+    left unfused."""
+    if spec.tensor > 1 or spec.spatial > 1 or not fusion_enabled(device):
+        return None
+    cpu = device == "cpu"
+    return {"enabled": True, "residuals": cpu, "attention": cpu,
+            "norms": not (spec.bn == "sync" and spec.data > 1)}
 
 
 def _check_devices(fwd: Graph, spec: SplitSpec) -> None:

@@ -35,7 +35,8 @@
   concat takes the sum's name and place. It runs whatever the fused kernels (it is faster
   in NumPy alone).
 
-Only nodes without a device placement are fused (a split graph's are left as they are).
+The backward fusions also run on a split step (`parallel.split.split_step`), fusing nodes
+that sit on one device; the forward ones run on its forward graph before it is split.
 By default `fuse` and `fuse_grads` run on a GPU's step (the Trainer's on CuPy) and where
 the fused CPU kernels can (Numba is installed: the `fast` extra); without them the fused
 ops' NumPy reference code recomputes the relu mask and is slower than the unfused ops, so
@@ -90,30 +91,32 @@ _READERS = {reader for reader, _ in _FUSED}
 
 @register_pass("fuse")
 def fuse(g: Graph, enabled: bool | None = None, residuals: bool = True,
-         attention: bool = True) -> Graph:
+         attention: bool = True, norms: bool = True) -> Graph:
     """relu(batchnorm(x)) -> batchnorm_relu(x), relu6(batchnorm(x)) -> batchnorm_relu(x,
-    cap=6) and relu(add(a, b)) -> add_relu(a, b) where the relu is the only reader; then,
+    cap=6) (with `norms`: a split that synchronises its batchnorms over replicas rewrites
+    each batchnorm, so it keeps them as written) and relu(add(a, b)) -> add_relu(a, b)
+    where the relu is the only reader; then,
     with `attention`, multi-head attention written out over a packed q/k/v projection ->
     attention_qkv(qkv) (netdsl.passes.fuse_attention); then, with `residuals`,
     add(conv2d(x), r) -> conv2d_add(x, r) and add(linear(x), r) -> linear_add(x, r) where
     the add is the product's only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
-    g = _activations(g)
+    g = _activations(g, norms)
     if attention:
         g = attention_into_qkv(g, _sole_reader(g))
     return _residuals_into_products(g) if residuals else g
 
 
-def _activations(g: Graph) -> Graph:
+def _activations(g: Graph, norms: bool = True) -> Graph:
     only = _sole_reader(g)
     pairs = {}  # relu (or relu6) name -> the node it reads
     for n in g.nodes:
-        if n.op not in _READERS or n.device is not None:
+        if n.op not in _READERS:
             continue
         first = g[n.inputs[0]]
         if ((n.op, first.op) in _FUSED and not first.attrs.get("replay")
-                and first.device is None
+                and first.device == n.device and (norms or first.op != "batchnorm")
                 and only(first.name, n.name)
                 and (first.op != "add" or _unbroadcast_pair(g, first))):
             pairs[n.name] = first
@@ -186,12 +189,11 @@ def _sums_into_batchnorm_dx(g: Graph) -> Graph:
     fused = {}  # add name -> (from_stats node, its inputs with acc)
     taken = set()
     for n in g.nodes:
-        if (n.op != "add" or "sums_gradient_of" not in n.meta or n.device is not None
-                or len(n.inputs) != 2):
+        if n.op != "add" or "sums_gradient_of" not in n.meta or len(n.inputs) != 2:
             continue
         for k, i in enumerate(n.inputs):
             d, other = g[i], n.inputs[1 - k]
-            if not (d.op == "batchnorm_grad_from_stats" and d.device is None
+            if not (d.op == "batchnorm_grad_from_stats" and d.device == n.device
                     and only(i, n.name) and i not in taken
                     and d.type == n.type == g[other].type):
                 continue
@@ -215,10 +217,10 @@ def _sums_into_relu_grads(g: Graph) -> Graph:
     only = _sole_reader(g)
     folded = {}  # relu_grad name -> the sum it takes in
     for n in g.nodes:
-        if n.op != "relu_grad" or len(n.inputs) != 2 or n.device is not None:
+        if n.op != "relu_grad" or len(n.inputs) != 2:
             continue
         s = g[n.inputs[0]]
-        if (s.op == "add" and "sums_gradient_of" in s.meta and s.device is None
+        if (s.op == "add" and "sums_gradient_of" in s.meta and s.device == n.device
                 and only(s.name, n.name) and _unbroadcast_pair(g, s) and s.type == n.type):
             folded[n.name] = s
     if not folded:
@@ -274,7 +276,7 @@ def _tiling(g: Graph, terms: list[str], only, adds: set[str]):
     slice_grads, each read only by the sum, that cover their axis once; else None."""
     ds = [g[t] for t in terms]
     if len(ds) < 2 or any(
-            d.op != "slice_grad" or d.device is not None or d.attrs["step"] != 1
+            d.op != "slice_grad" or d.device != ds[0].device or d.attrs["step"] != 1
             or not any(only(d.name, a) for a in adds) for d in ds):
         return None
     shape = tuple(ds[0].attrs["shape"])

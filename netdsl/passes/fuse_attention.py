@@ -96,8 +96,7 @@ def join_attention_grads(g: Graph, only) -> Graph:
     p), named as the sum: one pass an (image, head) task, dP in the thread's cache."""
     joined = {}  # the sum's name -> (the joined node's inputs and attributes, dropped)
     for n in g.nodes:
-        if n.op != "add" or "sums_gradient_of" not in n.meta or len(n.inputs) != 2 \
-                or n.device is not None:
+        if n.op != "add" or "sums_gradient_of" not in n.meta or len(n.inputs) != 2:
             continue
         values, probs_grad = sorted((g[x] for x in n.inputs), key=lambda x: x.op)
         if (values.op, probs_grad.op) != ("attention_qkv_grad_values",
@@ -107,7 +106,7 @@ def join_attention_grads(g: Graph, only) -> Graph:
         dy, p, qkv = values.inputs[0], values.inputs[1], probs_grad.inputs[2]
         if (dp.op == "attention_qkv_grad_probs" and tuple(dp.inputs) == (dy, qkv)
                 and probs_grad.inputs[1] == p
-                and all(x.device is None for x in (dp, probs_grad, values))
+                and all(x.device == n.device for x in (dp, probs_grad, values))
                 and only(dp.name, probs_grad.name) and only(probs_grad.name, n.name)
                 and only(values.name, n.name)):
             joined[n.name] = ((dy, qkv, p), dict(probs_grad.attrs),

@@ -29,12 +29,12 @@ def accumulating_step(forward: Graph, batch: int, cfg: TrainConfig, microbatches
     gradients are the whole batch's, except through batchnorm, which normalises each part
     with its own statistics (as a pipeline's micro-batches do; the first part's copies
     update the running statistics). `gather`: outputs made whole (the trainer's logits).
-    Its nodes are left unfused, as a split step's are; `device` marks the kernels'
-    variants for "cpu" or "gpu", as `trainer.training_graph` does."""
+    `device` ("cpu" or "gpu") picks the fusions and marks the kernels' variants, as
+    `trainer.training_graph` does."""
     from netdsl.parallel.split import SplitSpec, split_step
     require_loss(forward)
     g = split_step(forward, batch, SplitSpec(microbatches=microbatches, schedule=schedule),
-                   cfg.optimizer.model_dump(), gather)
+                   cfg.optimizer.model_dump(), gather, device=device)
     if device == "cpu":  # (the CPU's kernels are the unmarked ones)
         return g
     return run_pipeline(g, [("device", {"kind": device})], recheck_shapes=False)

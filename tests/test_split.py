@@ -443,3 +443,21 @@ def test_clip_grad_norm_split_equals_one_device(strategy, devices, micro):
     assert len(g.by_op("clip_factor")) == devices
     assert len({n.attrs["group"] for n in g.by_op("all_reduce")
                 if n.meta.get("phase") == "optimizer"}) == 1
+
+
+def test_run_bn_local_normalises_per_device():
+    """`run --bn sync` (the default) is the single-device step; `--bn local` normalises
+    each device's rows by their own statistics (PyTorch DDP's default), another step."""
+    cnn = str(ROOT / "examples" / "digits-cnn.net")
+
+    def losses(*more):
+        r = runner.invoke(app, ["run", cnn, "--steps", "2", "--dtype", "f64",
+                                "--eval-samples", "0", "--json", *more])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["final_loss"]
+    plain = losses()
+    assert losses("--devices", "2", "--split", "data") == pytest.approx(plain, rel=1e-10)
+    local = losses("--devices", "2", "--split", "data", "--bn", "local")
+    assert abs(local - plain) > 1e-6 * abs(plain)
+    r = runner.invoke(app, ["run", cnn, "--devices", "2", "--bn", "per-device"])
+    assert r.exit_code == 1 and "--bn must be sync or local, not 'per-device'" in r.output

@@ -209,6 +209,10 @@ def _run(
     schedule: Annotated[str | None, typer.Option(
         "--schedule", help="the micro-batches' order: gpipe or 1f1b (default: 1f1b where "
         "auto chooses and where gradients are accumulated, else gpipe)")] = None,
+    bn: Annotated[str, typer.Option(
+        "--bn", help="with --devices or --distributed: batchnorm over the split batch, sync "
+        "(the whole batch's statistics: the single-device step) or local (each device its "
+        "rows', as PyTorch's DistributedDataParallel; fewer collectives)")] = "sync",
     distributed: Annotated[bool, typer.Option(
         "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
         "extra): each rank runs its part of the split step; rank 0 reports")] = False,
@@ -237,7 +241,7 @@ def _run(
                           eval_samples=eval_samples, mem=mem, profile=profile,
                           strategy=strategy, offload_state=offload_state, devices=devices,
                           split=split, microbatches=microbatches, distributed=distributed,
-                          schedule=schedule, jobs=jobs)
+                          schedule=schedule, jobs=jobs, bn=bn)
         bar.preparing()
         try:
             result = train(net, opts, bar)

@@ -56,6 +56,9 @@ class RunOptions:
     split: str | None = None  # None: the file's `parallel { }`, else auto
     microbatches: int | None = None
     schedule: str | None = None  # a pipeline's order: gpipe | 1f1b (None: the file's)
+    # batchnorm over a split batch: sync (statistics of the whole batch: the single-device
+    # step) or local (each device its rows', as PyTorch's DistributedDataParallel does)
+    bn: str = "sync"
     # one process per device under `mpiexec` (the MPI world's size is the device count);
     # rank 0 logs, evaluates and writes checkpoints
     distributed: bool = False
@@ -110,6 +113,8 @@ def check_options(opts: RunOptions) -> list[str]:
         raise NetdslError("--offload-state with --devices or --distributed is not supported "
                           "yet; a split step is planned by recomputing and offloading "
                           "activations")
+    if opts.bn not in ("sync", "local"):
+        raise NetdslError(f"--bn must be sync or local, not {opts.bn!r}")
     if opts.dtype not in ("f32", "f64"):
         raise NetdslError(f"--dtype must be f32 or f64, not {opts.dtype!r}")
     warnings = []

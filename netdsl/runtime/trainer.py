@@ -372,6 +372,7 @@ class Trainer:
         chosen = choose(self.forward, self.batch, opts.split, opts.devices,
                         self.cfg.optimizer.model_dump(), profile, get_interconnect("shm"),
                         mem=mem, microbatches=opts.microbatches, schedule=opts.schedule,
+                        bn=opts.bn,
                         gather=(self.acc[0],) if self.acc else (), plan=mem is not None,
                         mem_strategy=opts.strategy, float_dtype=opts.dtype,
                         outputs={"logits": [self.acc[0]]} if self.acc else None,

@@ -162,7 +162,7 @@ def test_split_step_matches_numpy(spec):
     from netdsl.parallel.split import split_step
     gpu = _gpu_backend()
     net, opt, feeds = setup("resnet20")
-    g = split_step(net.graph, 8, SPECS[spec], opt)
+    g = split_step(net.graph, 8, SPECS[spec], opt, device="gpu")  # (a GPU's fusions)
     roles = ("loss", "grads")
     cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
     gpu_ex = Executor(g, gpu, dtype="f64", seed=0)

@@ -245,3 +245,14 @@ def test_the_run_says_it_accumulates():
                             "--microbatches", "4", "--steps", "1"])
     assert r.exit_code == 0, r.output
     assert "batch 32 (microbatches=4)" in r.output
+
+
+def test_a_checkpoint_resumes_with_another_count(tmp_path):
+    """Checkpoints hold the single-device layout: two steps in four parts, then two more
+    resumed as one batch, are four plain steps (digits-mlp, float64, no batchnorm)."""
+    plain = run("digits-mlp.net", steps=4)
+    ck = str(tmp_path / "ck")
+    first = run("digits-mlp.net", steps=2, microbatches=4, checkpoint=ck)
+    rest = run("digits-mlp.net", steps=4, checkpoint=ck, resume=True)
+    assert rest.resumed_from == 2
+    np.testing.assert_allclose(first.losses + rest.losses, plain.losses, rtol=1e-10)

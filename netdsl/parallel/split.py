@@ -36,6 +36,7 @@ from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import sync_batchnorms
+from netdsl.passes.device import for_device
 from netdsl.passes.fuse import fuse_grads, fusion_enabled, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
 
@@ -237,7 +238,8 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     """The split training step: split forward, autodiff, gradient all-reduce, optimizer,
     then the structural check. `profile` prices nodes for balancing pipeline stages.
     Data and pipeline splits fuse as the single-device step on `device` ("cpu" or
-    "gpu") does (`_fusing`)."""
+    "gpu") does (`_fusing`), and every split's kernels take that device's variants (the
+    `device` pass: a GPU's convolutions as columns and one batched GEMM)."""
     fusing = _fusing(fwd, spec, device)
     if fusing is not None:
         fwd = run_pipeline(fwd, [("fuse", fusing)], recheck_shapes=False)
@@ -254,8 +256,10 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     if fusing is not None:
         g = fuse_grads(g, enabled=True)
     g = join_slice_grads(g)
-    # one verify for the reorderings and fusions, every shape rule once (a verify of a
-    # 700k-node step takes 1.3 s without the shapes, 4 s with them)
+    if device != "cpu":  # the kernels' variants for the device, as a single device's step
+        g = for_device(g, device)
+    # one verify for the reorderings, fusions and marks, every shape rule once (a verify
+    # of a 700k-node step takes 1.3 s without the shapes, 4 s with them)
     g = g.verify()
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)

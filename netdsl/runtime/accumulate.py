@@ -9,7 +9,6 @@ from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.memory.plan import value_bytes
-from netdsl.passes.pipeline import run_pipeline
 
 
 def require_loss(forward: Graph) -> None:
@@ -33,11 +32,9 @@ def accumulating_step(forward: Graph, batch: int, cfg: TrainConfig, microbatches
     `trainer.training_graph` does."""
     from netdsl.parallel.split import SplitSpec, split_step
     require_loss(forward)
-    g = split_step(forward, batch, SplitSpec(microbatches=microbatches, schedule=schedule),
-                   cfg.optimizer.model_dump(), gather, device=device)
-    if device == "cpu":  # (the CPU's kernels are the unmarked ones)
-        return g
-    return run_pipeline(g, [("device", {"kind": device})], recheck_shapes=False)
+    return split_step(forward, batch, SplitSpec(microbatches=microbatches,
+                                                 schedule=schedule),
+                      cfg.optimizer.model_dump(), gather, device=device)
 
 
 def accumulation(forward: Graph, microbatches: int | None, schedule: str | None,

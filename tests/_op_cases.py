@@ -192,6 +192,10 @@ OP_CASES = [
     ("mse", [(3, 4), (3, 4)], {"reduction": "sum"}, {}, ()),
     ("mse", [(3, 4), (3, 4)], {"reduction": "none"}, {}, ()),
     ("batchnorm", [(3, 2, 2, 3, 2)], {}, {}, ()),
+    # a synchronised batchnorm's passes (parallel/syncbn.py), per channel of [N, C, H, W]
+    ("centered_affine", [(3, 2, 4, 2), (1, 2, 1, 1), (1, 2, 1, 1), (1, 2, 1, 1)], {}, {}, ()),
+    ("centered_affine", [(4, 3, 5), (1, 3, 1), (1, 3, 1)], {}, {}, ()),
+    ("centered_sq_sum", [(3, 2, 4, 2), (1, 2, 1, 1)], {}, {}, ()),
     ("global_avgpool", [(2, 3, 5)], {}, {}, ()),
     ("global_avgpool", [(2, 3, 2, 3, 2)], {}, {}, ()),
 ]

@@ -137,10 +137,10 @@ class OpDef:
 
     @property
     def callable_from_language(self) -> bool:
-        """Forward operators only: not sources, backward, optimizer or transfer nodes
-        (those are emitted by passes)."""
-        return not self.op_is_source and self.layer_type not in ("backward", "optimizer",
-                                                                 "transfer")
+        """Forward operators only: not sources, backward, optimizer or transfer nodes,
+        nor forward ones marked `internal` (those are emitted by passes)."""
+        return not self.op_is_source and self.layer_type not in (
+            "backward", "optimizer", "transfer") and not self.extra.get("internal")
 
     def written_inputs(self, node) -> tuple[int, ...]:
         """Indices into `node.inputs` that running `node` overwrites in place."""

@@ -1,14 +1,13 @@
 """Synchronised batchnorm: a batchnorm whose copies on several devices normalise with the
 statistics of the whole batch, so a data-parallel step equals the single-device step.
 
-Each copy's `batchnorm(x, w, b, running_mean, running_var)` becomes ordinary ops around two
-`all_reduce`s of per-channel sums (the mean first, then the squared deviations from it:
-the two-pass variance the single-device kernel uses):
+Each copy's `batchnorm(x, w, b, running_mean, running_var)` becomes two `all_reduce`s of
+per-channel sums (the mean first, then the squared deviations from it: the two-pass
+variance the single-device kernel uses) and one normalising pass:
 
     mean = all_reduce(sum(x, every dim but 1)) / M   M = rows of the whole batch x spatial
-    d    = x - mean
-    var  = all_reduce(sum(d * d, every dim but 1)) / M
-    y    = d * (w / sqrt(var + eps)) + b
+    var  = all_reduce(centered_sq_sum(x, mean)) / M  (sum((x - mean)^2), one pass)
+    y    = centered_affine(x, mean, w / sqrt(var + eps), b)   ((x - mean) * k + b)
 
 plus a `bn_running_update` of the running statistics (in `outputs["state_updates"]`).
 Autodiff differentiates it like anything else, and the collectives' gradient rules add
@@ -91,8 +90,7 @@ def _rewrite(g: Graph, bns: list[Node], count: int) -> tuple[list[Node], list[st
     axes = {"axis": (0,) + tuple(range(2, len(shape))), "keepdims": True}
     s = each("sum", "sum", [[x] for x in xs], axes)
     mean = each("mean", "scale", [[v] for v in all_reduce("sum_all", s)], {"factor": 1 / count})
-    d = each("dev", "sub", [[x, m] for x, m in zip(xs, mean, strict=True)])
-    q = each("sq", "sum", [[v] for v in each("dd", "mul", [[v, v] for v in d])], axes)
+    q = each("sq", "centered_sq_sum", [[x, m] for x, m in zip(xs, mean, strict=True)])
     var = each("var", "scale", [[v] for v in all_reduce("sq_all", q)], {"factor": 1 / count})
     dtype = first.type.dtype
     eps_c = each("eps", "fill", [[] for _ in bns], {"shape": (), "value": eps, "dtype": dtype})
@@ -104,11 +102,12 @@ def _rewrite(g: Graph, bns: list[Node], count: int) -> tuple[list[Node], list[st
         w4 = each("weight4", "reshape", [[n.inputs[1]] for n in bns], {"shape": bshape})
         k = each("scale", "mul", [[v, w] for v, w in zip(k, w4, strict=True)])
     if affine:
-        y0 = each("scaled", "mul", [[v, s_] for v, s_ in zip(d, k, strict=True)])
         b4 = each("bias4", "reshape", [[n.inputs[2]] for n in bns], {"shape": bshape})
-        each("", "add", [[v, b] for v, b in zip(y0, b4, strict=True)], final=True)
+        each("", "centered_affine", [[x, m, s_, b] for x, m, s_, b in
+                                     zip(xs, mean, k, b4, strict=True)], final=True)
     else:
-        each("", "mul", [[v, s_] for v, s_ in zip(d, k, strict=True)], final=True)
+        each("", "centered_affine", [[x, m, s_] for x, m, s_ in zip(xs, mean, k, strict=True)],
+             final=True)
     flat = {"shape": (c,)}
     running = [n.inputs[-2:] for n in bns]
     ups = each("running_update", "bn_running_update",

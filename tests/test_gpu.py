@@ -163,6 +163,13 @@ def test_split_step_matches_numpy(spec):
     gpu = _gpu_backend()
     net, opt, feeds = setup("resnet20")
     g = split_step(net.graph, 8, SPECS[spec], opt, device="gpu")  # (a GPU's fusions)
+    cpu_ex, gpu_ex = _same_step(g, gpu, feeds)
+    assert gpu_ex.comm.sent_bytes == cpu_ex.comm.sent_bytes
+
+
+def _same_step(g, gpu, feeds):
+    """One float64 training step of `g` on NumPy and on the GPU: the same loss and
+    gradients. Returns both executors."""
     roles = ("loss", "grads")
     cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
     gpu_ex = Executor(g, gpu, dtype="f64", seed=0)
@@ -171,7 +178,7 @@ def test_split_step_matches_numpy(spec):
     np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
     for x, y in zip(a["grads"], b["grads"], strict=True):
         np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
-    assert gpu_ex.comm.sent_bytes == cpu_ex.comm.sent_bytes
+    return cpu_ex, gpu_ex
 
 
 @pytest.mark.parametrize("dtype,rtol", [("f64", 1e-9), ("f32", 2e-4)])
@@ -300,14 +307,7 @@ def test_accumulated_step_and_evaluation_match_numpy(tmp_path):
     gpu = _gpu_backend()
     net, _, feeds = setup("resnet20")
     g = accumulating_step(net.graph, 8, net.train, 4, device="gpu")
-    roles = ("loss", "grads")
-    cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
-    gpu_ex = Executor(g, gpu, dtype="f64", seed=0)
-    a = cpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
-    b = gpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
-    np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
-    for x, y in zip(a["grads"], b["grads"], strict=True):
-        np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
+    cpu_ex, _ = _same_step(g, gpu, feeds)
     save(tmp_path, cpu_ex.state_items(), {"network": net.graph.name, "step": 1})
     kw = dict(batch=8, samples=16, dtype="f64")
     on_cpu = evaluate_checkpoint(net.graph, net.train, tmp_path, backend="numpy", **kw)

@@ -100,11 +100,10 @@ def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
     `netdsl.runtime.evaluate.EvalResult` (loss, accuracy, images/s). Raises NetdslError
     (CheckpointError for a missing, corrupt or mismatched checkpoint)."""
     from netdsl.runtime.evaluate import evaluate_checkpoint
-    from netdsl.runtime.options import RunOptions, backend_for
-    if dtype not in ("f32", "f64"):
-        from netdsl.errors import NetdslError
-        raise NetdslError(f"--dtype must be f32 or f64, not {dtype!r}")
-    be = backend_for(RunOptions(backend=backend, device=device))
+    from netdsl.runtime.options import RunOptions, backend_for, check_options
+    opts = RunOptions(backend=backend, device=device, dtype=dtype)
+    check_options(opts)  # (its refusals: a dtype that is neither f32 nor f64)
+    be = backend_for(opts)
     return evaluate_checkpoint(net.graph, net.train, checkpoint, batch=batch, split=split,
                                samples=samples, backend=be, dtype=dtype, progress=progress)
 

@@ -26,6 +26,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -117,6 +118,29 @@ class GraphFormat(StrEnum):
     text = "text"
     json = "json"
     dot = "dot"
+
+
+class CountBar:
+    """A rich progress bar on stderr counting done of total (the weights `export` writes,
+    the batches `eval` runs); none with --json. Call it with (done, total), then close()."""
+
+    def __init__(self, label: str, quiet: bool):
+        self.label, self.quiet, self.progress, self.task = label, quiet, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        if self.progress is None:
+            self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(),
+                                     console=console(stderr=True), transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task(self.label, total=total)
+        self.progress.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 FileArg = Annotated[Path, typer.Argument(help="a .net file", show_default=False)]

@@ -7,8 +7,17 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from netdsl_cli.app import BatchOpt, FileArg, JsonOpt, app, console, guard, load_network, print_json
-from netdsl_cli.onnx_cmd import _Bar
+from netdsl_cli.app import (
+    BatchOpt,
+    CountBar,
+    FileArg,
+    JsonOpt,
+    app,
+    console,
+    guard,
+    load_network,
+    print_json,
+)
 
 
 @app.command("eval")
@@ -29,7 +38,7 @@ def eval_(
     json_output: JsonOpt = False,
 ) -> None:
     """Evaluate a checkpoint: loss and accuracy on the held-out data, in evaluation mode."""
-    bar = _Bar("eval", json_output)
+    bar = CountBar("eval", json_output)
     with guard(json_output):
         from netdsl.api import evaluate
         net = load_network(file)

@@ -5,9 +5,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from netdsl_cli.app import JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.app import CountBar, JsonOpt, app, console, guard, load_network, print_json
 
 
 def _parse_batch(value: str) -> int | None:
@@ -17,28 +16,6 @@ def _parse_batch(value: str) -> int | None:
     if value.isdigit() and int(value) > 0:
         return int(value)
     raise NetdslError(f"--batch takes a positive integer or `dynamic`, not `{value}`")
-
-
-class _Bar:
-    """A rich progress bar on stderr for the weights being written (none with --json)."""
-
-    def __init__(self, label: str, quiet: bool):
-        self.label, self.quiet, self.progress, self.task = label, quiet, None, None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.quiet:
-            return
-        if self.progress is None:
-            self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(),
-                                     console=console(stderr=True), transient=True)
-            self.progress.start()
-            self.task = self.progress.add_task(self.label, total=total)
-        self.progress.update(self.task, completed=done)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
 
 
 @app.command()
@@ -61,7 +38,7 @@ def export(
     json_output: JsonOpt = False,
 ) -> None:
     """Export a network to ONNX; the model passes onnx.checker's full check."""
-    bar = _Bar("weights", json_output)
+    bar = CountBar("weights", json_output)
     with guard(json_output):
         from netdsl.interop import require_onnx
         from netdsl.interop.onnx_export import export_onnx

@@ -29,7 +29,7 @@ def from_checkpoint(path: str | Path, graph: Graph) -> Weights:
     or the weights `netdsl import` writes), checked against the graph's parameters and
     buffers: every one present, with its shape; the network's name must match."""
     arrays, header = checkpoint.load(path)
-    where = checkpoint.path_in(path) if Path(path).is_dir() else Path(path)
+    where = checkpoint.file_of(path)
     # by the header's shapes: each array is read from disk when used
     checkpoint.check_holds(str(where), header, graph.name,
                            {n.name: n.type.bind(1).shape for n in graph.nodes

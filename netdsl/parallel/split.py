@@ -37,7 +37,7 @@ from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import sync_batchnorms
 from netdsl.passes.device import for_device
-from netdsl.passes.fuse import fuse_grads, fusion_enabled, join_slice_grads
+from netdsl.passes.fuse import fuse_grads, fuse_options, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
 
 STRATEGIES = ("data", "pipeline", "hybrid", "tensor", "spatial", "none")
@@ -267,17 +267,14 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
 
 
 def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:
-    """The `fuse` pass's options for the forward graph of a split, as
-    `runtime.trainer.training_graph` fuses a single device's (the residual and attention
-    kernels on a CPU only), or None: fusion off (netdsl.passes.fuse.fusion_enabled), or a
-    tensor or spatial split, which rewrite the products and windows themselves. A
-    batchnorm synchronised over replicas is rewritten into its collectives, so there it is
-    left unfused."""
-    if spec.tensor > 1 or spec.spatial > 1 or not fusion_enabled(device):
+    """The `fuse` pass's options for the forward graph of a split, those of a single
+    device's step (`fuse_options`), or None: fusion off, or a tensor or spatial split,
+    which rewrite the products and windows themselves. A batchnorm synchronised over
+    replicas is rewritten into its collectives, so there it is left unfused."""
+    options = fuse_options(device)
+    if spec.tensor > 1 or spec.spatial > 1 or not options["enabled"]:
         return None
-    cpu = device == "cpu"
-    return {"enabled": True, "residuals": cpu, "attention": cpu,
-            "norms": not (spec.bn == "sync" and spec.data > 1)}
+    return {**options, "norms": not (spec.bn == "sync" and spec.data > 1)}
 
 
 def _check_devices(fwd: Graph, spec: SplitSpec) -> None:

@@ -67,6 +67,14 @@ def fusion_enabled(device: str = "cpu") -> bool:
     return device == "gpu" or importlib.util.find_spec("numba") is not None
 
 
+def fuse_options(device: str = "cpu") -> dict:
+    """The `fuse` pass's options for a step on `device`: on whether fusion runs there
+    (fusion_enabled), and the residual and attention kernels on a CPU only (on a GPU
+    neither has been measured, so its step is left as it was)."""
+    cpu = device == "cpu"
+    return {"enabled": fusion_enabled(device), "residuals": cpu, "attention": cpu}
+
+
 def _unbroadcast_pair(g: Graph, n) -> bool:
     """n (an add) has two inputs of its own type: no broadcasting, which the fused
     kernels do not do."""

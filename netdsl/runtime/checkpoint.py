@@ -33,6 +33,12 @@ def path_in(directory: str | Path) -> Path:
     return Path(directory) / FILE
 
 
+def file_of(p: str | Path) -> Path:
+    """The checkpoint file `p` names: a folder's checkpoint.npz, or `p` itself."""
+    p = Path(p)
+    return path_in(p) if p.is_dir() else p
+
+
 def _write(zf: zipfile.ZipFile, name: str, value: np.ndarray) -> None:
     # as np.savez writes each entry (zip64 always: numpy gh-10776)
     with zf.open(name + ".npy", "w", force_zip64=True) as fh:
@@ -123,8 +129,7 @@ def _corrupt(p: Path, e: BaseException) -> CheckpointError:
 
 def load(directory: str | Path) -> tuple[Arrays, dict]:
     """The checkpoint's arrays (read lazily, see Arrays) and its header."""
-    p = Path(directory)
-    p = path_in(p) if p.is_dir() else p
+    p = file_of(directory)
     if not p.exists():
         raise CheckpointError(f"no checkpoint at {p}: it does not exist")
     try:

@@ -10,7 +10,7 @@ evaluate as they are.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from netdsl.config import TrainConfig
@@ -78,7 +78,6 @@ class EvalResult:
     images_per_s: float
     loss: float | None = None
     accuracy: float | None = None
-    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -105,7 +104,7 @@ def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Pa
                           "to evaluate it by; add e.g. `loss softmax_cross_entropy(logits, "
                           "y)`")
     arrays, header = checkpoint.load(where)
-    path = str(checkpoint.path_in(where) if Path(where).is_dir() else where)
+    path = str(checkpoint.file_of(where))
     data = make_dataset(forward, cfg.data, cfg.seed)
     chosen = data.test if split == "test" else data.train
     if chosen is None or len(chosen) == 0:

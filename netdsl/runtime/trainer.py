@@ -30,7 +30,7 @@ from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.memory.plan import device_peaks, make_plan, unplanned_bytes, value_bytes
 from netdsl.memory.profiles import get_profile
-from netdsl.passes.fuse import fusion_enabled
+from netdsl.passes.fuse import fuse_options
 from netdsl.passes.pipeline import run_pipeline
 from netdsl.runtime import checkpoint, room
 from netdsl.runtime.accumulate import (
@@ -117,12 +117,9 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
     # fuse: batchnorm + relu as one op, gradient sums into batchnorm's dx (NETDSL_FUSE=0
     # leaves the graph as written); join_slice_grads: q/k/v-style slices' gradients as
     # one concat; device: the kernels' variants for the device ("gpu" on CuPy)
-    # (a residual added inside a product's GEMM tasks, and attention over packed q/k/v:
-    # the CPU's kernels; on a GPU neither has been measured, so its step is left as it was)
-    fusing = {"enabled": fusion_enabled(device)}
-    cpu = device == "cpu"
-    return run_pipeline(forward, [("fuse", {**fusing, "residuals": cpu, "attention": cpu}),
-                                  "autodiff", ("fuse_grads", fusing),
+    fusing = fuse_options(device)
+    return run_pipeline(forward, [("fuse", fusing), "autodiff",
+                                  ("fuse_grads", {"enabled": fusing["enabled"]}),
                                   "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])
 
@@ -154,6 +151,8 @@ class Trainer:
         bound = forward.bind(self.batch)
         self.acc = loss_labels(forward)
         backend = backend_for(opts)
+        # the step's kernels and fusions: a GPU's on CuPy (`training_graph`'s `device`)
+        self.kind = "gpu" if backend.name == "cupy" else "cpu"
         self.split = None
         self.mem_plan = self.split_plan = None  # --mem: the planner's result, its summary
         self.rank, comm = 0, None
@@ -176,12 +175,12 @@ class Trainer:
             self._phase(f"building the training step ({micro} micro-batches)")
             self.train_graph = accumulating_step(
                 forward, self.batch, self.cfg, micro, order, (self.acc[0],) if self.acc else (),
-                "gpu" if backend.name == "cupy" else "cpu")
+                self.kind)
             from netdsl.parallel.split import SplitSpec
             self.split = SplitSpec(microbatches=micro, schedule=order).describe()
         else:
             self.train_graph = training_graph(
-                bound, self.cfg, "gpu" if backend.name == "cupy" else "cpu").verify()
+                bound, self.cfg, self.kind).verify()
         if self.acc:  # fetch the loss's own logits (not the first output) for accuracy
             for g in (self.train_graph, bound):
                 g.outputs["logits"] = [self.acc[0]]
@@ -218,7 +217,7 @@ class Trainer:
                 self.train_graph, self.mem, profile, opts.strategy, opts.dtype,
                 roles=self.ROLES, arena=True, offload_state=opts.offload_state)
             if planned is None:
-                fitting = self._microbatches_to_fit(profile, micro, backend)
+                fitting = self._microbatches_to_fit(profile, micro)
                 if self.mem_from == "free memory":
                     raise self._cannot_fit_even_planned(backend, fitting)
                 raise infeasible_error(self.mem_plan, fits_with(fitting))
@@ -290,13 +289,13 @@ class Trainer:
             "to choose the budget)")
         return mem
 
-    def _microbatches_to_fit(self, profile: str, micro: int, backend) -> int | None:
+    def _microbatches_to_fit(self, profile: str, micro: int) -> int | None:
         """For a budget no plan of the step meets: more micro-batches whose step a plan
         fits into it, for the error to name (the run does not switch by itself: with
         batchnorm the step would compute other numbers), or None."""
         from netdsl.memory.search import plan_and_apply
         opts, failed = self.opts, self.mem_plan
-        if self.opts.devices > 1 or self.batch <= micro:
+        if self.batch <= micro:  # (no more parts than samples)
             return None
         self._phase("no plan fits: trying more micro-batches")
 
@@ -305,7 +304,7 @@ class Trainer:
                                   opts.dtype, roles=_roles(step), arena=True,
                                   offload_state=opts.offload_state)[1]
         return fewest_microbatches(self.forward, self.batch, self.cfg, failed, fits, micro,
-                                   "gpu" if backend.name == "cupy" else "cpu", opts.dtype)
+                                   self.kind, opts.dtype)
 
     def _cannot_fit_even_planned(self, backend, fitting: int | None = None) -> NetdslError:
         """The error for a run without --mem whose step fits the free memory neither as

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _op_cases import samples
+from _op_cases import SPLIT_ONLY, samples
 from gradcheck import op_graph
 
 from netdsl.errors import NetdslError, SourceLoc
 from netdsl.ir import registry
 from netdsl.ir.build import add_op
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.ops.comm import COMM_OPS
 from netdsl.ir.types import TensorType
 from netdsl.passes.autodiff import GradBuilder, autodiff
 from netdsl.runtime.executor import Executor
@@ -212,10 +211,10 @@ def test_retains_matches_what_backward_reads(op):
 
 
 def test_every_differentiable_op_has_a_retains_sample():
-    # communication ops need a split graph (devices, collective groups): tests/test_split.py
-    # checks their gradients by running split graphs against the single-device one
+    # the ops whose rules span a split's copies: tests/test_syncbn.py checks
+    # sync_batchnorm's retains on a split graph
     ops = {n for n, o in registry.load_all().items()
-           if o.differentiable and n not in ("input", "param", "buffer") + COMM_OPS}
+           if o.differentiable and n not in ("input", "param", "buffer") + SPLIT_ONLY}
     assert ops == set(SAMPLES)
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _op_cases import OP_CASES
+from _op_cases import OP_CASES, SPLIT_ONLY
 from gradcheck import check_grads, op_graph, random_feeds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netdsl.ir import registry
-from netdsl.ir.ops.comm import COMM_OPS
 from netdsl.passes.autodiff import autodiff
 from netdsl.runtime.executor import Executor
 
@@ -193,9 +192,8 @@ COVERED = {c[0] for c in OP_CASES} | {
 
 
 def test_every_differentiable_op_is_gradchecked():
-    # the communication ops are checked on a two-device graph: tests/test_split.py
     ops = {n for n, o in registry.load_all().items()
-           if o.differentiable and n not in ("input", "param", "buffer") + COMM_OPS}
+           if o.differentiable and n not in ("input", "param", "buffer") + SPLIT_ONLY}
     assert ops == COVERED, f"add gradient tests for {sorted(ops - COVERED)}"
 
 

@@ -116,8 +116,8 @@ network preact {
 
 
 def test_synchronised_batchnorm_plans_into_55_percent():
-    """A data split's synchronised batchnorm (centered_sq_sum and centered_affine over
-    the all-reduced statistics) reads its input in the backward, as batchnorm does, so a
+    """A data split's synchronised batchnorm (sync_batchnorm over the combined statistics,
+    its relu folded in) reads its input in the backward, as batchnorm does, so a
     pre-activation ResNet's block inputs are cut points of the checkpoint plans: 55% of
     the unplanned peak fits, and the planned step is still the single-device step. (The
     rewrite it replaced kept only x - mean, and the plans needed `anchors` to cut there.)"""
@@ -126,7 +126,8 @@ def test_synchronised_batchnorm_plans_into_55_percent():
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((BATCH, 3, 16, 16)), "y": rng.integers(0, 10, BATCH)}
     g = split_step(net.graph, BATCH, SplitSpec(data=2), opt)
-    assert g.by_op("centered_affine") and g.by_op("centered_sq_sum")
+    assert g.by_op("sync_batchnorm") and g.by_op("bn_moments") and g.by_op("all_gather")
+    assert not g.by_op("batchnorm") and not g.by_op("batchnorm_relu")
     budget = int(0.55 * max(unplanned_peaks(g, "f64").values()))
     planned, res = plan_split(g, budget, get_profile("cpu"), "f64")
     assert planned is not None

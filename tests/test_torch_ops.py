@@ -88,10 +88,6 @@ TORCH = {
     "add": lambda t, a: t["in0"] + t["in1"],
     "sub": lambda t, a: t["in0"] - t["in1"],
     "mul": lambda t, a: t["in0"] * t["in1"],
-    "centered_affine": lambda t, a: (t["in0"] - t["in1"]) * t["in2"] + (
-        t["in3"] if "in3" in t else 0),
-    "centered_sq_sum": lambda t, a: ((t["in0"] - t["in1"]) ** 2).sum(
-        dim=tuple(i for i, s in enumerate(t["in1"].shape) if s == 1), keepdim=True),
     "scale": lambda t, a: t["in0"] * a["factor"],
     "mean": lambda t, a: t["in0"].mean(a["axis"], keepdim=a["keepdims"]),
     "softmax": lambda t, a: torch.softmax(t["in0"], a["axis"]),

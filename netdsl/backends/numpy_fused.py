@@ -51,6 +51,9 @@ from netdsl.backends.numpy_fused_norm import (
     bn_forward,
     bn_grad_input,
     bn_grad_stats,
+    bn_grad_sums,
+    bn_moments,
+    bn_normalise,
     ln_forward,
     ln_grad_input,
     ln_grad_weight,
@@ -124,6 +127,9 @@ class FusedKernels:
     bn_forward = staticmethod(bn_forward)
     bn_grad_stats = staticmethod(bn_grad_stats)
     bn_grad_input = staticmethod(bn_grad_input)
+    bn_moments = staticmethod(bn_moments)  # a synchronised batchnorm's (ir/ops/norm_sync.py)
+    bn_normalise = staticmethod(bn_normalise)
+    bn_grad_sums = staticmethod(bn_grad_sums)
     ln_forward = staticmethod(ln_forward)
     ln_grad_input = staticmethod(ln_grad_input)
     ln_grad_weight = staticmethod(ln_grad_weight)
@@ -332,6 +338,12 @@ def _warm_batchnorm(f: FusedKernels, dt) -> None:
     bn_forward(x, w, w, 1e-5, True, np.inf, y, np.empty((2, 1)), 1)
     bn_grad_stats(x, x, w, w, 1e-5, True, np.inf, st, 1)
     bn_grad_input(x, x, st, w, w, True, np.inf, x, True, y, 1)
+    # a synchronised batchnorm's (one signature each; bn_grad_input's with its count)
+    moments = np.empty((2, 1))
+    bn_moments(x, moments, 1)
+    bn_normalise(x, moments, w, w, 1e-5, True, np.inf, y, 1)
+    bn_grad_sums(x, x, moments, w, w, 1e-5, True, np.inf, st[:2].copy(), 1)
+    bn_grad_input(x, x, st, w, w, True, np.inf, x, True, y, 1, 4)
 
 
 def _warm_layernorm(f: FusedKernels, dt) -> None:

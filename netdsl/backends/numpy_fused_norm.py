@@ -130,6 +130,58 @@ def _passes(z, zero, cap, capped):
     return z > zero and (not capped or z < cap)
 
 
+@numba.njit(inline="always")
+def _block_sums(x3, parts, r0, r1):
+    """parts[0 and 1, i, c, q]: the sums of x - x3[0, c, 0] and of its square over block q
+    of row (i, c), for the (image, channel) rows r0 <= r < r1 in memory order."""
+    nc = x3.shape[1]
+    for r in range(r0, r1):
+        i, c = r // nc, r % nc
+        k = x3[0, c, 0]
+        for q in range(parts.shape[3]):
+            b1, b2 = _shifted_sums(x3[i, c, q * _BLOCK:(q + 1) * _BLOCK], k)
+            parts[0, i, c, q] = np.float64(b1)
+            parts[1, i, c, q] = np.float64(b2)
+
+
+@numba.njit(inline="always")
+def _moments_of(x3, parts, moments):
+    """moments[:, c] from _block_sums' parts, added in _moments' order."""
+    n, nc = x3.shape[0], x3.shape[1]
+    for c in range(nc):
+        s1 = 0.0
+        s2 = 0.0
+        for i in range(n):
+            for q in range(parts.shape[3]):
+                s1 += parts[0, i, c, q]
+                s2 += parts[1, i, c, q]
+        _mean_and_variance(x3, c, s1, s2, moments)
+
+
+@numba.njit(inline="always")
+def _block_parts(x3):
+    return np.empty((2, x3.shape[0], x3.shape[1], (x3.shape[2] + _BLOCK - 1) // _BLOCK))
+
+
+@numba.njit(inline="always")
+def _normalise_rows(x3, moments, w, b, eps, relu, cap, y3, r0, r1):
+    """y3's rows r0 <= r < r1 (as _block_sums'): (x - mean) * (inv * w) + b, with the
+    relu (capped at `cap` unless it is inf) where `relu`."""
+    nc, p = x3.shape[1], x3.shape[2]
+    capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
+    for r in range(r0, r1):
+        i, c = r // nc, r % nc
+        mt, _it, scale, shift, zero = _consts(
+            x3, moments[0, c], 1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
+        for j in range(p):
+            z = (x3[i, c, j] - mt) * scale + shift
+            if relu and not z > zero:  # NaN stays NaN; z > 0 is the backward's mask
+                z = zero if z == z else z
+            if relu and capped and z > top:
+                z = top
+            y3[i, c, j] = z
+
+
 @numba.njit(**_PAR)
 def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
     """Training-mode batchnorm (+ relu, capped at `cap` unless it is inf: relu6 for 6) of
@@ -142,79 +194,95 @@ def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
     channels, 234 with the data written by channels; two threads on an AMD EPYC Zen 2,
     scratch script). The block sums are kept by row and added in _moments' order: the
     same bits on any number of threads."""
+    parts = _block_parts(x3)
+    rows = x3.shape[0] * x3.shape[1]  # the (image, channel) rows, a contiguous run a task
+    for t in numba.prange(tasks):
+        _block_sums(x3, parts, t * rows // tasks, (t + 1) * rows // tasks)
+    _moments_of(x3, parts, moments)
+    for t in numba.prange(tasks):
+        _normalise_rows(x3, moments, w, b, eps, relu, cap, y3, t * rows // tasks,
+                        (t + 1) * rows // tasks)
+
+
+@numba.njit(**_PAR)
+def bn_moments(x3, moments, tasks):
+    """bn_forward's statistics alone (a synchronised batchnorm's local moments, which it
+    combines over the devices before it normalises: bn_normalise)."""
+    parts = _block_parts(x3)
+    rows = x3.shape[0] * x3.shape[1]
+    for t in numba.prange(tasks):
+        _block_sums(x3, parts, t * rows // tasks, (t + 1) * rows // tasks)
+    _moments_of(x3, parts, moments)
+
+
+@numba.njit(**_PAR)
+def bn_normalise(x3, moments, w, b, eps, relu, cap, y3, tasks):
+    """bn_forward's output pass with the given float64 moments (mean, biased variance)."""
+    rows = x3.shape[0] * x3.shape[1]
+    for t in numba.prange(tasks):
+        _normalise_rows(x3, moments, w, b, eps, relu, cap, y3, t * rows // tasks,
+                        (t + 1) * rows // tasks)
+
+
+@numba.njit(inline="always")
+def _grad_sums(dy3, x3, moments, w, b, eps, relu, cap, c0, c1, out):
+    """out[0, c] = sum(g * x_hat) and out[1, c] = sum(g) for c0 <= c < c1, g = dy (times
+    the relu mask with `relu`: _passes), x_hat from the float64 moments (mean, biased
+    variance); summed in memory order, a block at a time."""
     n, nc, p = x3.shape
     capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
-    nb = (p + _BLOCK - 1) // _BLOCK
-    parts = np.empty((2, n, nc, nb))
-    rows = n * nc  # the (image, channel) rows in memory order, a contiguous run a task
-    for t in numba.prange(tasks):
-        for r in range(t * rows // tasks, (t + 1) * rows // tasks):
-            i, c = r // nc, r % nc
-            k = x3[0, c, 0]
-            for q in range(nb):
-                b1, b2 = _shifted_sums(x3[i, c, q * _BLOCK:(q + 1) * _BLOCK], k)
-                parts[0, i, c, q] = np.float64(b1)
-                parts[1, i, c, q] = np.float64(b2)
-    for c in range(nc):
-        s1 = 0.0
-        s2 = 0.0
-        for i in range(n):
-            for q in range(nb):
-                s1 += parts[0, i, c, q]
-                s2 += parts[1, i, c, q]
-        _mean_and_variance(x3, c, s1, s2, moments)
-    for t in numba.prange(tasks):
-        for r in range(t * rows // tasks, (t + 1) * rows // tasks):
-            i, c = r // nc, r % nc
+    sums = np.zeros((2, nc))  # (its run's columns only)
+    for i in range(n):
+        for c in range(c0, c1):
             mt, _it, scale, shift, zero = _consts(
                 x3, moments[0, c], 1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
-            for j in range(p):
-                z = (x3[i, c, j] - mt) * scale + shift
-                if relu and not z > zero:  # NaN stays NaN; z > 0 is the backward's mask
-                    z = zero if z == z else z
-                if relu and capped and z > top:
-                    z = top
-                y3[i, c, j] = z
+            for j0 in range(0, p, _BLOCK):
+                j1 = j0 + _BLOCK
+                b1, b2 = _masked_sums(dy3[i, c, j0:j1], x3[i, c, j0:j1], mt, scale,
+                                      shift, zero, relu, top, capped)
+                sums[0, c] += np.float64(b1)
+                sums[1, c] += np.float64(b2)
+    for c in range(c0, c1):
+        it = _like(x3, 1.0 / math.sqrt(moments[1, c] + eps))
+        out[0, c] = sums[1, c] * np.float64(it)
+        out[1, c] = sums[0, c]
 
 
 @numba.njit(**_PAR)
 def bn_grad_stats(dy3, x3, w, b, eps, relu, cap, out, tasks):
     """Batchnorm's backward statistics into out (4, C): sum(g * x_hat), sum(g), the batch
     mean and 1/std, where g is dy (times the relu mask with `relu`: _passes)."""
-    n, nc, p = x3.shape
-    capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
+    nc = x3.shape[1]
     for t in numba.prange(tasks):
         c0, c1 = _runs(tasks, nc, t)
         moments = np.empty((2, nc))  # (its run's columns only)
         _moments(x3, c0, c1, moments)
-        sums = np.zeros((2, nc))
-        for i in range(n):
-            for c in range(c0, c1):
-                mt, _it, scale, shift, zero = _consts(
-                    x3, moments[0, c], 1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
-                for j0 in range(0, p, _BLOCK):
-                    j1 = j0 + _BLOCK
-                    b1, b2 = _masked_sums(dy3[i, c, j0:j1], x3[i, c, j0:j1], mt, scale,
-                                          shift, zero, relu, top, capped)
-                    sums[0, c] += np.float64(b1)
-                    sums[1, c] += np.float64(b2)
+        _grad_sums(dy3, x3, moments, w, b, eps, relu, cap, c0, c1, out)
         for c in range(c0, c1):
-            mt, it, _s, _b, _z = _consts(x3, moments[0, c],
-                                         1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
-            out[0, c] = sums[1, c] * np.float64(it)
-            out[1, c] = sums[0, c]
-            out[2, c] = mt
-            out[3, c] = it
+            out[2, c] = _like(x3, moments[0, c])
+            out[3, c] = _like(x3, 1.0 / math.sqrt(moments[1, c] + eps))
 
 
 @numba.njit(**_PAR)
-def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks):
+def bn_grad_sums(dy3, x3, moments, w, b, eps, relu, cap, out, tasks):
+    """bn_grad_stats' first two rows with the given float64 moments (a synchronised
+    batchnorm's local sums, which it adds over the devices: bn_grad_input's `count`)."""
+    nc = x3.shape[1]
+    for t in numba.prange(tasks):
+        c0, c1 = _runs(tasks, nc, t)
+        _grad_sums(dy3, x3, moments, w, b, eps, relu, cap, c0, c1, out)
+
+
+@numba.njit(**_PAR)
+def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks, count=0):
     """dx of batchnorm (+ relu) from bn_grad_stats' rows into dx3:
     w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), plus acc3 with
-    `accumulate` (acc3 may be dx3 itself otherwise: it is not read then). Element by
-    element: the threads take contiguous runs of rows, as bn_forward's."""
+    `accumulate` (acc3 may be dx3 itself otherwise: it is not read then). M is `count`, or
+    where that is 0 the values a channel of x3 (a synchronised batchnorm's sums count every
+    device's). Element by element: the threads take contiguous runs of rows, as
+    bn_forward's."""
     n, nc, p = x3.shape
-    m = n * p
+    m = count if count > 0 else n * p
     capped, top = cap < np.inf, _like(x3, cap)  # (top: the cap in the data's dtype)
     rows = n * nc
     for t in numba.prange(tasks):

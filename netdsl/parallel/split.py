@@ -35,13 +35,12 @@ from netdsl.parallel.check import check
 from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
-from netdsl.parallel.syncbn import sync_batchnorms
+from netdsl.parallel.syncbn import NORMS, sync_batchnorms
 from netdsl.passes.device import for_device
 from netdsl.passes.fuse import fuse_grads, fuse_options, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
 
 STRATEGIES = ("data", "pipeline", "hybrid", "tensor", "spatial", "none")
-NORMS = ("batchnorm", "batchnorm_relu")  # the ops with running statistics
 
 
 @dataclass(frozen=True)
@@ -269,12 +268,11 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
 def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:
     """The `fuse` pass's options for the forward graph of a split, those of a single
     device's step (`fuse_options`), or None: fusion off, or a tensor or spatial split,
-    which rewrite the products and windows themselves. A batchnorm synchronised over
-    replicas is rewritten into its collectives, so there it is left unfused."""
+    which rewrite the products and windows themselves."""
     options = fuse_options(device)
     if spec.tensor > 1 or spec.spatial > 1 or not options["enabled"]:
         return None
-    return {**options, "norms": not (spec.bn == "sync" and spec.data > 1)}
+    return options
 
 
 def _check_devices(fwd: Graph, spec: SplitSpec) -> None:

@@ -1,32 +1,35 @@
 """Synchronised batchnorm: a batchnorm whose copies on several devices normalise with the
 statistics of the whole batch, so a data-parallel step equals the single-device step.
 
-Each copy's `batchnorm(x, w, b, running_mean, running_var)` becomes two `all_reduce`s of
-per-channel sums (the mean first, then the squared deviations from it: the two-pass
-variance the single-device kernel uses) and one normalising pass:
+Each copy's `batchnorm(x, w, b, running_mean, running_var)` (or `batchnorm_relu`)
+becomes its local moments, one `all_gather` of them, their combination and one
+normalising pass (the operators are netdsl/ir/ops/norm_sync.py's):
 
-    mean = all_reduce(sum(x, every dim but 1)) / M   M = rows of the whole batch x spatial
-    var  = all_reduce(centered_sq_sum(x, mean)) / M  (sum((x - mean)^2), one pass)
-    y    = centered_affine(x, mean, w / sqrt(var + eps), b)   ((x - mean) * k + b)
+    m = bn_moments(x)                               this copy's mean and variance
+    s = bn_combine(all_gather(m), counts)           the whole batch's
+    y = sync_batchnorm(x, s, w, b)                  (x - mean) * w / sqrt(var + eps) + b
 
 plus a `bn_running_update` of the running statistics (in `outputs["state_updates"]`).
-Autodiff differentiates it like anything else, and the collectives' gradient rules add
-the backward's two all-reduces (of sum(dy) and sum(dy * d)) that a hand-written
-synchronised batchnorm would have.
+Autodiff then writes PyTorch's SyncBatchNorm backward: each copy's two sums, one
+all_reduce of them, and dx (sync_batchnorm's gradient rule).
 """
 from __future__ import annotations
 
 import math
 
+from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.ops.norm import bn_inputs
 from netdsl.ir.rewrite import make_node
+
+NORMS = ("batchnorm", "batchnorm_relu")  # the ops with running statistics
 
 
 def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: int) -> Graph:
     """Rewrite every training-mode batchnorm whose copies sit on more than one device.
     The statistics count the whole batch over the single-device node's spatial size (a
     data split's copies hold all of it; a spatial split's hold strips)."""
-    origs = [orig for orig, names in copies.items() if fwd[orig].op == "batchnorm"
+    origs = [orig for orig, names in copies.items() if fwd[orig].op in NORMS
              and len({g[x].device for x in names}) > 1]
     groups = [copies[orig] for orig in origs]
     if not groups:
@@ -57,62 +60,44 @@ def _rewrite(g: Graph, bns: list[Node], count: int) -> tuple[list[Node], list[st
     """The synchronised copies of one batchnorm's per-device copies (node-major order,
     each collective's members side by side); `count` values per channel in all."""
     first = bns[0]
-    shape = first.type.shape
-    c = shape[1]
-    bshape = (1, c) + (1,) * (len(shape) - 2)
-    affine = first.attrs["affine"]
-    eps, momentum = first.attrs["eps"], first.attrs["momentum"]
+    c = first.type.shape[1]
+    counts = tuple(math.prod(g[n.inputs[0]].type.shape) // c for n in bns)
+    if sum(counts) != count:
+        raise NetdslError(f"synchronised batchnorm %{first.name}: its copies hold "
+                          f"{sum(counts)} values a channel, the batch {count}")
     made: list[Node] = []
-    devices = [n.device for n in bns]
+    devices = tuple(n.device for n in bns)
+    names = tuple(n.name for n in bns)
 
-    def each(tag: str, op: str, inputs_of, attrs=None, final=False) -> list[str]:
-        names = []
+    def each(tag: str, op: str, inputs_of, attrs=None, final=False, meta=None) -> list[str]:
+        out = []
         for n, ins in zip(bns, inputs_of, strict=True):
             name = n.name if final else g.fresh_name(f"{n.name}.{tag}")
             m = make_node(g, name, op, ins, attrs, like=n,
-                          meta={**n.meta, "sync_bn": n.name})
+                          meta={**n.meta, "sync_bn": n.name, **(meta or {})})
             if not final:
                 g.add(m)
             made.append(m)
-            names.append(name)
-        return names
+            out.append(name)
+        return out
 
-    def all_reduce(tag: str, xs: list[str]) -> list[str]:
-        names = [g.fresh_name(f"{n.name}.{tag}") for n in bns]
-        for k, (n, name) in enumerate(zip(bns, names, strict=True)):
-            m = make_node(g, name, "all_reduce", xs, {"group": tuple(devices), "index": k},
-                          like=n, meta={**n.meta, "members": tuple(names), "sync_bn": n.name})
-            g.add(m)
-            made.append(m)
-        return names
-
-    xs = [n.inputs[0] for n in bns]
-    axes = {"axis": (0,) + tuple(range(2, len(shape))), "keepdims": True}
-    s = each("sum", "sum", [[x] for x in xs], axes)
-    mean = each("mean", "scale", [[v] for v in all_reduce("sum_all", s)], {"factor": 1 / count})
-    q = each("sq", "centered_sq_sum", [[x, m] for x, m in zip(xs, mean, strict=True)])
-    var = each("var", "scale", [[v] for v in all_reduce("sq_all", q)], {"factor": 1 / count})
-    dtype = first.type.dtype
-    eps_c = each("eps", "fill", [[] for _ in bns], {"shape": (), "value": eps, "dtype": dtype})
-    one = each("one", "fill", [[] for _ in bns], {"shape": (), "value": 1.0, "dtype": dtype})
-    sd = each("std", "sqrt", [[v] for v in each("ve", "add", [[v, e] for v, e in
-                                                              zip(var, eps_c, strict=True)])])
-    k = each("inv", "div", [[o, v] for o, v in zip(one, sd, strict=True)])
-    if affine:
-        w4 = each("weight4", "reshape", [[n.inputs[1]] for n in bns], {"shape": bshape})
-        k = each("scale", "mul", [[v, w] for v, w in zip(k, w4, strict=True)])
-    if affine:
-        b4 = each("bias4", "reshape", [[n.inputs[2]] for n in bns], {"shape": bshape})
-        each("", "centered_affine", [[x, m, s_, b] for x, m, s_, b in
-                                     zip(xs, mean, k, b4, strict=True)], final=True)
-    else:
-        each("", "centered_affine", [[x, m, s_] for x, m, s_ in zip(xs, mean, k, strict=True)],
-             final=True)
-    flat = {"shape": (c,)}
-    running = [n.inputs[-2:] for n in bns]
+    parts = [bn_inputs(n.inputs, n.attrs) for n in bns]  # x, w, b, running mean, var
+    moments = each("moments", "bn_moments", [[p[0]] for p in parts])
+    gathered = [g.fresh_name(f"{n.name}.moments_all") for n in bns]
+    for k, (n, name) in enumerate(zip(bns, gathered, strict=True)):
+        m = make_node(g, name, "all_gather", moments, {"group": devices, "index": k, "axis": 0},
+                      like=n, meta={**n.meta, "members": tuple(gathered), "sync_bn": n.name})
+        g.add(m)
+        made.append(m)
+    stats = each("stats", "bn_combine", [[v] for v in gathered], {"counts": counts})
+    attrs = {"eps": first.attrs["eps"], "relu": first.op == "batchnorm_relu"}
+    if first.attrs.get("cap") is not None:
+        attrs["cap"] = first.attrs["cap"]
+    affine = [[w, b] if w is not None else [] for _x, w, b, _rm, _rv in parts]
+    each("", "sync_batchnorm", [[p[0], s, *a] for p, s, a in zip(parts, stats, affine,
+                                                                  strict=True)],
+         attrs, final=True, meta={"sync_group": names, "sync_count": count})
     ups = each("running_update", "bn_running_update",
-               [[rm, rv, m, v] for (rm, rv), m, v in zip(
-                   running, each("mean_c", "reshape", [[m] for m in mean], flat),
-                   each("var_c", "reshape", [[v] for v in var], flat), strict=True)],
-               {"momentum": momentum, "count": count})
+               [[p[3], p[4], s] for p, s in zip(parts, stats, strict=True)],
+               {"momentum": first.attrs["momentum"], "count": count})
     return made, ups

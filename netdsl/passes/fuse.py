@@ -99,24 +99,22 @@ _READERS = {reader for reader, _ in _FUSED}
 
 @register_pass("fuse")
 def fuse(g: Graph, enabled: bool | None = None, residuals: bool = True,
-         attention: bool = True, norms: bool = True) -> Graph:
+         attention: bool = True) -> Graph:
     """relu(batchnorm(x)) -> batchnorm_relu(x), relu6(batchnorm(x)) -> batchnorm_relu(x,
-    cap=6) (with `norms`: a split that synchronises its batchnorms over replicas rewrites
-    each batchnorm, so it keeps them as written) and relu(add(a, b)) -> add_relu(a, b)
-    where the relu is the only reader; then,
+    cap=6) and relu(add(a, b)) -> add_relu(a, b) where the relu is the only reader; then,
     with `attention`, multi-head attention written out over a packed q/k/v projection ->
     attention_qkv(qkv) (netdsl.passes.fuse_attention); then, with `residuals`,
     add(conv2d(x), r) -> conv2d_add(x, r) and add(linear(x), r) -> linear_add(x, r) where
     the add is the product's only reader."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
-    g = _activations(g, norms)
+    g = _activations(g)
     if attention:
         g = attention_into_qkv(g, _sole_reader(g))
     return _residuals_into_products(g) if residuals else g
 
 
-def _activations(g: Graph, norms: bool = True) -> Graph:
+def _activations(g: Graph) -> Graph:
     only = _sole_reader(g)
     pairs = {}  # relu (or relu6) name -> the node it reads
     for n in g.nodes:
@@ -124,7 +122,7 @@ def _activations(g: Graph, norms: bool = True) -> Graph:
             continue
         first = g[n.inputs[0]]
         if ((n.op, first.op) in _FUSED and not first.attrs.get("replay")
-                and first.device == n.device and (norms or first.op != "batchnorm")
+                and first.device == n.device
                 and only(first.name, n.name)
                 and (first.op != "add" or _unbroadcast_pair(g, first))):
             pairs[n.name] = first
@@ -183,9 +181,9 @@ def _rebuilt(g: Graph, dropped: set[str], remake: dict) -> Graph:
 @register_pass("fuse_grads")
 def fuse_grads(g: Graph, enabled: bool | None = None) -> Graph:
     """add(batchnorm_grad_from_stats(...), other) -> batchnorm_grad_from_stats(..., acc=other)
-    and relu_grad(add(a, b), y) -> relu_grad(a, y, acc=b) for autodiff's gradient sums;
-    the kept attention probabilities' backward nodes and their sum -> attention_qkv_grad
-    (netdsl.passes.fuse_attention.join_attention_grads)."""
+    (and sync_batchnorm_grad_input's) and relu_grad(add(a, b), y) -> relu_grad(a, y,
+    acc=b) for autodiff's gradient sums; the kept attention probabilities' backward nodes
+    and their sum -> attention_qkv_grad (netdsl.passes.fuse_attention.join_attention_grads)."""
     if not (fusion_enabled() if enabled is None else enabled):
         return g
     g = _sums_into_relu_grads(_sums_into_batchnorm_dx(g))
@@ -201,7 +199,7 @@ def _sums_into_batchnorm_dx(g: Graph) -> Graph:
             continue
         for k, i in enumerate(n.inputs):
             d, other = g[i], n.inputs[1 - k]
-            if not (d.op == "batchnorm_grad_from_stats" and d.device == n.device
+            if not (d.op in _DX_WITH_ACC and d.device == n.device
                     and only(i, n.name) and i not in taken
                     and d.type == n.type == g[other].type):
                 continue
@@ -240,10 +238,14 @@ def _sums_into_relu_grads(g: Graph) -> Graph:
     return _rebuilt(g, {s.name for s in folded.values()}, dict.fromkeys(folded, with_acc))
 
 
+# the batchnorm dx ops with an `acc` input after the weight and bias: their inputs then
+_DX_WITH_ACC = {"batchnorm_grad_from_stats": 5, "sync_batchnorm_grad_input": 6}
+
+
 def _with_acc(g: Graph, d, other: str) -> tuple[str, ...] | None:
-    """d's inputs with `other` as acc (the sixth input: weight and bias come first; a plain
-    batchnorm's dx reads only the weight, so its bias is added), or None (not affine)."""
-    if len(d.inputs) == 5:
+    """d's inputs with `other` as acc (after the weight and bias; a plain batchnorm's dx
+    reads only the weight, so its bias is added), or None (not affine)."""
+    if len(d.inputs) == _DX_WITH_ACC[d.op]:
         return d.inputs + (other,)
     fwd = g[d.meta.get("forward", "")] if d.meta.get("forward", "") in g else None
     if len(d.inputs) == 4 and fwd is not None and fwd.op == "batchnorm":

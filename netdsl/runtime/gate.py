@@ -154,6 +154,8 @@ def first_divergence(single: Graph, split: Graph, feeds: dict, seed: int,
         return parts[0]
 
     for o in origins:
+        if len(have[o]) > 1 and not have[o][0].type.shape:
+            continue  # each copy's share of a reduced value (the loss): not joinable
         a, b = joined(want[o], va), joined(have[o], vb)
         r = rel(b, a) if a.shape == b.shape else float("inf")
         if r > rtol:

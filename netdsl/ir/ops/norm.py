@@ -242,6 +242,17 @@ def _relu_in_place(xp, y, cap):
     return y
 
 
+def affine_in_place(xp, d, inv, w, b, relu, cap):
+    """y = (x - mean) * (inv * w) + b (then relu, capped at `cap` if not None) in place in
+    the deviations d = x - mean, (N, C, P): the NumPy reference's output pass."""
+    d *= (inv if w is None else inv * w)[:, None]
+    if b is not None:
+        d += b[:, None]
+    if relu:
+        _relu_in_place(xp, d, cap)
+    return d
+
+
 def bn_forward(xp, ins, a, ctx, relu):
     """batchnorm's kernel, followed by relu with `relu` (batchnorm_relu's, capped at its
     `cap` if it has one)."""
@@ -264,12 +275,7 @@ def bn_forward(xp, ins, a, ctx, relu):
         mean, var = moments
     else:
         mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
-        # y = (x - mean) * (inv * w) + bias, in place in the deviations buffer
-        y *= (inv if w is None else inv * w)[:, None]
-        if bias is not None:
-            y += bias[:, None]
-        if relu:
-            _relu_in_place(xp, y, cap)
+        affine_in_place(xp, y, inv, w, bias, relu, cap)
     if not a.get("replay"):  # a recompute replay must not update the statistics again
         m = a["momentum"]
         count = x3.shape[0] * x3.shape[2]
@@ -327,35 +333,51 @@ def _bn_grad_stats(xp, ins, a, ctx):
                         a["relu"], _no_cap(a.get("cap")), out, f.threads)
         return out
     mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
-    if a["relu"]:
-        dy3 = _masked(xp, dy3, d, inv, w, b, a.get("cap"))
-    out[0] = xp.einsum("ncp,ncp->c", dy3, d) * inv
-    out[1] = xp.einsum("ncp->c", dy3)
+    grad_sums(xp, dy3, d, inv, w, b, a["relu"], a.get("cap"), out)
     out[2] = mean
     out[3] = inv
     return out
 
 
+def grad_sums(xp, dy3, d, inv, w, b, relu, cap, out):
+    """out[0] = sum(g * x_hat), out[1] = sum(g) per channel (the weight's and the bias's
+    gradients), g = dy (times the relu mask with `relu`), from the deviations d = x - mean
+    (N, C, P) and inv = 1/std: the NumPy reference of the fused kernels' statistics."""
+    if relu:
+        dy3 = _masked(xp, dy3, d, inv, w, b, cap)
+    out[0] = xp.einsum("ncp,ncp->c", dy3, d) * inv
+    out[1] = xp.einsum("ncp->c", dy3)
+    return out
+
+
 @kernel("batchnorm_grad_from_stats")
 def _bn_grad_from_stats(xp, ins, a, ctx):
-    # dx = w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), g = dy (times
-    # the relu mask with relu=true): as _norm_grad_input, with the sums already known
     acc = ins[5] if len(ins) > 5 else None
-    dy, x, st = ins[0], ins[1], ins[2]
     w, b = (list(ins[3:5]) + [None, None])[:2]
+    return grad_from_stats(xp, ctx, ins[0], ins[1], ins[2], w, b, acc, a["relu"],
+                           a.get("cap"))
+
+
+def grad_from_stats(xp, ctx, dy, x, st, w, b, acc, relu, cap, count=None):
+    """batchnorm's dx from STAT_ROWS' rows `st` (plus `acc`, another gradient of x):
+    dx = w * inv * (g - sum(g) / M - (x - mean) * inv * sum(g * x_hat) / M), g = dy (times
+    the relu mask with `relu`), M = `count` or the values a channel of x (a synchronised
+    batchnorm's sums count every device's): as _norm_grad_input, with the sums known."""
     dy3 = _view3(dy)
-    count = dy3.shape[0] * dy3.shape[2]
+    local = dy3.shape[0] * dy3.shape[2]
+    count = local if count is None else count
     gw, sdy, mean, inv = st[0], st[1], st[2], st[3]
-    f = fused_kernels(ctx, dy, x, acc, ctx.out, cuda=True)
+    f = fused_kernels(ctx, dy, x, acc, ctx.out, cuda=count == local)
     if f is not None:
         dx = xp.empty_like(dy3) if ctx.out is None else _view3(ctx.out)
         f.bn_grad_input(dy3, _view3(x), st, *_affine_or_unit(xp, w, b, st.shape[1], x.dtype),
-                        a["relu"], _no_cap(a.get("cap")), dx if acc is None else _view3(acc),
-                        acc is not None, dx, f.threads)
+                        relu, _no_cap(cap), dx if acc is None else _view3(acc),
+                        acc is not None, dx, f.threads,
+                        *(() if count == local else (count,)))
         return dx.reshape(x.shape)
     dx = xp.subtract(_view3(x), mean[:, None], out=None if ctx.out is None else _view3(ctx.out))
-    if a["relu"]:
-        dy3 = _masked(xp, dy3, dx, inv, w, b, a.get("cap"))
+    if relu:
+        dy3 = _masked(xp, dy3, dx, inv, w, b, cap)
     dx *= (-inv * gw / count)[:, None]
     dx += (-sdy / count)[:, None]
     dx += dy3

@@ -1,134 +1,284 @@
-"""The running-statistics update of a batchnorm (a state update emitted by a pass, like the
-optimizer's, so not callable from the language) whose batch statistics were computed
-elsewhere in the graph (synchronised batchnorm across devices: see
-netdsl/parallel/syncbn.py). It writes the running mean and variance in place, as
-training-mode `batchnorm` does, with PyTorch's rule (unbiased variance in the running var).
+"""The operators of a synchronised batchnorm: a batchnorm whose copies on several devices
+normalise with the statistics of the whole batch (netdsl/parallel/syncbn.py emits them;
+they are internal, not callable from the language). Per copy, with the data's dtype:
+
+    m = bn_moments(x)                         [2, C]: this copy's mean and biased variance
+    s = bn_combine(all_gather(m, every copy's), counts)   [2, C]: the whole batch's
+    y = sync_batchnorm(x, s, weight, bias)    (x - mean) * w / sqrt(var + eps) + b (+ relu)
+    bn_running_update(running_mean, running_var, s)
+
+The combination is Chan et al.'s (the mean of the means, and of the variances plus each
+copy's squared distance to the mean, weighted by the counts, in float64): exact, and the
+same bits on every device. `sync_batchnorm`'s gradient rule writes the backward of every
+copy at once, PyTorch's SyncBatchNorm's: each copy's sums sum(g * x_hat) and sum(g) (its
+weight and bias gradients, g = dy times the relu mask), one all_reduce of them, and dx
+from the totals. Its rule gives x the whole gradient, the paths through the statistics
+included, so the statistics (computed by ops that are not differentiable) get none.
+
+With the backend's fused kernels (Numba, netdsl.backends.numpy_fused_norm) bn_moments,
+sync_batchnorm and each backward node are one pass over x; the NumPy kernels here (which
+the CuPy backend runs too) are their reference.
 """
-from netdsl.errors import ShapeError
-from netdsl.ir.registry import Arg, OpDef, Range, grad_rule, kernel, register
+from __future__ import annotations
+
+from netdsl.errors import NetdslError, ShapeError
+from netdsl.ir.ops._util import fused_kernels, need_rank
+from netdsl.ir.ops.norm import (
+    _affine_or_unit,
+    _no_cap,
+    _stats_workspace,
+    _view3,
+    affine_in_place,
+    grad_from_stats,
+    grad_sums,
+)
+from netdsl.ir.registry import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
+_INTERNAL = {"internal": True}
+_FUSED = {"internal": True, "fused_kernels": ("batchnorm",)}
+_BN_ARGS = (Arg("eps", "float", 1e-5, range=GT0), Arg("relu", "bool", False),
+            Arg("cap", "float", None, range=GT0))
 
-def _first(ins, a):
-    return ins[0]
+
+def _two_rows(x: TensorType) -> TensorType:
+    return TensorType((2, x.shape[1]), x.dtype)
+
+
+def _need_stats(op: str, x: TensorType, stats: TensorType, what: str = "stats") -> None:
+    if stats.shape != (2, x.shape[1]):
+        raise ShapeError(f"{op}: {what} {stats} must be [2, {x.shape[1]}] for x {x}")
+
+
+def _moments_shape(ins, a):
+    need_rank(ins[0], "bn_moments", (2, 3, 4, 5))
+    return _two_rows(ins[0])
+
+
+def _combine_shape(ins, a):
+    m, counts = ins[0], a["counts"]
+    if m.rank != 2 or m.shape[0] != 2 * len(counts) or min(counts, default=0) < 1:
+        raise ShapeError(f"bn_combine: {m} must hold a mean and a variance row for each "
+                         f"of the {len(counts)} counts {counts}")
+    return TensorType((2, m.shape[1]), m.dtype)
+
+
+def _apply_shape(ins, a):
+    x = ins[0]
+    need_rank(x, "sync_batchnorm", (2, 3, 4, 5))
+    _need_stats("sync_batchnorm", x, ins[1])
+    return x
+
+
+def _sums_shape(ins, a):
+    _need_stats("sync_batchnorm_grad_sums", ins[1], ins[2])
+    return _two_rows(ins[1])
+
+
+def _input_shape(ins, a):
+    x = ins[1]
+    _need_stats("sync_batchnorm_grad_input", x, ins[2])
+    _need_stats("sync_batchnorm_grad_input", x, ins[3], "total")
+    if len(ins) > 6 and ins[6] != TensorType(x.shape, ins[0].dtype):
+        raise ShapeError(f"sync_batchnorm_grad_input: the gradient to add {ins[6]} differs "
+                         f"from x {x}")
+    return TensorType(x.shape, ins[0].dtype)
+
+
+def _per_value(k):
+    return lambda ins, out, a: k * ins[0].numel()
 
 
 register(OpDef(
+    "bn_moments", (Arg("x", "tensor"),), _moments_shape, "norm", flops=_per_value(3),
+    differentiable=False, extra=_FUSED,
+    doc="rows: the mean and the biased variance of x over every dim but 1 (a synchronised "
+        "batchnorm's local statistics)"))
+register(OpDef(
+    "bn_combine", (Arg("moments", "tensor"), Arg("counts", "ints")), _combine_shape, "norm",
+    flops=lambda ins, out, a: 8 * ins[0].numel(), differentiable=False, extra=_INTERNAL,
+    doc="the mean and biased variance of a whole batch from its parts' (all_gather'ed "
+        "bn_moments rows, part k of counts[k] values a channel)"))
+register(OpDef(
+    "sync_batchnorm",
+    (Arg("x", "tensor"), Arg("stats", "tensor"), Arg("weight", "tensor", None),
+     Arg("bias", "tensor", None)) + _BN_ARGS,
+    _apply_shape, "norm", flops=lambda ins, out, a: (5 + a["relu"]) * out.numel(),
+    retains=("inputs",), extra=_FUSED,
+    doc="(x - mean) * weight / sqrt(var + eps) + bias (then relu, capped at `cap`) with "
+        "stats = bn_combine's rows: a synchronised batchnorm's output; its gradient rule "
+        "differentiates through the statistics (see the module docstring)"))
+register(OpDef(
+    "sync_batchnorm_grad_sums",
+    (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("stats", "tensor"),
+     Arg("weight", "tensor", None), Arg("bias", "tensor", None)) + _BN_ARGS,
+    _sums_shape, "backward", flops=lambda ins, out, a: (6 + a["relu"]) * ins[1].numel(),
+    workspace=_stats_workspace, differentiable=False, extra=_FUSED,
+    doc="rows: sum(g * x_hat) and sum(g) over this copy (its weight and bias gradients), "
+        "g = dy (masked as the relu's with relu=true)"))
+register(OpDef(
+    "sync_batchnorm_grad_input",
+    (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("stats", "tensor"),
+     Arg("total", "tensor"), Arg("weight", "tensor", None), Arg("bias", "tensor", None),
+     Arg("acc", "tensor", None)) + _BN_ARGS + (Arg("count", "int", 1, range=Range(1)),),
+    _input_shape, "backward",
+    flops=lambda ins, out, a: (8 + (len(ins) > 6)) * out.numel(),
+    workspace=lambda ins, out, a: (
+        4 + (a.get("cap") is not None) if a["relu"] else 0) * out.numel(),
+    differentiable=False, extra=_FUSED,
+    doc="dx of sync_batchnorm from the sums of every copy (`total`, count values a "
+        "channel); `acc`, another gradient of x, added (fuse_grads)"))
+register(OpDef(
     "bn_running_update",
-    (Arg("running_mean", "tensor"), Arg("running_var", "tensor"), Arg("mean", "tensor"),
-     Arg("var", "tensor"), Arg("momentum", "float", 0.1, range=Range(0, 1)),
-     Arg("count", "int", 1, range=Range(1))),
-    _first, "optimizer", flops=lambda ins, out, a: 6 * out.numel(), differentiable=False,
-    writes=(0, 1), view_of=0,
-    doc="update batchnorm running statistics in place from a batch mean and (biased) var"))
+    (Arg("running_mean", "tensor"), Arg("running_var", "tensor"), Arg("stats", "tensor"),
+     Arg("momentum", "float", 0.1, range=Range(0, 1)), Arg("count", "int", 1, range=Range(1))),
+    lambda ins, a: ins[0], "optimizer", flops=lambda ins, out, a: 6 * out.numel(),
+    differentiable=False, writes=(0, 1), view_of=0,
+    doc="update batchnorm running statistics in place from bn_combine's rows (count "
+        "values a channel: PyTorch's unbiased variance in the running var)"))
+
+
+# -- kernels ------------------------------------------------------------------------------------
+def _moments64(xp, stats):
+    """The fused kernels' float64 moments (mean and biased variance rows)."""
+    return xp.ascontiguousarray(stats, dtype=xp.float64)
+
+
+def _inv(xp, stats, eps):
+    return 1.0 / xp.sqrt(stats[1] + eps)
+
+
+def _affine(ins, at):
+    """The weight and bias inputs from index `at` on (None, None without affine)."""
+    return (list(ins[at:at + 2]) + [None, None])[:2]
+
+
+@kernel("bn_moments")
+def _bn_moments(xp, ins, a, ctx):
+    x3 = _view3(ins[0])
+    f = fused_kernels(ctx, ins[0])
+    if f is not None:
+        moments = xp.empty((2, x3.shape[1]))
+        f.bn_moments(x3, moments, f.threads)
+        return moments.astype(x3.dtype)
+    count = x3.shape[0] * x3.shape[2]
+    mean = xp.einsum("ncp->c", x3) / count
+    d = x3 - mean[:, None]
+    return xp.stack([mean, xp.einsum("ncp,ncp->c", d, d) / count])
+
+
+@kernel("bn_combine")
+def _bn_combine(xp, ins, a, ctx):
+    parts = ins[0].astype(xp.float64).reshape(len(a["counts"]), 2, -1)
+    n = xp.asarray(a["counts"], dtype=xp.float64)[:, None]
+    total = float(sum(a["counts"]))
+    mean = (n * parts[:, 0]).sum(axis=0) / total
+    var = (n * (parts[:, 1] + (parts[:, 0] - mean) ** 2)).sum(axis=0) / total
+    return xp.stack([mean, var]).astype(ins[0].dtype)
+
+
+@kernel("sync_batchnorm")
+def _sync_batchnorm(xp, ins, a, ctx):
+    x, stats = ins[0], ins[1]
+    w, b = _affine(ins, 2)
+    x3, relu, cap = _view3(x), a["relu"], a.get("cap")
+    if not ctx.training:
+        raise NetdslError(f"sync_batchnorm (node %{ctx.node.name}) runs in training only: "
+                          "evaluation uses the batchnorm's running statistics")
+    f = fused_kernels(ctx, x, ctx.out)
+    if f is not None:
+        y = xp.empty_like(x3) if ctx.out is None else _view3(ctx.out)
+        f.bn_normalise(x3, _moments64(xp, stats), *_affine_or_unit(xp, w, b, x3.shape[1],
+                                                                   x.dtype),
+                       a["eps"], relu, _no_cap(cap), y, f.threads)
+        return y.reshape(x.shape)
+    y = xp.subtract(x3, stats[0][:, None], out=None if ctx.out is None else _view3(ctx.out))
+    return affine_in_place(xp, y, _inv(xp, stats, a["eps"]), w, b, relu, cap).reshape(x.shape)
+
+
+@kernel("sync_batchnorm_grad_sums")
+def _sync_bn_grad_sums(xp, ins, a, ctx):
+    dy, x, stats = ins[0], ins[1], ins[2]
+    w, b = _affine(ins, 3)
+    dy3, x3 = _view3(dy), _view3(x)
+    out = xp.empty((2, x3.shape[1]), dtype=dy.dtype)
+    f = fused_kernels(ctx, dy, x)
+    if f is not None:
+        f.bn_grad_sums(dy3, x3, _moments64(xp, stats),
+                       *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"], a["relu"],
+                       _no_cap(a.get("cap")), out, f.threads)
+        return out
+    d = x3 - stats[0][:, None]
+    return grad_sums(xp, dy3, d, _inv(xp, stats, a["eps"]), w, b, a["relu"], a.get("cap"),
+                     out)
+
+
+@kernel("sync_batchnorm_grad_input")
+def _sync_bn_grad_input(xp, ins, a, ctx):
+    dy, x, stats, total = ins[:4]
+    w, b = _affine(ins, 4)
+    acc = ins[6] if len(ins) > 6 else None
+    # STAT_ROWS' rows: the totals, the mean and 1/std (as the fused kernels compute it)
+    inv = 1.0 / xp.sqrt(_moments64(xp, stats)[1] + a["eps"])
+    st = xp.concatenate([total, stats[:1], inv[None].astype(total.dtype)])
+    return grad_from_stats(xp, ctx, dy, x, st, w, b, acc, a["relu"], a.get("cap"),
+                           a["count"])
 
 
 @kernel("bn_running_update")
 def _bn_running_update(xp, ins, a, ctx):
-    rm, rv, mean, var = ins
+    rm, rv, stats = ins
     m, count = a["momentum"], a["count"]
     rm *= 1.0 - m
-    rm += m * mean
+    rm += (m * stats[0]).astype(rm.dtype, copy=False)
     rv *= 1.0 - m
-    rv += (m * count / max(count - 1, 1)) * var
+    rv += ((m * count / max(count - 1, 1)) * stats[1]).astype(rv.dtype, copy=False)
     return rm
 
 
-# -- the element-wise parts of a synchronised batchnorm ---------------------------------------
-# syncbn.py computes the statistics over every device (sums, all_reduce) and normalises
-# with these: one pass over x each, instead of the sub, mul, sum and add nodes (and their
-# gradients) that spelled them out. `center`, `scale` and `bias` are per-channel values
-# shaped to broadcast against x ([1, C, 1, 1]); passes emit them, so they are internal.
-def _per_channel(name):
-    def shape(ins, a):
-        x, c = ins[0], ins[1]
-        for t in ins[1:]:
-            if (t.shape != c.shape or len(t.shape) != len(x.shape)
-                    or any(s not in (1, xs) for s, xs in zip(t.shape, x.shape, strict=True))):
-                raise ShapeError(f"{name}: {t} does not broadcast per channel against {x}, "
-                                 f"or differs from the centre {c}")
-        return TensorType(x.shape if name == "centered_affine" else c.shape, x.dtype)
-    return shape
+# -- the backward of every copy at once ----------------------------------------------------------
+@grad_rule("sync_batchnorm")
+def _sync_batchnorm_rule(n, b, gy):
+    """The first copy visited writes every copy's backward (their sums, one all_reduce,
+    their dx); each copy's rule returns its own: dx, nothing for the statistics, the
+    weight's and the bias's gradients (this copy's sums)."""
+    group = n.meta["sync_group"]
+    key = ("sync_batchnorm", group)
+    if key not in b.memo:
+        b.memo[key] = _group_backward(b, group)
+    return b.memo[key][n.name]
 
 
-def _three_passes(ins, out, a):
-    return 3 * ins[0].numel()
-
-
-def _deviations(ins, out, a):
-    return 4 * ins[-2].numel()  # x - center beside the result (rules count float32)
-
-
-register(OpDef(
-    "centered_affine",
-    (Arg("x", "tensor"), Arg("center", "tensor"), Arg("scale", "tensor"),
-     Arg("bias", "tensor", None)),
-    _per_channel("centered_affine"), "norm", flops=_three_passes,
-    retains=("input0", "input1", "input2"),  # (not the bias)
-    extra={"internal": True},
-    doc="(x - center) * scale + bias, per channel: a synchronised batchnorm's normalising "
-        "pass with statistics computed over every device"))
-register(OpDef(
-    "centered_sq_sum", (Arg("x", "tensor"), Arg("center", "tensor")),
-    _per_channel("centered_sq_sum"), "norm", flops=_three_passes, workspace=_deviations,
-    retains=("inputs",), extra={"internal": True},
-    doc="sum((x - center)^2) over the axes center has as 1: a synchronised batchnorm's "
-        "second statistics pass (the two-pass variance)"))
-register(OpDef(
-    "centered_dot", (Arg("g", "tensor"), Arg("x", "tensor"), Arg("center", "tensor")),
-    lambda ins, a: _per_channel("centered_dot")(ins[1:], a), "backward",
-    flops=_three_passes, workspace=_deviations, differentiable=False,
-    doc="sum(g * (x - center)) over the axes center has as 1: the scale's gradient of "
-        "centered_affine"))
-
-
-def _channel_dot(xp, u, v, shape):
-    """sum(u * v) over the axes `shape` has as 1 (an einsum: one pass, no temporary)."""
-    letters = "abcdefghij"[:u.ndim]
-    keep = "".join(x for x, s in zip(letters, shape, strict=True) if s != 1)
-    return xp.einsum(f"{letters},{letters}->{keep}", u, v).reshape(shape)
-
-
-@kernel("centered_affine")
-def _centered_affine(xp, ins, a, ctx):
-    x, c, k = ins[0], ins[1], ins[2]
-    y = ctx.out_like(x)
-    xp.subtract(x, c, out=y)
-    y *= k
-    if len(ins) > 3:
-        y += ins[3]
-    return y
-
-
-@kernel("centered_sq_sum")
-def _centered_sq_sum(xp, ins, a, ctx):
-    x, c = ins
-    d = x - c
-    return _channel_dot(xp, d, d, c.shape)
-
-
-@kernel("centered_dot")
-def _centered_dot(xp, ins, a, ctx):
-    g, x, c = ins
-    return _channel_dot(xp, g, x - c, c.shape)
-
-
-@grad_rule("centered_affine")
-def _centered_affine_rule(n, b, gy):
-    x, c, k = n.inputs[:3]
-    per = b.type(c).shape
-    total = b.emit("sum_to", [gy], {"shape": per}, tag="sum")  # sum(gy) per channel
-    out = [b.emit("mul", [gy, k], tag="x"),
-           b.emit("scale", [b.emit("mul", [total, k], tag="c")], {"factor": -1.0},
-                  tag="center"),
-           b.emit("centered_dot", [gy, x, c], tag="scale")]
-    return out + ([total] if len(n.inputs) > 3 else [])
-
-
-@grad_rule("centered_sq_sum")
-def _centered_sq_sum_rule(n, b, gy):
-    x, c = n.inputs
-    twice = b.emit("scale", [gy], {"factor": 2.0}, tag="twice")
-    dx = b.emit("centered_affine", [x, c, twice], tag="x")  # 2 (x - c) g
-    return [dx, b.emit("scale", [b.emit("sum_to", [dx], {"shape": b.type(c).shape},
-                                        tag="sum")], {"factor": -1.0}, tag="center")]
+def _group_backward(b, group: tuple[str, ...]) -> dict[str, list]:
+    nodes = [b.g[m] for m in group]
+    prev = b.fwd
+    gys, sums = [], []
+    for m in nodes:
+        b.fwd = m
+        gm = b.grad_total(m.name)
+        if gm is None:  # (a copy nothing differentiable reads: its dx still takes the
+            # other copies' gradients through the statistics)
+            gm = b.emit("fill", [], {"shape": m.type.shape, "value": 0.0,
+                                     "dtype": m.type.dtype}, tag="zero")
+        gys.append(gm)
+        attrs = {k: m.attrs[k] for k in ("eps", "relu", "cap") if k in m.attrs}
+        sums.append(b.emit("sync_batchnorm_grad_sums", [gm, *m.inputs], attrs, tag="sums"))
+    devices = [m.device for m in nodes]
+    b.fwd = nodes[0]
+    totals = b.emit_group("all_reduce", sums, {"group": tuple(devices)},
+                          [b.g.fresh_name(f"{m.name}.grad.sums_all") for m in nodes], devices)
+    count = nodes[0].meta["sync_count"]
+    out = {}
+    for m, gm, s, t in zip(nodes, gys, sums, totals, strict=True):
+        b.fwd = m
+        attrs = {**{k: m.attrs[k] for k in ("eps", "relu", "cap") if k in m.attrs},
+                 "count": count}
+        x, stats, *affine = m.inputs
+        dx = b.emit("sync_batchnorm_grad_input", [gm, x, stats, t, *affine], attrs, tag="x")
+        grads = [dx, None]
+        if affine:
+            grads += [b.emit("batchnorm_grad_affine", [s], {"row": 0}, tag="weight"),
+                      b.emit("batchnorm_grad_affine", [s], {"row": 1}, tag="bias")]
+        out[m.name] = grads
+    b.fwd = prev
+    return out

@@ -130,7 +130,7 @@ def test_default_jobs_are_no_more_than_the_free_memory_holds(monkeypatch):
         monkeypatch.setattr(host_memory, "available_bytes", lambda f=free: int(f))
         assert choose_mod._jobs(None, 10, 20895, 16) == jobs, free
     assert choose_mod._jobs(4, 10, 20895, 16) == 4
-    specs = choose_mod.candidates(None, 4, 16, None, {}, "sync", None, True, True)
+    specs = choose_mod.candidates(None, 4, 16, None, {}, "sync", None, True)
     assert max(map(choose_mod._copies, specs)) == 16  # pipeline=4, 16 micro-batches
 
 

@@ -97,6 +97,19 @@ def test_ranks_accumulating_micro_batches_give_the_plain_losses(tmp_path):
     assert "stopping every rank" not in c.stderr
 
 
+def test_ranks_accumulating_with_synchronised_batchnorm_give_one_devices_losses(tmp_path):
+    """Two ranks each accumulating two micro-batches, batchnorm synchronised micro-batch
+    by micro-batch: the losses of one process accumulating two micro-batches, in float64
+    to rounding."""
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    common = ("--steps", "3", "--dtype", "f64", "--eval-samples", "0", "--microbatches", "2")
+    a = netdsl(*common, "--log", str(one))
+    b = netdsl(*common, "--split", "data", "--log", str(two), "--json", ranks=2)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(b.stdout)["split"] == "data=2, microbatches=2"
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-12)
+
+
 def test_clip_grad_norm_over_ranks_gives_the_losses_of_one_process(tmp_path):
     """clip_grad_norm over a pipeline's ranks: each rank's squared-norm part is
     all-reduced (a scalar over MPI) and both scale by one factor, bit for bit the losses

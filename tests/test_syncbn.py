@@ -149,3 +149,45 @@ def test_evaluating_a_split_step_is_refused_clearly(net):
     ex = Executor(g, "numpy", dtype="f64", seed=0)
     with pytest.raises(NetdslError, match="runs in training only"):
         ex.run(feeds(4), training=False, roles=("loss",))
+
+
+@pytest.mark.parametrize("spec", [SplitSpec(data=2, microbatches=3),
+                                  SplitSpec(data=3, microbatches=2),
+                                  SplitSpec(data=2, pipeline=2, microbatches=2,
+                                            schedule="1f1b")],
+                         ids=["data2-m3", "data3-m2", "hybrid-1f1b"])
+def test_replicas_with_micro_batches_synchronise_each_micro_batch(net, spec):
+    """Micro-batch m of every replica normalises with their joint statistics: the step
+    of one device with the same micro-batches (10 rows: parts of 2 and 1 rows), the first
+    micro-batch's statistics moving the running ones (once per replica's state)."""
+    g = split_step(net.graph, 10, spec, OPT)
+    layers = 4
+    assert len(g.by_op("all_gather")) == layers * spec.data * spec.microbatches
+    assert len(g.by_op("bn_running_update")) == layers * spec.data
+    r = verify_split(net.graph, 10, spec, OPT, feeds(10), split=g)
+    assert r.reference.startswith("single-device step over the same micro-batches")
+    assert r.ok and max(r.loss_rel, r.grad_rel, r.state_rel) <= 1e-9, r.worst
+
+
+@pytest.mark.parametrize("batch,data,micro", [(10, 2, 3), (7, 3, 2), (16, 2, 4), (9, 2, 2)])
+def test_synchronised_micro_batches_are_one_devices_micro_batches(batch, data, micro):
+    """With synchronised batchnorm the parts are laid out micro-batch by micro-batch:
+    micro-batch m of the replicas tiles one device's micro-batch m; replica by replica
+    otherwise (the layout `--bn local` and every other split keep)."""
+    from netdsl.ir.placement import even_parts
+    from netdsl.parallel.split import _part_rows
+    rows = _part_rows(batch, data, micro, by_micro=True)
+    for m, (lo, hi) in enumerate(even_parts(batch, micro)):
+        parts = [rows[r][m] for r in range(data)]
+        assert parts[0][0] == lo and parts[-1][1] == hi
+        assert all(a[1] == b[0] and a[1] > a[0] for a, b in zip(parts, parts[1:]))
+    flat = _part_rows(batch, data, micro, by_micro=False)
+    assert [p for r in flat for p in r] == even_parts(batch, data * micro)
+
+
+def test_auto_considers_synchronised_hybrids_with_micro_batches(net):
+    from netdsl.parallel.choose import candidates
+    specs = candidates("auto", 4, 16, None, {}, "sync")
+    assert any(s.data > 1 and s.pipeline > 1 and s.microbatches > 1 for s in specs)
+    (hybrid,) = candidates("hybrid", 4, 16, None, {}, "sync")
+    assert hybrid.microbatches > 1

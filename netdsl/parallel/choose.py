@@ -89,11 +89,10 @@ class Chosen:
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
                declared: dict, bn: str, schedule: str | None = None,
-               has_bn: bool = False, has_conv: bool = False) -> list[SplitSpec]:
+               has_conv: bool = False) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
-    else the file's `parallel { schedule = ... }`, else GPipe's). Batchnorm synchronised
-    over replicas takes one micro-batch (`has_bn`: the network has batchnorm; `has_conv`:
-    it has 2-d convolutions, which a spatial split cuts)."""
+    else the file's `parallel { schedule = ... }`, else GPipe's; `has_conv`: the network
+    has 2-d convolutions, which a spatial split cuts)."""
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
                                                      else "gpipe")
@@ -143,8 +142,7 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         p = declared.get("pipeline", 1)
         if d * p != devices or d == 1 or p == 1:
             d, p = _hybrid_factors(devices)
-        m = microbatches or declared.get("microbatches") or (
-            1 if has_bn and bn == "sync" else min(batch // d or 1, 4 * p))
+        m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
         return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
     out = []
     for d in range(1, devices + 1):
@@ -152,7 +150,7 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             continue
         p = devices // d
         for m in micro_for(p):
-            if d * m <= batch and not (d > 1 and m > 1 and has_bn and bn == "sync"):
+            if d * m <= batch:
                 out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn,
                                      schedule=sched))
     if devices > 1:
@@ -224,8 +222,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     made alone); `jobs`: without `share`, the processes that share them so (this one and
     jobs - 1 workers; None: `_jobs`' default)."""
     specs = candidates(strategy, devices, batch, microbatches, dict(fwd.parallel), bn,
-                       schedule, any(n.op == "batchnorm" for n in fwd.nodes),
-                       any(n.op == "conv2d" for n in fwd.nodes))
+                       schedule, any(n.op == "conv2d" for n in fwd.nodes))
     n_jobs = 1 if share is not None else _jobs(jobs, len(specs), len(fwd.nodes),
                                                max(map(_copies, specs), default=1))
     if n_jobs > 1:

@@ -29,7 +29,7 @@ import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" p
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.placement import copy_name
+from netdsl.ir.placement import copy_name, even_parts
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.check import check
 from netdsl.parallel.order import order_micro_batches
@@ -111,11 +111,12 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
         stage_of = stage_of or assign_stages(
             fwd, stages, profile, max(1, batch // (spec.data * spec.microbatches)))
     micro = spec.microbatches
-    rows = batch_rows(batch, spec.data * micro, "parts (devices x micro-batches)")
+    synced = spec.bn == "sync" and spec.data > 1
+    rows = _part_rows(batch, spec.data, micro, by_micro=synced)
     parts = []
     for r in range(spec.data):
         for m in range(micro):
-            lo, hi = rows[r * micro + m]
+            lo, hi = rows[r][m]
             # copies are named by replica (`@dR`) and micro-batch (`@mM`) so that every
             # copy differs from its original, whose name the combined result takes
             parts.append(Part(r if spec.data > 1 or stages == 1 else None,
@@ -129,12 +130,12 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
         return n.name if not p.device else copy_name(n.name, p.device)
 
     g, copies = copy_forward(fwd, parts, batch, state_name, device_of)
-    if spec.bn == "sync" and spec.data > 1:
-        if micro > 1 and any(n.op in NORMS for n in fwd.nodes):
-            raise SplitError("synchronised batchnorm over data-parallel replicas with "
-                             "micro-batches is not supported; use --bn local, or one "
-                             "micro-batch")
-        sync_batchnorms(g, copies, fwd, batch)
+    if synced:
+        # micro-batch m of every replica together (rows by micro-batch: _part_rows), the
+        # first micro-batch's statistics moving the running ones, as one device's parts
+        for m in range(micro):
+            sync_batchnorms(g, {o: names[m::micro] for o, names in copies.items()}, fwd,
+                            rows[-1][m][1] - rows[0][m][0], update=m == 0)
     else:
         running_stats_once(g, copies)
     # the results are made whole on device 0 (rank 0 logs and checkpoints); for a
@@ -147,6 +148,20 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     if stage_of:
         g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
     return g
+
+
+def _part_rows(batch: int, data: int, micro: int, by_micro: bool) -> list[list[tuple]]:
+    """rows[r][m]: the batch rows of replica r's micro-batch m, contiguous ranges of sizes
+    differing by at most one. Replica by replica (replica r's micro-batches in turn), or,
+    `by_micro` (synchronised batchnorm), micro-batch by micro-batch: micro-batch m of every
+    replica together is the one device's micro-batch m of `--microbatches M`, rows
+    even_parts(batch, M)[m], whose statistics the replicas' copies then share."""
+    flat = batch_rows(batch, data * micro, "parts (devices x micro-batches)")
+    if not by_micro or micro == 1:
+        return [flat[r * micro:(r + 1) * micro] for r in range(data)]
+    blocks = [[(lo + a, lo + b) for a, b in even_parts(hi - lo, data)]
+              for lo, hi in even_parts(batch, micro)]
+    return [[blocks[m][r] for m in range(micro)] for r in range(data)]
 
 
 def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:

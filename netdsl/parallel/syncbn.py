@@ -25,10 +25,14 @@ from netdsl.ir.rewrite import make_node
 NORMS = ("batchnorm", "batchnorm_relu")  # the ops with running statistics
 
 
-def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: int) -> Graph:
+def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, rows: int,
+                    update: bool = True) -> Graph:
     """Rewrite every training-mode batchnorm whose copies sit on more than one device.
-    The statistics count the whole batch over the single-device node's spatial size (a
-    data split's copies hold all of it; a spatial split's hold strips)."""
+    The copies hold `rows` rows of the batch together (the whole batch, or one
+    micro-batch of every replica), the statistics counting them over the single-device
+    node's spatial size (a data split's copies hold all of it; a spatial split's hold
+    strips). Without `update` the running statistics are left alone (micro-batches after
+    the first, as on one device)."""
     origs = [orig for orig, names in copies.items() if fwd[orig].op in NORMS
              and len({g[x].device for x in names}) > 1]
     groups = [copies[orig] for orig in origs]
@@ -47,8 +51,8 @@ def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: i
         pending.setdefault(k, []).append(n)
         if len(pending[k]) == len(groups[k]) and k not in done:
             done.add(k)
-            count = batch * math.prod(fwd[origs[k]].type.shape[2:])
-            new, ups = _rewrite(g, pending.pop(k), count)
+            count = rows * math.prod(fwd[origs[k]].type.shape[2:])
+            new, ups = _rewrite(g, pending.pop(k), count, update)
             out.extend(new)
             updates.extend(ups)
     g.nodes = out
@@ -56,9 +60,11 @@ def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, batch: i
     return g
 
 
-def _rewrite(g: Graph, bns: list[Node], count: int) -> tuple[list[Node], list[str]]:
+def _rewrite(g: Graph, bns: list[Node], count: int,
+             update: bool) -> tuple[list[Node], list[str]]:
     """The synchronised copies of one batchnorm's per-device copies (node-major order,
-    each collective's members side by side); `count` values per channel in all."""
+    each collective's members side by side); `count` values per channel in all; the
+    running statistics' updates with `update`."""
     first = bns[0]
     c = first.type.shape[1]
     counts = tuple(math.prod(g[n.inputs[0]].type.shape) // c for n in bns)
@@ -97,6 +103,8 @@ def _rewrite(g: Graph, bns: list[Node], count: int) -> tuple[list[Node], list[st
     each("", "sync_batchnorm", [[p[0], s, *a] for p, s, a in zip(parts, stats, affine,
                                                                   strict=True)],
          attrs, final=True, meta={"sync_group": names, "sync_count": count})
+    if not update:
+        return made, []
     ups = each("running_update", "bn_running_update",
                [[p[3], p[4], s] for p, s in zip(parts, stats, strict=True)],
                {"momentum": first.attrs["momentum"], "count": count})

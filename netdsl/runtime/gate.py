@@ -6,7 +6,8 @@ compare the loss, every parameter's gradient and every state value after the ste
 With micro-batches (or `--bn local`) a network with batchnorm normalises each part with
 its own statistics, which is not the single-device step; the reference is then the
 single-device graph run over the same parts (gradient accumulation on one device), and
-the result says so.
+the result says so; data replicas synchronising batchnorm over their micro-batches are
+compared with one device over the same micro-batches.
 
 On a difference, both forward passes are run again keeping every value, and the first
 forward node (in the single-device order) whose parts, put back together, differ from the
@@ -62,7 +63,12 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     the unbound forward graph, `feeds` one batch by input name."""
     per_part_bn = any(n.op == "batchnorm" for n in fwd.nodes) and (
         spec.microbatches > 1 or (spec.bn == "local" and spec.data > 1))
-    if per_part_bn:
+    if per_part_bn and spec.bn == "sync" and spec.data > 1:
+        # micro-batch m of every replica normalises as one device's micro-batch m
+        ref_spec = SplitSpec(microbatches=spec.microbatches)
+        reference = "single-device step over the same micro-batches (batchnorm per " \
+                    "micro-batch)"
+    elif per_part_bn:
         ref_spec = SplitSpec(microbatches=spec.data * spec.microbatches, bn="local")
         reference = "single-device step over the same parts (batchnorm per part)"
     else:

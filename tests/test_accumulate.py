@@ -72,17 +72,20 @@ def test_without_batchnorm_the_step_is_the_whole_batchs(name, spec):
 
 def test_with_batchnorm_each_part_is_the_plain_step_on_its_rows():
     """Against the unsplit step run on each part alone: the gradients are the parts'
-    weighted by their rows, the loss likewise, and the running statistics are the first
-    part's update (the parts after it replay its normalisation without updating them)."""
+    weighted by their rows, the loss likewise, and the running statistics are updated
+    once, from the parts' statistics combined: each plain step's update gives its part's
+    mean and biased variance (momentum 0.1 from 0 and 1), whose combination over the 10
+    rows is the update the accumulating step must make."""
     net = load("digits-cnn.net")
     opt = optimizer(net)
     feeds = batch_of(net, 10)
     acc = split_step(net.graph, 10, SplitSpec(microbatches=2, schedule="1f1b"), opt)
     ex = Executor(acc, "numpy", "f64", 0)
-    out = ex.run(dict(feeds), training=True, roles=("loss", "grads", "updates"), step=0)
+    out = ex.run(dict(feeds), training=True,
+                 roles=("loss", "grads", "updates", "state_updates"), step=0)
     grads = dict(zip([canonical(p.name) for p in acc.params()], out["grads"], strict=True))
-    loss, want = 0.0, {}
-    for k, (lo, hi) in enumerate(((0, 5), (5, 10))):
+    loss, want, parts = 0.0, {}, {}
+    for lo, hi in ((0, 5), (5, 10)):
         plain = split_step(net.graph, hi - lo, SplitSpec(), opt)
         e = Executor(plain, "numpy", "f64", 0)
         o = e.run({x: v[lo:hi] for x, v in feeds.items()}, training=True,
@@ -90,17 +93,26 @@ def test_with_batchnorm_each_part_is_the_plain_step_on_its_rows():
         loss += float(o["loss"][0]) * (hi - lo) / 10
         for p, gv in zip(plain.params(), o["grads"], strict=True):
             want[p.name] = want.get(p.name, 0) + gv * (hi - lo) / 10
-        if k == 0:
-            first = e.state_dict()
+        for name, v in e.state_dict().items():
+            if "running" in name:
+                parts.setdefault(name, []).append((v, (hi - lo) * 64))  # rows x 8 x 8
     assert float(out["loss"][0]) == pytest.approx(loss, rel=1e-12)
     assert grads.keys() == want.keys()
     for x, gv in grads.items():
         np.testing.assert_allclose(gv, want[x], rtol=1e-10, atol=1e-14, err_msg=x)
     state = ex.state_dict()
-    stats = [k for k in state if "running" in k]
-    assert stats
-    for k in stats:
-        np.testing.assert_allclose(state[k], first[k], rtol=1e-12, err_msg=k)
+    layers = {k.rsplit(".", 1)[0] for k in parts}
+    assert len(layers) == 2
+    for layer in layers:
+        (m0, n), (m1, _) = parts[f"{layer}.running_mean"]
+        (v0, _), (v1, _) = parts[f"{layer}.running_var"]
+        means = [m0 / 0.1, m1 / 0.1]
+        biased = [(v - 0.9) / 0.1 * (n - 1) / n for v in (v0, v1)]
+        mean = (means[0] + means[1]) / 2
+        var = sum(b + (a - mean) ** 2 for a, b in zip(means, biased, strict=True)) / 2
+        np.testing.assert_allclose(state[f"{layer}.running_mean"], 0.1 * mean, rtol=1e-10)
+        np.testing.assert_allclose(state[f"{layer}.running_var"],
+                                   0.9 + 0.1 * var * 2 * n / (2 * n - 1), rtol=1e-10)
 
 
 def run(name: str, **kw):

@@ -80,13 +80,14 @@ def test_data_parallel_batchnorm_is_synchronised():
 def test_gate_names_the_first_diverging_node():
     net, opt, feeds = setup("resnet20")
     g = split_step(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=2), opt)
-    victim = next(n for n in g.nodes if n.op == "batchnorm" and n.meta.get("origin")
+    victim = next(n for n in g.nodes if n.op == "sync_batchnorm" and n.meta.get("origin")
                   and "basic_stage[1]" in n.name)
     victim.attrs["eps"] = 0.5  # a wrong copy: the split no longer computes the same step
     r = verify_split(net.graph, BATCH, SplitSpec(pipeline=2, microbatches=2), opt, feeds,
                      split=g)
     assert not r.ok
-    assert r.first_divergence.startswith(f"%{victim.meta['origin']} (batchnorm) at ")
+    origin = victim.meta["origin"]  # (a relu's name: batchnorm + relu were fused)
+    assert r.first_divergence.startswith(f"%{origin} ({net.graph[origin].op}) at ")
     assert "resnet.net" in r.first_divergence
 
 

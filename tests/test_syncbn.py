@@ -191,3 +191,43 @@ def test_auto_considers_synchronised_hybrids_with_micro_batches(net):
     assert any(s.data > 1 and s.pipeline > 1 and s.microbatches > 1 for s in specs)
     (hybrid,) = candidates("hybrid", 4, 16, None, {}, "sync")
     assert hybrid.microbatches > 1
+
+
+@pytest.mark.parametrize("spec", [SplitSpec(microbatches=3),
+                                  SplitSpec(data=2, microbatches=2),
+                                  SplitSpec(pipeline=2, microbatches=3)],
+                         ids=["accumulate3", "data2-m2", "pipeline2-m3"])
+def test_micro_batches_move_the_running_statistics_as_the_whole_batch(net, spec):
+    """Each micro-batch normalises with its own (or its replicas') statistics, but each
+    running statistic is updated once a step, from all of them combined: the mean and
+    unbiased variance of every row its layer saw, as the unsplit step updates them
+    (torchgpipe's deferred batchnorm); every replica's copy alike. The layer's inputs
+    are read back from the step and their moments taken with NumPy."""
+    from netdsl.ir.placement import canonical
+    batch = 10
+    g = split_step(net.graph, batch, spec, OPT)
+    assert len(g.by_op("bn_running_update")) == 4 * spec.data
+    layers: dict[str, list] = {}
+    for n in g.by_op("sync_batchnorm"):
+        layers.setdefault(n.meta["origin"], []).append(n.inputs[0])
+    g.outputs["probe"] = [x for xs in layers.values() for x in xs]
+    ex = Executor(g, "numpy", dtype="f64", seed=0)
+    seen = iter(ex.run(feeds(batch), roles=tuple(g.outputs), step=0)["probe"])
+    checked = 0
+    for origin, xs in layers.items():
+        x = np.concatenate([next(seen) for _ in xs])
+        assert x.shape[0] == batch
+        axes = (0,) + tuple(range(2, x.ndim))
+        count = x.size // x.shape[1]
+        bn = net.graph[origin]  # (a relu's name where batchnorm + relu were fused)
+        bn = bn if bn.op == "batchnorm" else net.graph[bn.inputs[0]]
+        m = bn.attrs["momentum"]
+        want = {"running_mean": m * x.mean(axis=axes),
+                "running_var": 1 - m + m * x.var(axis=axes) * count / (count - 1)}
+        for name, value in ex.state.items():
+            key = canonical(name)
+            if key.startswith(bn.name + ".running_"):
+                np.testing.assert_allclose(value, want[key.split(".")[-1]], rtol=1e-12,
+                                           err_msg=name)
+                checked += 1
+    assert checked == 8 * spec.data

@@ -141,7 +141,7 @@ class Planner:
         self.cand = prep.candidates
         self.cand_set = set(self.cand)
         self.offload_state = offload_state
-        self.fixed = prep.fixed  # communication: never recomputed
+        self.fixed = prep.fixed  # communication and summaries: never recomputed
         self.devices = prep.devices
         self.multi = len(self.devices) > 1  # a split step: the budget is per device
         # per device, what its process holds besides its plan (over MPI:

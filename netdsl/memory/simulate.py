@@ -85,7 +85,8 @@ class Prepared:
     device: list[int] = field(default_factory=list)
     device_state: dict[int, int] = field(default_factory=dict)
     device_workspace: dict[int, int] = field(default_factory=dict)
-    # positions a clone may not copy: communication (the copy would send again)
+    # positions a clone may not copy: communication (the copy would send again) and
+    # summaries (prepare)
     fixed: set[int] = field(default_factory=set)
     devices: list[int] = field(default_factory=lambda: [0])  # the devices, in order
     # an MPI step's sends, held past their readers as MPI holds them (meta "held_to",
@@ -108,7 +109,11 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
     device = [0 if n.device is None else n.device for n in order]
     dev_state: dict[int, int] = {}
     dev_ws: dict[int, int] = {}
-    fixed = {k for k, n in enumerate(order) if n.op in COMM_OPS}
+    # never recomputed: communication (a copy would send or reduce again) and summaries
+    # of a larger input (OpDef.extra["summary"]: a batchnorm's statistics, a few bytes
+    # whose recompute reads the whole input again), which are no candidates either
+    summary = {k for k, n in enumerate(order) if ops[n.op].extra.get("summary")}
+    fixed = summary | {k for k, n in enumerate(order) if n.op in COMM_OPS}
     sizes: dict = {}  # bytes per type: a deep network repeats a few types many times
     for n in order:
         opnames.append(n.op)
@@ -140,7 +145,7 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         if phase[k] == BWD:
             read_bwd.update(ins)
     cands = [k for k in range(len(names)) if phase[k] == FWD and k in read_bwd
-             and k not in wanted and nbytes[k] > 0]
+             and k not in wanted and nbytes[k] > 0 and k not in summary]
     opt_state = [k for k in range(len(names)) if phase[k] == STATE and k in read_bwd
                  and order[k].attrs.get("role") == "optimizer_state"]
     n_all = len(names)

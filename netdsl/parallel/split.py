@@ -35,7 +35,7 @@ from netdsl.parallel.check import check
 from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
-from netdsl.parallel.syncbn import NORMS, sync_batchnorms
+from netdsl.parallel.syncbn import NORMS, defer_running_stats, sync_batchnorms
 from netdsl.passes.device import for_device
 from netdsl.passes.fuse import fuse_grads, fuse_options, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
@@ -130,12 +130,10 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
         return n.name if not p.device else copy_name(n.name, p.device)
 
     g, copies = copy_forward(fwd, parts, batch, state_name, device_of)
-    if synced:
-        # micro-batch m of every replica together (rows by micro-batch: _part_rows), the
-        # first micro-batch's statistics moving the running ones, as one device's parts
-        for m in range(micro):
-            sync_batchnorms(g, {o: names[m::micro] for o, names in copies.items()}, fwd,
-                            rows[-1][m][1] - rows[0][m][0], update=m == 0)
+    if micro > 1 and spec.bn == "sync":
+        _normalise_micro_batches(g, copies, fwd, rows, spec.data, micro)
+    elif synced:
+        sync_batchnorms(g, copies, fwd, batch)
     else:
         running_stats_once(g, copies)
     # the results are made whole on device 0 (rank 0 logs and checkpoints); for a
@@ -148,6 +146,26 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     if stage_of:
         g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
     return g
+
+
+def _normalise_micro_batches(g: Graph, copies: dict[str, list[str]], fwd: Graph,
+                             rows: list[list[tuple]], data: int, micro: int) -> None:
+    """Batchnorm over micro-batches (`--bn sync`): micro-batch m of every replica together
+    (rows by micro-batch: _part_rows) normalises with their joint statistics, a single
+    replica's micro-batch with its own; each replica's running statistics are updated once
+    from all its micro-batches' (defer_running_stats): the unsplit step's update."""
+    done = {}
+    for m in range(micro):
+        if data > 1:
+            group = {o: names[m::micro] for o, names in copies.items()}
+            done |= sync_batchnorms(g, group, fwd, rows[-1][m][1] - rows[0][m][0],
+                                    update=False)
+        else:
+            lo, hi = rows[0][m]
+            done |= sync_batchnorms(g, {o: [names[m]] for o, names in copies.items()}, fwd,
+                                    hi - lo, update=False, alone=True)
+    defer_running_stats(g, [names[r * micro:(r + 1) * micro] for names in copies.values()
+                            for r in range(data)], done)
 
 
 def _part_rows(batch: int, data: int, micro: int, by_micro: bool) -> list[list[tuple]]:

@@ -16,6 +16,7 @@ all_reduce of them, and dx (sync_batchnorm's gradient rule).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
@@ -26,21 +27,24 @@ NORMS = ("batchnorm", "batchnorm_relu")  # the ops with running statistics
 
 
 def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, rows: int,
-                    update: bool = True) -> Graph:
-    """Rewrite every training-mode batchnorm whose copies sit on more than one device.
-    The copies hold `rows` rows of the batch together (the whole batch, or one
-    micro-batch of every replica), the statistics counting them over the single-device
-    node's spatial size (a data split's copies hold all of it; a spatial split's hold
-    strips). Without `update` the running statistics are left alone (micro-batches after
-    the first, as on one device)."""
+                    update: bool = True, alone: bool = False) -> dict[str, Synced]:
+    """Rewrite every training-mode batchnorm whose copies sit on more than one device
+    (with `alone`, every group, even one copy: a micro-batch normalised with its own
+    statistics whose running update is deferred). The copies hold `rows` rows of the
+    batch together (the whole batch, or one micro-batch of every replica), the
+    statistics counting them over the single-device node's spatial size (a data split's
+    copies hold all of it; a spatial split's hold strips). Without `update` the running
+    statistics are left alone (defer_running_stats updates them). Returns what each
+    rewritten copy normalised with."""
     origs = [orig for orig, names in copies.items() if fwd[orig].op in NORMS
-             and len({g[x].device for x in names}) > 1]
+             and (alone or len({g[x].device for x in names}) > 1)]
     groups = [copies[orig] for orig in origs]
     if not groups:
-        return g
+        return {}
     index = {x: k for k, names in enumerate(groups) for x in names}
     out: list[Node] = []
     updates: list[str] = []
+    synced: dict[str, Synced] = {}
     done: set[int] = set()
     pending: dict[int, list[Node]] = {}
     for n in list(g.nodes):
@@ -52,19 +56,62 @@ def sync_batchnorms(g: Graph, copies: dict[str, list[str]], fwd: Graph, rows: in
         if len(pending[k]) == len(groups[k]) and k not in done:
             done.add(k)
             count = rows * math.prod(fwd[origs[k]].type.shape[2:])
-            new, ups = _rewrite(g, pending.pop(k), count, update)
+            new, ups = _rewrite(g, pending.pop(k), count, update, synced)
             out.extend(new)
             updates.extend(ups)
     g.nodes = out
     g.outputs["state_updates"] = g.outputs.get("state_updates", []) + updates
-    return g
+    return synced
 
 
-def _rewrite(g: Graph, bns: list[Node], count: int,
-             update: bool) -> tuple[list[Node], list[str]]:
+@dataclass(frozen=True)
+class Synced:
+    """What a rewritten batchnorm copy normalised with: its statistics value (the mean
+    and biased variance rows), the values a channel they count, its running mean and
+    variance, and its momentum."""
+
+    stats: str
+    count: int
+    running: tuple[str, str]
+    momentum: float
+
+
+def defer_running_stats(g: Graph, owners: list[list[str]], synced: dict[str, Synced]) -> None:
+    """One running-statistics update a step for each list of copies in `owners` (a
+    device's micro-batches of one batchnorm, in order) from their statistics combined:
+    the mean and variance of every row they normalised, as the unsplit step's update
+    (torchgpipe's DeferredBatchNorm), instead of one per micro-batch."""
+    updates = []
+    for names in owners:
+        parts = [synced[x] for x in names if x in synced]
+        if not parts:
+            continue
+        first = g[names[0]]
+        stats = [p.stats for p in parts]
+        if len(stats) > 1:
+            joined = make_node(g, g.fresh_name(f"{first.name}.stats_parts"), "concat", stats,
+                               {"axis": 0}, like=first, meta={"sync_bn": first.name})
+            g.add(joined)
+            whole = make_node(g, g.fresh_name(f"{first.name}.stats_whole"), "bn_combine",
+                              [joined.name], {"counts": tuple(p.count for p in parts)},
+                              like=first, meta={"sync_bn": first.name})
+            g.add(whole)
+            stats = [whole.name]
+        up = make_node(g, g.fresh_name(f"{first.name}.running_update"), "bn_running_update",
+                       [*parts[0].running, stats[0]],
+                       {"momentum": parts[0].momentum, "count": sum(p.count for p in parts)},
+                       like=first, meta={"sync_bn": first.name})
+        g.add(up)
+        updates.append(up.name)
+    g.outputs["state_updates"] = g.outputs.get("state_updates", []) + updates
+
+
+def _rewrite(g: Graph, bns: list[Node], count: int, update: bool,
+             synced: dict[str, Synced]) -> tuple[list[Node], list[str]]:
     """The synchronised copies of one batchnorm's per-device copies (node-major order,
-    each collective's members side by side); `count` values per channel in all; the
-    running statistics' updates with `update`."""
+    each collective's members side by side; one copy alone normalises with its own
+    moments); `count` values per channel in all; the running statistics' updates with
+    `update`. Records each copy's statistics in `synced`."""
     first = bns[0]
     c = first.type.shape[1]
     counts = tuple(math.prod(g[n.inputs[0]].type.shape) // c for n in bns)
@@ -88,14 +135,16 @@ def _rewrite(g: Graph, bns: list[Node], count: int,
         return out
 
     parts = [bn_inputs(n.inputs, n.attrs) for n in bns]  # x, w, b, running mean, var
-    moments = each("moments", "bn_moments", [[p[0]] for p in parts])
-    gathered = [g.fresh_name(f"{n.name}.moments_all") for n in bns]
-    for k, (n, name) in enumerate(zip(bns, gathered, strict=True)):
-        m = make_node(g, name, "all_gather", moments, {"group": devices, "index": k, "axis": 0},
-                      like=n, meta={**n.meta, "members": tuple(gathered), "sync_bn": n.name})
-        g.add(m)
-        made.append(m)
-    stats = each("stats", "bn_combine", [[v] for v in gathered], {"counts": counts})
+    stats = moments = each("moments", "bn_moments", [[p[0]] for p in parts])
+    if len(bns) > 1:
+        gathered = [g.fresh_name(f"{n.name}.moments_all") for n in bns]
+        for k, (n, name) in enumerate(zip(bns, gathered, strict=True)):
+            m = make_node(g, name, "all_gather", moments,
+                          {"group": devices, "index": k, "axis": 0}, like=n,
+                          meta={**n.meta, "members": tuple(gathered), "sync_bn": n.name})
+            g.add(m)
+            made.append(m)
+        stats = each("stats", "bn_combine", [[v] for v in gathered], {"counts": counts})
     attrs = {"eps": first.attrs["eps"], "relu": first.op == "batchnorm_relu"}
     if first.attrs.get("cap") is not None:
         attrs["cap"] = first.attrs["cap"]
@@ -103,9 +152,12 @@ def _rewrite(g: Graph, bns: list[Node], count: int,
     each("", "sync_batchnorm", [[p[0], s, *a] for p, s, a in zip(parts, stats, affine,
                                                                   strict=True)],
          attrs, final=True, meta={"sync_group": names, "sync_count": count})
+    momentum = first.attrs["momentum"]
+    for n, p, st in zip(bns, parts, stats, strict=True):
+        synced[n.name] = Synced(st, count, (p[3], p[4]), momentum)
     if not update:
         return made, []
     ups = each("running_update", "bn_running_update",
                [[p[3], p[4], s] for p, s in zip(parts, stats, strict=True)],
-               {"momentum": first.attrs["momentum"], "count": count})
+               {"momentum": momentum, "count": count})
     return made, ups

@@ -26,8 +26,9 @@ def accumulating_step(forward: Graph, batch: int, cfg: TrainConfig, microbatches
     part's activations are alive at a time (`gpipe`: every forward first; the same numbers
     and no saving). The loss is the rows-weighted sum of the parts' losses, so the
     gradients are the whole batch's, except through batchnorm, which normalises each part
-    with its own statistics (as a pipeline's micro-batches do; the first part's copies
-    update the running statistics). `gather`: outputs made whole (the trainer's logits).
+    with its own statistics (as a pipeline's micro-batches do; the running statistics are
+    updated once, from every part's combined: parallel.syncbn.defer_running_stats).
+    `gather`: outputs made whole (the trainer's logits).
     `device` ("cpu" or "gpu") picks the fusions and marks the kernels' variants, as
     `trainer.training_graph` does."""
     from netdsl.parallel.split import SplitSpec, split_step

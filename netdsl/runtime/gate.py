@@ -63,7 +63,7 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     the unbound forward graph, `feeds` one batch by input name."""
     per_part_bn = any(n.op == "batchnorm" for n in fwd.nodes) and (
         spec.microbatches > 1 or (spec.bn == "local" and spec.data > 1))
-    if per_part_bn and spec.bn == "sync" and spec.data > 1:
+    if per_part_bn and spec.bn == "sync":
         # micro-batch m of every replica normalises as one device's micro-batch m
         ref_spec = SplitSpec(microbatches=spec.microbatches)
         reference = "single-device step over the same micro-batches (batchnorm per " \
@@ -100,7 +100,7 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     result = GateResult(ok, rtol, loss2, loss_rel, grad_rel, state_rel, worst, reference,
                         dict(sorted(e2.comm.sent_bytes.items())), dict(e2.peak_by_device))
     if not ok:
-        result.first_divergence = first_divergence(single, split, feeds, seed)
+        result.first_divergence = first_divergence(single, split, feeds, seed, fwd=fwd)
     return result
 
 
@@ -130,9 +130,11 @@ def _copies(g: Graph) -> dict[str, list]:
 
 
 def first_divergence(single: Graph, split: Graph, feeds: dict, seed: int,
-                     rtol: float = 1e-9) -> str | None:
+                     rtol: float = 1e-9, fwd: Graph | None = None) -> str | None:
     """The first forward node of the single-device graph whose split copies, joined by
-    rows, differ from it: '%name (op) at FILE:LINE:COL: relative difference r'."""
+    rows, differ from it: '%name (op) at FILE:LINE:COL: relative difference r', the op
+    as the user's forward graph `fwd` has it where it has the node (not the rewrite's:
+    a synchronised batchnorm is the file's batchnorm)."""
     want, have = _copies(single), _copies(split)
     origins = [o for o in want if o in have]
 
@@ -167,5 +169,6 @@ def first_divergence(single: Graph, split: Graph, feeds: dict, seed: int,
         if r > rtol:
             n = want[o][0]
             where = f" at {n.loc}" if n.loc else ""
-            return f"%{o} ({n.op}){where}: relative difference {r:.3g}"
+            op = fwd[o].op if fwd is not None and o in fwd else n.op
+            return f"%{o} ({op}){where}: relative difference {r:.3g}"
     return None

@@ -37,6 +37,8 @@ from netdsl.ir.types import TensorType
 
 _INTERNAL = {"internal": True}
 _FUSED = {"internal": True, "fused_kernels": ("batchnorm",)}
+# per-channel statistics: kept by memory plans, never recomputed (netdsl.memory.simulate)
+_SUMMARY = {"summary": True}
 _BN_ARGS = (Arg("eps", "float", 1e-5, range=GT0), Arg("relu", "bool", False),
             Arg("cap", "float", None, range=GT0))
 
@@ -91,12 +93,13 @@ def _per_value(k):
 
 register(OpDef(
     "bn_moments", (Arg("x", "tensor"),), _moments_shape, "norm", flops=_per_value(3),
-    differentiable=False, extra=_FUSED,
+    differentiable=False, extra={**_FUSED, **_SUMMARY},
     doc="rows: the mean and the biased variance of x over every dim but 1 (a synchronised "
         "batchnorm's local statistics)"))
 register(OpDef(
     "bn_combine", (Arg("moments", "tensor"), Arg("counts", "ints")), _combine_shape, "norm",
-    flops=lambda ins, out, a: 8 * ins[0].numel(), differentiable=False, extra=_INTERNAL,
+    flops=lambda ins, out, a: 8 * ins[0].numel(), differentiable=False,
+    extra={**_INTERNAL, **_SUMMARY},
     doc="the mean and biased variance of a whole batch from its parts' (all_gather'ed "
         "bn_moments rows, part k of counts[k] values a channel)"))
 register(OpDef(
@@ -265,8 +268,9 @@ def _group_backward(b, group: tuple[str, ...]) -> dict[str, list]:
         sums.append(b.emit("sync_batchnorm_grad_sums", [gm, *m.inputs], attrs, tag="sums"))
     devices = [m.device for m in nodes]
     b.fwd = nodes[0]
-    totals = b.emit_group("all_reduce", sums, {"group": tuple(devices)},
-                          [b.g.fresh_name(f"{m.name}.grad.sums_all") for m in nodes], devices)
+    totals = sums if len(nodes) == 1 else b.emit_group(  # (a micro-batch alone: its own)
+        "all_reduce", sums, {"group": tuple(devices)},
+        [b.g.fresh_name(f"{m.name}.grad.sums_all") for m in nodes], devices)
     count = nodes[0].meta["sync_count"]
     out = {}
     for m, gm, s, t in zip(nodes, gys, sums, totals, strict=True):

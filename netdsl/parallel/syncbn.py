@@ -11,7 +11,10 @@ normalising pass (the operators are netdsl/ir/ops/norm_sync.py's):
 
 plus a `bn_running_update` of the running statistics (in `outputs["state_updates"]`).
 Autodiff then writes PyTorch's SyncBatchNorm backward: each copy's two sums, one
-all_reduce of them, and dx (sync_batchnorm's gradient rule).
+all_reduce of them, and dx (sync_batchnorm's gradient rule). A micro-batch alone on its
+device is rewritten so too (`alone`: its own moments, no collective), and a device's
+micro-batches update its running statistics once, from their statistics combined
+(`defer_running_stats`).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ all_gather a layer forward and one all_reduce backward; the fused kernels agree 
 NumPy reference and with the single-device batchnorm's kernels bit for bit."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -94,6 +96,11 @@ def test_combined_moments_are_the_whole_batchs():
     whole = np.concatenate(parts)
     np.testing.assert_allclose(got[0], whole.mean(axis=(0, 2)), rtol=1e-14)
     np.testing.assert_allclose(got[1], whole.var(axis=(0, 2)), rtol=1e-10)
+    if importlib.util.find_spec("numba") is not None:  # the fused kernel: the same numbers
+        from netdsl.backends.numpy_fused import FusedKernels
+        fused = np.empty((2, 3))
+        FusedKernels.bn_combine(np.concatenate(rows), np.array([20.0, 4.0, 36.0]), fused)
+        np.testing.assert_allclose(fused, got, rtol=1e-14)
 
 
 def test_fused_kernels_are_batchnorms_own_bit_for_bit():

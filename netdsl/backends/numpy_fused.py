@@ -48,6 +48,7 @@ from netdsl.backends.numpy_fused_attention import (
 from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
 from netdsl.backends.numpy_fused_loss import sce_forward, sce_grad
 from netdsl.backends.numpy_fused_norm import (
+    bn_combine,
     bn_forward,
     bn_grad_input,
     bn_grad_stats,
@@ -130,6 +131,7 @@ class FusedKernels:
     bn_moments = staticmethod(bn_moments)  # a synchronised batchnorm's (ir/ops/norm_sync.py)
     bn_normalise = staticmethod(bn_normalise)
     bn_grad_sums = staticmethod(bn_grad_sums)
+    bn_combine = staticmethod(bn_combine)
     ln_forward = staticmethod(ln_forward)
     ln_grad_input = staticmethod(ln_grad_input)
     ln_grad_weight = staticmethod(ln_grad_weight)
@@ -344,6 +346,7 @@ def _warm_batchnorm(f: FusedKernels, dt) -> None:
     bn_normalise(x, moments, w, w, 1e-5, True, np.inf, y, 1)
     bn_grad_sums(x, x, moments, w, w, 1e-5, True, np.inf, st[:2].copy(), 1)
     bn_grad_input(x, x, st, w, w, True, np.inf, x, True, y, 1, 4)
+    bn_combine(st, np.ones(2), st[:2].copy())
 
 
 def _warm_layernorm(f: FusedKernels, dt) -> None:

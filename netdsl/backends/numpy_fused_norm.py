@@ -310,6 +310,28 @@ def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks, co
                     dx3[i, c, j] = (d * k_dev + k_sum + g) * scale
 
 
+@numba.njit(**_JIT)
+def bn_combine(parts, counts, out):
+    """The mean and biased variance (out's rows) of a batch whose parts' moments are
+    parts' row pairs (mean, biased variance; part k counts[k] values a channel): Chan's
+    combination in float64, as ir.ops.norm_sync's NumPy kernel (a synchronised
+    batchnorm's: one call instead of a dozen ufuncs on a few hundred numbers)."""
+    total = 0.0
+    for k in range(counts.shape[0]):
+        total += counts[k]
+    for c in range(parts.shape[1]):
+        s = 0.0
+        for k in range(counts.shape[0]):
+            s += counts[k] * np.float64(parts[2 * k, c])
+        mean = s / total
+        v = 0.0
+        for k in range(counts.shape[0]):
+            d = np.float64(parts[2 * k, c]) - mean
+            v += counts[k] * (np.float64(parts[2 * k + 1, c]) + d * d)
+        out[0, c] = mean
+        out[1, c] = v / total
+
+
 # -- layernorm over rows -----------------------------------------------------------------------
 # x2 is (R, D): R rows each normalised over its D elements. The statistics are summed as
 # batchnorm's, over data shifted by the row's first element (as batchnorm's, above), rows in

@@ -35,7 +35,6 @@ from netdsl.ir.ops.norm import (
 from netdsl.ir.registry import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
-_INTERNAL = {"internal": True}
 _FUSED = {"internal": True, "fused_kernels": ("batchnorm",)}
 # per-channel statistics: kept by memory plans, never recomputed (netdsl.memory.simulate)
 _SUMMARY = {"summary": True}
@@ -99,7 +98,7 @@ register(OpDef(
 register(OpDef(
     "bn_combine", (Arg("moments", "tensor"), Arg("counts", "ints")), _combine_shape, "norm",
     flops=lambda ins, out, a: 8 * ins[0].numel(), differentiable=False,
-    extra={**_INTERNAL, **_SUMMARY},
+    extra={**_FUSED, **_SUMMARY},
     doc="the mean and biased variance of a whole batch from its parts' (all_gather'ed "
         "bn_moments rows, part k of counts[k] values a channel)"))
 register(OpDef(
@@ -172,6 +171,11 @@ def _bn_moments(xp, ins, a, ctx):
 
 @kernel("bn_combine")
 def _bn_combine(xp, ins, a, ctx):
+    f = fused_kernels(ctx, ins[0])
+    if f is not None:
+        out = xp.empty((2, ins[0].shape[1]), ins[0].dtype)
+        f.bn_combine(ins[0], xp.asarray(a["counts"], dtype=xp.float64), out)
+        return out
     parts = ins[0].astype(xp.float64).reshape(len(a["counts"]), 2, -1)
     n = xp.asarray(a["counts"], dtype=xp.float64)[:, None]
     total = float(sum(a["counts"]))

@@ -290,3 +290,19 @@ def test_clip_grad_norm_without_parameters_is_a_step_with_nothing_to_update():
                        " loss mse(x, y) }", "f.net")
     t = add_optimizer(autodiff(net.graph.bind(2)), "sgd", clip_grad_norm=1.0).verify()
     assert t.outputs["updates"] == [] and not t.by_op("grad_sumsq")
+
+
+def test_grad_sumsq_reads_strided_gradients_in_place():
+    """The clipping norm's sum of squares over contiguous and strided gradients (a
+    transposed view) is NumPy's, and a strided one is not copied to be flattened."""
+    import tracemalloc
+    kernel = registry.get("grad_sumsq").kernel
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((300, 200)), rng.standard_normal((400, 300)).T
+    assert not b.flags.c_contiguous
+    tracemalloc.start()
+    got = kernel(np, [a, b], {}, None)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert float(got) == pytest.approx(float((a * a).sum() + (b * b).sum()), rel=1e-12)
+    assert peak < b.nbytes // 4  # (flattening the view copied all 960 kB of it)

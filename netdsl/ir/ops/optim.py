@@ -316,8 +316,12 @@ def _adam_group(xp, ins, a, ctx):
 def _grad_sumsq(xp, ins, a, ctx):
     total = None
     for g in ins:  # each a dot product of its flat view: no temporary the gradient's size
-        flat = g.reshape(-1)
-        s = xp.dot(flat, flat)
+        if g.flags.c_contiguous:
+            flat = g.reshape(-1)
+            s = xp.dot(flat, flat)
+        else:  # (a strided view, which reshape would copy: einsum reads it in place)
+            idx = "abcdefghijklmnop"[:g.ndim]
+            s = xp.einsum(f"{idx},{idx}->", g, g)
         total = s if total is None else total + s
     return xp.asarray(total, dtype=ins[0].dtype)
 

@@ -7,6 +7,10 @@ they are internal, not callable from the language). Per copy, with the data's dt
     y = sync_batchnorm(x, s, weight, bias)    (x - mean) * w / sqrt(var + eps) + b (+ relu)
     bn_running_update(running_mean, running_var, s)
 
+A micro-batch alone on its device normalises with its own moments (s = m, no collective),
+and a device's micro-batches update its running statistics once a step, from all their
+statistics combined (netdsl/parallel/syncbn.defer_running_stats).
+
 The combination is Chan et al.'s (the mean of the means, and of the variances plus each
 copy's squared distance to the mean, weighted by the counts, in float64): exact, and the
 same bits on every device. `sync_batchnorm`'s gradient rule writes the backward of every
@@ -92,6 +96,7 @@ def _per_value(k):
 
 register(OpDef(
     "bn_moments", (Arg("x", "tensor"),), _moments_shape, "norm", flops=_per_value(3),
+    workspace=_per_value(4),  # (the NumPy kernel's deviations; rules count float32)
     differentiable=False, extra={**_FUSED, **_SUMMARY},
     doc="rows: the mean and the biased variance of x over every dim but 1 (a synchronised "
         "batchnorm's local statistics)"))

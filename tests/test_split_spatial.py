@@ -57,9 +57,11 @@ def test_every_window_shape_is_cut_right(ways):
     assert r.ok, (r.worst, r.grad_rel, r.first_divergence)
     assert max(r.loss_rel, r.grad_rel, r.state_rel) <= 1e-9
     g = split_step(net.graph, 4, SplitSpec(spatial=ways), opt)
-    assert g.meta["spatial_layers"] == [
-        "conv2d", "batchnorm", "relu", "maxpool", "conv2d_1", "conv2d_2", "prelu", "concat",
+    assert g.meta["spatial_layers"] == [  # (batchnorm + relu fused: the relu's name)
+        "conv2d", "relu", "maxpool", "conv2d_1", "conv2d_2", "prelu", "concat",
         "avgpool", "conv2d_3", "sigmoid", "conv_transpose2d", "conv_transpose2d_1"]
+    fused = g["relu@s0@d0"]
+    assert fused.op == "sync_batchnorm" and fused.attrs["relu"]
     # the stem's strips: 19 output rows cut evenly, each reading its 7x7 windows' rows
     stem = [g[f"conv2d@s{d}@d{d}"] for d in range(ways)]
     assert sum(n.type.shape[2] for n in stem) == 19

@@ -16,9 +16,9 @@ output of height H on device d of S. How a strip is made depends on the node:
   convolution's padding becomes per-strip top/bottom padding; pooling pads explicitly,
   with -inf for max pooling; a transposed convolution runs unpadded on its input rows
   and its strip is cropped out);
-- **batchnorm** normalises with the statistics of the whole batch and image: its strips
-  are synchronised exactly as data parallelism's replicas are (`syncbn`), with per-channel
-  sums all-reduced over the devices.
+- **batchnorm** (and batchnorm + relu, fused) normalises with the statistics of the
+  whole batch and image: its strips are synchronised exactly as data parallelism's
+  replicas are (`syncbn`: each strip's moments all-gathered and combined).
 
 A trunk starts at a window node (an attention score tensor is 4-d too, but not an image).
 The first node that is none of these (global pooling, flatten, a linear head, the loss),
@@ -42,6 +42,7 @@ from netdsl.ir.ops.pool import spatial as pool_dims
 from netdsl.ir.placement import copy_name, even_parts
 from netdsl.ir.rewrite import make_node
 from netdsl.parallel.replicate import batch_dependent, batch_rows
+from netdsl.parallel.syncbn import NORMS
 
 H = 2  # the height axis of NCHW
 WINDOW = ("conv2d", "maxpool", "avgpool", "conv_transpose2d")
@@ -166,7 +167,7 @@ class _Spatial:
         ins = n.inputs[:op.n_tensor_inputs(len(n.inputs))]
         if not any(i in self.strips for i in ins):
             return False  # only a window starts a trunk: the values below are images
-        if n.op == "batchnorm":
+        if n.op in NORMS:  # (batchnorm, or batchnorm + relu: synchronised over strips)
             return True
         if n.op == "concat":
             return n.attrs["axis"] in (1, -3)

@@ -300,11 +300,14 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
 
 def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:
     """The `fuse` pass's options for the forward graph of a split, those of a single
-    device's step (`fuse_options`), or None: fusion off, or a tensor or spatial split,
-    which rewrite the products and windows themselves."""
+    device's step (`fuse_options`), or None: fusion off, or a tensor split, which rewrites
+    the products itself. A spatial split, which cuts the windows, takes the activation
+    fusions (batchnorm + relu, add + relu: row by row) and not the products'."""
     options = fuse_options(device)
-    if spec.tensor > 1 or spec.spatial > 1 or not options["enabled"]:
+    if spec.tensor > 1 or not options["enabled"]:
         return None
+    if spec.spatial > 1:
+        return {**options, "residuals": False, "attention": False}
     return options
 
 

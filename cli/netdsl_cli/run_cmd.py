@@ -204,7 +204,8 @@ def _run(
     microbatches: Annotated[int | None, typer.Option(
         "--microbatches", min=1, help="micro-batches per step: a pipeline's, or the parts "
         "of the batch each device accumulates gradients over, one after the other (on one "
-        "device: less memory, the same gradients but through batchnorm)")]
+        "device: less memory, the same gradients but through batchnorm, which normalises "
+        "each part alone and moves its running statistics once, from every part's)")]
     = None,
     schedule: Annotated[str | None, typer.Option(
         "--schedule", help="the micro-batches' order: gpipe or 1f1b (default: 1f1b where "

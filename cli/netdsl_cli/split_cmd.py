@@ -39,7 +39,8 @@ def split(
         "declaration when it has one for these devices, else auto)")] = None,
     batch: BatchOpt = None,
     microbatches: Annotated[int | None, typer.Option(
-        "--microbatches", "-m", min=1, help="micro-batches per step (pipelines)")] = None,
+        "--microbatches", "-m", min=1, help="micro-batches per step (pipelines, or each "
+        "data replica's accumulation)")] = None,
     mem: Annotated[str | None, typer.Option(help="memory per device (12GB): a split that "
                                             "does not fit is planned per device, "
                                             "recomputing or offloading to the device's "

@@ -191,3 +191,22 @@ def test_a_split_run_says_it_is_choosing_then_building():
         cwd=ROOT, env={**os.environ, "NETDSL_FUSED_KERNELS": "0"}).stdout)
     assert seen[:2] == ["choosing how to split the step over 2 devices",
                         f"building the training step ({split})"], seen
+
+
+def test_a_declared_split_run_on_one_device_says_so(tmp_path):
+    """A file whose `parallel { }` splits the step over devices, run without --devices,
+    trains on one device and says which options its split needs (in --json too); with
+    them it says nothing."""
+    src = (ROOT / "examples" / "digits-cnn.net").read_text().replace(
+        "network digits_cnn {", "network digits_cnn {\n    parallel { data = 2 }")
+    net = tmp_path / "dp.net"
+    net.write_text(src)
+    one = run("run", net, "--steps", "1", "--eval-samples", "0", "--json")
+    assert one.returncode == 0, one.stderr
+    out = json.loads(one.stdout)
+    assert out["split"] is None
+    assert any("takes --devices 2" in w for w in out["warnings"]), out["warnings"]
+    two = run("run", net, "--steps", "1", "--eval-samples", "0", "--devices", "2", "--json")
+    assert two.returncode == 0, two.stderr
+    out = json.loads(two.stdout)
+    assert out["split"] == "data=2" and not any("--devices" in w for w in out["warnings"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from netdsl.config import TrainConfig
+from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import CheckpointError, NetdslError
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.serialize import fingerprint
@@ -169,6 +169,12 @@ class Trainer:
             opts.devices = size
             comm = MPIComm(backend)
         micro, order = accumulation(forward, opts.microbatches, opts.schedule, opts.devices)
+        declared = ParallelConfig(**dict(forward.parallel)).devices
+        if opts.devices == 1 and declared > 1:  # (the declared split needs its devices)
+            self.warnings.append(
+                f"the file's parallel {{ }} splits the step over {declared} devices, which "
+                f"takes --devices {declared} (or mpiexec -n {declared} ... --distributed); "
+                "this run is on one device")
         if opts.devices > 1:
             self.train_graph, self.split = self._split_step(backend)
         elif micro > 1:

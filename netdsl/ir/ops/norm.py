@@ -219,6 +219,12 @@ def _view3(x):
     return x.reshape(x.shape[0], x.shape[1], -1)
 
 
+def affine_inputs(ins, at):
+    """The weight and bias among a node's inputs from index `at` on (None, None where
+    they are absent: no affine)."""
+    return (list(ins[at:at + 2]) + [None, None])[:2]
+
+
 def _affine_or_unit(xp, w, b, c, dtype):
     return (xp.ones(c, dtype) if w is None else w), (xp.zeros(c, dtype) if b is None else b)
 
@@ -282,12 +288,18 @@ def bn_forward(xp, ins, a, ctx, relu):
         if f is not None and hasattr(f, "bn_running") and f.accepts(rm, rv):
             f.bn_running(rm, rv, moments, m, count)  # one launch on a GPU
             return y.reshape(x.shape)
-        # running statistics in place (PyTorch: unbiased variance in the running var)
-        rm *= 1.0 - m
-        rm += (m * mean).astype(rm.dtype, copy=False)
-        rv *= 1.0 - m
-        rv += ((m * count / max(count - 1, 1)) * var).astype(rv.dtype, copy=False)
+        update_running(rm, rv, mean, var, m, count)
     return y.reshape(x.shape)
+
+
+def update_running(rm, rv, mean, var, momentum, count):
+    """The running statistics in place from a batch's mean and biased variance over
+    `count` values a channel (PyTorch's rule: the unbiased variance in the running var)."""
+    rm *= 1.0 - momentum
+    rm += (momentum * mean).astype(rm.dtype, copy=False)
+    rv *= 1.0 - momentum
+    rv += ((momentum * count / max(count - 1, 1)) * var).astype(rv.dtype, copy=False)
+    return rm
 
 
 @kernel("batchnorm")
@@ -324,7 +336,7 @@ def _masked(xp, dy3, d, inv, w, b, cap):
 @kernel("batchnorm_grad_stats")
 def _bn_grad_stats(xp, ins, a, ctx):
     dy, x = ins[0], ins[1]
-    w, b = (list(ins[2:4]) + [None, None])[:2]
+    w, b = affine_inputs(ins, 2)
     dy3, x3 = _view3(dy), _view3(x)
     out = xp.empty((len(STAT_ROWS), x3.shape[1]), dtype=dy3.dtype)
     f = fused_kernels(ctx, dy, x, cuda=True)
@@ -353,7 +365,7 @@ def grad_sums(xp, dy3, d, inv, w, b, relu, cap, out):
 @kernel("batchnorm_grad_from_stats")
 def _bn_grad_from_stats(xp, ins, a, ctx):
     acc = ins[5] if len(ins) > 5 else None
-    w, b = (list(ins[3:5]) + [None, None])[:2]
+    w, b = affine_inputs(ins, 3)
     return grad_from_stats(xp, ctx, ins[0], ins[1], ins[2], w, b, acc, a["relu"],
                            a.get("cap"))
 

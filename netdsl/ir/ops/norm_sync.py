@@ -33,8 +33,10 @@ from netdsl.ir.ops.norm import (
     _stats_workspace,
     _view3,
     affine_in_place,
+    affine_inputs,
     grad_from_stats,
     grad_sums,
+    update_running,
 )
 from netdsl.ir.registry import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
@@ -152,12 +154,10 @@ def _moments64(xp, stats):
 
 
 def _inv(xp, stats, eps):
-    return 1.0 / xp.sqrt(stats[1] + eps)
-
-
-def _affine(ins, at):
-    """The weight and bias inputs from index `at` on (None, None without affine)."""
-    return (list(ins[at:at + 2]) + [None, None])[:2]
+    """1/sqrt(var + eps) per channel, computed in float64 and rounded to the data's dtype
+    as the fused kernels compute it: every kernel of a layer, forward and backward,
+    recomputes the relu mask from the same scale."""
+    return (1.0 / xp.sqrt(_moments64(xp, stats)[1] + eps)).astype(stats.dtype)
 
 
 @kernel("bn_moments")
@@ -192,7 +192,7 @@ def _bn_combine(xp, ins, a, ctx):
 @kernel("sync_batchnorm")
 def _sync_batchnorm(xp, ins, a, ctx):
     x, stats = ins[0], ins[1]
-    w, b = _affine(ins, 2)
+    w, b = affine_inputs(ins, 2)
     x3, relu, cap = _view3(x), a["relu"], a.get("cap")
     if not ctx.training:
         raise NetdslError(f"sync_batchnorm (node %{ctx.node.name}) runs in training only: "
@@ -211,7 +211,7 @@ def _sync_batchnorm(xp, ins, a, ctx):
 @kernel("sync_batchnorm_grad_sums")
 def _sync_bn_grad_sums(xp, ins, a, ctx):
     dy, x, stats = ins[0], ins[1], ins[2]
-    w, b = _affine(ins, 3)
+    w, b = affine_inputs(ins, 3)
     dy3, x3 = _view3(dy), _view3(x)
     out = xp.empty((2, x3.shape[1]), dtype=dy.dtype)
     f = fused_kernels(ctx, dy, x)
@@ -228,11 +228,10 @@ def _sync_bn_grad_sums(xp, ins, a, ctx):
 @kernel("sync_batchnorm_grad_input")
 def _sync_bn_grad_input(xp, ins, a, ctx):
     dy, x, stats, total = ins[:4]
-    w, b = _affine(ins, 4)
+    w, b = affine_inputs(ins, 4)
     acc = ins[6] if len(ins) > 6 else None
-    # STAT_ROWS' rows: the totals, the mean and 1/std (as the fused kernels compute it)
-    inv = 1.0 / xp.sqrt(_moments64(xp, stats)[1] + a["eps"])
-    st = xp.concatenate([total, stats[:1], inv[None].astype(total.dtype)])
+    # STAT_ROWS' rows: the totals, the mean and 1/std
+    st = xp.concatenate([total, stats[:1], _inv(xp, stats, a["eps"])[None]])
     return grad_from_stats(xp, ctx, dy, x, st, w, b, acc, a["relu"], a.get("cap"),
                            a["count"])
 
@@ -240,12 +239,7 @@ def _sync_bn_grad_input(xp, ins, a, ctx):
 @kernel("bn_running_update")
 def _bn_running_update(xp, ins, a, ctx):
     rm, rv, stats = ins
-    m, count = a["momentum"], a["count"]
-    rm *= 1.0 - m
-    rm += (m * stats[0]).astype(rm.dtype, copy=False)
-    rv *= 1.0 - m
-    rv += ((m * count / max(count - 1, 1)) * stats[1]).astype(rv.dtype, copy=False)
-    return rm
+    return update_running(rm, rv, stats[0], stats[1], a["momentum"], a["count"])
 
 
 # -- the backward of every copy at once ----------------------------------------------------------
@@ -273,8 +267,8 @@ def _group_backward(b, group: tuple[str, ...]) -> dict[str, list]:
             gm = b.emit("fill", [], {"shape": m.type.shape, "value": 0.0,
                                      "dtype": m.type.dtype}, tag="zero")
         gys.append(gm)
-        attrs = {k: m.attrs[k] for k in ("eps", "relu", "cap") if k in m.attrs}
-        sums.append(b.emit("sync_batchnorm_grad_sums", [gm, *m.inputs], attrs, tag="sums"))
+        sums.append(b.emit("sync_batchnorm_grad_sums", [gm, *m.inputs], _bn_attrs(m),
+                           tag="sums"))
     devices = [m.device for m in nodes]
     b.fwd = nodes[0]
     totals = sums if len(nodes) == 1 else b.emit_group(  # (a micro-batch alone: its own)
@@ -284,10 +278,9 @@ def _group_backward(b, group: tuple[str, ...]) -> dict[str, list]:
     out = {}
     for m, gm, s, t in zip(nodes, gys, sums, totals, strict=True):
         b.fwd = m
-        attrs = {**{k: m.attrs[k] for k in ("eps", "relu", "cap") if k in m.attrs},
-                 "count": count}
         x, stats, *affine = m.inputs
-        dx = b.emit("sync_batchnorm_grad_input", [gm, x, stats, t, *affine], attrs, tag="x")
+        dx = b.emit("sync_batchnorm_grad_input", [gm, x, stats, t, *affine],
+                    {**_bn_attrs(m), "count": count}, tag="x")
         grads = [dx, None]
         if affine:
             grads += [b.emit("batchnorm_grad_affine", [s], {"row": 0}, tag="weight"),
@@ -295,3 +288,8 @@ def _group_backward(b, group: tuple[str, ...]) -> dict[str, list]:
         out[m.name] = grads
     b.fwd = prev
     return out
+
+
+def _bn_attrs(n) -> dict:
+    """The normalisation's attributes a backward node of `n` takes (eps, relu, cap)."""
+    return {k: n.attrs[k] for k in ("eps", "relu", "cap") if k in n.attrs}

@@ -87,6 +87,11 @@ def test_every_launch_passes_what_its_signature_declares(dtype):
     k.bn_running(rm, rv, moments, 0.1, n * p)
     k.bn_grad_stats(dy, x, w, b, 1e-5, True, float("inf"), st)
     k.bn_grad_input(dy, x, st, w, b, False, float("inf"), y, False, y)
+    k.bn_moments(x, moments)
+    k.bn_normalise(x, moments, w, b, 1e-5, True, 6.0, y)
+    k.bn_grad_sums(dy, x, moments, w, b, 1e-5, False, float("inf"), st[:2])
+    k.bn_combine(dev((4, c), dtype), np.array([7.0, 3.0]), st[:2])
+    k.bn_grad_input(dy, x, st, w, b, True, 6.0, dy, True, y, 0, 40)
     pv, gv, bufv = dev((7,), dtype), dev((7,), dtype), dev((7,), dtype)
     lr = dev((), dtype)
     k.sgd_update(pv, gv, bufv, lr, 0.9, 1e-4, False)
@@ -97,13 +102,17 @@ def test_every_launch_passes_what_its_signature_declares(dtype):
     k.sgd_update_many(group[0], group[1], group[0], lr, 0.0, 0.0, False)
     k.adam_update_many_device(*group, lr, dev((), np.int64), 0.9, 0.999, 1e-8, 0.01, True)
     assert [name for name, *_ in cp.launches] == [
-        "bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input", "sgd_update",
+        "bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input", "bn_moments",
+        "bn_normalise", "bn_grad_sums", "bn_combine", "bn_grad_input", "sgd_update",
         "adam_update", "sgd_update_many", "sgd_update_many", "adam_update_many"]
     for name, code, grid, block, args in cp.launches:
         check_args(name, code, args)
         assert block == (256,) and all(g >= 1 for g in grid)
     by_name = {name: grid for name, _, grid, _, _ in cp.launches}
-    assert by_name["bn_forward"] == by_name["bn_grad_stats"] == (c,)  # a block a channel
+    for name in ("bn_forward", "bn_grad_stats", "bn_moments", "bn_normalise", "bn_grad_sums"):
+        assert by_name[name] == (c,), name  # a block a channel
+    counts = [args[-1] for name, _, _, _, args in cp.launches if name == "bn_grad_input"]
+    assert counts == [n * p, 40.0]  # x's own count, or the one given
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
@@ -118,34 +127,66 @@ def test_the_source_compiles_for_hopper(ctype, tmp_path):
     assert set(entries) == set(SIGNATURES)
 
 
-# -- the grouped updates' kernels, run on the CPU ----------------------------------------------
-# The update kernels use no shared memory and no barriers, so a C++ compiler can run them
-# as written: one call per (block, thread), in turn. That checks the grouped kernels'
-# indexing (the table, the bisection, the grid-stride walk across tensors) against the
-# single-tensor kernels without a GPU; tests/test_gpu.py checks the numbers on one.
+# -- the kernels, run on the CPU ---------------------------------------------------------------
+# A C++ compiler runs the CUDA source as written: a launch runs its blocks in turn, each
+# block's threads as BLOCK std::threads, __syncthreads() a barrier among them and
+# __shared__ memory a static (one block at a time uses it). That checks every kernel's
+# indexing and arithmetic (the block reductions, the grouped updates' table and walk)
+# against the Numba and NumPy kernels without a GPU; tests/test_gpu.py checks them on one.
 _SHIM = r"""
+#include <barrier>
 #include <cmath>
+#include <thread>
+#include <vector>
 using std::pow;
 using std::sqrt;
 struct Dim3 { unsigned int x, y, z; };
-static Dim3 threadIdx, blockIdx, blockDim, gridDim;
+static thread_local Dim3 threadIdx;
+static Dim3 blockIdx, blockDim, gridDim;
+static std::barrier<>* block_barrier;
 #define __global__
 #define __device__
 #define __shared__ static
-#define __syncthreads() do {} while (0)
+#define __syncthreads() block_barrier->arrive_and_wait()
 """
 
 _LAUNCH = r"""
 #define LAUNCH(name, params, args)                                                       \
-    extern "C" void run_##name(int grid, int block, params) {                             \
-        gridDim.x = grid; blockDim.x = block;                                             \
-        for (int b = 0; b < grid; b++)                                                    \
-            for (int t = 0; t < block; t++) {                                             \
-                blockIdx.x = b; threadIdx.x = t;                                          \
-                name args;                                                                \
-            }                                                                             \
+    extern "C" void run_##name(int grid_, int block_, params) {                           \
+        gridDim.x = grid_; blockDim.x = block_;                                           \
+        std::barrier<> bar_(block_);                                                      \
+        block_barrier = &bar_;                                                            \
+        for (int b_ = 0; b_ < grid_; b_++) {                                              \
+            blockIdx.x = b_;                                                              \
+            std::vector<std::thread> threads_;                                            \
+            for (int t_ = 0; t_ < block_; t_++)                                           \
+                threads_.emplace_back([=] { threadIdx.x = t_; name args; });              \
+            for (auto& th_ : threads_) th_.join();                                        \
+        }                                                                                 \
     }
 #define P(...) __VA_ARGS__
+#define RELU int relu, int capped, double cap
+LAUNCH(bn_forward, P(const T* x, const T* w, const T* b, T* y, double* mom, int n, int c,
+                     int p, double eps, RELU),
+       (x, w, b, y, mom, n, c, p, eps, relu, capped, cap))
+LAUNCH(bn_moments, P(const T* x, double* mom, int n, int c, int p), (x, mom, n, c, p))
+LAUNCH(bn_normalise, P(const T* x, const double* mom, const T* w, const T* b, T* y, int n,
+                       int c, int p, double eps, RELU),
+       (x, mom, w, b, y, n, c, p, eps, relu, capped, cap))
+LAUNCH(bn_grad_sums, P(const T* dy, const T* x, const double* mom, const T* w, const T* b,
+                       T* out, int n, int c, int p, double eps, RELU),
+       (dy, x, mom, w, b, out, n, c, p, eps, relu, capped, cap))
+LAUNCH(bn_combine, P(const T* parts, const double* counts, T* out, int k, int c),
+       (parts, counts, out, k, c))
+LAUNCH(bn_running, P(T* rm, T* rv, const double* mom, int c, double momentum,
+                     double unbias), (rm, rv, mom, c, momentum, unbias))
+LAUNCH(bn_grad_stats, P(const T* dy, const T* x, const T* w, const T* b, T* out, int n,
+                        int c, int p, double eps, RELU),
+       (dy, x, w, b, out, n, c, p, eps, relu, capped, cap))
+LAUNCH(bn_grad_input, P(const T* dy, const T* x, const T* st, const T* w, const T* b,
+                        const T* acc, T* dx, int n, int c, int p, RELU, int accumulate,
+                        double count),
+       (dy, x, st, w, b, acc, dx, n, c, p, relu, capped, cap, accumulate, count))
 LAUNCH(sgd_update, P(T* p, const T* g, T* buf, const T* lr, long long size, T momentum,
                      T wd, int nesterov), (p, g, buf, lr, size, momentum, wd, nesterov))
 LAUNCH(sgd_update_many, P(const long long* table, int count, int arrays, const T* lr,
@@ -162,7 +203,7 @@ LAUNCH(adam_update_many, P(const long long* table, int count, const T* lr,
 
 @pytest.fixture(scope="module")
 def cpu_kernels(tmp_path_factory):
-    """The CUDA source's update kernels compiled for the CPU, float and double."""
+    """The CUDA source's kernels compiled for the CPU, float and double."""
     import ctypes
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -173,7 +214,8 @@ def cpu_kernels(tmp_path_factory):
         src = d / "k.cpp"
         src.write_text(_SHIM + _SOURCE.replace("TYPE", ctype, 1) + _LAUNCH)
         # no contraction into FMAs: the same roundings as the element-wise NumPy code
-        r = subprocess.run([cxx, "-O1", "-ffp-contract=off", "-shared", "-fPIC", str(src),
+        r = subprocess.run([cxx, "-std=c++20", "-pthread", "-O1", "-ffp-contract=off",
+                            "-shared", "-fPIC", str(src),
                             "-o", str(d / "k.so")], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         libs[np.dtype(dt)] = ctypes.CDLL(str(d / "k.so"))
@@ -217,6 +259,8 @@ def _c_args(grid, block, args, dtype):
             out.append(ctypes.c_int(int(a)))
         elif isinstance(a, np.int64):
             out.append(ctypes.c_longlong(int(a)))
+        elif isinstance(a, np.float64):  # a `double` (or a T of a double kernel)
+            out.append(ctypes.c_double(float(a)))
         else:
             assert type(a) is dtype.type, type(a)
             out.append(real(float(a)))
@@ -294,3 +338,109 @@ def test_a_groups_table_is_uploaded_once_for_the_same_arrays():
     assert table.tolist() == [p.data.ptr for p in ps] + [g.data.ptr for g in gs] + [3, 8]
     k.sgd_update_many(ps, [dev((3,)), dev((5,))], ps, lr, 0.0, 0.0, False)  # new gradients
     assert cp.uploads == 2
+
+
+def test_bn_combine_uploads_each_counts_once():
+    cp = FakeCupy()
+    k = CudaKernels(cp)
+    parts, out = dev((4, 3)), dev((2, 3))
+    for _ in range(3):
+        k.bn_combine(parts, np.array([8.0, 8.0]), out)
+    assert cp.uploads == 1 and len(cp.launches) == 3
+    assert cp.launches[0][4][1].tolist() == [8.0, 8.0]
+    k.bn_combine(parts, np.array([5.0, 3.0]), out)  # another split's parts
+    assert cp.uploads == 2
+
+
+# -- the batchnorm kernels, run on the CPU, against the Numba loops --------------------------------
+# Both define the same arithmetic (the module docstrings): the CUDA kernels sum in float64
+# in two passes, the Numba loops in the data's dtype by blocks over data shifted by a
+# sample, so float64 agrees to rounding and float32 to float32's.
+def _bn_case(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    x = (rng.standard_normal(shape) * 1.5 + rng.standard_normal((1, c, 1)) * 3).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    w = (1 + 0.5 * rng.standard_normal(c)).astype(dtype)
+    b = (0.3 * rng.standard_normal(c)).astype(dtype)
+    return x, dy, w, b
+
+
+def _on_device(*arrays):
+    return [np.ascontiguousarray(a).view(FakeArray) for a in arrays]
+
+
+def _close(got, want, dtype, what):
+    want = np.asarray(want)
+    tol = 2e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(np.asarray(got), want, rtol=tol,
+                               atol=tol * max(float(np.abs(want).max()), 1.0), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("relu,cap", [(False, np.inf), (True, np.inf), (True, 1.0)])
+# a channel of fewer values than a block's threads, and of more (strided loops)
+@pytest.mark.parametrize("shape", [(3, 4, 9), (5, 3, 70)])
+def test_cuda_batchnorm_kernels_are_the_numba_ones(cpu_kernels, dtype, relu, cap, shape):
+    from netdsl.backends import numpy_fused_norm as nb
+    cuda = CudaKernels(CpuLaunches(cpu_kernels))
+    x, dy, w, b = _bn_case(dtype, shape)
+    acc = np.random.default_rng(9).standard_normal(shape).astype(dtype)
+    c, eps = shape[1], 1e-5
+    X, DY, W, B, ACC = _on_device(x, dy, w, b, acc)
+
+    def both(name, cuda_args, numba_args, outs):
+        """Runs `name` on both; `outs`: indices of the output arrays in the arguments."""
+        ours = [_on_device(a)[0] if isinstance(a, np.ndarray) else a for a in cuda_args]
+        getattr(cuda, name)(*ours)
+        getattr(nb, name)(*numba_args)
+        for i in outs:
+            _close(ours[i], numba_args[i], dtype, f"{name} argument {i}")
+        return [numba_args[i] for i in outs]
+
+    y, mom = np.empty_like(x), np.empty((2, c))
+    both("bn_forward", [X, W, B, eps, relu, cap, y.copy(), mom.copy()],
+         [x, w, b, eps, relu, cap, y, mom, 2], (6, 7))
+    [mom] = both("bn_moments", [X, mom.copy()], [x, np.empty((2, c)), 2], (1,))
+    # the moments of the whole batch (bn_combine's), not these data's own
+    whole = mom * np.array([[1.1], [0.8]])
+    both("bn_normalise", [X, whole, W, B, eps, relu, cap, y.copy()],
+         [x, whole, w, b, eps, relu, cap, y, 2], (7,))
+    sums = np.empty((2, c), dtype)
+    both("bn_grad_sums", [DY, X, whole, W, B, eps, relu, cap, sums.copy()],
+         [dy, x, whole, w, b, eps, relu, cap, sums, 2], (8,))
+    st = np.empty((4, c), dtype)
+    [st] = both("bn_grad_stats", [DY, X, W, B, eps, relu, cap, st.copy()],
+                [dy, x, w, b, eps, relu, cap, st, 2], (7,))
+    for accumulate, count in ((False, 0), (True, 0), (False, 7 * x.size // c)):
+        dx = np.empty_like(x)
+        both("bn_grad_input",
+             [DY, X, st, W, B, relu, cap, ACC if accumulate else dx.copy(), accumulate,
+              dx.copy(), 0, count],
+             [dy, x, st, w, b, relu, cap, acc if accumulate else dx, accumulate, dx, 2,
+              count], (9,))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cuda_bn_combine_and_running_update_are_the_reference(cpu_kernels, dtype):
+    from netdsl.backends import numpy_fused_norm as nb
+    from netdsl.ir.ops.norm import update_running
+    cuda = CudaKernels(CpuLaunches(cpu_kernels))
+    rng = np.random.default_rng(5)
+    c = 300  # more channels than a block's threads: two blocks
+    parts = np.empty((6, c), dtype)  # three parts' (mean, biased variance) rows
+    parts[0::2] = 1000 + rng.standard_normal((3, c))  # far from zero: Chan's terms matter
+    parts[1::2] = rng.uniform(0.5, 2.0, (3, c))
+    counts = np.array([40.0, 40.0, 24.0])
+    want, got = np.empty((2, c), dtype), np.empty((2, c), dtype).view(FakeArray)
+    nb.bn_combine(parts, counts, want)
+    cuda.bn_combine(*_on_device(parts), counts, got)
+    _close(got, want, dtype, "bn_combine")
+    # the running statistics from float64 moments: as the NumPy rule
+    rm, rv = rng.standard_normal(c).astype(dtype), rng.uniform(1, 2, c).astype(dtype)
+    mom = want.astype(np.float64)
+    RM, RV = _on_device(rm, rv)
+    cuda.bn_running(RM, RV, *_on_device(mom), 0.1, 104)
+    update_running(rm, rv, mom[0], mom[1], 0.1, 104)
+    _close(RM, rm, dtype, "running mean")
+    _close(RV, rv, dtype, "running var")

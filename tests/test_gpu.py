@@ -167,6 +167,41 @@ def test_split_step_matches_numpy(spec):
     assert gpu_ex.comm.sent_bytes == cpu_ex.comm.sent_bytes
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_synchronised_batchnorm_takes_the_cuda_kernels(microbatches, monkeypatch):
+    """A data split's synchronised batchnorm (and, with micro-batches, a micro-batch's own
+    and the deferred running statistics) runs on the CUDA kernels, which these runs are
+    checked to take, and computes what NumPy computes: the loss and every gradient."""
+    from test_split import setup
+
+    from netdsl.parallel.split import SplitSpec, split_step
+    gpu = _gpu_backend()
+    assert gpu.cuda_fused is not None, "NETDSL_CUDA_KERNELS is off"
+    called = set()
+    names = ("bn_moments", "bn_combine", "bn_normalise", "bn_grad_sums", "bn_grad_input",
+             "bn_running")
+    for name in names:
+        def spy(*args, _f=getattr(gpu.cuda_fused, name), _n=name):
+            called.add(_n)
+            return _f(*args)
+        monkeypatch.setattr(gpu.cuda_fused, name, spy)
+    net, opt, feeds = setup("resnet20")
+    spec = SplitSpec(data=2, microbatches=microbatches)
+    g = split_step(net.graph, 8, spec, opt, device="gpu")
+    roles = ("loss", "grads", "state_updates")
+    cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
+    gpu_ex = Executor(g, gpu, dtype="f64", seed=0)
+    a = cpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
+    b = gpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
+    np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
+    for x, y in zip(a["grads"], b["grads"], strict=True):
+        np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
+    sa, sb = cpu_ex.state_dict(), gpu_ex.state_dict()  # the running statistics too
+    for k in sa:
+        np.testing.assert_allclose(sb[k], sa[k], rtol=1e-9, atol=1e-12, err_msg=k)
+    assert called == set(names)
+
+
 def _same_step(g, gpu, feeds):
     """One float64 training step of `g` on NumPy and on the GPU: the same loss and
     gradients. Returns both executors."""

@@ -1,4 +1,5 @@
-"""Fused CUDA kernels for the CuPy backend: batchnorm (+ relu) and the SGD and Adam updates.
+"""Fused CUDA kernels for the CuPy backend: batchnorm (+ relu), synchronised too, and the
+SGD and Adam updates.
 
 Through CuPy's array API, one batchnorm forward is about fifteen launches (sums, deviations,
 squares, scales, the relu) and its backward about twenty, each paying CuPy's host-side
@@ -10,7 +11,11 @@ docs/benchmarks.md, "GPU"). Here each of those operators is one launch:
   the channel (float64 sums), then y, in the same launch;
 - batchnorm's backward statistics: the same two passes, then sum(g) and sum(g * (x - mean))
   with the relu mask recomputed (one block a channel);
-- batchnorm's input gradient and the SGD and Adam updates: one element-wise pass each
+- a synchronised batchnorm's (netdsl.ir.ops.norm_sync): its local moments, its output
+  from the whole batch's, its local backward sums (a block a channel each), and Chan's
+  combination of the parts' moments (a thread a channel);
+- batchnorm's input gradient (of any count of values a channel, a synchronised one's
+  too) and the SGD and Adam updates: one element-wise pass each
   (the optimizers read the learning rate and the step counter on the device: a host
   scalar would wait for the GPU before every parameter's update);
 - a group of parameters' updates (netdsl.passes.optimizer.group_updates): one launch for
@@ -51,44 +56,63 @@ __device__ long long at(long long k, int c, int p, int ch) {
     return (i * c + ch) * p + (k - i * p);
 }
 
-// channel ch's batch statistics (two passes in float64) and the affine step's constants
-// in the data's dtype: z = (x - mt) * scale + shift, as the forward and backward compute it
+// channel ch's mean and biased variance: two passes in float64, the block's threads
+// striding over the channel's m values
+__device__ void moments_of(const T* x, int c, int p, long long m, int ch, double* sh,
+                           double* mean, double* var) {
+    double s = 0.0;
+    for (long long j = threadIdx.x; j < m; j += BLOCK) s += (double)x[at(j, c, p, ch)];
+    double mu = block_sum(s, sh) / (double)m;
+    s = 0.0;
+    for (long long j = threadIdx.x; j < m; j += BLOCK) {
+        double d = (double)x[at(j, c, p, ch)] - mu;
+        s += d * d;
+    }
+    *mean = mu;
+    *var = block_sum(s, sh) / (double)m;
+}
+
+// a channel's statistics and the affine step's constants in the data's dtype:
+// z = (x - mt) * scale + shift, as the forward and backward compute it
 struct Channel {
     double mean, var;
     T mt, it, scale, shift, top;
 };
 
-__device__ Channel channel(const T* x, const T* w, const T* b, int c, int p, long long m,
-                           int ch, double eps, double cap, double* sh) {
+__device__ Channel affine(double mean, double var, const T* w, const T* b, int ch,
+                          double eps, double cap) {
     Channel k;
-    double s = 0.0;
-    for (long long j = threadIdx.x; j < m; j += BLOCK) s += (double)x[at(j, c, p, ch)];
-    k.mean = block_sum(s, sh) / (double)m;
-    s = 0.0;
-    for (long long j = threadIdx.x; j < m; j += BLOCK) {
-        double d = (double)x[at(j, c, p, ch)] - k.mean;
-        s += d * d;
-    }
-    k.var = block_sum(s, sh) / (double)m;
-    k.mt = (T)k.mean;
-    k.it = (T)(1.0 / sqrt(k.var + eps));
+    k.mean = mean;
+    k.var = var;
+    k.mt = (T)mean;
+    k.it = (T)(1.0 / sqrt(var + eps));
     k.scale = k.it * w[ch];
     k.shift = b[ch];
     k.top = (T)cap;
     return k;
 }
 
+// channel ch's batch statistics and constants (a block a channel)
+__device__ Channel channel(const T* x, const T* w, const T* b, int c, int p, long long m,
+                           int ch, double eps, double cap, double* sh) {
+    double mean, var;
+    moments_of(x, c, p, m, ch, sh, &mean, &var);
+    return affine(mean, var, w, b, ch, eps, cap);
+}
+
+// ... from given float64 moments (mom[ch] the mean, mom[c + ch] the biased variance)
+__device__ Channel given(const double* mom, const T* w, const T* b, int c, int ch,
+                         double eps, double cap) {
+    return affine(mom[ch], mom[c + ch], w, b, ch, eps, cap);
+}
+
 __device__ bool passes(T z, int capped, T top) {
     return z > (T)0 && (!capped || z < top);
 }
 
-extern "C" __global__ void bn_forward(const T* x, const T* w, const T* b, T* y,
-                                      double* mom, int n, int c, int p, double eps,
-                                      int relu, int capped, double cap) {
-    __shared__ double sh[BLOCK];
-    int ch = blockIdx.x;
-    long long m = (long long)n * p;
-    Channel k = channel(x, w, b, c, p, m, ch, eps, cap, sh);
+// channel ch's output: z, then the relu (capped) where `relu`
+__device__ void normalise(const T* x, T* y, Channel k, int c, int p, long long m, int ch,
+                          int relu, int capped) {
     for (long long j = threadIdx.x; j < m; j += BLOCK) {
         long long a = at(j, c, p, ch);
         T z = (x[a] - k.mt) * k.scale + k.shift;
@@ -98,10 +122,92 @@ extern "C" __global__ void bn_forward(const T* x, const T* w, const T* b, T* y,
         }
         y[a] = z;
     }
+}
+
+// channel ch's backward sums: out[ch] = sum(g * x_hat), out[c + ch] = sum(g), g = dy times
+// the relu mask where `relu` (recomputed from z as the forward computes it)
+__device__ void grad_sums(const T* dy, const T* x, T* out, Channel k, int c, int p,
+                          long long m, int ch, int relu, int capped, double* sh) {
+    double sg = 0.0, sgd = 0.0;
+    for (long long j = threadIdx.x; j < m; j += BLOCK) {
+        long long a = at(j, c, p, ch);
+        T d = x[a] - k.mt;
+        T g = dy[a];
+        if (relu && !passes(d * k.scale + k.shift, capped, k.top)) g = (T)0;
+        sg += (double)g;
+        sgd += (double)(g * d);
+    }
+    sg = block_sum(sg, sh);
+    sgd = block_sum(sgd, sh);
+    if (threadIdx.x == 0) {
+        out[ch] = (T)(sgd * (double)k.it);
+        out[c + ch] = (T)sg;
+    }
+}
+
+extern "C" __global__ void bn_forward(const T* x, const T* w, const T* b, T* y,
+                                      double* mom, int n, int c, int p, double eps,
+                                      int relu, int capped, double cap) {
+    __shared__ double sh[BLOCK];
+    int ch = blockIdx.x;
+    long long m = (long long)n * p;
+    Channel k = channel(x, w, b, c, p, m, ch, eps, cap, sh);
+    normalise(x, y, k, c, p, m, ch, relu, capped);
     if (threadIdx.x == 0) {
         mom[ch] = k.mean;
         mom[c + ch] = k.var;
     }
+}
+
+// a synchronised batchnorm's three passes: its local moments, the output with the whole
+// batch's (bn_combine's), and its local backward sums (added over the devices)
+extern "C" __global__ void bn_moments(const T* x, double* mom, int n, int c, int p) {
+    __shared__ double sh[BLOCK];
+    int ch = blockIdx.x;
+    double mean, var;
+    moments_of(x, c, p, (long long)n * p, ch, sh, &mean, &var);
+    if (threadIdx.x == 0) {
+        mom[ch] = mean;
+        mom[c + ch] = var;
+    }
+}
+
+extern "C" __global__ void bn_normalise(const T* x, const double* mom, const T* w,
+                                        const T* b, T* y, int n, int c, int p, double eps,
+                                        int relu, int capped, double cap) {
+    int ch = blockIdx.x;
+    normalise(x, y, given(mom, w, b, c, ch, eps, cap), c, p, (long long)n * p, ch, relu,
+              capped);
+}
+
+extern "C" __global__ void bn_grad_sums(const T* dy, const T* x, const double* mom,
+                                        const T* w, const T* b, T* out, int n, int c, int p,
+                                        double eps, int relu, int capped, double cap) {
+    __shared__ double sh[BLOCK];
+    int ch = blockIdx.x;
+    grad_sums(dy, x, out, given(mom, w, b, c, ch, eps, cap), c, p, (long long)n * p, ch,
+              relu, capped, sh);
+}
+
+// the whole batch's mean and biased variance from its parts' (rows 2k and 2k + 1 of
+// parts: part k's, counts[k] values a channel): Chan's combination in float64, a thread a
+// channel
+extern "C" __global__ void bn_combine(const T* parts, const double* counts, T* out, int k,
+                                      int c) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    double total = 0.0, s = 0.0, v = 0.0;
+    for (int q = 0; q < k; q++) {
+        total += counts[q];
+        s += counts[q] * (double)parts[2 * q * c + ch];
+    }
+    double mean = s / total;
+    for (int q = 0; q < k; q++) {
+        double d = (double)parts[2 * q * c + ch] - mean;
+        v += counts[q] * ((double)parts[(2 * q + 1) * c + ch] + d * d);
+    }
+    out[ch] = (T)mean;
+    out[c + ch] = (T)(v / total);
 }
 
 extern "C" __global__ void bn_running(T* rm, T* rv, const double* mom, int c,
@@ -120,31 +226,21 @@ extern "C" __global__ void bn_grad_stats(const T* dy, const T* x, const T* w, co
     int ch = blockIdx.x;
     long long m = (long long)n * p;
     Channel k = channel(x, w, b, c, p, m, ch, eps, cap, sh);
-    double sg = 0.0, sgd = 0.0;
-    for (long long j = threadIdx.x; j < m; j += BLOCK) {
-        long long a = at(j, c, p, ch);
-        T d = x[a] - k.mt;
-        T g = dy[a];
-        if (relu && !passes(d * k.scale + k.shift, capped, k.top)) g = (T)0;
-        sg += (double)g;
-        sgd += (double)(g * d);
-    }
-    sg = block_sum(sg, sh);
-    sgd = block_sum(sgd, sh);
+    grad_sums(dy, x, out, k, c, p, m, ch, relu, capped, sh);
     if (threadIdx.x == 0) {
-        out[ch] = (T)(sgd * (double)k.it);
-        out[c + ch] = (T)sg;
         out[2 * c + ch] = k.mt;
         out[3 * c + ch] = k.it;
     }
 }
 
+// dx from the sums (st's rows: sum(g * x_hat), sum(g), the mean, 1/std) of `count` values
+// a channel (a synchronised batchnorm's count every device's; n * p otherwise)
 extern "C" __global__ void bn_grad_input(const T* dy, const T* x, const T* st, const T* w,
                                          const T* b, const T* acc, T* dx, int n, int c,
                                          int p, int relu, int capped, double cap,
-                                         int accumulate) {
+                                         int accumulate, double count) {
     long long total = (long long)n * c * p;
-    double m = (double)n * p;
+    double m = count;
     T top = (T)cap;
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
          k += (long long)gridDim.x * blockDim.x) {
@@ -287,7 +383,7 @@ class CudaKernels:
         # (name, dtype) -> kernel: RawModule.get_function looks the name up in the module
         # every call (3 us each, 1,146 calls a ResNet-164 step on the H200)
         self._functions: dict[tuple[str, np.dtype], object] = {}
-        self._tables: dict[tuple, object] = {}  # grouped updates' tables (_table)
+        self._uploads: dict[tuple, object] = {}  # small host arrays on the device (_upload)
 
     def accepts(self, *arrays) -> bool:
         cp = self._cupy
@@ -312,7 +408,7 @@ class CudaKernels:
 
     # -- batchnorm -----------------------------------------------------------------------
     def _per_channel(self, name, x3, arrays, eps, relu, cap):
-        """bn_forward or bn_grad_stats: one block a channel of the (N, C, P) x3."""
+        """A launch of one block a channel of the (N, C, P) x3."""
         n, c, p = x3.shape
         self._kernel(name, x3.dtype)(
             (c,), (_BLOCK,), (*arrays, np.int32(n), np.int32(c), np.int32(p),
@@ -320,6 +416,30 @@ class CudaKernels:
 
     def bn_forward(self, x3, w, b, eps, relu, cap, y3, moments, threads=0):
         self._per_channel("bn_forward", x3, (x3, w, b, y3, moments), eps, relu, cap)
+
+    def bn_moments(self, x3, moments, threads=0):
+        """The mean and biased variance (float64 rows of `moments`) of each channel."""
+        n, c, p = x3.shape
+        self._kernel("bn_moments", x3.dtype)(
+            (c,), (_BLOCK,), (x3, moments, np.int32(n), np.int32(c), np.int32(p)))
+
+    def bn_normalise(self, x3, moments, w, b, eps, relu, cap, y3, threads=0):
+        """bn_forward's output with the given float64 moments."""
+        self._per_channel("bn_normalise", x3, (x3, moments, w, b, y3), eps, relu, cap)
+
+    def bn_grad_sums(self, dy3, x3, moments, w, b, eps, relu, cap, out, threads=0):
+        """bn_grad_stats' first two rows with the given float64 moments."""
+        self._per_channel("bn_grad_sums", x3, (dy3, x3, moments, w, b, out), eps, relu, cap)
+
+    def bn_combine(self, parts, counts, out):
+        """The mean and biased variance (out's rows) of a batch from its parts' (parts' row
+        pairs; counts, a host array, the values a channel of each): Chan's combination.
+        The counts go up once per distinct counts (a capture cannot record an upload)."""
+        c = parts.shape[1]
+        host = np.asarray(counts, dtype=np.float64)
+        self._kernel("bn_combine", parts.dtype)(
+            (self._grid(c),), (_BLOCK,), (parts, self._upload(("counts", *host.tolist()), host),
+                                          out, np.int32(host.size), np.int32(c)))
 
     def bn_running(self, rm, rv, moments, momentum, count):
         """The running statistics' update in place (PyTorch's: the unbiased variance)."""
@@ -331,12 +451,15 @@ class CudaKernels:
     def bn_grad_stats(self, dy3, x3, w, b, eps, relu, cap, out, threads=0):
         self._per_channel("bn_grad_stats", x3, (dy3, x3, w, b, out), eps, relu, cap)
 
-    def bn_grad_input(self, dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, threads=0):
+    def bn_grad_input(self, dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, threads=0,
+                      count=0):
+        """dx from st's rows of `count` values a channel (0: x3's own, n * p)."""
         n, c, p = x3.shape
         self._kernel("bn_grad_input", x3.dtype)(
             (self._grid(n * c * p),), (_BLOCK,),
             (dy3, x3, st, w, b, acc3, dx3, np.int32(n), np.int32(c), np.int32(p),
-             *_relu_args(relu, cap), np.int32(accumulate)))
+             *_relu_args(relu, cap), np.int32(accumulate),
+             np.float64(count if count > 0 else n * p)))
 
     # -- optimizer -----------------------------------------------------------------------
     def sgd_update(self, p, g, buf, lr, momentum, weight_decay, nesterov):
@@ -359,21 +482,24 @@ class CudaKernels:
              np.int32(decoupled)))
 
     # -- a group of parameters, one launch ------------------------------------------------
+    def _upload(self, key: tuple, host):
+        """`host` as a device array, kept for the last few keys seen (with an arena the
+        grouped updates' addresses repeat every step, so their table goes up once; a
+        replayed CUDA graph needs that: a host copy cannot be recorded)."""
+        dev = self._uploads.get(key)
+        if dev is None:
+            dev = self._cupy.asarray(host)
+            if len(self._uploads) >= 16:
+                self._uploads.pop(next(iter(self._uploads)))
+            self._uploads[key] = dev
+        return dev
+
     def _table(self, rows):
         """The grouped kernels' table (the source's GROUP_LOOP): each row's addresses, then
-        the ends of the tensors, as one int64 device array. Kept for the last few groups
-        seen (with an arena the addresses repeat every step, so the table is uploaded
-        once; a replayed CUDA graph needs that, a host copy cannot be recorded)."""
+        the ends of the tensors, as one int64 device array."""
         sizes = np.cumsum([x.size for x in rows[0]], dtype=np.int64)
         key = (*(x.data.ptr for r in rows for x in r), *sizes.tolist())
-        table = self._tables.get(key)
-        if table is None:
-            host = np.array(key, dtype=np.int64)
-            table = self._cupy.asarray(host)
-            if len(self._tables) >= 8:
-                self._tables.pop(next(iter(self._tables)))
-            self._tables[key] = table
-        return table, int(sizes[-1])
+        return self._upload(("table", *key), np.array(key, dtype=np.int64)), int(sizes[-1])
 
     def sgd_update_many(self, ps, gs, bufs, lr, momentum, weight_decay, nesterov):
         """sgd_update on each (p, g, buf), 1-d, in one launch (bufs is ps without momentum:
@@ -397,4 +523,4 @@ class CudaKernels:
              np.int32(decoupled)))
 
     def __repr__(self) -> str:
-        return "CudaKernels(batchnorm, sgd, adam)"
+        return "CudaKernels(batchnorm, synchronised batchnorm, sgd, adam)"

@@ -19,11 +19,13 @@ weight and bias gradients, g = dy times the relu mask), one all_reduce of them, 
 from the totals. Its rule gives x the whole gradient, the paths through the statistics
 included, so the statistics (computed by ops that are not differentiable) get none.
 
-With the backend's fused kernels (Numba, netdsl.backends.numpy_fused_norm) bn_moments,
-sync_batchnorm and each backward node are one pass over x; the NumPy kernels here (which
-the CuPy backend runs too) are their reference.
+With the backend's fused kernels (Numba, netdsl.backends.numpy_fused_norm; on a GPU the
+CUDA ones, netdsl.backends.cupy_fused) bn_moments, sync_batchnorm and each backward node
+are one pass over x; the NumPy kernels here are their reference.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from netdsl.errors import NetdslError, ShapeError
 from netdsl.ir.ops._util import fused_kernels, need_rank
@@ -163,9 +165,9 @@ def _inv(xp, stats, eps):
 @kernel("bn_moments")
 def _bn_moments(xp, ins, a, ctx):
     x3 = _view3(ins[0])
-    f = fused_kernels(ctx, ins[0])
+    f = fused_kernels(ctx, ins[0], cuda=True)
     if f is not None:
-        moments = xp.empty((2, x3.shape[1]))
+        moments = xp.empty((2, x3.shape[1]), xp.float64)
         f.bn_moments(x3, moments, f.threads)
         return moments.astype(x3.dtype)
     count = x3.shape[0] * x3.shape[2]
@@ -176,10 +178,10 @@ def _bn_moments(xp, ins, a, ctx):
 
 @kernel("bn_combine")
 def _bn_combine(xp, ins, a, ctx):
-    f = fused_kernels(ctx, ins[0])
-    if f is not None:
+    f = fused_kernels(ctx, ins[0], cuda=True)
+    if f is not None:  # (the counts a host array: the CUDA kernels keep them uploaded)
         out = xp.empty((2, ins[0].shape[1]), ins[0].dtype)
-        f.bn_combine(ins[0], xp.asarray(a["counts"], dtype=xp.float64), out)
+        f.bn_combine(ins[0], np.asarray(a["counts"], dtype=np.float64), out)
         return out
     parts = ins[0].astype(xp.float64).reshape(len(a["counts"]), 2, -1)
     n = xp.asarray(a["counts"], dtype=xp.float64)[:, None]
@@ -197,7 +199,7 @@ def _sync_batchnorm(xp, ins, a, ctx):
     if not ctx.training:
         raise NetdslError(f"sync_batchnorm (node %{ctx.node.name}) runs in training only: "
                           "evaluation uses the batchnorm's running statistics")
-    f = fused_kernels(ctx, x, ctx.out)
+    f = fused_kernels(ctx, x, ctx.out, cuda=True)
     if f is not None:
         y = xp.empty_like(x3) if ctx.out is None else _view3(ctx.out)
         f.bn_normalise(x3, _moments64(xp, stats), *_affine_or_unit(xp, w, b, x3.shape[1],
@@ -214,7 +216,7 @@ def _sync_bn_grad_sums(xp, ins, a, ctx):
     w, b = affine_inputs(ins, 3)
     dy3, x3 = _view3(dy), _view3(x)
     out = xp.empty((2, x3.shape[1]), dtype=dy.dtype)
-    f = fused_kernels(ctx, dy, x)
+    f = fused_kernels(ctx, dy, x, cuda=True)
     if f is not None:
         f.bn_grad_sums(dy3, x3, _moments64(xp, stats),
                        *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"], a["relu"],
@@ -239,6 +241,10 @@ def _sync_bn_grad_input(xp, ins, a, ctx):
 @kernel("bn_running_update")
 def _bn_running_update(xp, ins, a, ctx):
     rm, rv, stats = ins
+    f = fused_kernels(ctx, rm, rv, cuda=True)
+    if f is not None and hasattr(f, "bn_running"):  # one launch on a GPU
+        f.bn_running(rm, rv, _moments64(xp, stats), a["momentum"], a["count"])
+        return rm
     return update_running(rm, rv, stats[0], stats[1], a["momentum"], a["count"])
 
 

@@ -1,7 +1,9 @@
 """The CuPy backend's CUDA kernels without a GPU: every launch passes what its kernel's
 CUDA signature declares, in order (a pointer for each `T*`/`double*`/`long long*`, a
-scalar of the declared width otherwise); and the source compiles for Hopper where nvcc is
-installed. tests/test_gpu.py checks their numbers against NumPy on a GPU."""
+scalar of the declared width otherwise); the source compiles for Hopper where nvcc is
+installed; and, compiled as C++ for the CPU (a block's threads as threads), every kernel
+computes what the Numba loops and the NumPy kernels compute, alone and as a training
+step's batchnorms through the executor. tests/test_gpu.py checks their numbers on a GPU."""
 from __future__ import annotations
 
 import re
@@ -13,7 +15,10 @@ import numpy as np
 import pytest
 
 from netdsl.backends.cupy_fused import _SOURCE, CudaKernels
+from netdsl.backends.numpy import NumpyBackend
 from netdsl.ir.ops import optim
+from netdsl.parallel.split import SplitSpec, split_step
+from netdsl.runtime.executor import Executor
 
 SIGNATURES = {
     m.group(1): [p.strip() for p in m.group(2).split(",")]
@@ -128,11 +133,12 @@ def test_the_source_compiles_for_hopper(ctype, tmp_path):
 
 
 # -- the kernels, run on the CPU ---------------------------------------------------------------
-# A C++ compiler runs the CUDA source as written: a launch runs its blocks in turn, each
-# block's threads as BLOCK std::threads, __syncthreads() a barrier among them and
-# __shared__ memory a static (one block at a time uses it). That checks every kernel's
-# indexing and arithmetic (the block reductions, the grouped updates' table and walk)
-# against the Numba and NumPy kernels without a GPU; tests/test_gpu.py checks them on one.
+# A C++ compiler runs the CUDA source as written: a launch starts a block's threads as
+# std::threads, which take the blocks in turn; __syncthreads() is a barrier among them (and
+# ends each block, so the next one may reuse __shared__ memory, a static here). That
+# checks every kernel's indexing and arithmetic (the block reductions, the grouped updates'
+# table and walk) against the Numba and NumPy kernels without a GPU; tests/test_gpu.py
+# checks them on one.
 _SHIM = r"""
 #include <barrier>
 #include <cmath>
@@ -141,8 +147,8 @@ _SHIM = r"""
 using std::pow;
 using std::sqrt;
 struct Dim3 { unsigned int x, y, z; };
-static thread_local Dim3 threadIdx;
-static Dim3 blockIdx, blockDim, gridDim;
+static thread_local Dim3 threadIdx, blockIdx;
+static Dim3 blockDim, gridDim;
 static std::barrier<>* block_barrier;
 #define __global__
 #define __device__
@@ -156,13 +162,17 @@ _LAUNCH = r"""
         gridDim.x = grid_; blockDim.x = block_;                                           \
         std::barrier<> bar_(block_);                                                      \
         block_barrier = &bar_;                                                            \
-        for (int b_ = 0; b_ < grid_; b_++) {                                              \
-            blockIdx.x = b_;                                                              \
-            std::vector<std::thread> threads_;                                            \
-            for (int t_ = 0; t_ < block_; t_++)                                           \
-                threads_.emplace_back([=] { threadIdx.x = t_; name args; });              \
-            for (auto& th_ : threads_) th_.join();                                        \
-        }                                                                                 \
+        std::vector<std::thread> threads_;                                                \
+        for (int t_ = 0; t_ < block_; t_++)                                               \
+            threads_.emplace_back([=] {                                                   \
+                threadIdx.x = t_;                                                         \
+                for (int b_ = 0; b_ < grid_; b_++) {                                      \
+                    blockIdx.x = b_;                                                      \
+                    name args;                                                            \
+                    __syncthreads();                                                      \
+                }                                                                         \
+            });                                                                           \
+        for (auto& th_ : threads_) th_.join();                                            \
     }
 #define P(...) __VA_ARGS__
 #define RELU int relu, int capped, double cap
@@ -226,9 +236,9 @@ class CpuLaunches:
     """CudaKernels' `cupy` on the CPU: RawModule functions run the compiled kernels, device
     arrays are NumPy arrays, and CudaKernels' grid and block are used as they are."""
 
-    def __init__(self, libs):
+    def __init__(self, libs, ndarray=FakeArray):
         self.libs = libs
-        self.ndarray = FakeArray
+        self.ndarray = ndarray  # (np.ndarray: an executor's own arrays are "on the device")
         outer = self
 
         class RawModule:
@@ -444,3 +454,58 @@ def test_cuda_bn_combine_and_running_update_are_the_reference(cpu_kernels, dtype
     update_running(rm, rv, mom[0], mom[1], 0.1, 104)
     _close(RM, rm, dtype, "running mean")
     _close(RV, rv, dtype, "running var")
+
+
+# -- a whole split step through the executor on the CUDA kernels ---------------------------------
+class CudaKernelsOnTheCpu(NumpyBackend):
+    """The NumPy backend with the CUDA kernels (compiled for the CPU) as its `cuda_fused`
+    and no Numba loops: every op that asks for fused_kernels(..., cuda=True) runs the CUDA
+    source, as on a GPU, the others their NumPy code."""
+
+    def __init__(self, libs):
+        super().__init__()
+        self._fused = None
+        self.cuda_fused = CudaKernels(CpuLaunches(libs, ndarray=np.ndarray))
+
+
+@pytest.mark.parametrize("spec", [SplitSpec(), SplitSpec(data=2), SplitSpec(data=3),
+                                  SplitSpec(data=2, microbatches=2)],
+                         ids=["one device", "data2", "data3", "data2-micro2"])
+def test_a_step_on_the_cuda_kernels_is_the_numpy_step(cpu_kernels, spec, monkeypatch):
+    """A training step (batchnorm, + relu, + relu6, without affine, over [N, C]) on one
+    device and split over data replicas (synchronised batchnorm; parts of unequal size;
+    micro-batches, each alone and the running statistics deferred), its batchnorms on the
+    CUDA kernels: the NumPy step's loss, gradients and running statistics in float64."""
+    from test_syncbn import NET, OPT, feeds
+
+    from netdsl import api
+    backend = CudaKernelsOnTheCpu(cpu_kernels)
+    called = []
+    for name in ("bn_forward", "bn_moments", "bn_combine", "bn_normalise", "bn_grad_sums",
+                 "bn_grad_stats", "bn_grad_input", "bn_running"):
+        def spy(*args, _f=getattr(backend.cuda_fused, name), _n=name):
+            called.append(_n)
+            return _f(*args)
+        monkeypatch.setattr(backend.cuda_fused, name, spy)
+    net = api.loads(NET, file="sbn.net")
+    g = split_step(net.graph, 7, spec, OPT, device="gpu")
+    # (one device's batchnorm moves its running statistics itself: no state_updates)
+    roles = tuple(r for r in ("loss", "grads", "state_updates") if r in g.outputs)
+    reference = NumpyBackend()
+    reference._fused = None  # the NumPy kernels: the reference of both kinds of loops
+    want = Executor(g, reference, dtype="f64", seed=0)
+    got = Executor(g, backend, dtype="f64", seed=0)
+    a = want.run(feeds(7), training=True, roles=roles, step=0)
+    b = got.run(feeds(7), training=True, roles=roles, step=0)
+    for role in ("loss", "grads"):
+        for x, y in zip(a[role], b[role], strict=True):
+            np.testing.assert_allclose(y, x, rtol=1e-10, atol=1e-12, err_msg=role)
+    sa, sb = want.state_dict(), got.state_dict()
+    for k in sa:
+        np.testing.assert_allclose(sb[k], sa[k], rtol=1e-10, atol=1e-12, err_msg=k)
+    layers = 4 * max(spec.data, 1) * max(spec.microbatches, 1)
+    sync = spec.data > 1
+    assert called.count("bn_grad_input") == layers
+    assert called.count("bn_normalise" if sync else "bn_forward") == layers
+    assert called.count("bn_grad_sums" if sync else "bn_grad_stats") == layers
+    assert called.count("bn_running") == 4 * max(spec.data, 1)  # once a step each

@@ -177,35 +177,33 @@ def test_synchronised_batchnorm_takes_the_cuda_kernels(microbatches, monkeypatch
     from netdsl.parallel.split import SplitSpec, split_step
     gpu = _gpu_backend()
     assert gpu.cuda_fused is not None, "NETDSL_CUDA_KERNELS is off"
-    called = set()
     names = ("bn_moments", "bn_combine", "bn_normalise", "bn_grad_sums", "bn_grad_input",
              "bn_running")
-    for name in names:
-        def spy(*args, _f=getattr(gpu.cuda_fused, name), _n=name):
-            called.add(_n)
-            return _f(*args)
-        monkeypatch.setattr(gpu.cuda_fused, name, spy)
+    called = _spy(monkeypatch, gpu.cuda_fused, names)
     net, opt, feeds = setup("resnet20")
     spec = SplitSpec(data=2, microbatches=microbatches)
     g = split_step(net.graph, 8, spec, opt, device="gpu")
-    roles = ("loss", "grads", "state_updates")
-    cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
-    gpu_ex = Executor(g, gpu, dtype="f64", seed=0)
-    a = cpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
-    b = gpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
-    np.testing.assert_allclose(gpu.to_host(b["loss"][0]), a["loss"][0], rtol=1e-9)
-    for x, y in zip(a["grads"], b["grads"], strict=True):
-        np.testing.assert_allclose(gpu.to_host(y), x, rtol=1e-7, atol=1e-10)
+    cpu_ex, gpu_ex = _same_step(g, gpu, feeds, ("loss", "grads", "state_updates"))
     sa, sb = cpu_ex.state_dict(), gpu_ex.state_dict()  # the running statistics too
     for k in sa:
         np.testing.assert_allclose(sb[k], sa[k], rtol=1e-9, atol=1e-12, err_msg=k)
     assert called == set(names)
 
 
-def _same_step(g, gpu, feeds):
+def _spy(monkeypatch, kernels, names) -> set:
+    """The set that the `kernels` methods `names` add their names to when called."""
+    called = set()
+    for name in names:
+        def spy(*args, _f=getattr(kernels, name), _n=name):
+            called.add(_n)
+            return _f(*args)
+        monkeypatch.setattr(kernels, name, spy)
+    return called
+
+
+def _same_step(g, gpu, feeds, roles=("loss", "grads")):
     """One float64 training step of `g` on NumPy and on the GPU: the same loss and
     gradients. Returns both executors."""
-    roles = ("loss", "grads")
     cpu_ex = Executor(g, "numpy", dtype="f64", seed=0)
     gpu_ex = Executor(g, gpu, dtype="f64", seed=0)
     a = cpu_ex.run(dict(feeds), training=True, roles=roles, step=0)
@@ -226,12 +224,8 @@ def test_cuda_batchnorm_kernels_match_numpy(op, attrs, dtype, rtol, monkeypatch)
     from gradcheck import op_graph, random_feeds, randomise_params
     gpu = _gpu_backend()
     assert gpu.cuda_fused is not None, "NETDSL_CUDA_KERNELS is off"
-    called = set()
-    for name in ("bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input"):
-        def spy(*args, _f=getattr(gpu.cuda_fused, name), _n=name):
-            called.add(_n)
-            return _f(*args)
-        monkeypatch.setattr(gpu.cuda_fused, name, spy)
+    called = _spy(monkeypatch, gpu.cuda_fused,
+                  ("bn_forward", "bn_running", "bn_grad_stats", "bn_grad_input"))
     g = autodiff(op_graph(op, [(4, 6, 5, 7)], attrs, {}))
     cpu_ex = Executor(g, "numpy", dtype=dtype, seed=0)
     randomise_params(cpu_ex, np.random.default_rng(0), ())

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: "12GB", "300MB", "1.5GiB", "512KiB", "4096".
+"""Byte sizes as people write them: "12GB", "300MB", "1.5GiB", "512KiB", "4096"; and
+durations as the commands print them.
 
 One parser shared by the CLI (`--mem`) and the library (`plan_memory`, profiles).
 KB/MB/GB/TB are decimal (1000^k), KiB/MiB/GiB/TiB binary (1024^k), as the SI and IEC
@@ -65,3 +66,14 @@ def format_decimal(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {prefix}B"
     return f"{int(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    """A duration at a scale that shows its digits: 0.2514 -> '0.251 s', 0.004123 ->
+    '4.12 ms', 0.00054 -> '0.540 ms', 3.2e-5 -> '32.0 us' (a small network's predicted
+    step on a GPU profile printed as '0.000 s' before)."""
+    if abs(s) >= 0.1 or s == 0:
+        return f"{s:,.3f} s"
+    if abs(s) >= 1e-4:
+        return f"{s * 1e3:.{2 if abs(s) >= 1e-3 else 3}f} ms"
+    return f"{s * 1e6:.1f} us"

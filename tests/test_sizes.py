@@ -1,8 +1,9 @@
-"""Byte sizes: decimal and binary units, plain bytes, and clear errors."""
+"""Byte sizes: decimal and binary units, plain bytes, and clear errors; durations as the
+commands print them."""
 import pytest
 
 from netdsl.errors import NetdslError
-from netdsl.sizes import SizeError, format_decimal, format_size, parse_size
+from netdsl.sizes import SizeError, format_decimal, format_seconds, format_size, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -35,3 +36,13 @@ def test_format():
     assert format_size(1536) == "1.50 KiB"
     assert format_decimal(12 * 10**9) == "12.00 GB"
     assert format_decimal(12) == "12 B"
+
+
+@pytest.mark.parametrize("s,text", [
+    (0.0, "0.000 s"), (2.5, "2.500 s"), (1234.5, "1,234.500 s"), (0.2514, "0.251 s"),
+    (0.0999, "99.90 ms"), (0.004123, "4.12 ms"), (0.00054, "0.540 ms"),
+    (3.2e-5, "32.0 us"),
+])
+def test_durations_keep_their_digits(s, text):
+    """A small network's step on a GPU profile is microseconds: printed so, not 0.000 s."""
+    assert format_seconds(s) == text

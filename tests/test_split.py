@@ -5,6 +5,7 @@ single-device layout, and `netdsl split` / `run --devices` from the command line
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +270,18 @@ def test_split_command_json_and_verify(tmp_path):
                             "pipeline", "--batch", "8"])
     assert r.exit_code == 0, r.output
     assert "pipeline bubble" in r.stdout and "device" in r.stdout
+
+
+def test_a_split_slower_than_one_device_says_so():
+    """digits-cnn's step is a fraction of a millisecond on the K40 profile: printed in ms,
+    and the best split of it over two devices, slower than one, is said to be."""
+    r = runner.invoke(app, ["split", str(ROOT / "examples" / "digits-cnn.net"), "--devices",
+                            "2", "--jobs", "1"])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("predicted step"))
+    assert re.search(r"predicted step \d\.\d{3} ms .*one device: \d\.\d{3} ms", line), line
+    speedup = float(re.search(r"speed-up ([\d.]+)x", line).group(1))
+    assert speedup < 1 and "slower than one device" in line
 
 
 def test_the_files_parallel_declaration_and_stage_pins():

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from netdsl.sizes import format_seconds
 from netdsl_cli.app import (
     BatchOpt,
     FileArg,
@@ -99,7 +100,7 @@ def plan(
             _print(res, b, depth, microbatches)
             if exact:
                 e = extra["exact"]
-                line = (f"exact (MILP)        step {e['predicted_step_s']:.3f} s, "
+                line = (f"exact (MILP)        step {format_seconds(e['predicted_step_s'])}, "
                         f"{100 * e['predicted_overhead']:+.1f}%; solved in "
                         f"{e['solve_s']:.2f} s; {res.strategy} is "
                         f"{100 * gap:+.2f}% against it" if e["feasible"] else
@@ -136,9 +137,9 @@ def _print(res, batch: int, depth: int, microbatches: int = 1) -> None:
         + ("" if res.verified_peak_bytes is None else
            f"; the rewritten step's storage plan: {fb(res.verified_peak_bytes)} "
            f"(checked in {res.verify_s:.2f} s)"),
-        f"predicted step      {res.predicted_step_s:.3f} s, "
+        f"predicted step      {format_seconds(res.predicted_step_s)}, "
         f"{100 * res.predicted_overhead:+.1f}% against the unconstrained "
-        f"{res.baseline_step_s:.3f} s",
+        f"{format_seconds(res.baseline_step_s)}",
         f"to / from host      {fb(res.offload_bytes)} each way (host pool peak "
         f"{fb(res.host_bytes)}, prefetch {res.prefetch} nodes ahead)",
         f"recomputed          {fmt_si(res.recompute_flops, 'FLOP')}",

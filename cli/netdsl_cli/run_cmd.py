@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_decimal, format_seconds
 from netdsl_cli.app import JobsOpt, JsonOpt, app, console, guard, load_network, print_json
 
 
@@ -121,9 +121,9 @@ class _Bar:
             self.first_time = r["step_time_s"]
         elif self.seen == 2:
             left = (r["total_steps"] - r["step"]) * r["step_time_s"]
-            self.progress.console.print(f"first step: {self.first_time:.3f} s (with set-up), "
-                                        f"then {r['step_time_s']:.3f} s a step; "
-                                        f"ETA about {left:.0f} s")
+            self.progress.console.print(
+                f"first step: {format_seconds(self.first_time)} (with set-up), then "
+                f"{format_seconds(r['step_time_s'])} a step; ETA about {left:.0f} s")
 
     def on_eval(self, r: dict) -> None:
         pass
@@ -262,7 +262,8 @@ def _run(
             out.print(f"{result.network}: {result.note}")
             return
         line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
-                f"{result.images_per_s:.1f} images/s (median step {result.step_time_s:.3f} s), "
+                f"{result.images_per_s:.1f} images/s "
+                f"(median step {format_seconds(result.step_time_s)}), "
                 f"peak memory {_fmt_bytes(result.peak_bytes)}")
         if result.test_accuracy is not None:
             line += f", test accuracy {result.test_accuracy:.4f}"

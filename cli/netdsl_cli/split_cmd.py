@@ -11,6 +11,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from netdsl.sizes import format_seconds
 from netdsl_cli.app import (
     BatchOpt,
     FileArg,
@@ -134,10 +135,12 @@ def _print(res) -> None:
                   f"recomputed, {p.counts.get('offload', 0):,} offloaded "
                   f"({_mb(p.offload_bytes)} to the hosts); unplanned the split would need "
                   f"{_mb(best.unplanned_peak_bytes + reserve)} and take "
-                  f"{best.unplanned_step_s * 1e3:,.1f} ms")
-    out.print(f"predicted step {rep.predicted_step_s * 1e3:,.1f} ms on {rep.profile} over "
-              f"{rep.interconnect} (one device: {rep.single_step_s * 1e3:,.1f} ms), "
-              f"speed-up {rep.predicted_speedup:.2f}x")
+                  f"{format_seconds(best.unplanned_step_s)}")
+    out.print(f"predicted step {format_seconds(rep.predicted_step_s)} on {rep.profile} over "
+              f"{rep.interconnect} (one device: {format_seconds(rep.single_step_s)}), "
+              f"speed-up {rep.predicted_speedup:.2f}x"
+              + ("; slower than one device: this split divides the memory, not the time"
+                 if rep.predicted_speedup < 1 else ""))
     if rep.ideal_bubble is not None:
         out.print(f"pipeline bubble {rep.bubble:.1%} ({best.graph.meta['split']['schedule']}"
                   f"; GPipe's (p-1)/(m+p-1) = {rep.ideal_bubble:.1%})")
@@ -145,12 +148,12 @@ def _print(res) -> None:
               f"{_mb(rep.comm_bytes_lower_bound)})")
     if len(res.chosen.considered) > 1:
         alt = Table(title="considered")
-        for col in ("split", "fits", "step (ms)", "speed-up", "bubble", "max peak"):
+        for col in ("split", "fits", "step", "speed-up", "bubble", "max peak"):
             alt.add_column(col, justify="right")
         for c in sorted(res.chosen.considered, key=lambda c: c.report.predicted_step_s):
             fits = "no" if not c.fits else "planned" if c.memory is not None else "yes"
             alt.add_row(c.spec.describe() + (" *" if c is best else ""),
-                        fits, f"{c.report.predicted_step_s * 1e3:,.1f}",
+                        fits, format_seconds(c.report.predicted_step_s),
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         _mb(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)

@@ -191,29 +191,30 @@ extern "C" __global__ void bn_grad_sums(const T* dy, const T* x, const double* m
 
 // the whole batch's mean and biased variance from its parts' (rows 2k and 2k + 1 of
 // parts: part k's, counts[k] values a channel): Chan's combination in float64, a thread a
-// channel
+// channel (element-wise kernels stride over the grid: they hold for any launch shape)
 extern "C" __global__ void bn_combine(const T* parts, const double* counts, T* out, int k,
                                       int c) {
-    int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= c) return;
-    double total = 0.0, s = 0.0, v = 0.0;
-    for (int q = 0; q < k; q++) {
-        total += counts[q];
-        s += counts[q] * (double)parts[2 * q * c + ch];
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c;
+         ch += gridDim.x * blockDim.x) {
+        double total = 0.0, s = 0.0, v = 0.0;
+        for (int q = 0; q < k; q++) {
+            total += counts[q];
+            s += counts[q] * (double)parts[2 * q * c + ch];
+        }
+        double mean = s / total;
+        for (int q = 0; q < k; q++) {
+            double d = (double)parts[2 * q * c + ch] - mean;
+            v += counts[q] * ((double)parts[(2 * q + 1) * c + ch] + d * d);
+        }
+        out[ch] = (T)mean;
+        out[c + ch] = (T)(v / total);
     }
-    double mean = s / total;
-    for (int q = 0; q < k; q++) {
-        double d = (double)parts[2 * q * c + ch] - mean;
-        v += counts[q] * ((double)parts[(2 * q + 1) * c + ch] + d * d);
-    }
-    out[ch] = (T)mean;
-    out[c + ch] = (T)(v / total);
 }
 
 extern "C" __global__ void bn_running(T* rm, T* rv, const double* mom, int c,
                                       double momentum, double unbias) {
-    int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch < c) {
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c;
+         ch += gridDim.x * blockDim.x) {
         rm[ch] = rm[ch] * (T)(1.0 - momentum) + (T)(momentum * mom[ch]);
         rv[ch] = rv[ch] * (T)(1.0 - momentum) + (T)(momentum * unbias * mom[c + ch]);
     }

@@ -234,14 +234,13 @@ extern "C" __global__ void bn_grad_stats(const T* dy, const T* x, const T* w, co
     }
 }
 
-// dx from the sums (st's rows: sum(g * x_hat), sum(g), the mean, 1/std) of `count` values
-// a channel (a synchronised batchnorm's count every device's; n * p otherwise)
+// dx from the sums (st's rows: sum(g * x_hat), sum(g), the mean, 1/std) of m values a
+// channel (a synchronised batchnorm's count every device's; n * p otherwise)
 extern "C" __global__ void bn_grad_input(const T* dy, const T* x, const T* st, const T* w,
                                          const T* b, const T* acc, T* dx, int n, int c,
                                          int p, int relu, int capped, double cap,
-                                         int accumulate, double count) {
+                                         int accumulate, double m) {
     long long total = (long long)n * c * p;
-    double m = count;
     T top = (T)cap;
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
          k += (long long)gridDim.x * blockDim.x) {

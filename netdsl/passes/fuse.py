@@ -45,6 +45,7 @@ a CPU step is left as written.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from netdsl.config import env_switch
@@ -85,12 +86,12 @@ def _sole_reader(g: Graph):
     """only(x, r): value x is read by node r alone and is no graph output, so a fusion into
     r may drop it. The readers are found on the first question (a pass that finds nothing
     to fuse asks none: a split step's consumers take 0.3-1 s to list)."""
-    found: list = []
+    @functools.cache
+    def facts():
+        return g.consumers(), {x for names in g.outputs.values() for x in names}
 
     def only(x: str, r: str) -> bool:
-        if not found:
-            found.append((g.consumers(), {x for names in g.outputs.values() for x in names}))
-        readers, outputs = found[0]
+        readers, outputs = facts()
         return readers[x] == [r] and x not in outputs
     return only
 

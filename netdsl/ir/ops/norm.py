@@ -278,18 +278,24 @@ def bn_forward(xp, ins, a, ctx, relu):
         moments = xp.empty((2, x3.shape[1]), xp.float64)
         f.bn_forward(x3, *_affine_or_unit(xp, w, bias, x3.shape[1], x.dtype), a["eps"],
                      relu, _no_cap(cap), y, moments, f.threads)
-        mean, var = moments
     else:
         mean, inv, var, y = _bn_stats(xp, x3, a["eps"], ctx.out)
         affine_in_place(xp, y, inv, w, bias, relu, cap)
+        moments = (mean, var)
     if not a.get("replay"):  # a recompute replay must not update the statistics again
-        m = a["momentum"]
-        count = x3.shape[0] * x3.shape[2]
-        if f is not None and hasattr(f, "bn_running") and f.accepts(rm, rv):
-            f.bn_running(rm, rv, moments, m, count)  # one launch on a GPU
-            return y.reshape(x.shape)
-        update_running(rm, rv, mean, var, m, count)
+        move_running(xp, f, rm, rv, moments, a["momentum"], x3.shape[0] * x3.shape[2])
     return y.reshape(x.shape)
+
+
+def move_running(xp, f, rm, rv, moments, momentum, count):
+    """The running statistics' update from `moments` (rows: the mean and the biased
+    variance of `count` values a channel): one launch where the fused kernels have one
+    (a GPU's bn_running, which reads them in float64), else update_running."""
+    if f is not None and hasattr(f, "bn_running") and f.accepts(rm, rv):
+        f.bn_running(rm, rv, xp.ascontiguousarray(moments, dtype=xp.float64), momentum,
+                     count)
+        return rm
+    return update_running(rm, rv, moments[0], moments[1], momentum, count)
 
 
 def update_running(rm, rv, mean, var, momentum, count):

@@ -38,7 +38,7 @@ from netdsl.ir.ops.norm import (
     affine_inputs,
     grad_from_stats,
     grad_sums,
-    update_running,
+    move_running,
 )
 from netdsl.ir.registry import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
@@ -241,11 +241,8 @@ def _sync_bn_grad_input(xp, ins, a, ctx):
 @kernel("bn_running_update")
 def _bn_running_update(xp, ins, a, ctx):
     rm, rv, stats = ins
-    f = fused_kernels(ctx, rm, rv, cuda=True)
-    if f is not None and hasattr(f, "bn_running"):  # one launch on a GPU
-        f.bn_running(rm, rv, _moments64(xp, stats), a["momentum"], a["count"])
-        return rm
-    return update_running(rm, rv, stats[0], stats[1], a["momentum"], a["count"])
+    return move_running(xp, fused_kernels(ctx, rm, rv, cuda=True), rm, rv, stats,
+                        a["momentum"], a["count"])
 
 
 # -- the backward of every copy at once ----------------------------------------------------------

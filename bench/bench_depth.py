@@ -22,7 +22,7 @@ from pathlib import Path
 from netdsl.api import loads
 from netdsl.config import TrainConfig
 from netdsl.memory.search import STRATEGIES, plan_memory
-from netdsl.runtime.trainer import training_graph
+from netdsl.step.graphs import training_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = """import resnet

@@ -13,7 +13,7 @@ from bench_depth import TEMPLATE
 from netdsl.api import loads
 from netdsl.config import TrainConfig
 from netdsl.memory.search import plan_and_apply
-from netdsl.runtime.trainer import training_graph
+from netdsl.step.graphs import training_graph
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--blocks", type=int, default=1622)

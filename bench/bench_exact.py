@@ -17,7 +17,7 @@ from netdsl.api import load
 from netdsl.config import TrainConfig
 from netdsl.memory.milp import exact_plan
 from netdsl.memory.search import plan_memory
-from netdsl.runtime.trainer import training_graph
+from netdsl.step.graphs import training_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [("resnet20-cifar", 8), ("transformer-tiny", 8), ("densenet121", 1)]

@@ -18,7 +18,7 @@ from pathlib import Path
 from netdsl.api import load
 from netdsl.config import TrainConfig
 from netdsl.memory.search import STRATEGIES, plan_memory
-from netdsl.runtime.trainer import training_graph
+from netdsl.step.graphs import training_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_S = 5.0

@@ -99,68 +99,72 @@ def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
     samples of its train section's data, in evaluation mode; returns a
     `netdsl.runtime.evaluate.EvalResult` (loss, accuracy, images/s). Raises NetdslError
     (CheckpointError for a missing, corrupt or mismatched checkpoint)."""
+    from netdsl.options import StepOptions, conflicts
     from netdsl.runtime.evaluate import evaluate_checkpoint
-    from netdsl.runtime.options import RunOptions, backend_for, check_options
-    opts = RunOptions(backend=backend, device=device, dtype=dtype)
-    check_options(opts)  # (its refusals: a dtype that is neither f32 nor f64)
+    from netdsl.runtime.options import backend_for
+    opts = StepOptions(backend=backend, device=device, dtype=dtype)
+    conflicts(opts)  # (its refusals: a dtype that is neither f32 nor f64)
     be = backend_for(opts)
     return evaluate_checkpoint(net.graph, net.train, checkpoint, batch=batch, split=split,
                                samples=samples, backend=be, dtype=dtype, progress=progress)
 
 
+def build(net: Network, options=None, *, runs: bool = False, mem_default: bool = False,
+          progress=None, phase=None, **overrides):
+    """The training step of `net` that `options` (a `netdsl.options.StepOptions`, or a
+    RunOptions) ask for: `netdsl.step.build.build_step`, the one builder every command
+    uses; returns the `Step`. `runs`: built to run in this process (its kernels are the
+    backend's); `mem_default`: with no --mem, the profile's capacity is the budget;
+    `overrides`: StepRequest fields (prefetch, verify_plan, fetch_logits, interconnect,
+    over_mpi). Raises NetdslError for bad options, sizes, profiles or splits."""
+    from netdsl.options import StepOptions, conflicts
+    from netdsl.runtime.options import backend_for
+    from netdsl.step.build import build_step
+    from netdsl.step.request import request_for, resolve_config
+    opts = options or StepOptions()
+    conflicts(opts)
+    cfg = resolve_config(net.train, opts)
+    backend = backend_for(opts) if opts.backend != "numpy" else None
+    req = request_for(opts, cfg, backend, runs=runs, mem_default=mem_default, **overrides)
+    return build_step(net.graph, cfg, req, progress=progress, phase=phase)
+
+
 def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
-         profile: str = "k40-12gb", strategy: str = "auto", float_dtype: str = "f32",
+         profile: str | None = None, strategy: str = "auto", float_dtype: str = "f32",
          prefetch: int | None = None, progress=None, verify: bool = True,
-         offload_state: bool = False, microbatches: int = 1):
+         offload_state: bool = False, microbatches: int | None = None,
+         backend: str = "numpy"):
     """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works; None: the
-    profile's memory) on a device `profile`, its gradients accumulated over `microbatches`
-    parts of the batch (`runtime.accumulate.accumulating_step`, as `run --microbatches`
-    runs it); returns a `netdsl.memory.search.PlanResult`
-    (`feasible` says whether it fits). With `verify`, the decisions are applied
-    (`memory.strategies.apply_decisions`) and the storage plan of the rewritten step
-    (`memory.plan.make_plan`) gives
-    `verified_peak_bytes`; were it over the budget, the search is run again with the
-    budget lowered by the excess (`memory.search.plan_and_apply`). Raises NetdslError for
-    bad sizes, profiles or strategies."""
-    from netdsl.memory.profiles import get_profile
-    from netdsl.memory.search import plan_and_apply
-    from netdsl.runtime.accumulate import accumulating_step
-    from netdsl.runtime.trainer import training_graph
-    b = batch if batch is not None else net.default_batch
-    if mem is None:
-        mem = get_profile(profile).capacity_bytes
-    # a GPU's step (its kernels' variants, and their scratch) for a device profile, as
-    # `run --backend cupy --mem` plans it; the CPU's for a unified one
-    device = "cpu" if get_profile(profile).unified else "gpu"
-    cfg = net.train or TrainConfig()
-    if microbatches > 1:
-        step = accumulating_step(net.graph, b, cfg, microbatches, device=device)
-    else:
-        step = training_graph(net.lower(b), cfg, device)
-    # checked as `run --mem` runs the step: values packed into an arena
-    _, res = plan_and_apply(step, mem, profile, strategy, float_dtype, arena=True,
-                            prefetch=prefetch, progress=progress,
-                            offload_state=offload_state, verify=verify)
-    return res
+    profile's memory) for a device `profile` (None: the device `backend` runs on), its
+    gradients accumulated over `microbatches` parts of the batch (None: the file's), the
+    step `run` would run (`build`); returns a `netdsl.memory.search.PlanResult`
+    (`feasible` says whether it fits). With `verify`, the decisions are applied and the
+    storage plan of the rewritten step gives `verified_peak_bytes`, the peak a run holds.
+    Raises NetdslError for bad sizes, profiles or strategies."""
+    return plan_step(net, mem, batch, profile, strategy, float_dtype, prefetch, progress,
+                     verify, offload_state, microbatches, backend).memory_plan
 
 
-def microbatches_to_fit(net: Network, failed, batch: int | None = None,
-                        float_dtype: str = "f32", offload_state: bool = False,
-                        microbatches: int = 1) -> int | None:
-    """For a `plan` result that does not fit (`failed`, of the step at `batch` in
-    `microbatches` parts), a larger count of micro-batches whose step a plan fits into
-    the same budget, profile and strategy, or None
-    (`runtime.accumulate.fewest_microbatches`: three plans at most)."""
-    from netdsl.memory.search import plan_and_apply
-    from netdsl.runtime.accumulate import fewest_microbatches
-    b = batch if batch is not None else net.default_batch
-    prof = failed.profile
+def plan_step(net: Network, mem: int | str | None = None, batch: int | None = None,
+              profile: str | None = None, strategy: str = "auto", float_dtype: str = "f32",
+              prefetch: int | None = None, progress=None, verify: bool = True,
+              offload_state: bool = False, microbatches: int | None = None,
+              backend: str = "numpy"):
+    """`plan`'s step itself (a `netdsl.step.build.Step`, its `memory_plan` the plan)."""
+    from netdsl.options import StepOptions
+    opts = StepOptions(batch=batch, mem=mem, profile=profile, strategy=strategy,
+                       dtype=float_dtype, offload_state=offload_state,
+                       microbatches=microbatches, backend=backend)
+    return build(net, opts, mem_default=True, progress=progress, prefetch=prefetch,
+                 verify_plan=verify)
 
-    def fits(step):
-        return plan_and_apply(step, failed.budget_bytes, prof, failed.strategy, float_dtype,
-                              arena=True, offload_state=offload_state)[1]
-    return fewest_microbatches(net.graph, b, net.train or TrainConfig(), failed, fits,
-                               microbatches, "cpu" if prof.unified else "gpu", float_dtype)
+
+def microbatches_to_fit(step, phase=None) -> int | None:
+    """For a planned step that does not fit (`plan_step`), a larger count of micro-batches
+    whose step a plan fits into the same budget, profile and strategy, or None (three
+    plans at most)."""
+    from netdsl.step.build import microbatches_to_fit as fewest
+    return fewest(step, phase)
 
 
 @dataclass
@@ -171,6 +175,7 @@ class SplitResult:
     batch: int
     gate: object | None = None  # netdsl.runtime.gate.GateResult
     mpi: bool = False  # predicted and planned as one process per device runs it
+    profile: object | None = None  # the netdsl.memory.profiles.Profile predicted for
 
     def to_json(self) -> dict:
         best = self.chosen.best
@@ -206,34 +211,32 @@ class SplitResult:
 
 def split(net: Network, devices: int, strategy: str | None = None, batch: int | None = None,
           microbatches: int | None = None, mem: int | str | None = None,
-          profile: str = "k40-12gb", interconnect: str = "pcie3", bn: str = "sync",
+          profile: str | None = None, interconnect: str = "pcie3", bn: str = "sync",
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None, mpi: bool = False,
-          jobs: int | None = None) -> SplitResult:
+          jobs: int | None = None, backend: str = "numpy") -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
-    predictions (strategy None: the file's `parallel { }`, else auto); with `verify`, the
-    equivalence gate on one batch in float64. With `mem`, a split that does not fit a
-    device is planned per device (recompute, offload: `parallel.memplan`). `mpi`: predict
-    and plan the split as `run --distributed` runs it, one process per device, whose sends
-    MPI holds until the peer has them (`project.mark_over_mpi`). `jobs`: processes that
-    build and predict the candidates (None: one a core where they are big enough;
-    `choose`). Raises SplitError (exit 3) for splits that cannot be made or do not fit."""
-    from netdsl.memory.profiles import get_profile
-    from netdsl.parallel.choose import choose
-    from netdsl.parallel.predict import get_interconnect
-    from netdsl.sizes import parse_size
-    b = batch if batch is not None else net.default_batch
-    cfg = net.train or TrainConfig()
-    budget = parse_size(mem, "--mem") if mem is not None else None
-    chosen = choose(net.graph, b, strategy, devices, cfg.optimizer.model_dump(),
-                    get_profile(profile), get_interconnect(interconnect), budget,
-                    microbatches, bn, progress=progress, schedule=schedule,
-                    plan=budget is not None, over_mpi=mpi, jobs=jobs)
-    result = SplitResult(chosen, b, mpi=mpi)
+    predictions (strategy None: the file's `parallel { }`, else auto), for a device
+    `profile` (None: the device `backend` runs on); with `verify`, the equivalence gate
+    on one batch in float64. With `mem`, a split that does not fit a device is planned
+    per device (recompute, offload: `parallel.memplan`). `mpi`: predict and plan the
+    split as `run --distributed` runs it, one process per device, whose sends MPI holds
+    until the peer has them. `jobs`: processes that build and predict the candidates
+    (None: one a core where they are big enough). Raises SplitError (exit 3) for splits
+    that cannot be made or do not fit."""
+    from netdsl.options import StepOptions
+    opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
+                       split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
+                       interconnect=interconnect, jobs=jobs, backend=backend)
+    step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
+                 weigh_splits=True)
+    chosen = step.chosen
+    result = SplitResult(chosen, step.request.batch, mpi=mpi, profile=step.profile)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset
         from netdsl.runtime.gate import verify_split
+        cfg, b = step.cfg, step.request.batch
         data = make_dataset(net.graph, cfg.data, seed)
         feeds = dict(zip(data.input_names, Loader(data.train, b, seed).next(), strict=True))
         result.gate = verify_split(net.graph, b, chosen.best.spec, cfg.optimizer.model_dump(),

@@ -178,3 +178,12 @@ class SplitError(NetdslError):
 class CommError(NetdslError):
     """A communication failure between devices or ranks: a peer that failed, was killed
     or did not answer in time. The message names the rank."""
+
+
+class NonFinite(NetdslError):
+    """A watched node (`Executor.stop_if_nonfinite`) produced NaN or Inf; the run stopped
+    before the nodes after it, so the state is as it was before the step's updates."""
+
+    def __init__(self, node: str):
+        self.node = node
+        super().__init__(f"`{node}` produced NaN or Inf")

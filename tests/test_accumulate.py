@@ -215,7 +215,7 @@ def test_the_search_for_micro_batches_plans_few_steps(monkeypatch, batch, need, 
     parts (`need` parts fit), no state; the plans it asks for, in order."""
     from types import SimpleNamespace as NS
 
-    from netdsl.runtime import accumulate
+    from netdsl.step import fit as accumulate
     monkeypatch.setattr(accumulate, "accumulating_step", lambda f, b, c, m, device: m)
     fwd = NS(nodes=[None] * 10, params=list)
     failed = NS(state_bytes=0, workspace_bytes=0, outside_plan_bytes=0,
@@ -235,7 +235,7 @@ def test_the_search_counts_the_gradients_and_the_steps_size():
     network would pass max_nodes."""
     from types import SimpleNamespace as NS
 
-    from netdsl.runtime.accumulate import fewest_microbatches
+    from netdsl.step.fit import fewest_microbatches
     net = load("digits-mlp.net")
     grads = sum(p.type.numel() * 4 for p in net.graph.params())
     failed = NS(state_bytes=2 * grads, workspace_bytes=0, outside_plan_bytes=0,

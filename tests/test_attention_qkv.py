@@ -115,7 +115,7 @@ def test_projections_in_another_order_are_left_as_written():
 def test_only_a_cpu_step_takes_attention_qkv(monkeypatch):
     """On a GPU the fused attention has not been measured: its step is left as written."""
     from netdsl.config import TrainConfig
-    from netdsl.runtime.trainer import training_graph
+    from netdsl.step.graphs import training_graph
     monkeypatch.setenv("NETDSL_FUSE", "1")
     fwd = load("transformer-tiny.net").lower(2)
     cpu = training_graph(fwd, TrainConfig(), "cpu")

@@ -25,7 +25,8 @@ from netdsl.config import TrainConfig
 from netdsl.ir import registry
 from netdsl.ir.ops.conv import conv2d_forward, conv2d_grad_input, conv2d_grad_weight
 from netdsl.runtime.executor import Executor
-from netdsl.runtime.trainer import Trainer, training_graph
+from netdsl.runtime.trainer import Trainer
+from netdsl.step.graphs import training_graph
 
 registry.load_all()
 

@@ -86,7 +86,7 @@ def test_a_gpu_step_is_fused_without_numba_and_a_cpu_step_only_with_it(monkeypat
     import importlib.util
 
     from netdsl.config import TrainConfig
-    from netdsl.runtime.trainer import training_graph
+    from netdsl.step.graphs import training_graph
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "numba" else real(name, *a))
@@ -245,7 +245,7 @@ def test_only_a_cpu_step_folds_residuals_into_products(monkeypatch):
     """A GPU adds the residual after the product, one launch as the add's: its step is
     left with the add."""
     from netdsl.config import TrainConfig
-    from netdsl.runtime.trainer import training_graph
+    from netdsl.step.graphs import training_graph
     monkeypatch.setenv("NETDSL_FUSE", "1")
     fwd = load("resnet164-cifar.net").lower(2)
     assert len(training_graph(fwd, TrainConfig(), "cpu").by_op("conv2d_add")) == 54

@@ -330,9 +330,9 @@ def test_accumulated_step_and_evaluation_match_numpy(tmp_path):
     what it computes on NumPy, and a checkpoint evaluates to the same loss on both."""
     from test_split import setup
 
-    from netdsl.runtime.accumulate import accumulating_step
     from netdsl.runtime.checkpoint import save
     from netdsl.runtime.evaluate import evaluate_checkpoint
+    from netdsl.step.graphs import accumulating_step
     gpu = _gpu_backend()
     net, _, feeds = setup("resnet20")
     g = accumulating_step(net.graph, 8, net.train, 4, device="gpu")

@@ -388,7 +388,7 @@ EVAL_ROOM = """
 import json, sys
 from pathlib import Path
 import netdsl
-import netdsl.runtime.room as room
+import netdsl.step.room as room
 from netdsl.runtime.mpi import world
 from netdsl.runtime.options import RunOptions
 from netdsl.runtime.trainer import Trainer

@@ -214,7 +214,8 @@ def test_device_pass_marks_the_convolutions_for_a_gpu_only():
     from netdsl.config import TrainConfig
     from netdsl.passes.device import for_device
     from netdsl.runtime.options import RunOptions
-    from netdsl.runtime.trainer import Trainer, training_graph
+    from netdsl.runtime.trainer import Trainer
+    from netdsl.step.graphs import training_graph
     net = load("resnet20-cifar.net")
     step = training_graph(net.lower(2), net.train or TrainConfig(), "gpu")
     convs = {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}

@@ -96,7 +96,7 @@ def test_graph_building_leaves_no_reference_cycles():
     import gc
 
     from netdsl.api import load, plan, split
-    from netdsl.runtime.trainer import training_graph
+    from netdsl.step.graphs import training_graph
     net = load("examples/resnet20-cifar.net")
     others = [net, load("examples/transformer-tiny.net")]
     gc.collect()  # (the front end's parse trees hold cycles: loaded before)

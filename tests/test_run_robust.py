@@ -327,7 +327,7 @@ def test_out_of_memory_is_said_in_words(tmp_path, monkeypatch):
     assert "the least a plan needs is about 2251.80 TB" in out.stderr
     assert "--batch 1" in out.stderr
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr
-    from netdsl.runtime import room
+    from netdsl.step import room
     monkeypatch.setattr(room, "available_bytes", lambda be: None)
     net = netdsl.load(p)
     with pytest.raises(NetdslError, match="out of memory allocating the parameters: a "
@@ -355,7 +355,7 @@ def test_a_step_that_does_not_fit_the_free_memory_is_planned_into_it(tmp_path,
     into nine tenths of it (Linux would let it start and then kill it), says so, and
     trains to the same numbers; one that no plan fits is refused before anything is
     allocated, with what a plan needs."""
-    from netdsl.runtime import room
+    from netdsl.step import room
     p = tmp_path / "deep.net"
     p.write_text(DEEP)
     net = netdsl.load(p)
@@ -394,7 +394,7 @@ def test_a_step_planned_past_the_free_memory_is_refused_before_it_starts(tiny,
     """Memory taken by others after the plan was made: the planned peak is more than the
     memory left after the state, so the step is refused up front, with the --mem to plan
     it into; with --mem already given, the budget is named instead."""
-    from netdsl.runtime import room
+    from netdsl.step import room
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1))
     need = t.planned_peak_bytes() + t._held_besides_plan(t.train_graph, t.executor.backend)
     monkeypatch.setattr(room, "available_bytes", lambda be: need // 4)
@@ -453,7 +453,7 @@ def test_the_devices_of_a_split_in_one_process_are_refused_together(tiny, monkey
     """A split run in one process holds every device's part in this process's memory:
     the plan's peak (all of them at once) is checked against what is free, as a single
     device's is (it was not checked at all)."""
-    from netdsl.runtime import room
+    from netdsl.step import room
     t = Trainer(tiny.graph, tiny.train, RunOptions(steps=1, devices=2, split="data"))
     need, state = t.planned_peak_bytes(), t._state_bytes()
     assert need > max(t._planned_by_device().values())  # both devices' values
@@ -484,7 +484,7 @@ def test_out_of_memory_during_a_step(tiny, monkeypatch):
 def test_free_memory_is_the_smaller_of_the_hosts_and_the_cgroups(monkeypatch):
     from netdsl.backends import host_memory
     from netdsl.backends.numpy import NumpyBackend
-    from netdsl.runtime import room
+    from netdsl.step import room
     be = NumpyBackend()
     monkeypatch.setattr(host_memory, "_cgroup_room", lambda: None)
     host = room.available_bytes(be)
@@ -498,7 +498,7 @@ def test_free_gpu_memory_counts_what_cupys_pool_holds_free():
     its step, though the device does not count them as free."""
     from types import SimpleNamespace as NS
 
-    from netdsl.runtime import room
+    from netdsl.step import room
     xp = NS(cuda=NS(Device=lambda: NS(mem_info=(1000, 8000))),
             get_default_memory_pool=lambda: NS(free_bytes=lambda: 500))
     assert room.available_bytes(NS(name="cupy", xp=xp)) == 1500

@@ -7,8 +7,7 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from netdsl_cli.app import (
-    BatchOpt,
+from netdsl_cli.common import (
     CountBar,
     FileArg,
     JsonOpt,
@@ -18,6 +17,7 @@ from netdsl_cli.app import (
     load_network,
     print_json,
 )
+from netdsl_cli.options import DEFAULTS, BackendOpt, BatchOpt, DeviceOpt, DtypeOpt
 
 
 @app.command("eval")
@@ -26,15 +26,15 @@ def eval_(
     checkpoint: Annotated[Path, typer.Option(
         "--checkpoint", help="a checkpoint directory (or its .npz): a run's, or the weights "
         "`netdsl import` writes", show_default=False)],
-    batch: BatchOpt = None,
+    batch: BatchOpt = DEFAULTS.batch,
     data: Annotated[str, typer.Option(
         "--data", help="test (the held-out samples) or train")] = "test",
     samples: Annotated[int | None, typer.Option(
         "--samples", min=1, help="evaluate the first N samples (default: all; of synthetic "
         "data, one batch)")] = None,
-    backend: Annotated[str, typer.Option(help="numpy or cupy")] = "numpy",
-    device: Annotated[int | None, typer.Option(min=0, help="GPU index for cupy")] = None,
-    dtype: Annotated[str, typer.Option(help="f32 or f64")] = "f32",
+    backend: BackendOpt = DEFAULTS.backend,
+    device: DeviceOpt = DEFAULTS.device,
+    dtype: DtypeOpt = DEFAULTS.dtype,
     json_output: JsonOpt = False,
 ) -> None:
     """Evaluate a checkpoint: loss and accuracy on the held-out data, in evaluation mode."""

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from netdsl_cli.app import EXIT_USER, JsonOpt, app, console, guard, print_error, print_json
+from netdsl_cli.common import EXIT_USER, JsonOpt, app, console, guard, print_error, print_json
 
 
 def _sources(paths: list[Path]) -> list[Path]:

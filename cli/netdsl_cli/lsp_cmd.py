@@ -1,7 +1,7 @@
 """`netdsl lsp`: the language server, for editors (see docs/tools.md)."""
 from __future__ import annotations
 
-from netdsl_cli.app import app, guard
+from netdsl_cli.common import app, guard
 
 
 @app.command()

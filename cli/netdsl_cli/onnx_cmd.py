@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from netdsl_cli.app import CountBar, JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.common import CountBar, JsonOpt, app, console, guard, load_network, print_json
 
 
 def _parse_batch(value: str) -> int | None:

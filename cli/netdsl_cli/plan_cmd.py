@@ -15,9 +15,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from netdsl.memory.report import plan_json
 from netdsl.sizes import format_seconds
-from netdsl_cli.app import (
-    BatchOpt,
+from netdsl_cli.common import (
     FileArg,
     JsonOpt,
     app,
@@ -26,6 +26,16 @@ from netdsl_cli.app import (
     load_network,
     print_json,
 )
+from netdsl_cli.options import (
+    DEFAULTS,
+    BackendOpt,
+    BatchOpt,
+    MemOpt,
+    MicrobatchesOpt,
+    OffloadStateOpt,
+    ProfileOpt,
+    StrategyOpt,
+)
 
 EXIT_INFEASIBLE = 3
 
@@ -33,82 +43,60 @@ EXIT_INFEASIBLE = 3
 @app.command()
 def plan(
     file: FileArg,
-    mem: Annotated[str | None, typer.Option(
-        "--mem", help="device memory budget: 12GB, 300MB, 1.5GiB (KB/MB/GB decimal, "
-        "KiB/MiB/GiB binary); default: the profile's memory (12 GB on k40-12gb)")] = None,
-    batch: BatchOpt = None,
-    profile: Annotated[str, typer.Option(help="device profile: k40-12gb, v100-16gb, "
-                                         "a100-40gb, h200, cpu, or a JSON file from "
-                                         "`netdsl calibrate -o`")] = "k40-12gb",
-    strategy: Annotated[str, typer.Option(help="auto, none, checkpoint-sqrt, offload-all "
-                                          "or recompute-all")] = "auto",
+    mem: MemOpt = DEFAULTS.mem,
+    batch: BatchOpt = DEFAULTS.batch,
+    profile: ProfileOpt = DEFAULTS.profile,
+    backend: BackendOpt = DEFAULTS.backend,
+    strategy: StrategyOpt = DEFAULTS.strategy,
+    offload_state: OffloadStateOpt = DEFAULTS.offload_state,
+    microbatches: MicrobatchesOpt = DEFAULTS.microbatches,
     depth: Annotated[int, typer.Option("--depth", "-d", min=1,
                                        help="block levels in the decision table")] = 2,
     plot: Annotated[Path | None, typer.Option(help="draw device memory over the schedule "
                                               "into this image (needs matplotlib)")] = None,
-    offload_state: Annotated[bool, typer.Option(
-        "--offload-state", help="let the plan keep optimizer state in host memory as a "
-        "last resort (`netdsl run --mem --offload-state` executes it)")] = False,
-    microbatches: Annotated[int, typer.Option(
-        "--microbatches", min=1, help="accumulate the gradients over this many parts of "
-        "the batch, one after the other, as `netdsl run --microbatches` does")] = 1,
     exact: Annotated[bool, typer.Option(help="also solve the exact program (SciPy HiGHS "
                                         "MILP; small networks) and report auto's gap")]
     = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Plan a training step into a memory budget: what to keep, recompute or offload."""
-    from netdsl.api import plan as plan_api
-    from netdsl.memory.report import plan_json
+    """Plan a training step into a memory budget: what to keep, recompute or offload
+    (default budget: the profile's memory)."""
+    from netdsl.api import plan_step
 
     with guard(json_output):
         net = load_network(file)
-        b = batch if batch is not None else net.default_batch
+        args = dict(mem=mem, batch=batch, profile=profile, strategy=strategy,
+                    offload_state=offload_state, microbatches=microbatches, backend=backend)
         if json_output:
-            res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
-                           microbatches=microbatches)
+            step = plan_step(net, **args)
         else:
             with Progress(TextColumn("[bold]plan"), BarColumn(), TimeElapsedColumn(),
                           console=console(stderr=True), transient=True) as bar:
                 task = bar.add_task("plan", total=1.0)
-                res = plan_api(net, mem, b, profile, strategy, offload_state=offload_state,
-                               microbatches=microbatches,
-                               progress=lambda f: bar.update(task, completed=f))
+                step = plan_step(net, progress=lambda f: bar.update(task, completed=f), **args)
+        res, b, micro = step.memory_plan, step.request.batch, step.microbatches
         fitting = None  # where no plan fits: more micro-batches that one would fit
         if not res.feasible:
             from netdsl.api import microbatches_to_fit
             with (contextlib.nullcontext() if json_output else
                   console(stderr=True).status("no plan fits: trying more micro-batches")):
-                fitting = microbatches_to_fit(net, res, b, offload_state=offload_state,
-                                              microbatches=microbatches)
+                fitting = microbatches_to_fit(step)
         if plot is not None:
             from netdsl.tooling.memory_plot import plot_memory
             plot_memory(res, plot)
-        extra = {}
-        if exact:
-            from netdsl.memory.milp import exact_plan
-            x = exact_plan(res.prep.g, res.budget_bytes, res.profile, prefetch=res.prefetch)
-            gap = res.predicted_step_s / x.predicted_step_s - 1 if x.feasible else None
-            extra["exact"] = {"feasible": x.feasible, "planned_peak_bytes": x.planned_peak_bytes,
-                              "predicted_step_s": x.predicted_step_s,
-                              "predicted_overhead": x.predicted_overhead,
-                              "solve_s": x.solve_s, "rounds": x.rounds, "auto_gap": gap}
+        extra = {"exact": _exact(res)} if exact else {}
         if json_output:
-            print_json(plan_json(res, b, depth, {**extra, "fits_with_microbatches": fitting},
-                                 microbatches))
+            print_json(plan_json(res, b, depth, {
+                **extra, "fits_with_microbatches": fitting,
+                "planned_peak_bytes": step.planned_peak_bytes(),
+                "search_peak_bytes": res.planned_peak_bytes}, micro))
         else:
-            _print(res, b, depth, microbatches)
+            _print(res, b, depth, micro, step.planned_peak_bytes())
             if exact:
-                e = extra["exact"]
-                line = (f"exact (MILP)        step {format_seconds(e['predicted_step_s'])}, "
-                        f"{100 * e['predicted_overhead']:+.1f}%; solved in "
-                        f"{e['solve_s']:.2f} s; {res.strategy} is "
-                        f"{100 * gap:+.2f}% against it" if e["feasible"] else
-                        "exact (MILP)        found no plan that fits")
-                console().print(Text(line))
+                _print_exact(res, extra["exact"])
         if not res.feasible:
-            from netdsl.runtime.accumulate import fits_with
             from netdsl.sizes import format_decimal
+            from netdsl.step.fit import fits_with
             sys.stderr.write(
                 f"netdsl: no plan fits {format_decimal(res.budget_bytes)}: the smallest "
                 f"budget that works is {format_decimal(res.min_feasible_bytes)} "
@@ -117,7 +105,26 @@ def plan(
             raise typer.Exit(EXIT_INFEASIBLE)
 
 
-def _print(res, batch: int, depth: int, microbatches: int = 1) -> None:
+def _exact(res) -> dict:
+    """The exact program's plan for the same budget, and auto's gap to it."""
+    from netdsl.memory.milp import exact_plan
+    x = exact_plan(res.prep.g, res.budget_bytes, res.profile, prefetch=res.prefetch)
+    gap = res.predicted_step_s / x.predicted_step_s - 1 if x.feasible else None
+    return {"feasible": x.feasible, "planned_peak_bytes": x.planned_peak_bytes,
+            "predicted_step_s": x.predicted_step_s,
+            "predicted_overhead": x.predicted_overhead,
+            "solve_s": x.solve_s, "rounds": x.rounds, "auto_gap": gap}
+
+
+def _print_exact(res, e: dict) -> None:
+    line = (f"exact (MILP)        step {format_seconds(e['predicted_step_s'])}, "
+            f"{100 * e['predicted_overhead']:+.1f}%; solved in {e['solve_s']:.2f} s; "
+            f"{res.strategy} is {100 * e['auto_gap']:+.2f}% against it" if e["feasible"] else
+            "exact (MILP)        found no plan that fits")
+    console().print(Text(line))
+
+
+def _print(res, batch: int, depth: int, microbatches: int, peak: int) -> None:
     from netdsl.ir.stats import fmt_si
     from netdsl.memory.report import decision_rows
     from netdsl.sizes import format_decimal as fb
@@ -127,16 +134,13 @@ def _print(res, batch: int, depth: int, microbatches: int = 1) -> None:
     lines = [
         f"{res.network} at batch {batch}"
         + (f" in {microbatches} micro-batches" if microbatches > 1 else "")
-        + f" on {res.profile.name}, strategy {res.strategy}"
+        + f" for profile {res.profile.name}, strategy {res.strategy}"
         f" (planned in {res.plan_s:.2f} s)",
         f"budget              {fb(res.budget_bytes)}",
         f"peak without a plan {fb(res.baseline_peak_bytes)}",
-        f"planned peak        {fb(res.planned_peak_bytes)}"
-        + ("" if res.feasible else "  (over budget)")
-        + f"  (state {fb(res.state_bytes)}, workspace {fb(res.workspace_bytes)})"
-        + ("" if res.verified_peak_bytes is None else
-           f"; the rewritten step's storage plan: {fb(res.verified_peak_bytes)} "
-           f"(checked in {res.verify_s:.2f} s)"),
+        f"planned peak        {fb(peak)}" + ("" if res.feasible else "  (over budget)")
+        + f"  (state {fb(res.state_bytes)}, workspace {fb(res.workspace_bytes)}; the "
+        f"rewritten step's storage plan, checked in {res.verify_s:.2f} s)",
         f"predicted step      {format_seconds(res.predicted_step_s)}, "
         f"{100 * res.predicted_overhead:+.1f}% against the unconstrained "
         f"{format_seconds(res.baseline_step_s)}",

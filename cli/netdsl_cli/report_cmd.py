@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from netdsl_cli.app import JsonOpt, app, console, guard, print_json
+from netdsl_cli.common import JsonOpt, app, console, guard, print_json
 
 
 @app.command()

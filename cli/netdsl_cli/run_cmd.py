@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import io
 import sys
 import time
@@ -20,16 +20,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from netdsl.options import RunOptions
 from netdsl.sizes import format_decimal, format_seconds
-from netdsl_cli.app import JobsOpt, JsonOpt, app, console, guard, load_network, print_json
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
+from netdsl_cli.common import FileArg, JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.options import options_from, with_options
 
 
 class _Bar:
@@ -74,9 +68,11 @@ class _Bar:
             self.err.print(f"warning: {w}", style="yellow", highlight=False)
         self.total = info["total_steps"]
         split = f" ({info['split']})" if info.get("split") else ""  # e.g. microbatches=4
+        profile = f", profile {info['profile']}" if info.get("profile") else ""
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
-                       f"{info['backend']} ({info['device']}), batch {info['batch']}{split}, "
-                       f"data {info['dataset']} ({info['train_samples']:,} samples)")
+                       f"{info['backend']} ({info['device']}){profile}, "
+                       f"batch {info['batch']}{split}, data {info['dataset']} "
+                       f"({info['train_samples']:,} samples)")
         plan = info.get("memory_plan")
         if plan:
             d = plan["decisions"]
@@ -91,7 +87,7 @@ class _Bar:
                 f"{d.get('recompute', 0):,} values recomputed, {d.get('offload', 0):,} "
                 f"offloaded, predicted {100 * plan['predicted_overhead']:+.1f}% step time")
         else:
-            self.err.print(f"expected memory: about {_fmt_bytes(info['planned_peak_bytes'])} "
+            self.err.print(f"expected memory: about {format_decimal(info['planned_peak_bytes'])} "
                            "(state + activations kept for backward)")
         if info["start_step"]:
             self.err.print(f"resuming at step {info['start_step']} of {info['total_steps']}")
@@ -149,109 +145,28 @@ class _Bar:
             self.progress.stop()
 
 
-def _run(
-    file: Annotated[Path, typer.Argument(help="a .net file", show_default=False)],
-    steps: Annotated[int | None, typer.Option(
-        min=1, help="total steps (also when resuming)")] = None,
-    epochs: Annotated[int | None, typer.Option(min=1, help="epochs instead of steps")] = None,
-    batch: Annotated[int | None, typer.Option("--batch", "-b", min=1)] = None,
-    lr: Annotated[float | None, typer.Option(min=0.0, help="base learning rate")] = None,
-    clip_grad_norm: Annotated[float | None, typer.Option(
-        "--clip-grad-norm", help="scale the gradients to this global 2-norm at most before "
-        "each update (the optimizer's clip_grad_norm)")] = None,
-    seed: Annotated[int | None, typer.Option(min=0)] = None,
-    backend: Annotated[str, typer.Option(help="numpy or cupy")] = "numpy",
-    device: Annotated[int | None, typer.Option(
-        min=0, help="GPU index for cupy (default 0; over MPI each rank its place among the "
-        "ranks on its machine)")] = None,
-    dtype: Annotated[str, typer.Option(help="f32 or f64")] = "f32",
-    log: Annotated[Path | None, typer.Option(help="write one JSON line per step here")] = None,
-    checkpoint: Annotated[Path | None, typer.Option(help="checkpoint directory")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(min=1)] = None,
-    resume: Annotated[bool, typer.Option(help="continue from --checkpoint")] = False,
-    overwrite: Annotated[bool, typer.Option(
-        help="start over, replacing the checkpoint in --checkpoint (refused without it)")
-    ] = False,
-    eval_every: Annotated[int | None, typer.Option(min=1, help="evaluate every K steps")] = None,
-    eval_samples: Annotated[int | None, typer.Option(
-        min=0, help="held-out samples per evaluation (0: none; default: all of real data, "
-                    "one batch of synthetic data)")] = None,
-    check_numerics: Annotated[bool, typer.Option(
-        help="stop at the first NaN/Inf, naming the node")] = False,
-    plot: Annotated[Path | None, typer.Option(
-        "--plot", help="at the end, write the training curves to this PNG (needs the plot "
-        "extra)")] = None,
-    mem: Annotated[str | None, typer.Option(
-        "--mem", help="device memory budget (300MB, 12GB, 1.5GiB): plan the step to fit, "
-        "recomputing or offloading what does not, then run that plan; with --devices, the "
-        "budget of each device, planned per device")] = None,
-    profile: Annotated[str | None, typer.Option(
-        help="device profile the planner predicts time with (k40-12gb, v100-16gb, a100-40gb, "
-        "h200, cpu, or a file from `netdsl calibrate`); default cpu on numpy, h200 on "
-        "cupy")] = None,
-    strategy: Annotated[str, typer.Option(
-        help="auto | none | checkpoint-sqrt | offload-all | recompute-all")] = "auto",
-    offload_state: Annotated[bool, typer.Option(
-        "--offload-state", help="with --mem: the plan may keep optimizer state in host "
-        "memory, streamed in for each update")] = False,
-    devices: Annotated[int, typer.Option(
-        "--devices", min=1, help="split the step over this many logical devices in this "
-        "process (each with its own memory accounting; see `netdsl split`)")] = 1,
-    split: Annotated[str | None, typer.Option(
-        "--split", help="with --devices: auto | data | pipeline | hybrid | tensor | spatial "
-        "(default: "
-        "the file's `parallel` declaration, else auto)")] = None,
-    microbatches: Annotated[int | None, typer.Option(
-        "--microbatches", min=1, help="micro-batches per step: a pipeline's, or the parts "
-        "of the batch each device accumulates gradients over, one after the other (on one "
-        "device: less memory, the same gradients but through batchnorm, which normalises "
-        "each part alone and moves its running statistics once, from every part's)")]
-    = None,
-    schedule: Annotated[str | None, typer.Option(
-        "--schedule", help="the micro-batches' order: gpipe or 1f1b (default: 1f1b where "
-        "auto chooses and where gradients are accumulated, else gpipe)")] = None,
-    bn: Annotated[str, typer.Option(
-        "--bn", help="with --devices or --distributed: batchnorm over the split batch, sync "
-        "(the whole batch's statistics: the single-device step) or local (each device its "
-        "rows', as PyTorch's DistributedDataParallel; fewer collectives)")] = "sync",
-    distributed: Annotated[bool, typer.Option(
-        "--distributed", help="one process per device under `mpiexec -n N` (the `mpi` "
-        "extra): each rank runs its part of the split step; rank 0 reports")] = False,
-    jobs: JobsOpt = None,
-    json_output: JsonOpt = False,
-) -> int | None:
+def _run(file: Path, plot: Path | None, json_output: bool, **options) -> int | None:
     """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
     bar = _Bar(quiet=json_output)
     with guard(json_output):
         from netdsl.api import train
-        from netdsl.runtime.options import RunOptions
-        if steps is not None and epochs is not None:
-            from netdsl.errors import NetdslError
-            raise NetdslError("give --steps or --epochs, not both")
+        from netdsl.options import conflicts
+        opts = options_from(RunOptions, options)
+        conflicts(opts)  # (before loading anything)
         if plot is not None:  # before the run, not after it: matplotlib may be missing
             from netdsl.tooling.curves import require_matplotlib
             require_matplotlib()
         net = load_network(file)
-        opts = RunOptions(steps=steps, epochs=epochs, batch=batch, lr=lr,
-                          clip_grad_norm=clip_grad_norm, seed=seed,
-                          backend=backend, device=device, dtype=dtype,
-                          log=str(log) if log else None,
-                          checkpoint=str(checkpoint) if checkpoint else None,
-                          checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite,
-                          eval_every=eval_every, check_numerics=check_numerics,
-                          eval_samples=eval_samples, mem=mem, profile=profile,
-                          strategy=strategy, offload_state=offload_state, devices=devices,
-                          split=split, microbatches=microbatches, distributed=distributed,
-                          schedule=schedule, jobs=jobs, bn=bn)
         bar.preparing()
         try:
             result = train(net, opts, bar)
         finally:
             bar.close()
-        if plot is not None and _rank(distributed) == 0:  # (every rank ran this)
+        log = Path(opts.log) if opts.log else None
+        if plot is not None and _rank(opts.distributed) == 0:  # (every rank ran this)
             from netdsl.tooling.curves import read_log, run_from_records, write_png
             # after --resume the log holds the whole run (rewound to the checkpoint first)
-            whole = log is not None and resume and log.exists() and log.stat().st_size > 0
+            whole = log is not None and opts.resume and log.exists() and log.stat().st_size > 0
             write_png([read_log(log, result.network) if whole else
                        run_from_records(bar.records, result.network)], plot)
         if json_output:
@@ -264,12 +179,12 @@ def _run(
         line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
                 f"{result.images_per_s:.1f} images/s "
                 f"(median step {format_seconds(result.step_time_s)}), "
-                f"peak memory {_fmt_bytes(result.peak_bytes)}")
+                f"peak memory {format_decimal(result.peak_bytes)}")
         if result.test_accuracy is not None:
             line += f", test accuracy {result.test_accuracy:.4f}"
         out.print(line)
-        if checkpoint:
-            out.print(f"checkpoint: {checkpoint / 'checkpoint.npz'}")
+        if opts.checkpoint:
+            out.print(f"checkpoint: {Path(opts.checkpoint) / 'checkpoint.npz'}")
         if plot is not None:
             out.print(f"curves: {plot}")
         if result.interrupted:
@@ -287,13 +202,24 @@ def _rank(distributed: bool) -> int:
 
 def _exit_code(result) -> int | None:
     """130 for a run stopped by a signal (after its step, saved, reported), else None."""
-    from netdsl_cli.app import EXIT_INTERRUPT
+    from netdsl_cli.common import EXIT_INTERRUPT
     return EXIT_INTERRUPT if result.interrupted else None
 
 
+_PLOT = Annotated[Path | None, typer.Option(
+    "--plot", help="at the end, write the training curves to this PNG (needs the plot extra)")]
+
+
 @app.command("run")
-@functools.wraps(_run)
+@with_options(RunOptions,
+              [inspect.Parameter("file", inspect.Parameter.KEYWORD_ONLY, annotation=FileArg)],
+              [inspect.Parameter("plot", inspect.Parameter.KEYWORD_ONLY, annotation=_PLOT,
+                                 default=None),
+               inspect.Parameter("json_output", inspect.Parameter.KEYWORD_ONLY,
+                                 annotation=JsonOpt, default=False)],
+              exclude=("interconnect",))  # (its devices are this process's: shm)
 def run(**kwargs) -> None:
+    """Train a network on the CPU (NumPy) or a GPU (CuPy); `--json` prints a summary."""
     # with --distributed every rank runs this: rank 0 reports as a plain run does, the
     # others stay quiet; a rank that fails says so, naming itself, and stops every rank
     # (MPI_Abort), so none waits for it. A run stopped by a signal after a step (every

@@ -11,11 +11,9 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from netdsl.sizes import format_seconds
-from netdsl_cli.app import (
-    BatchOpt,
+from netdsl.sizes import format_decimal, format_seconds
+from netdsl_cli.common import (
     FileArg,
-    JobsOpt,
     JsonOpt,
     app,
     console,
@@ -23,40 +21,36 @@ from netdsl_cli.app import (
     load_network,
     print_json,
 )
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
+from netdsl_cli.options import (
+    DEFAULTS,
+    BackendOpt,
+    BatchOpt,
+    BnOpt,
+    InterconnectOpt,
+    JobsOpt,
+    MemOpt,
+    MicrobatchesOpt,
+    ProfileOpt,
+    ScheduleOpt,
+    SplitOpt,
+)
 
 
 @app.command()
 def split(
     file: FileArg,
-    devices: Annotated[int | None, typer.Option("--devices", "-n", min=1, help="devices to "
-                                                "split over (default: the file's "
-                                                "`parallel` declaration)")] = None,
-    strategy: Annotated[str | None, typer.Option(
-        help="auto, data, pipeline, hybrid, tensor or spatial (default: the file's `parallel` "
-        "declaration when it has one for these devices, else auto)")] = None,
-    batch: BatchOpt = None,
-    microbatches: Annotated[int | None, typer.Option(
-        "--microbatches", "-m", min=1, help="micro-batches per step (pipelines, or each "
-        "data replica's accumulation)")] = None,
-    mem: Annotated[str | None, typer.Option(help="memory per device (12GB): a split that "
-                                            "does not fit is planned per device, "
-                                            "recomputing or offloading to the device's "
-                                            "host what does not fit (exit 3 when even "
-                                            "that cannot); default: the profile's "
-                                            "capacity, unplanned")] = None,
-    profile: Annotated[str, typer.Option(help="device profile: k40-12gb, v100-16gb, "
-                                         "a100-40gb, h200, cpu, or a calibrated JSON")]
-    = "k40-12gb",
-    interconnect: Annotated[str, typer.Option(help="shm, pcie3, nvlink4, ib-hdr or "
-                                              "10gbe")] = "pcie3",
-    bn: Annotated[str, typer.Option(help="batchnorm over a split batch: sync (the "
-                                    "single-device step) or local (per device)")] = "sync",
-    schedule: Annotated[str | None, typer.Option(
-        help="a pipeline's order: gpipe or 1f1b (default: the file's, else gpipe)")] = None,
+    devices: Annotated[int | None, typer.Option(
+        "--devices", "-n", min=1, help="devices to split over (default: the file's "
+        "`parallel` declaration)")] = None,
+    split: SplitOpt = DEFAULTS.split,
+    batch: BatchOpt = DEFAULTS.batch,
+    microbatches: MicrobatchesOpt = DEFAULTS.microbatches,
+    mem: MemOpt = DEFAULTS.mem,
+    profile: ProfileOpt = DEFAULTS.profile,
+    backend: BackendOpt = DEFAULTS.backend,
+    interconnect: InterconnectOpt = DEFAULTS.interconnect,
+    bn: BnOpt = DEFAULTS.bn,
+    schedule: ScheduleOpt = DEFAULTS.schedule,
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
                                          "one batch in float64 and compare every "
                                          "gradient and updated value")] = False,
@@ -66,7 +60,7 @@ def split(
                                       "it (a pipeline's stages hold more)")] = False,
     plot: Annotated[Path | None, typer.Option(help="draw the schedule (Gantt chart per "
                                               "device) into this image")] = None,
-    jobs: JobsOpt = None,
+    jobs: JobsOpt = DEFAULTS.jobs,
     json_output: JsonOpt = False,
 ) -> None:
     """Split a training step across devices: per-device work, memory and communication."""
@@ -76,9 +70,9 @@ def split(
     with guard(json_output):
         net = load_network(file)
         n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
-        kw = dict(devices=n, strategy=strategy, batch=batch, microbatches=microbatches,
+        kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
-                  schedule=schedule, mpi=mpi, jobs=jobs)
+                  schedule=schedule, mpi=mpi, jobs=jobs, backend=backend)
         if json_output:
             res = split_api(net, **kw)
         else:
@@ -87,10 +81,9 @@ def split(
                 task = bar.add_task("split", total=1.0)
                 res = split_api(net, progress=lambda f: bar.update(task, completed=f), **kw)
         if plot is not None:
-            from netdsl.memory.profiles import get_profile
             from netdsl.parallel.predict import get_interconnect, simulate
             from netdsl.tooling.schedule_plot import plot_schedule
-            timeline = simulate(res.chosen.best.graph, get_profile(profile),
+            timeline = simulate(res.chosen.best.graph, res.profile,
                                 get_interconnect(interconnect)).timeline
             plot_schedule(timeline, plot, title=f"{net.name}: {res.chosen.best.spec.describe()}")
         if json_output:
@@ -116,25 +109,27 @@ def _print(res) -> None:
         t.add_column(col, justify="right")
     for d in rep.per_device:
         row = [str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
-               _mb(d.peak_bytes), str(d.sends), str(d.collectives), _mb(d.comm_bytes)]
+               format_decimal(d.peak_bytes), str(d.sends), str(d.collectives),
+               format_decimal(d.comm_bytes)]
         if mem is not None:
             m = mem.get(d.device, {})
-            row += [f"{m.get('recompute', 0):,} ({_mb(m.get('recompute_bytes', 0))})",
-                    f"{m.get('offload', 0):,} ({_mb(m.get('offload_bytes', 0))})"]
+            row += [f"{m.get('recompute', 0):,} ({format_decimal(m.get('recompute_bytes', 0))})",
+                    f"{m.get('offload', 0):,} ({format_decimal(m.get('offload_bytes', 0))})"]
         t.add_row(*row)
     out.print(t)
     reserve = max(d.outside_plan_bytes for d in rep.per_device)
     if reserve:
-        out.print(f"each device's process also holds up to {_mb(reserve)} besides its peak "
-                  "memory (its inputs and interpreter objects), counted where the split is "
-                  "fitted to memory")
+        out.print(f"each device's process also holds up to {format_decimal(reserve)} besides "
+                  "its peak memory (its inputs and interpreter objects), counted where the split "
+                  "is fitted to memory")
     if best.memory is not None:
         p = best.memory
         out.print(f"memory plan ({p.strategy} on {p.profile.name}): every device within "
-                  f"{_mb(p.budget_bytes)}; {p.counts.get('recompute', 0):,} values "
+                  f"{format_decimal(p.budget_bytes)}; {p.counts.get('recompute', 0):,} values "
                   f"recomputed, {p.counts.get('offload', 0):,} offloaded "
-                  f"({_mb(p.offload_bytes)} to the hosts); unplanned the split would need "
-                  f"{_mb(best.unplanned_peak_bytes + reserve)} and take "
+                  f"({format_decimal(p.offload_bytes)} to the hosts); unplanned the split "
+                  "would need "
+                  f"{format_decimal(best.unplanned_peak_bytes + reserve)} and take "
                   f"{format_seconds(best.unplanned_step_s)}")
     out.print(f"predicted step {format_seconds(rep.predicted_step_s)} on {rep.profile} over "
               f"{rep.interconnect} (one device: {format_seconds(rep.single_step_s)}), "
@@ -144,8 +139,8 @@ def _print(res) -> None:
     if rep.ideal_bubble is not None:
         out.print(f"pipeline bubble {rep.bubble:.1%} ({best.graph.meta['split']['schedule']}"
                   f"; GPipe's (p-1)/(m+p-1) = {rep.ideal_bubble:.1%})")
-    out.print(f"sent per step {_mb(rep.comm_bytes_total)} (ring lower bound "
-              f"{_mb(rep.comm_bytes_lower_bound)})")
+    out.print(f"sent per step {format_decimal(rep.comm_bytes_total)} (ring lower bound "
+              f"{format_decimal(rep.comm_bytes_lower_bound)})")
     if len(res.chosen.considered) > 1:
         alt = Table(title="considered")
         for col in ("split", "fits", "step", "speed-up", "bubble", "max peak"):
@@ -155,7 +150,7 @@ def _print(res) -> None:
             alt.add_row(c.spec.describe() + (" *" if c is best else ""),
                         fits, format_seconds(c.report.predicted_step_s),
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
-                        _mb(max(d.peak_bytes for d in c.report.per_device)))
+                        format_decimal(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
@@ -168,6 +163,7 @@ def _print(res) -> None:
         out.print(f"verify: {verdict} to the {g.reference} within {g.rtol:g} (loss "
                   f"{g.loss_rel:.2g}, gradients {g.grad_rel:.2g}, state {g.state_rel:.2g}; "
                   f"largest: {g.worst or '-'}); sent "
-                  f"{_mb(sum(g.comm_bytes.values()))} as counted by the communicator (float64)")
+                  f"{format_decimal(sum(g.comm_bytes.values()))} as counted by the "
+                  "communicator (float64)")
         if g.first_divergence:
             out.print(f"first difference: {g.first_divergence}")

@@ -59,6 +59,12 @@ PROFILES: dict[str, Profile] = {
                          31.5e9 * LINK_EFF, 5e-6, False,
                          "NVIDIA A100 datasheet (40 GB SXM4): 1,555 GB/s, 19.5 TFLOP/s "
                          "FP32, PCIe 4.0 x16"),
+    # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 80 GB HBM3, 3.35 TB/s,
+    # 67 TFLOP/s FP32, PCIe 5.0 x16 (63 GB/s).
+    "h100-80gb": Profile("h100-80gb", 80 * 10**9, 67e12 * GEMM_EFF, 3.35e12 * BW_EFF,
+                         63e9 * LINK_EFF, 5e-6, False,
+                         "NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, 67 TFLOP/s "
+                         "FP32, PCIe 5.0 x16"),
     # NVIDIA H200 Tensor Core GPU product brief (2024), SXM: 141 GB HBM3e, 4.8 TB/s,
     # 67 TFLOP/s FP32, PCIe 5.0 x16 (63 GB/s).
     "h200": Profile("h200", 141 * 10**9, 67e12 * GEMM_EFF, 4.8e12 * BW_EFF,

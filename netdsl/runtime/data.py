@@ -13,8 +13,9 @@ import numpy as np
 
 from netdsl.config import Digits, Npz, Synthetic
 from netdsl.errors import NetdslError
-from netdsl.ir.graph import Graph, Node
+from netdsl.ir.graph import Graph
 from netdsl.ir.types import NUMPY_DTYPE
+from netdsl.step.graphs import class_axis, loss_labels, source_input
 
 
 @dataclass
@@ -66,24 +67,9 @@ def _int_range(g: Graph, name: str) -> int | None:
         if name in n.inputs:
             if n.op == "embedding":
                 return n.attrs["num"]
-            if n.op == "softmax_cross_entropy" and _source_input(g, n.inputs[1]) == name:
-                return g[n.inputs[0]].type.shape[_class_axis(g, n)]
+            if n.op == "softmax_cross_entropy" and source_input(g, n.inputs[1]) == name:
+                return g[n.inputs[0]].type.shape[class_axis(g, n)]
     return None
-
-
-def _class_axis(g: Graph, ce: Node) -> int:
-    return ce.attrs.get("axis", 1) % g[ce.inputs[0]].type.rank
-
-
-# ops that only rearrange a tensor: labels reshaped to [N*T] are still the input's labels
-_SHAPE_ONLY = ("reshape", "flatten")
-
-
-def _source_input(g: Graph, name: str) -> str | None:
-    """The input node a value is a reshaping of, or None."""
-    while g[name].op in _SHAPE_ONLY:
-        name = g[name].inputs[0]
-    return name if g[name].op == "input" else None
 
 
 def _inputs(g: Graph):
@@ -225,20 +211,6 @@ def _learnable_labels(x_node, x: np.ndarray, labels: np.ndarray, classes: int,
     # other label shapes: the sample's class, shifted by a fixed amount per position
     shift = np.arange(int(np.prod(lshape))).reshape(lshape)
     return (base.reshape((n,) + (1,) * len(lshape)) + shift) % classes
-
-
-def loss_labels(g: Graph) -> tuple[str, str, int] | None:
-    """(logits node, labels input, class axis) when the loss is a softmax cross-entropy
-    whose labels are an input (perhaps reshaped): the labels input is what synthetic data
-    makes learnable, and accuracy compares the argmax of the loss's own logits with it,
-    per sample, per pixel or per token."""
-    for name in g.outputs.get("loss", []):
-        n = g[name]
-        if n.op == "softmax_cross_entropy":
-            src = _source_input(g, n.inputs[1])
-            if src is not None:
-                return n.inputs[0], src, _class_axis(g, n)
-    return None
 
 
 def accuracy(logits: np.ndarray, axis: int, labels: np.ndarray) -> tuple[int, int]:

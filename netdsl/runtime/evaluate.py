@@ -1,6 +1,6 @@
 """Evaluation: the forward graph in evaluation mode (batchnorm on its running statistics,
 dropout off) over samples, batch by batch, on the state a training run holds
-(`Trainer.evaluate`) or on a checkpoint's (`evaluate_checkpoint`, `netdsl eval`).
+(`RunEvaluator`) or on a checkpoint's (`evaluate_checkpoint`, `netdsl eval`).
 
 A checkpoint is read for the forward graph's entries only (parameters and buffers; a
 run's optimizer state stays on disk), at the evaluation's dtype whatever the file's, so a
@@ -15,10 +15,15 @@ from pathlib import Path
 
 from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
-from netdsl.ir.graph import Graph
+from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.memory.plan import make_plan, value_bytes
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Split, accuracy, batches, loss_labels, make_dataset
+from netdsl.runtime.data import Split, accuracy, batches, make_dataset
 from netdsl.runtime.executor import Executor
+from netdsl.runtime.run_state import RunState
+from netdsl.sizes import format_decimal
+from netdsl.step import room
+from netdsl.step.graphs import eval_graph, eval_roles, loss_labels
 
 SPLITS = ("test", "train")
 
@@ -27,13 +32,13 @@ def eval_pass(base: Executor, forward: Graph, input_names: list[str], samples, b
               acc: tuple[str, str, int] | None, execs: dict[int, Executor],
               progress=None) -> dict:
     """The loss (rows-weighted mean over the batches, where `forward` has one) and the
-    accuracy (where `acc`, from `data.loss_labels`) of `forward` over `samples` (a Split
+    accuracy (where `acc`, from `step.graphs.loss_labels`) of `forward` over `samples` (a Split
     or DrawnSplit), in batches of `batch`, on `base`'s state. `execs` keeps an executor
     per batch size across calls (the last batch may be short); `progress(done, total)`
     is told after each batch."""
     total = -(-len(samples) // batch)
-    roles = tuple(r for r in ("output", "loss", "logits")
-                  if r in forward.outputs or (r == "logits" and acc))
+    logits = acc[0] if acc else None
+    roles = eval_roles(forward, logits)
     be = base.backend
     losses, correct, seen = [], 0, 0
     for k, arrays in enumerate(batches(samples, batch)):
@@ -41,10 +46,7 @@ def eval_pass(base: Executor, forward: Graph, input_names: list[str], samples, b
             progress(k, total)
         n = len(arrays[0])
         if n not in execs:
-            g = forward.bind(n)
-            if acc:
-                g.outputs["logits"] = [acc[0]]
-            execs[n] = base.with_graph(g)
+            execs[n] = base.with_graph(eval_graph(forward, n, logits))
         feeds = {x: a for x, a in zip(input_names, arrays, strict=True) if a is not None}
         out = execs[n].run(feeds, training=False, roles=roles)
         if "loss" in out:
@@ -118,7 +120,7 @@ def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Pa
     chosen = Split(chosen.take(slice(0, limit)))
     batch = min(batch, limit)
     be = get_backend(backend) if isinstance(backend, str) else backend
-    base = Executor(forward.bind(batch), be, dtype, cfg.seed)
+    base = Executor(eval_graph(forward, batch, None), be, dtype, cfg.seed)
     checkpoint.check_holds(path, header, forward.name,
                            {k: s for k, (s, _) in base.state_spec().items()})
     base.load_state_dict(arrays, strict=False)
@@ -129,3 +131,86 @@ def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Pa
     return EvalResult(forward.name, path, step, split, limit, batch, be.name, dtype,
                       seconds, limit / seconds if seconds > 0 else 0.0, rec.get("loss"),
                       rec.get("accuracy"))
+
+
+class RunEvaluator:
+    """Evaluation during a run: the forward graph on the run's own state where the
+    executor holds it under the forward graph's names, whole; else (over MPI, spread over
+    the ranks; a tensor split, in shards) on a copy joined before each evaluation, on rank
+    0, where its memory allows."""
+
+    def __init__(self, executor: Executor, forward: Graph, data, batch: int, labels,
+                 samples: int | None, state: RunState, rank: int = 0,
+                 distributed: bool = False, seed: int = 0):
+        self.executor, self.forward, self.data, self.batch = executor, forward, data, batch
+        self.labels, self.samples, self.state = labels, samples, state
+        self.rank, self.distributed, self.seed = rank, distributed, seed
+        shares = not distributed and executor.holds_state_whole()
+        self.base = executor if shares else None
+        self.execs: dict[int, Executor] = {}
+        self.refused: str | None = None  # why a joined copy cannot fit, decided once
+
+    def limit(self) -> int:
+        """How many held-out samples an evaluation uses (RunOptions.eval_samples)."""
+        have = len(self.data.test) if self.data.test is not None else 0
+        want = self.samples
+        if want is None:
+            want = self.batch if self.data.name == "synthetic" else have
+        return min(have, want)
+
+    def evaluate(self, step: int, warnings: list[str], progress=None) -> dict:
+        limit = self.limit()
+        if limit == 0:
+            return {}
+        if self.base is not self.executor and not self._join(warnings):
+            return {}
+        test = Split(self.data.test.take(slice(0, limit)))
+        out = eval_pass(self.base, self.forward, self.data.input_names, test, self.batch,
+                        self.labels, self.execs, progress)
+        return {"step": step, "eval_samples": limit, **{f"test_{k}": v for k, v in out.items()}}
+
+    def _join(self, warnings: list[str]) -> bool:
+        """The state joined into the evaluation's executor (every rank takes part); False
+        where this rank has nothing to evaluate or the copy cannot fit."""
+        if self.refused is None:
+            self.refused = self._joined_refusal()
+            if self.refused:
+                warnings.append(self.refused)
+        if self.refused:
+            return False
+        if self.base is None and self.rank == 0:  # (before the others send)
+            self.base = Executor(eval_graph(self.forward, self.batch, None),
+                                 self.executor.backend,
+                                 self.executor.dtype, self.seed)
+        items = self.state.items()
+        if items is None:
+            return False
+        self.base.load_state_items(items)
+        return True
+
+    def _joined_refusal(self) -> str:
+        """Why the joined copy cannot fit in what is free on rank 0's machine now ("" if it
+        can); over MPI decided on rank 0 and sent to every rank, since all of them take
+        part in the gather (a run that trained its step would otherwise be killed here by
+        the kernel's OOM killer, the run lost)."""
+        why = ""
+        if self.rank == 0:
+            dtype = self.executor.dtype
+            g = eval_graph(self.forward, self.batch, None)
+            plan = make_plan(g, eval_roles(g, None), dtype)
+            # the eval executor's state and forward pass, and the entry on its way in
+            need = plan.peak_bytes + max((value_bytes(n.type, dtype) for n in g.nodes
+                                          if n.op in STATE_OPS), default=0)
+            free = room.available_bytes(self.executor.backend)
+            if free is not None and need > free:
+                part = "rank" if self.distributed else "device"
+                why = (f"evaluation skipped: it runs the whole model, joined from every "
+                       f"{part} of the split, which needs about {format_decimal(need)} "
+                       f"(its parameters and the forward pass at batch {self.batch}), "
+                       f"but {format_decimal(free)} is free on its machine; use "
+                       "--eval-samples 0 not to evaluate, or evaluate a checkpoint "
+                       "afterwards with `netdsl eval`")
+        if not self.distributed:
+            return why
+        from netdsl.runtime.mpi import bcast
+        return bcast(why)

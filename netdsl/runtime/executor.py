@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from netdsl.backends import Backend, get_backend
-from netdsl.errors import CheckpointError, NetdslError
+from netdsl.errors import CheckpointError, NetdslError, NonFinite
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
@@ -138,29 +138,21 @@ def _where(n: Node) -> str:
     return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
 
 
-class NonFinite(NetdslError):
-    """A watched node (`Executor.stop_if_nonfinite`) produced NaN or Inf; the run stopped
-    before the nodes after it, so the state is as it was before the step's updates."""
-
-    def __init__(self, node: str):
-        self.node = node
-        super().__init__(f"`{node}` produced NaN or Inf")
-
-
 class Executor:
     """Executes a graph bound to a batch size; see the module docstring.
 
     `graph`: bound (`Graph.bind`); a forward, training (`autodiff`) or full training-step
     (`add_optimizer`) graph. `backend`: a Backend or its name. `dtype`: "f32" or "f64" for
     every float value and parameter. `state`: share another executor's state dict (see
-    `with_graph`).
+    `with_graph`). `plans`: storage plans of `graph` already made, by their roles.
     """
 
     def __init__(self, graph: Graph, backend: Backend | str = "numpy", dtype: str = "f32",
                  seed: int = 0, check_numerics: bool = False,
                  state: dict[str, Any] | None = None, arena: bool = False,
                  budget_bytes: int | None = None, budget_includes_host: bool = False,
-                 comm: Communicator | None = None):
+                 comm: Communicator | None = None,
+                 plans: dict[tuple[str, ...], MemoryPlan] | None = None):
         registry.load_all()
         if dtype not in ("f32", "f64"):
             raise NetdslError(f"the executor runs in f32 or f64, not {dtype}")
@@ -213,7 +205,9 @@ class Executor:
             self._alloc(dev, self.state[name].nbytes)
         self.host_bytes_current = self.host_peak_bytes = sum(
             self.state[name].nbytes for name in on_host)
-        self._plans: dict[tuple[str, ...], MemoryPlan] = {}
+        # storage plans by roles (and other per-run tables), made once: `plans` gives
+        # ones already made for this graph, dtype and arena
+        self._plans: dict[tuple[str, ...], MemoryPlan] = dict(plans or {})
         # NETDSL_CUDA_GRAPH=1 on CuPy: steps recorded once and replayed (runtime/replay.py)
         self.replay = StepReplay(self) if wanted(self.backend) else None
 

@@ -21,8 +21,9 @@ import numpy as np
 
 from netdsl.ir.graph import Graph
 from netdsl.ir.placement import Shard, canonical
-from netdsl.parallel.split import SplitSpec, split_step
+from netdsl.parallel.split import SplitSpec
 from netdsl.runtime.executor import Executor
+from netdsl.step.graphs import split_training_step
 
 ROLES = ("loss", "output", "grads", "updates", "state_updates")  # what a step computes
 
@@ -74,8 +75,8 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     else:
         ref_spec = SplitSpec()
         reference = "single-device step"
-    single = split_step(fwd, batch, ref_spec, optimizer)
-    split = split if split is not None else split_step(fwd, batch, spec, optimizer)
+    single = split_training_step(fwd, batch, ref_spec, optimizer)
+    split = split if split is not None else split_training_step(fwd, batch, spec, optimizer)
     e1 = Executor(single, "numpy", "f64", seed)
     e2 = Executor(split, "numpy", "f64", seed)
     o1 = e1.run(dict(feeds), training=True, roles=_roles(single), step=0)

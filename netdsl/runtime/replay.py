@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from netdsl.config import env_switch
+from netdsl.errors import NonFinite
 from netdsl.ir import registry
 
 GRAPH_ENV = "NETDSL_CUDA_GRAPH"
@@ -118,7 +119,6 @@ class StepReplay:
 
     def _check(self, outputs: dict[str, list]) -> None:
         """The watched nodes' values (the loss, the logits), after the step."""
-        from netdsl.runtime.executor import NonFinite
         ex = self.ex
         if not ex.stop_if_nonfinite:
             return

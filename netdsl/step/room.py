@@ -1,7 +1,7 @@
 """The memory a run can take, and saying so when a step does not fit it: what is free
 where the run allocates (`available_bytes`), the --mem budget a step is planned into
 within it (`budget_within`), and the out-of-memory error in words (`out_of_memory`).
-The trainer reads it before the first step; tests stand in for `available_bytes` here.
+Read before a run's first step; tests stand in for `available_bytes` here.
 """
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ def gib(n: float) -> str:
 def budget_within(free: int, ranks: int = 1) -> str:
     """The --mem budget for a step planned into `free` bytes shared by `ranks` processes:
     nine tenths of a rank's share, rounded down to two figures (21GB, 4.8GB, 730MB); the
-    rest is left for what a run holds besides its plan (the interpreter and libraries:
-    resnet2504's process held 0.65 GB above its 19.98 GB plan)."""
+    rest is left for what a run holds besides its plan (the interpreter and libraries)."""
     share = max(free * 0.9 / ranks, 1)
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
         if share >= scale:
@@ -44,7 +43,11 @@ def budget_within(free: int, ranks: int = 1) -> str:
 
 
 def where(backend) -> str:
-    return "the GPU" if backend.name == "cupy" else "this machine"
+    return where_kind("gpu" if backend.name == "cupy" else "cpu")
+
+
+def where_kind(device_kind: str) -> str:
+    return "the GPU" if device_kind == "gpu" else "this machine"
 
 
 def out_of_memory(needed: int, backend, batch: int, when: str,

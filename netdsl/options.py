@@ -1,0 +1,189 @@
+"""The options a user gives a command, each declared once: its name, default and help.
+
+`StepOptions` says how a training step is built (batch, backend, memory budget, split);
+`RunOptions` adds how `netdsl run` trains it (steps, logs, checkpoints, evaluation). The
+library takes them as plain dataclasses; the CLI turns every field into a command-line
+option (`netdsl_cli.options`), so a default or a help text lives here and nowhere else.
+
+`conflicts(opts)` checks the options together, once: a combination that cannot mean
+what was asked is refused by name; one where an option does nothing is a warning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from netdsl.errors import NetdslError
+
+BACKENDS = ("numpy", "cupy")
+DTYPES = ("f32", "f64")
+MEMORY_STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
+SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
+SCHEDULES = ("gpipe", "1f1b")
+BN_MODES = ("sync", "local")
+INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field is given on the command line."""
+
+    help: str
+    flags: tuple[str, ...] = ()  # () : --the-field-name
+    min: int | float | None = None
+    cli_type: Any = None  # the type the CLI parses into, where it differs (a path)
+
+
+def option(default: Any, help: str, *, flags: tuple[str, ...] = (), min: float | None = None,
+           cli_type: Any = None) -> Any:
+    return field(default=default,
+                 metadata={"flag": Flag(help, flags, min, cli_type)})
+
+
+def flag_of(model: type, name: str) -> Flag:
+    return next(f for f in fields(model) if f.name == name).metadata["flag"]
+
+
+def cli_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class StepOptions:
+    """How a training step is built; None keeps the file's choice (or its default)."""
+
+    batch: int | None = option(
+        None, "batch size to bind N to (default: the train section's)",
+        flags=("--batch", "-b"), min=1)
+    backend: str = option("numpy", "numpy (the CPU) or cupy (a GPU)")
+    device: int | None = option(
+        None, "GPU index for cupy (default 0; over MPI each rank its place among the ranks "
+        "on its machine)", min=0)
+    dtype: str = option("f32", "f32 or f64")
+    mem: int | str | None = option(
+        None, "memory budget per device (12GB, 300MB, 1.5GiB; KB/MB/GB decimal, KiB/MiB/GiB "
+        "binary): the step is planned to fit, recomputing or offloading what does not",
+        cli_type=str)
+    profile: str | None = option(
+        None, "device profile that time and memory are predicted for: k40-12gb, v100-16gb, "
+        "a100-40gb, h100-80gb, h200, cpu, or a JSON file from `netdsl calibrate -o` "
+        "(default: the device the step runs on, cpu with numpy, the GPU's with cupy)")
+    strategy: str = option(
+        "auto", "how a step is planned into --mem: auto, none, checkpoint-sqrt, offload-all "
+        "or recompute-all")
+    offload_state: bool = option(
+        False, "with --mem: the plan may keep optimizer state in host memory, streamed in for "
+        "each update", flags=("--offload-state",))
+    devices: int = option(
+        1, "split the step over this many devices (logical devices in this process, or one "
+        "MPI rank each with --distributed)", flags=("--devices", "-n"), min=1)
+    split: str | None = option(
+        None, "how to split over --devices: auto, data, pipeline, hybrid, tensor or spatial "
+        "(default: the file's `parallel { }`, else auto)")
+    microbatches: int | None = option(
+        None, "micro-batches per step: a pipeline's, or the parts of the batch each device "
+        "accumulates gradients over, one after the other (batchnorm normalises each part "
+        "alone; default: the file's `parallel { }`)", flags=("--microbatches", "-m"), min=1)
+    schedule: str | None = option(
+        None, "the micro-batches' order: gpipe or 1f1b (default: the file's, else 1f1b where "
+        "auto chooses and gradients are accumulated, else gpipe)")
+    bn: str = option(
+        "sync", "batchnorm over a split batch: sync (the whole batch's statistics: the "
+        "single-device step) or local (each device its own rows', fewer collectives)")
+    interconnect: str = option(
+        "pcie3", "the link between devices that `split` predicts with: shm, pcie3, nvlink4, "
+        "ib-hdr or 10gbe (`run` splits over logical devices in one process: shm)")
+    distributed: bool = option(
+        False, "one process per device under `mpiexec -n N` (the `mpi` extra): each rank "
+        "runs its part of the split step; rank 0 reports", flags=("--distributed",))
+    jobs: int | None = option(
+        None, "processes that build and predict the candidate splits (default: one a core, "
+        "up to 8 and as many as the free memory holds, where the network is big enough to "
+        "pay for starting them; 1: this process alone)", flags=("--jobs", "-j"), min=1)
+
+
+@dataclass
+class RunOptions(StepOptions):
+    """`netdsl run`: the step options and how the loop trains it."""
+
+    seed: int | None = option(None, "random seed (default: the train section's)", min=0)
+
+    steps: int | None = option(None, "total steps (also when resuming)", min=1)
+    epochs: int | None = option(None, "epochs instead of steps", min=1)
+    lr: float | None = option(None, "base learning rate", min=0.0)
+    clip_grad_norm: float | None = option(
+        None, "scale the gradients to this global 2-norm at most before each update",
+        flags=("--clip-grad-norm",))
+    log: str | None = option(None, "write one JSON line per step here", cli_type="path")
+    checkpoint: str | None = option(None, "checkpoint directory", cli_type="path")
+    checkpoint_every: int | None = option(None, "save a checkpoint every K steps", min=1)
+    resume: bool = option(False, "continue from --checkpoint")
+    overwrite: bool = option(
+        False, "start over, replacing the checkpoint in --checkpoint (refused without it)")
+    eval_every: int | None = option(None, "evaluate every K steps", min=1)
+    # None: all of real data, one batch of synthetic data (random labels say little, and a
+    # full pass would be a large part of a short run)
+    eval_samples: int | None = option(
+        None, "held-out samples per evaluation (0: none; default: all of real data, one "
+        "batch of synthetic data)", min=0)
+    check_numerics: bool = option(False, "stop at the first NaN/Inf, naming the node")
+
+
+# (option, when it means something, why it does not otherwise): a warning names the option
+_IDLE = (
+    ("device", lambda o: o.backend == "cupy" or o.device in (None, 0),
+     "has no effect with the NumPy backend (it picks a GPU for --backend cupy)"),
+    ("split", lambda o: o.split is None or o.devices > 1 or o.distributed,
+     "has no effect on one device (give --devices N)"),
+    ("jobs", lambda o: o.jobs is None or o.devices > 1 or o.distributed,
+     "has no effect on one device (it builds the candidate splits of --devices N)"),
+    ("bn", lambda o: o.bn == "sync" or o.devices > 1 or o.distributed
+     or (o.microbatches or 1) > 1,
+     "has no effect without --devices, --distributed or --microbatches (nothing splits the "
+     "batch)"),
+    ("offload_state", lambda o: not o.offload_state or o.mem is not None,
+     "has no effect without --mem (the plan of a budget may offload the optimizer state)"),
+)
+
+
+def _value(opts: StepOptions, name: str) -> str:
+    v = getattr(opts, name)
+    return cli_name(name) if isinstance(v, bool) else f"{cli_name(name)} {v}"
+
+
+def conflicts(opts: StepOptions) -> list[str]:
+    """Check `opts` together: raise NetdslError for a combination that cannot mean what was
+    asked, return a warning for each option that does nothing with the others."""
+    _choice(opts.backend, BACKENDS, "--backend")
+    _choice(opts.dtype, DTYPES, "--dtype")
+    _choice(opts.bn, BN_MODES, "--bn")
+    if opts.offload_state and (opts.devices > 1 or opts.distributed):
+        raise NetdslError("--offload-state with --devices or --distributed is not supported "
+                          "yet; a split step is planned by recomputing and offloading "
+                          "activations")
+    if isinstance(opts, RunOptions):
+        _run_conflicts(opts)
+    return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE if not used(opts)]
+
+
+def _run_conflicts(opts: RunOptions) -> None:
+    if opts.steps is not None and opts.epochs is not None:
+        raise NetdslError("give --steps or --epochs, not both")
+    if opts.checkpoint_every is not None and not opts.checkpoint:
+        raise NetdslError("--checkpoint-every needs --checkpoint DIR (where to write them)")
+    if opts.resume and not opts.checkpoint:
+        raise NetdslError("--resume needs --checkpoint DIR")
+    if opts.overwrite and not opts.checkpoint:
+        raise NetdslError("--overwrite needs --checkpoint DIR (the checkpoint to replace)")
+    if opts.overwrite and opts.resume:
+        raise NetdslError("give --resume (go on from the checkpoint) or --overwrite (start "
+                          "over and replace it), not both")
+    if opts.eval_samples is not None and opts.eval_samples < 0:
+        raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
+                          f"{opts.eval_samples}")
+
+
+def _choice(value: str, allowed: tuple[str, ...], flag: str) -> None:
+    if value not in allowed:
+        raise NetdslError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]}, not "
+                          f"{value!r}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from netdsl.config import Digits, Npz, Synthetic
+from netdsl.config import Digits, Npz, Synthetic, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.types import NUMPY_DTYPE
@@ -351,3 +351,13 @@ def batches(split: Split | DrawnSplit, batch: int):
     """The whole split in order, in batches; the last one may be smaller (evaluation)."""
     for i in range(0, len(split), batch):
         yield split.take(slice(i, i + batch))
+
+
+def load_dataset(forward: Graph, cfg: TrainConfig) -> Dataset:
+    """The train section's data set for `forward`; running out of memory said in words."""
+    try:
+        return make_dataset(forward, cfg.data, cfg.seed)
+    except MemoryError:
+        raise NetdslError(f"out of memory making the {cfg.data.kind} data set for network "
+                          f"`{forward.name}`; its inputs or classes are too large for this "
+                          "machine (use fewer samples or a smaller network)") from None

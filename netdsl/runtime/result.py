@@ -58,3 +58,17 @@ class Callback:
     def on_eval(self, record: dict) -> None: ...
     def on_eval_progress(self, done: int, total: int) -> None: ...
     def on_end(self, result: RunResult) -> None: ...
+
+
+def interrupted_note(signal_name: str | None, step: int, total: int,
+                     checkpoint: str | None) -> str | None:
+    """What a run stopped by a signal after its step says of itself."""
+    if signal_name is None:
+        return None
+    saved = (f"the checkpoint in {checkpoint} holds it: --resume goes on from there"
+             if checkpoint else "nothing was saved (no --checkpoint)")
+    return f"stopped by {signal_name} after step {step} of {total}; {saved}"
+
+
+def device_name(be) -> str:
+    return "cpu" if be.name == "numpy" else f"cuda:{be.device}"

@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 
 from netdsl.config import TrainConfig
-from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
-from netdsl.runtime.data import Loader, accuracy, make_dataset
+from netdsl.runtime.data import Loader, accuracy, load_dataset
 from netdsl.runtime.evaluate import RunEvaluator
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.options import RunOptions, backend_for, check_options, preflight
-from netdsl.runtime.result import Callback, RunResult
+from netdsl.runtime.result import Callback, RunResult, device_name, interrupted_note
 from netdsl.runtime.run_log import open_log
+from netdsl.runtime.run_memory import non_finite_error, refuse_what_cannot_fit, replay_warnings
 from netdsl.runtime.run_state import RunState
 from netdsl.runtime.schedule import lr_at
 from netdsl.runtime.stop import StopRequest
@@ -59,7 +59,7 @@ class Trainer:
         preflight(opts)  # what would fail at the end fails now, before any work
         self.opts, self.cb, self.forward = opts, callback or Callback(), forward
         self.cfg = resolve_config(cfg, opts)
-        self.data = _dataset(forward, self.cfg)
+        self.data = load_dataset(forward, self.cfg)
         self.batch = self.cfg.batch
         self.loader = Loader(self.data.train, self.batch, self.cfg.seed)
         self.total = (self.cfg.steps if self.cfg.steps is not None else
@@ -144,26 +144,13 @@ class Trainer:
         return held_besides_plan(step, self.opts.dtype, backend.name == "numpy")
 
     def _refuse_what_cannot_fit(self, backend, comm=None) -> None:
-        """Refuse, before the first step, a step whose planned peak is more than the memory
-        left once the state is allocated: Linux lets the allocations through and then
-        kills the process, and a GPU's step would fail only after the build. The plan's
-        peak is the executor's own count, so the refusal is not a guess. Over MPI
-        (`comm`) the ranks that share one machine's memory (or one GPU) are counted
-        together, as are the devices of a split run in one process."""
-        need, state, ranks = self.planned_peak_bytes(), self._state_bytes(), 1
+        """Refuse, before the first step, a step that cannot fit what is free now
+        (`run_memory.refuse_what_cannot_fit`)."""
+        need = self.planned_peak_bytes()
         if not self.executor.arena:  # (an arena run's planned peak counts it already)
             need += self._held_besides_plan(self.train_graph, backend)
-        part = "rank"
-        if comm is None:
-            free = room.available_bytes(backend)
-            ranks, part = self.opts.devices, "device"
-        else:
-            need, state, free, ranks = comm.memory_totals(
-                getattr(backend, "device", 0) if backend.name == "cupy" else 0, need, state,
-                lambda: room.available_bytes(backend))
-        if free is not None and need - state > free:
-            raise room.out_of_memory(need, backend, self.batch, "before the first step",
-                                     free + state, self.budget, ranks, part)
+        refuse_what_cannot_fit(need, self._state_bytes(), backend, self.batch, self.budget,
+                               comm, self.opts.devices)
 
     # -- state ---------------------------------------------------------------------------
     def state_items(self):
@@ -261,7 +248,9 @@ class Trainer:
         try:
             out = self.executor.run(feeds, training=True, roles=self.ROLES, step=self.step)
         except NonFinite as e:
-            raise self._non_finite(e, feeds, lr) from None
+            raise non_finite_error(self.executor, self.train_graph,
+                                   self.forward.outputs.get("loss", []), e, feeds, lr,
+                                   self.step) from None
         # over MPI the loss (and the logits) live on rank 0
         loss = float(be.to_host(out["loss"][0])) if "loss" in out else float("nan")
         be.synchronize()
@@ -303,7 +292,7 @@ class Trainer:
     def _start_info(self) -> dict:
         be = self.executor.backend
         return {"warnings": list(self.warnings), "network": self.forward.name,
-                "params": self.stats.params, "backend": be.name, "device": _device_name(be),
+                "params": self.stats.params, "backend": be.name, "device": device_name(be),
                 "batch": self.batch, "total_steps": self.total, "start_step": self.step,
                 "planned_peak_bytes": self.planned_peak_bytes(), "dataset": self.data.name,
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
@@ -319,7 +308,7 @@ class Trainer:
             final_loss=run.losses[-1] if run.losses else float("nan"),
             images_per_s=self.batch / median if median else 0.0,
             peak_bytes=self._state_bytes() + meter.read(), params=self.stats.params,
-            backend=be.name, device=_device_name(be), batch=self.batch,
+            backend=be.name, device=device_name(be), batch=self.batch,
             planned_peak_bytes=self.planned_peak_bytes(), profile=self.built.profile.name,
             counted_peak_bytes=ex.peak_bytes, budget_bytes=self.budget, split=self.split,
             peak_by_device=dict(sorted(ex.peak_by_device.items())),
@@ -330,39 +319,8 @@ class Trainer:
             step_time_s=median, test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=run.train_accuracy,
             resumed_from=self.resumed_from, losses=run.losses, interrupted=interrupted,
-            note=self._interrupted_note(interrupted),
-            warnings=list(self.warnings) + self._replay_warnings())
-
-    def _interrupted_note(self, signal_name: str | None) -> str | None:
-        if signal_name is None:
-            return None
-        saved = (f"the checkpoint in {self.opts.checkpoint} holds it: --resume goes on from "
-                 "there" if self.opts.checkpoint else "nothing was saved (no --checkpoint)")
-        return f"stopped by {signal_name} after step {self.step} of {self.total}; {saved}"
-
-    def _replay_warnings(self) -> list[str]:
-        """NETDSL_CUDA_GRAPH=1: the kinds of run that were not replayed, and why."""
-        rep = self.executor.replay
-        if rep is None:
-            return []
-        return [f"NETDSL_CUDA_GRAPH: {'training' if training else 'evaluation'} runs were not "
-                f"recorded as a CUDA graph: {why}" for (_, training), why in rep.reasons.items()]
-
-    def _non_finite(self, e: NonFinite, feeds: dict, lr: float) -> NetdslError:
-        """The loss or logits of step `self.step + 1` went NaN/Inf; the step stopped before
-        its updates, so replaying it with --check-numerics finds the first such node."""
-        what = "loss" if e.node in self.forward.outputs.get("loss", []) else "logits"
-        head = f"the {what} became NaN or Inf at step {self.step + 1} (lr {lr:g})"
-        try:  # the same step number: the same dropout masks
-            self.executor.with_graph(self.train_graph, check_numerics=True).run(
-                feeds, training=True, roles=("loss",), step=self.step)
-        except NetdslError as found:
-            if not isinstance(found, NonFinite):
-                where = found.message.removeprefix("check-numerics: ")
-                return NetdslError(f"{head}: the first non-finite value: {where}; lower the "
-                                   "learning rate, or check the data and the initialisation",
-                                   loc=found.loc, stack=found.diagnostics[0].stack)
-        return NetdslError(f"{head}; lower the learning rate or run with --check-numerics")
+            note=interrupted_note(interrupted, self.step, self.total, self.opts.checkpoint),
+            warnings=list(self.warnings) + replay_warnings(self.executor))
 
     def _nothing_to_do(self) -> RunResult:
         """A resumed run already at (or past) its last step: say so, train nothing."""
@@ -370,7 +328,7 @@ class Trainer:
         result = RunResult(
             network=self.forward.name, steps=self.step, final_loss=None, images_per_s=0.0,
             peak_bytes=0, params=self.stats.params, backend=be.name,
-            device=_device_name(be), batch=self.batch,
+            device=device_name(be), batch=self.batch,
             planned_peak_bytes=self.planned_peak_bytes(), profile=self.built.profile.name,
             budget_bytes=self.budget, step_time_s=0.0, resumed_from=self.resumed_from,
             note=f"the checkpoint is at step {self.step}, already at or past the "
@@ -388,16 +346,3 @@ class _Progress:
         self.losses: list[float] = []
         self.train_accuracy: float | None = None
         self.metering = True
-
-
-def _dataset(forward: Graph, cfg: TrainConfig):
-    try:
-        return make_dataset(forward, cfg.data, cfg.seed)
-    except MemoryError:
-        raise NetdslError(f"out of memory making the {cfg.data.kind} data set for network "
-                          f"`{forward.name}`; its inputs or classes are too large for this "
-                          "machine (use fewer samples or a smaller network)") from None
-
-
-def _device_name(be) -> str:
-    return "cpu" if be.name == "numpy" else f"cuda:{be.device}"

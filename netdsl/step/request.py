@@ -139,19 +139,26 @@ def resolve_profile(name: str | Profile | None, backend=None) -> Profile:
 
 def gpu_profile(gpu_name: str, total_bytes: int) -> Profile:
     """The profile of a GPU the driver calls `gpu_name`, with `total_bytes` of memory: its
-    family's built-in rates and its own capacity (an A100 with 80 GB is not the 40 GB
-    one); a GPU of no known family takes the newest family's rates and says so."""
+    family's built-in rates and the card's own memory (cards are sold by GiB: an "80 GB"
+    H100 has 85.5e9 bytes; an A100 with 80 GB is not the 40 GB one, and is named so); a
+    GPU of no known family takes the newest family's rates and says so."""
     family = next((p for key, p in _GPU_FAMILIES if key in gpu_name.upper()), None)
     base = PROFILES[family or _UNKNOWN_GPU_RATES]
-    gb = round(total_bytes / 1e9)
-    if family is not None and abs(total_bytes - base.capacity_bytes) <= 0.05 * total_bytes:
-        return base
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
-    name = f"{family.split('-')[0]}-{gb}gb" if family else f"{slug}-{gb}gb"
-    source = (f"{gpu_name}: {base.name}'s rates, its own {gb} GB" if family else
-              f"{gpu_name} (no built-in profile): {base.name}'s rates, its own {gb} GB; "
-              "`netdsl calibrate` measures it")
-    return replace(base, name=name, capacity_bytes=total_bytes, source=source)
+    gib = round(total_bytes / 2**30)
+    sold = re.search(r"(\d+)\s*GB", gpu_name.upper())  # "A100-SXM4-80GB"
+    size = int(sold.group(1)) if sold else gib
+    if family is None:
+        slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "gpu"
+        return replace(base, name=f"{slug}-{size}gb" if not sold else slug,
+                       capacity_bytes=total_bytes,
+                       source=f"{gpu_name} (no built-in profile): {base.name}'s rates, its "
+                              f"own {gib} GiB; `netdsl calibrate` measures it")
+    if abs(size - base.capacity_bytes / 1e9) > 0.1 * size:  # another size of the family
+        name = f"{family.split('-')[0]}-{size}gb"
+    else:
+        name = base.name
+    return replace(base, name=name, capacity_bytes=total_bytes,
+                   source=f"{gpu_name}, {gib} GiB: {base.source}")
 
 
 def _text(v) -> str:

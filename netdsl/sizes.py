@@ -71,7 +71,7 @@ def format_decimal(n: float) -> str:
 def format_seconds(s: float) -> str:
     """A duration at a scale that shows its digits: 0.2514 -> '0.251 s', 0.004123 ->
     '4.12 ms', 0.00054 -> '0.540 ms', 3.2e-5 -> '32.0 us' (a small network's predicted
-    step on a GPU profile printed as '0.000 s' before)."""
+    step on a GPU profile is microseconds)."""
     if abs(s) >= 0.1 or s == 0:
         return f"{s:,.3f} s"
     if abs(s) >= 1e-4:

@@ -43,7 +43,7 @@ class _Bar:
 
     def preparing(self) -> None:
         """A spinner with the time spent while the step is built (a split of a deep network
-        and its memory plan take minutes; nothing was shown meanwhile); gone at the start."""
+        and its memory plan can take minutes); gone at the start."""
         if self.quiet:
             return
         self.setup = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"),
@@ -233,9 +233,9 @@ def run(**kwargs) -> None:
 
 
 # how long a failed rank other than 0 waits for rank 0 to report a failure they share: a
-# tenth of the time it has run, 3-30 s (resnet2504's ranks planned their split for 10
-# minutes and failed 3 s or more apart); below the 60 s a waiting peer allows
-# (NETDSL_COMM_TIMEOUT), so that a rank failing alone still says why first
+# tenth of the time it has run, 3-30 s (ranks that planned a big split for minutes fail
+# seconds apart); below the 60 s a waiting peer allows (NETDSL_COMM_TIMEOUT), so that a
+# rank failing alone still says why first
 _STARTED = time.monotonic()
 
 

@@ -157,7 +157,7 @@ def _label_rule(g: Graph, ins, specs, cfg: Synthetic, seed: int):
 
 
 # features are pooled to at most this many before the label projection: a full [C*H*W,
-# classes] projection was 1.2 GB and 15 s for ImageNet-sized inputs
+# classes] projection of ImageNet-sized inputs takes gigabytes and seconds a batch
 _FEATURES = 256
 
 

@@ -105,8 +105,8 @@ def init_value(node: Node, dtype: str, seed: int, key: str | None = None) -> np.
     init = node.attrs.get("init", "zeros")
     fan_in = max(int(node.attrs.get("fan_in", 1) or 1), 1)
     rng = np.random.default_rng([seed, zlib.crc32((key or node.name).encode())])
-    # drawn in the training dtype (f32 runs used to draw every array in f64 first, which
-    # doubled the set-up peak); NumPy's generators draw f32 and f64 directly
+    # drawn in the training dtype, not in f64 and then cast (which would double the set-up
+    # peak); NumPy's generators draw f32 and f64 directly
     gen = np.dtype(dtype) if np.dtype(dtype) in (np.float32, np.float64) else np.float32
     if init == "zeros":
         v = np.zeros(shape, dtype)

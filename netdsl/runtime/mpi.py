@@ -125,8 +125,8 @@ class MPIComm(Communicator):
 
     def _value(self, a: np.ndarray):
         """Host array `a`, which this rank made, as the node's value: itself on NumPy (a
-        copy held the value twice: a pipeline's message twice until MPI let go of it,
-        67-134 kB above ResNet-20's rank 0 plan in some runs), a device copy otherwise."""
+        copy would hold a pipeline's message twice until MPI lets go of it, above the
+        rank's plan), a device copy otherwise."""
         return a if self.backend.xp is np else self.backend.asarray(a)
 
     # -- point to point -----------------------------------------------------------------
@@ -149,7 +149,7 @@ class MPIComm(Communicator):
 
     def _reap(self, received: str | None = None) -> None:
         """Let go of the buffers of sends that have completed (a pipeline's activations and
-        gradients, held to the end of the step, were 4-9% above its ranks' plans). The
+        gradients, held to the end of the step, would be above its ranks' plans). The
         sends held to receive `received` (`project.sends_held_to`: the peer had them
         before it sent this) are waited for, which returns at once: the plan lets go of
         them here, and a Test alone may leave MPI's bookkeeping of one for later."""

@@ -25,7 +25,8 @@ def check_options(opts: RunOptions) -> list[str]:
 
 def preflight(opts: RunOptions) -> None:
     """Check the paths a run writes before it starts: a checkpoint folder that cannot be
-    made or written, or a log that cannot be opened, used to fail after the last step."""
+    made or written, or a log that cannot be opened, would otherwise fail after the last
+    step."""
     if opts.checkpoint:
         d = Path(opts.checkpoint)
         if d.exists() and not d.is_dir():

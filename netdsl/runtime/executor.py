@@ -42,6 +42,7 @@ from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, s
 from netdsl.runtime.comm import Communicator, InProcess
 from netdsl.runtime.replay import StepReplay, wanted
 from netdsl.runtime.state_parts import StateParts
+from netdsl.sizes import format_decimal
 
 # output roles a training step computes that an evaluation (training=False) leaves out
 TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
@@ -128,10 +129,6 @@ def init_value(node: Node, dtype: str, seed: int, key: str | None = None) -> np.
     else:
         raise NetdslError(f"unknown init `{init}` for %{node.name}", loc=node.loc)
     return v.astype(dtype, copy=False)
-
-
-def _fmt(nbytes: int) -> str:
-    return f"{nbytes / 1e6:,.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:,.2f} GB"
 
 
 def _where(n: Node) -> str:
@@ -402,9 +399,10 @@ class Executor:
         if held > self.budget_bytes:
             raise NetdslError(
                 f"out of the memory budget at {_where(n)}: device {dev} would hold "
-                f"{_fmt(held)}, over the {_fmt(self.budget_bytes)} budget (this value is "
-                f"{_fmt(nbytes)}). Plan the step for this budget (`netdsl run --mem` or "
-                f"`netdsl plan --mem`), or give more memory or a smaller batch",
+                f"{format_decimal(held)}, over the {format_decimal(self.budget_bytes)} budget "
+                f"(this value is {format_decimal(nbytes)}). Plan the step for this budget "
+                "(`netdsl run --mem` or `netdsl plan --mem`), or give more memory or a "
+                "smaller batch",
                 loc=n.loc, stack=n.stack)
 
     def _into_slot(self, v, slot):

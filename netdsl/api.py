@@ -122,11 +122,13 @@ def build(net: Network, options=None, *, runs: bool = False, mem_default: bool =
     from netdsl.step.build import build_step
     from netdsl.step.request import request_for, resolve_config
     opts = options or StepOptions()
-    conflicts(opts)
+    warnings = conflicts(opts)
     cfg = resolve_config(net.train, opts)
     backend = backend_for(opts) if opts.backend != "numpy" else None
     req = request_for(opts, cfg, backend, runs=runs, mem_default=mem_default, **overrides)
-    return build_step(net.graph, cfg, req, progress=progress, phase=phase)
+    step = build_step(net.graph, cfg, req, progress=progress, phase=phase)
+    step.warnings[:0] = warnings
+    return step
 
 
 def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
@@ -176,11 +178,12 @@ class SplitResult:
     gate: object | None = None  # netdsl.runtime.gate.GateResult
     mpi: bool = False  # predicted and planned as one process per device runs it
     profile: object | None = None  # the netdsl.memory.profiles.Profile predicted for
+    warnings: list[str] = field(default_factory=list)  # options that did nothing
 
     def to_json(self) -> dict:
         best = self.chosen.best
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
-               "spec": best.spec.describe(), "mpi": self.mpi,
+               "spec": best.spec.describe(), "mpi": self.mpi, "warnings": self.warnings,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
                                  "fits": c.fits, "planned": c.memory is not None
                                  and c.memory.feasible,
@@ -232,7 +235,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen
-    result = SplitResult(chosen, step.request.batch, mpi=mpi, profile=step.profile)
+    result = SplitResult(chosen, step.request.batch, mpi=mpi, profile=step.profile,
+                         warnings=step.warnings)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset
         from netdsl.runtime.gate import verify_split

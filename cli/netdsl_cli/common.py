@@ -48,6 +48,13 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
+def warn(warnings: list[str]) -> None:
+    """Warnings on stderr, one a line (with --json they are in the JSON instead)."""
+    err = console(stderr=True)
+    for w in warnings:
+        err.print(f"warning: {w}", style="yellow", highlight=False)
+
+
 def print_error(e: NetdslError) -> None:
     """A user error's diagnostics on stderr (the source line highlighted on a terminal)."""
     from netdsl_cli.diagnostics import print_error as _print

@@ -25,6 +25,7 @@ from netdsl_cli.common import (
     guard,
     load_network,
     print_json,
+    warn,
 )
 from netdsl_cli.options import (
     DEFAULTS,
@@ -75,6 +76,8 @@ def plan(
                 task = bar.add_task("plan", total=1.0)
                 step = plan_step(net, progress=lambda f: bar.update(task, completed=f), **args)
         res, b, micro = step.memory_plan, step.request.batch, step.microbatches
+        if not json_output:
+            warn(step.warnings)
         fitting = None  # where no plan fits: more micro-batches that one would fit
         if not res.feasible:
             from netdsl.api import microbatches_to_fit
@@ -87,7 +90,7 @@ def plan(
         extra = {"exact": _exact(res)} if exact else {}
         if json_output:
             print_json(plan_json(res, b, depth, {
-                **extra, "fits_with_microbatches": fitting,
+                **extra, "fits_with_microbatches": fitting, "warnings": step.warnings,
                 "planned_peak_bytes": step.planned_peak_bytes(),
                 "search_peak_bytes": res.planned_peak_bytes}, micro))
         else:

@@ -22,7 +22,15 @@ from rich.progress import (
 
 from netdsl.options import RunOptions
 from netdsl.sizes import format_decimal, format_seconds
-from netdsl_cli.common import FileArg, JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.common import (
+    FileArg,
+    JsonOpt,
+    app,
+    console,
+    guard,
+    load_network,
+    print_json,
+)
 from netdsl_cli.options import options_from, with_options
 
 
@@ -64,7 +72,7 @@ class _Bar:
         self._prepared()
         if self.quiet:
             return
-        for w in info.get("warnings", ()):
+        for w in info.get("warnings", ()):  # (on this bar's console)
             self.err.print(f"warning: {w}", style="yellow", highlight=False)
         self.total = info["total_steps"]
         split = f" ({info['split']})" if info.get("split") else ""  # e.g. microbatches=4
@@ -150,9 +158,7 @@ def _run(file: Path, plot: Path | None, json_output: bool, **options) -> int | N
     bar = _Bar(quiet=json_output)
     with guard(json_output):
         from netdsl.api import train
-        from netdsl.options import conflicts
         opts = options_from(RunOptions, options)
-        conflicts(opts)  # (before loading anything)
         if plot is not None:  # before the run, not after it: matplotlib may be missing
             from netdsl.tooling.curves import require_matplotlib
             require_matplotlib()

@@ -20,6 +20,7 @@ from netdsl_cli.common import (
     guard,
     load_network,
     print_json,
+    warn,
 )
 from netdsl_cli.options import (
     DEFAULTS,
@@ -89,6 +90,7 @@ def split(
         if json_output:
             print_json(res.to_json())
         else:
+            warn(res.warnings)
             _print(res)
         if res.gate is not None and not res.gate.ok:
             raise typer.Exit(1)

@@ -113,6 +113,19 @@ def lower_bound(net, batch: int):
     return g if isinstance(g.batch, int) else g.bind(batch)
 
 
+@contextmanager
+def fraction_bar(label: str, quiet: bool) -> Iterator:
+    """A progress bar on stderr that a library call reports the fraction done to: yields
+    that callback (None when `quiet`, e.g. with --json)."""
+    if quiet:
+        yield None
+        return
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), TimeElapsedColumn(),
+                  console=console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=1.0)
+        yield lambda f: bar.update(task, completed=f)
+
+
 class CountBar:
     """A rich progress bar on stderr counting done of total (the weights `export` writes,
     the batches `eval` runs); none with --json. Call it with (done, total), then close()."""

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from netdsl_cli.common import CountBar, JsonOpt, app, console, guard, load_network, print_json
+from netdsl_cli.options import DEFAULTS, SeedOpt
 
 
 def _parse_batch(value: str) -> int | None:
@@ -30,8 +31,7 @@ def export(
     batch: Annotated[str, typer.Option(
         "--batch", "-b", help="an integer to fix the batch size, or `dynamic` (symbolic N)")]
     = "dynamic",
-    seed: Annotated[int | None, typer.Option(
-        min=0, help="seed of the initialisation (default: the train section's)")] = None,
+    seed: SeedOpt = DEFAULTS.seed,
     flat: Annotated[bool, typer.Option(
         "--flat", help="no ONNX local functions for the blocks (node names still carry "
         "them)")] = False,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -22,6 +21,7 @@ from netdsl_cli.common import (
     JsonOpt,
     app,
     console,
+    fraction_bar,
     guard,
     load_network,
     print_json,
@@ -68,13 +68,8 @@ def plan(
         net = load_network(file)
         args = dict(mem=mem, batch=batch, profile=profile, strategy=strategy,
                     offload_state=offload_state, microbatches=microbatches, backend=backend)
-        if json_output:
-            step = plan_step(net, **args)
-        else:
-            with Progress(TextColumn("[bold]plan"), BarColumn(), TimeElapsedColumn(),
-                          console=console(stderr=True), transient=True) as bar:
-                task = bar.add_task("plan", total=1.0)
-                step = plan_step(net, progress=lambda f: bar.update(task, completed=f), **args)
+        with fraction_bar("plan", json_output) as progress:
+            step = plan_step(net, progress=progress, **args)
         res, b, micro = step.memory_plan, step.request.batch, step.microbatches
         if not json_output:
             warn(step.warnings)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from netdsl.sizes import format_decimal, format_seconds
@@ -17,6 +16,7 @@ from netdsl_cli.common import (
     JsonOpt,
     app,
     console,
+    fraction_bar,
     guard,
     load_network,
     print_json,
@@ -74,13 +74,8 @@ def split(
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
                   schedule=schedule, mpi=mpi, jobs=jobs, backend=backend)
-        if json_output:
-            res = split_api(net, **kw)
-        else:
-            with Progress(TextColumn("[bold]split"), BarColumn(), TimeElapsedColumn(),
-                          console=console(stderr=True), transient=True) as bar:
-                task = bar.add_task("split", total=1.0)
-                res = split_api(net, progress=lambda f: bar.update(task, completed=f), **kw)
+        with fraction_bar("split", json_output) as progress:
+            res = split_api(net, progress=progress, **kw)
         if plot is not None:
             from netdsl.parallel.predict import get_interconnect, simulate
             from netdsl.tooling.schedule_plot import plot_schedule

@@ -31,7 +31,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
-from netdsl.passes.pipeline import register_pass
+from netdsl.passes.registry import register_pass
 
 
 class GradBuilder:

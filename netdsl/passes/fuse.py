@@ -52,7 +52,7 @@ from netdsl.config import env_switch
 from netdsl.ir.graph import Graph
 from netdsl.ir.rewrite import make_node
 from netdsl.passes.fuse_attention import attention_into_qkv, join_attention_grads
-from netdsl.passes.pipeline import register_pass
+from netdsl.passes.registry import register_pass
 
 FUSE_ENV = "NETDSL_FUSE"
 

@@ -32,7 +32,7 @@ from netdsl.ir.ops.optim import GROUP_SHARED, group_op, member_inputs
 from netdsl.ir.placement import replica_key
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
-from netdsl.passes.pipeline import register_pass
+from netdsl.passes.registry import register_pass
 
 KINDS = {
     "sgd": {"lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0,

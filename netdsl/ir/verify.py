@@ -9,18 +9,21 @@
   read, and so may a node that names the writer among its inputs (it reads the value as
   written: the optimizer-state write-back). This is what keeps a rewrite from moving a
   read past an update.
+
+`Graph.verify()` calls `verify`, which takes the graph as it is (this module does not
+import netdsl.ir.graph, which imports it).
 """
 from __future__ import annotations
 
 from netdsl.ir import registry
-from netdsl.ir.graph import SOURCE_OPS, Graph
+from netdsl.ir.node import SOURCE_OPS
 
 
 class IRError(AssertionError):
     """A broken IR invariant: a bug in a pass, never a user error."""
 
 
-def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
+def verify(g, *, recheck_shapes: bool = True) -> None:
     ops = registry.load_all()
     nodes = g.nodes
     pos: dict[str, int] = {}  # the values defined so far, at their positions

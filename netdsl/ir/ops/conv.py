@@ -9,9 +9,7 @@ zero-padded onto x first (and cropped off dx).
 import functools
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops import conv_winograd as winograd
-from netdsl.ir.ops._util import fused_kernels, matmul, need_float, need_rank, out_size, pair
-from netdsl.ir.registry import (
+from netdsl.ir.opdef import (
     NON_NEGATIVE,
     POSITIVE,
     Arg,
@@ -21,6 +19,8 @@ from netdsl.ir.registry import (
     kernel,
     register,
 )
+from netdsl.ir.ops import conv_winograd as winograd
+from netdsl.ir.ops._util import fused_kernels, matmul, need_float, need_rank, out_size, pair
 from netdsl.ir.types import TensorType
 
 

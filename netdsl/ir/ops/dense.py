@@ -1,9 +1,9 @@
 """Dense algebra: linear layers, batched matrix products, embeddings."""
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.ops._util import broadcast, fused_kernels, matmul, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
 from netdsl.ir.ops.shape_ops import checked_indices, scatter_add_rows
-from netdsl.ir.registry import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

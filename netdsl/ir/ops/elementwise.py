@@ -7,8 +7,8 @@ seed d(loss)/d(loss) = 1, and the scalar constants of expressions like `x - 1`).
 from math import prod
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import broadcast, fused_kernels, norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import DTYPES, TensorType
 
 

@@ -19,8 +19,8 @@ import functools
 import numpy as np
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import OPS, Arg, OpDef, kernel, register
 from netdsl.ir.ops._util import fused_kernels
-from netdsl.ir.registry import OPS, Arg, OpDef, kernel, register
 from netdsl.ir.types import TensorType
 
 

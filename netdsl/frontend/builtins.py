@@ -5,7 +5,7 @@ from __future__ import annotations
 from netdsl.frontend import tensor_arith
 from netdsl.frontend.checks import int_in_range
 from netdsl.frontend.values import Builtin, Tensor, is_num, where
-from netdsl.ir.graph import Node
+from netdsl.ir.rewrite import make_source
 from netdsl.ir.types import TensorType
 
 
@@ -102,10 +102,10 @@ def builtins(el) -> dict:
         if (why := t.size_error()) is not None:
             raise el.error(f"parameter(): {why}", e.loc)
         name = el.node_name("parameter")
-        el.g.add(Node(name, "param", (), t, {"shape": tuple(shp), "init": init,
-                                              "fan_in": shp[-1], "std": 0.02},
-                      loc=e.loc, stack=tuple(el.stack), scope=tuple(el.scope),
-                      annotations=dict(el.anns[-1])))
+        el.g.add(make_source(name, "param", t, {"shape": tuple(shp), "init": init,
+                                                "fan_in": shp[-1], "std": 0.02},
+                             loc=e.loc, stack=tuple(el.stack), scope=tuple(el.scope),
+                             annotations=dict(el.anns[-1])))
         return Tensor(name, t, f"parameter at {where(e.loc)}")
 
     table = {"channels": channels, "shape": shape, "rank": rank, "len": length,

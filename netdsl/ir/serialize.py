@@ -58,6 +58,8 @@ def node_to_json(n: Node) -> dict:
 
 
 def node_from_json(d: dict) -> Node:
+    """The node as it was saved, built directly rather than through rewrite's factories:
+    a document is restored field for field, with no rule run again over it."""
     return Node(
         name=d["name"], op=d["op"], inputs=tuple(d["inputs"]),
         type=TensorType(tuple(d["type"]["shape"]), d["type"]["dtype"]),

@@ -82,10 +82,9 @@ def lower_dropout(g: Graph) -> Graph:
     nodes: list[Node] = []
     for n in g.nodes:
         if n.op == "dropout":
-            mask = Node(f"{n.name}.mask", "dropout_mask", (n.inputs[0],), n.type,
-                        {"p": n.attrs["p"]}, loc=n.loc, stack=n.stack, scope=n.scope,
-                        device=n.device,
-                        meta={**n.meta, "rng_key": n.meta.get("rng_key", n.name)})
+            mask = make_node(g, f"{n.name}.mask", "dropout_mask", (n.inputs[0],),
+                             {"p": n.attrs["p"]}, like=n,
+                             meta={**n.meta, "rng_key": n.meta.get("rng_key", n.name)})
             nodes.append(mask)
             n = n.copy(op="mul", inputs=(n.inputs[0], mask.name), attrs={})
             n.meta["lowered_from"] = "dropout"

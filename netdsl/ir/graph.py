@@ -63,7 +63,7 @@ class Graph:
     outputs: dict[str, list[str]] = field(default_factory=dict)
     batch: int | str = "N"
     parallel: dict[str, int] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # keys declared in netdsl.ir.meta
     _index: dict[str, Node] | None = field(default=None, repr=False, compare=False)
 
     def __reduce__(self):

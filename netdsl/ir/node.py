@@ -4,6 +4,10 @@ it produces, named after the node.
 Network inputs, parameters and buffers are nodes too (ops `input`, `param`, `buffer`), so
 autodiff and the optimizer can refer to them like any other value, and a later pass can
 move, split or duplicate them.
+
+A layer makes nodes with `netdsl.ir.rewrite.make_node` (operators) and `make_source`
+(sources), and copies them with `Node.copy`. `meta` holds what passes tell each other
+about a node, under the keys netdsl.ir.meta declares (verify checks them).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ class Node:
     scope: tuple[str, ...] = ()  # block instance path, e.g. ("stage3", "bottleneck12")
     annotations: dict[str, Any] = field(default_factory=dict)
     device: int | None = None  # assignment to a device, set by placement passes
-    meta: dict[str, Any] = field(default_factory=dict)  # free-form, survives copies
+    meta: dict[str, Any] = field(default_factory=dict)  # netdsl.ir.meta; survives copies
 
     @property
     def is_source(self) -> bool:
@@ -39,8 +43,8 @@ class Node:
 
     def copy(self, **changes) -> Node:
         """A copy with its own attrs, annotations and meta dicts (`dataclasses.replace`
-        semantics: only fields are copied; an unknown change is a TypeError). Written out
-        because `replace` was a third of the time of binding a big graph."""
+        semantics: only fields are copied; an unknown change is a TypeError). Written out:
+        through `replace`, its checks would be a large share of binding a big graph."""
         if type(self) is not Node or not changes.keys() <= _NODE_FIELD_SET:
             return _replace_copy(self, changes)  # replace's checks and TypeError
         d = self.__dict__

@@ -71,7 +71,7 @@ class Elaborator(Expressions, ArgumentBinding):
         frame = Frame({}, self.module, None)
         try:
             self.anns = [check_annotations(self.net.annotations, self, "network")]
-        except Fail:  # reported; go on without them (this used to escape as a crash)
+        except Fail:  # reported; go on without them (the diagnostics are raised below)
             self.anns = [{}]
         outputs, losses = [], []
         parallel_seen = False
@@ -335,7 +335,6 @@ class Elaborator(Expressions, ArgumentBinding):
     def call_block(self, ref: BlockRef, args, kwargs, e: ast.Call):
         b: ast.BlockDef = ref.block
         if len(self.stack) >= MAX_BLOCK_DEPTH:
-            # was 200, which overflowed Python's stack (RecursionError) before firing
             raise self.error(f"block calls are nested more than {MAX_BLOCK_DEPTH} deep; "
                              f"does block `{b.name}` call itself?", e.loc)
         names = [p.name for p in b.params]

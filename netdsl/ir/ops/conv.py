@@ -200,10 +200,10 @@ def _flat_shift_gw_scratch(n, c, o, kernel, g, hp, wp, ho) -> int:
 
 # Below this many output pixels per image, a GEMM per image is too small to run well; the
 # batch is folded into one GEMM where that GEMM is big enough to pay for the column copy
-# (>= 128 channels each way) or the per-offset GEMMs are worse still (C*kh*kw <= 64).
-# bench/bench_kernels.py --conv: digits-cnn's first conv 0.65 -> 0.065 ms and ResNet-50's
-# 7x7 stage 71 -> 36 ms forward; 64 channels at 8x8 (ResNet-164's last stage) measured
-# slower folded, so it keeps the flat shift.
+# (>= 128 channels each way) or the per-offset GEMMs are worse still (C*kh*kw <= 64), as
+# in digits-cnn's first convolution and ResNet-50's 7x7 stage (bench/bench_kernels.py
+# --conv); 64 channels at 8x8 (ResNet-164's last stage) measured slower folded, so it
+# keeps the flat shift.
 _FOLD_MAX_PIXELS = 196
 
 
@@ -218,8 +218,7 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) ->
         return "pointwise"
     if gpu:
         # the columns and one batched GEMM: a GPU is held back by launches, not bytes, and
-        # the flat shift is kh*kw GEMMs and adds (ResNet-164's conv2d on an H200: 485 ->
-        # 144 us a call on average, docs/benchmarks.md, "The GPU")
+        # the flat shift is kh*kw GEMMs and adds (docs/benchmarks.md, "The GPU")
         return "im2col"
     if fast and _is_depthwise(cin, g):
         return "depthwise"
@@ -234,11 +233,10 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) ->
 def _image_tasks_beat_winograd(n, cin, cout, g, ho, wo) -> bool:
     """Where the flat shift, an image a task (numpy_fused_gemm.shifted_conv_tasks), is
     faster than Winograd for a forward or input gradient: up to 64 channels each way from
-    14x14 to 56x56, two images or more. Two threads, medians of four alternating runs:
-    32 channels at 16x16 0.47 -> 0.30 ms, 64 at 14x14 0.99 -> 0.83, at 56x56 13.6 ->
-    12.7; at 8x8, and at 128 channels and more, Winograd stays ahead (docs/benchmarks.md).
-    At 224x224 (VGG-16's first convolutions) each task's buffers are 13 MB, far from any
-    cache, and VGG-16's step came out 1-3% slower, so Winograd keeps those.
+    14x14 to 56x56, two images or more; at 8x8, and at 128 channels and more, Winograd
+    stays ahead (measured: docs/benchmarks.md). At 224x224 (VGG-16's first convolutions)
+    each task's buffers are far out of any cache, and VGG-16's step came out slower, so
+    Winograd keeps those.
     It does not depend on the threads, so neither do a step's numbers: with fewer images
     than threads the flat shift runs as `shifted`, the same sums."""
     return g == 1 and n >= 2 and max(cin, cout) <= 64 and 196 <= ho * wo <= 56 * 56
@@ -457,7 +455,7 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False, residual=No
 def _pointwise(xp, x, w, out, fast, residual=None):
     """A 1x1, stride-1, unpadded, ungrouped convolution: one GEMM per image (folding the
     batch into one GEMM needs two transposing copies in NCHW, which cost more than they
-    save: docs/benchmarks.md), straight into `out`."""
+    save), straight into `out`."""
     n, c, h, wd = x.shape
     o = w.shape[0]
     r = None if residual is None else residual.reshape(n, o, -1)
@@ -526,7 +524,8 @@ def _conv_by_path(xp, x, w, geom, g, out=None, fast=None, gpu=False):
         return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
     if g == 1 and fast is not None:
         # columns one image at a time (the fused kernels' parallel copy), each image's GEMM
-        # straight into its rows of y: ResNet-50's 7x7/2 stem 39 -> 24 ms
+        # straight into its rows of y: one image's columns in memory, not the batch's (the
+        # path of large images such as ResNet-50's 7x7/2 stem)
         y = xp.empty((n, o, ho * wo), x.dtype) if out is None else _flat_out(out, n, o)
         cols = xp.empty((x.shape[1] * kh * kw, ho * wo), x.dtype)
         w2 = w.reshape(o, -1)
@@ -686,13 +685,12 @@ def _gw_pointwise(xp, dy, x, a, fast):
         d = xp.ascontiguousarray(dy.reshape(n, o, p).transpose(1, 0, 2)).reshape(o, -1)
         xt = xp.ascontiguousarray(x.reshape(n, c, p).transpose(1, 0, 2)).reshape(c, -1)
         return matmul(xp, d, xt.T, fast=fast).reshape(tuple(a["shape"]))
-    # sum over n of dy[n] @ x[n]^T (a transposed view: no copy). With fewer output
-    # than input channels, the transposed products x[n] @ dy[n]^T and one transposing
-    # copy of their [C, O] sum: OpenBLAS multiplies [64, 1024] @ [1024, 16] 1.5x
-    # faster than [16, 1024] @ [1024, 64], with the same bits (ResNet-164's 16 <- 64
-    # at 32x32: 0.88 -> 0.55 ms on one thread, bench_kernels.py --conv-only 1x1;
-    # docs/benchmarks.md). Not for the
-    # folded GEMM above, where ResNet-50's 512 <- 2048 came out 20% slower so.
+    # sum over n of dy[n] @ x[n]^T (a transposed view: no copy). With fewer output than
+    # input channels, the transposed products x[n] @ dy[n]^T and one transposing copy of
+    # their [C, O] sum: OpenBLAS multiplies [C, K] @ [K, O] faster than [O, K] @ [K, C]
+    # for O < C, with the same bits (ResNet-164's 16 <- 64 at 32x32; bench_kernels.py
+    # --conv-only 1x1). Not for the folded GEMM above, where ResNet-50's 512 <- 2048 came
+    # out slower so.
     dy3, x3 = dy.reshape(n, o, -1), x.reshape(n, c, -1)
     if o < c:
         gw = matmul(xp, x3, dy3.transpose(0, 2, 1), fast=fast).sum(axis=0)
@@ -730,7 +728,7 @@ def _gw_image_columns(xp, dy, x, a, fast):
     """dW of an ungrouped convolution on large images: one image's columns at a time (no
     transposed copy of dy), the images' products added in their order (not inside the
     GEMM, whose K blocks would round otherwise with its threads than NumPy's matmul does
-    on one): ResNet-50's 7x7/2 stem 42 -> 29 ms."""
+    on one): one image's columns in memory, not the batch's (ResNet-50's 7x7/2 stem)."""
     n, o, ho, wo = dy.shape
     c = x.shape[1]
     kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)

@@ -197,9 +197,8 @@ class CupyBackend:
     def _graph_s(self):
         # non-blocking, as CuPy's and PyTorch's captures are: on a stream that synchronises
         # with the legacy default stream, a call that syncs that stream (cudaMalloc, when
-        # the pool grows) invalidates the capture. The first GPU run recorded on a blocking
-        # stream and every capture failed at its first convolution; that this was why is a
-        # guess the next GPU run will check (docs/benchmarks.md, "The GPU").
+        # the pool grows) invalidates the capture. Captures on a blocking stream failed at
+        # their first convolution, most likely so (docs/benchmarks.md, "The GPU").
         if getattr(self, "_graph_stream", None) is None:
             with self._dev:
                 self._graph_stream = self.xp.cuda.Stream(non_blocking=True)

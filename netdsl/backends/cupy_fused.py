@@ -3,9 +3,9 @@ SGD and Adam updates.
 
 Through CuPy's array API, one batchnorm forward is about fifteen launches (sums, deviations,
 squares, scales, the relu) and its backward about twenty, each paying CuPy's host-side
-dispatch (tens of microseconds); on a GPU as fast as an H200 a small network's step is
-nothing but that overhead (ResNet-164 at batch 16: 0.45 s a step against PyTorch's 34 ms,
-docs/benchmarks.md, "GPU"). Here each of those operators is one launch:
+dispatch, which takes far longer than the kernel on a small tensor; on a GPU as fast as an
+H200 a small network's step is nothing but that overhead (docs/benchmarks.md, "GPU").
+Here each of those operators is one launch:
 
 - batchnorm forward: one block a channel; the mean and the variance in two passes over
   the channel (float64 sums), then y, in the same launch;
@@ -381,7 +381,7 @@ class CudaKernels:
         self._cupy = cupy
         self._modules: dict[np.dtype, object] = {}
         # (name, dtype) -> kernel: RawModule.get_function looks the name up in the module
-        # every call (3 us each, 1,146 calls a ResNet-164 step on the H200)
+        # at every call, and a step makes a call per launch
         self._functions: dict[tuple[str, np.dtype], object] = {}
         self._uploads: dict[tuple, object] = {}  # small host arrays on the device (_upload)
 

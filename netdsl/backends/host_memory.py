@@ -4,12 +4,11 @@
 A training step allocates and frees the same large arrays every step. glibc serves any
 request above its mmap threshold (at most 32 MB) with a fresh mmap and unmaps it on free,
 so every large activation, gradient or im2col buffer is page-faulted in again, step after
-step: ResNet-50 at batch 16 spent about a fifth of its step on it (8.3 -> 6.6 s with
-mmap off, the same peak RSS; docs/benchmarks.md). With mmap off and trimming raised, freed
-blocks stay in the heap and the next step reuses them; the peak is unchanged because the
-executor frees what it no longer needs, as before. Process-wide, so it is done once, and
-left alone where the user tuned malloc through its own environment variables or set
-NETDSL_KEEP_MEMORY=0.
+step, a sizeable share of a big network's step on a CPU (docs/benchmarks.md). With mmap
+off and trimming raised, freed blocks stay in the heap and the next step reuses them; the
+peak is unchanged because the executor frees what it no longer needs either way.
+Process-wide, so it is done once, and left alone where the user tuned malloc through its
+own environment variables or set NETDSL_KEEP_MEMORY=0.
 """
 from __future__ import annotations
 

@@ -93,19 +93,17 @@ def thread_count() -> int:
 
 
 # Numba's parallel loops run on libgomp, whose idle threads spin ("active" waits) by
-# default. OpenBLAS's threads spin between GEMMs too, and the two took the cores from each
-# other: with two threads on this 2-core machine ResNet-164's step took 3.0 s against
-# 0.59 s with passive waits, and transformer-tiny's 116 against 10 ms (bench/bench_step.py
-# --threads 2 --baseline a7b74b3; docs/benchmarks.md). Passive waits are only needed where
-# both pools run: where the GEMMs go on the loops' threads (numpy_fused_gemm) NumPy's BLAS
-# has one thread during a step and libgomp's threads spin for SPIN_COUNT turns before they
-# sleep. Passive waits made ResNet-164's two-thread step 0.56 s instead of 0.39. The spin
-# is short because two processes on the same cores spin against each other: two
-# ResNet-164 runs of two threads at once on two cores took 0.98 s a step each with 10,000
-# turns and 4.7 s with 100,000. Alone on the machine, longer spins spare the small
-# networks a wake-up at most parallel loops (100,000 turns: digits-cnn 1.92 ms a step
-# instead of 2.17, transformer-tiny 8.2 instead of 9.0): GOMP_SPINCOUNT=100000 in the
-# environment gives that (docs/training.md, docs/benchmarks.md). libgomp reads these
+# default. OpenBLAS's threads spin between GEMMs too, and where both pools run the two
+# take the cores from each other, which makes a step on as many threads as cores several
+# times slower than with passive waits (bench/bench_step.py --threads 2;
+# docs/benchmarks.md). Passive waits are only needed there: where the GEMMs go on the
+# loops' threads (numpy_fused_gemm) NumPy's BLAS has one thread during a step, and
+# libgomp's threads spin for SPIN_COUNT turns before they sleep, which beats passive waits
+# (a wake-up at every parallel loop). The spin is short because two processes on the same
+# cores spin against each other, and a long spin makes both much slower. Alone on the
+# machine, longer spins spare the small networks a wake-up at most parallel loops:
+# GOMP_SPINCOUNT=100000 in the environment gives that (docs/training.md,
+# docs/benchmarks.md). libgomp reads these
 # when Numba loads it, the first time the loops' threads are set; a policy or spin count
 # the user set stands.
 WAIT_POLICY = ("OMP_WAIT_POLICY", "PASSIVE")
@@ -183,8 +181,8 @@ class FusedKernels:
         cache, or compiled, on its first call, and none may happen inside a measured step
         (its time, its tracemalloc peak). The executor loads what its graph's ops use, so a
         run compiles what it runs: a float32 ResNet neither the float64 kernels nor the
-        depthwise, attention or layernorm ones (ResNet-20's cold first run: 26 s, against the
-        two minutes that compiling every kernel took on two cores)."""
+        depthwise, attention or layernorm ones, a fraction of the time that compiling every
+        kernel takes."""
         for group in groups:
             warm = KERNEL_GROUPS[group]
             for dt in dtypes:

@@ -11,8 +11,9 @@ probabilities are either kept ([N, heads, T, T], attention_probs_tasks, for the 
 and the backward to read) or, for long sequences, recomputed in a [T, T] buffer of the
 thread, in cache (flash attention's choice: nothing [N, heads, T, T] kept or allocated);
 dP always stays in such a buffer. Written out with slices, reshapes, permutes, a
-transpose, two batched products, a scale and a softmax, transformer-tiny's attention took
-3.0 ms of a 13 ms step (two threads), 1.95 ms so (docs/benchmarks.md).
+transpose, two batched products, a scale and a softmax, the same attention is a pass over
+memory per operator and copies of every head; one task a pair takes a markedly smaller
+share of a transformer's step (docs/benchmarks.md).
 
 The products are NumPy's own OpenBLAS, one thread per call (numpy_fused_gemm), so each
 task's numbers are the same on any number of threads. The scale is the GEMM's alpha; the

@@ -2,9 +2,9 @@
 for the NumPy backend's fused kernels: forward, input gradient and weight gradient.
 
 As grouped GEMMs, each group's product is [O/G, kh*kw] @ [kh*kw, Ho*Wo]: far too small
-for a GEMM, behind an im2col copy kh*kw times the input. MobileNetV2's depthwise 3x3s ran
-10-23x slower than PyTorch's that way (bench/bench_kernels.py --conv-only depthwise;
-docs/benchmarks.md). Here a task takes one input plane x[n, c] at a time and copies it,
+for a GEMM, behind an im2col copy kh*kw times the input: MobileNetV2's depthwise 3x3s run
+an order of magnitude slower than PyTorch's that way (bench/bench_kernels.py --conv-only
+depthwise). Here a task takes one input plane x[n, c] at a time and copies it,
 zero-padded, into scratch "phase planes": with stride (sh, sw), padded element (r, p)
 goes to phase (r % sh, p % sw) at row r // sh, column p // sw of a plane T columns wide.
 Every kernel tap then reads, for all the output rows at once, one contiguous run of Ho*T
@@ -94,7 +94,7 @@ def _move_plane(plane, ph, pw, sh, sw, t, phases, base, load):
     * T + p // sw] (the padding was zeroed once and is never written); else the inverse,
     plane = the phases' elements inside the padding."""
     h, w = plane.shape
-    if sw == 1:  # whole rows as slices: 2.2x faster than element by element at 14x14
+    if sw == 1:  # whole rows as slices: faster than element by element
         for r in range(h):
             pr = r + ph
             start = base + (pr // sh) * t + pw

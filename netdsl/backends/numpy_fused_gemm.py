@@ -2,10 +2,9 @@
 
 With more than one thread, NumPy's OpenBLAS keeps its own pool of threads and Numba's
 parallel loops another (libgomp's). Each pool's idle threads either spin, and take the
-cores from the other pool's, or sleep, and pay a wake-up at every call: on this 2-core
-machine ResNet-164's step took 0.58 s with two threads against 0.61 s with one, the
-batchnorm loops no faster with two, and 0.37 s with one pool (bench/bench_step.py
---threads 2; docs/benchmarks.md).
+cores from the other pool's, or sleep, and pay a wake-up at every call: on two cores a
+step on two threads is hardly faster than on one, and with one pool for both it is
+markedly faster (bench/bench_step.py --threads 2; docs/benchmarks.md).
 Most of a step's GEMMs are small (a convolution's per image or per kernel offset), too
 small for OpenBLAS to split well. So, with two or more threads, a step holds NumPy's
 OpenBLAS to one thread (`NumpyCblas.limit`) and a batch of GEMMs is spread over the
@@ -134,8 +133,8 @@ def _data_address(typingctx, arr):
 def _add_to_rows(c, start, rows, ld, v):
     """c[start + r * ld:][:v.size] += v for r < rows: a block's rows of a matrix given flat,
     C-contiguous. Row slices of a flat array, because a parallel loop's slices of a 2-d
-    array type as of any layout and their adds do not vectorise: adding a [1024, 256]
-    bias took 36 us on two threads that way against 11 this way (18 on one thread)."""
+    array type as of any layout and their adds do not vectorise: a bias added so takes
+    several times as long."""
     for r in range(rows):
         o = start + r * ld
         row = c[o:o + v.size]
@@ -216,8 +215,8 @@ def _pad_planes(image, ph, pw, wp, buf, shift=0):
     for ch in range(image.shape[0]):
         for r in range(h):
             start = (r + ph) * wp + pw - shift
-            # unshifted: whole rows, no bounds to clip (with the clipping the image tasks'
-            # forward and dx took 5-8% longer in a step)
+            # unshifted: whole rows, no bounds to clip (clipping every row measurably slows
+            # the image tasks' forward and dx)
             c0, c1 = (0, w) if shift == 0 else (max(0, -start), min(w, n - start))
             if c1 > c0:
                 dst = buf[ch, start + c0:start + c1]
@@ -234,12 +233,12 @@ def shifted_conv_tasks(fn, one, x, wt, kh, kw, ph, pw, dh, dw, y, threads):
     thread's cache, where the batch's padded copy and result each took a pass of their
     own. x [N, C, H, W], wt [kh*kw, O, C], y [N, O, Ho, Wo], all C-contiguous; `threads`
     tasks of consecutive images, each with its two buffers, [C, Hp*Wp + (kw-1)*dw] and
-    [O, Ho*Wp], allocated here by each thread: as NumPy arrays allocated by the caller
-    and handed in, ResNet-164's 16-channel 3x3 took 0.41-0.46 ms against 0.32-0.33
-    (bench_kernels.py, not kept). Numba allocates through CPython's allocator, so
-    tracemalloc sees them; conv2d's workspace rule covers them (its flat shift reserves
-    the whole batch's padded copy and result). The same products, summed in the same
-    order, as shifted_gemm_tasks and the reference kernel's per-offset GEMMs."""
+    [O, Ho*Wp], allocated here by each thread (NumPy arrays allocated by the caller and
+    handed in made ResNet-164's 16-channel 3x3 slower). Numba allocates through CPython's
+    allocator, so tracemalloc sees them; conv2d's workspace rule covers them (its flat
+    shift reserves the whole batch's padded copy and result). The same products, summed
+    in the same order, as shifted_gemm_tasks and the reference kernel's per-offset
+    GEMMs."""
     n, c, h, w = x.shape
     o, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     wp = w + 2 * pw
@@ -370,23 +369,20 @@ def _batch_steps(x, batch: tuple[int, int]) -> tuple[int, int] | None:
 
 
 # Below this many multiply-adds a product is not worth a parallel region's start, its end
-# and the call's 20 arguments (about 10 us in all): NumPy's matmul runs it on the calling
-# thread. The break-even lies between 1M and 2M (bench/bench_kernels.py --threads 2
-# --gemm; docs/benchmarks.md).
+# and the call's 20 arguments: NumPy's matmul runs it on the calling thread. The threshold
+# is the measured break-even (bench/bench_kernels.py --threads 2 --gemm).
 _MIN_MACS = 1 << 21
 # The image-task convolutions (PooledGemm.conv, conv_grad_weight) pay for their parallel
 # region with more than a GEMM's work (padding, cropping, copies), so they start lower:
-# digits-cnn's 16 -> 32 channel dW, 1.5M multiply-adds, 0.30 -> 0.21 ms on two threads
-# (bench_kernels.py --conv; docs/benchmarks.md). Where between 2^18 and that they stop
-# paying was not measured.
+# digits-cnn's 16 -> 32 channel dW, 1.5M multiply-adds, is faster on two threads
+# (bench_kernels.py --conv). Where between 2^18 and that they stop paying is not measured.
 _MIN_CONV_MACS = 1 << 18
 
 # Small images' weight gradients put several images side by side in one GEMM, so that K
 # (the columns a product sums over) is at least this: digits-cnn's 8x8 images are 80
 # columns each, and its batch of 32 takes 4 products of K = 640 and 3 adds instead of 32
-# products and 31 adds: 16 -> 32 channels 0.428 -> 0.392 ms on one thread, 0.296 -> 0.214
-# on two, 1 -> 16 0.067 -> 0.049 and 0.089 -> 0.053 (bench_kernels.py --conv-only digits;
-# K = 160 ... 2560 measured, 320-640 best).
+# products and 31 adds, faster for both its convolutions on one thread and on two
+# (bench_kernels.py --conv-only digits; of the K measured, this one among the best).
 _MIN_GW_COLUMNS = 640
 
 
@@ -402,10 +398,10 @@ def _images_per_product(n: int, length: int, by_rows: bool) -> int:
 # most 1e6 multiply-adds with its small-matrix kernels on its AVX-512 cores, which read the
 # operands as they lie; larger ones are packed first. ResNet-164's 1x1 convolutions'
 # products are [16, 64] @ [64, 1024] and the like, 2^20 multiply-adds each: just above it.
-# Cut into blocks of columns (or rows) under it they ran in 0.54-0.85 of the time,
-# products of 4M multiply-adds in 0.60-1.02, of 8M in 0.76-1.14 and of 16M in 0.93-1.14
-# (one thread, data in cache, SkylakeX's kernels on an AMD EPYC Zen 4, scratch probes;
-# docs/benchmarks.md): up to 4M they are cut there (product_blocks). Each block
+# Cut into blocks of columns (or rows) under it they run faster, the more so the smaller
+# the product, and from 8M multiply-adds on the gain is gone (one thread, data in cache,
+# SkylakeX's kernels on an AMD EPYC Zen 4; docs/benchmarks.md): up to 4M they are cut
+# there (product_blocks). Each block
 # is computed as a product of its own, so the split depends on the shape alone: the same
 # blocks, and the same numbers, on any number of threads.
 _SMALL_MACS = 1_000_000
@@ -427,8 +423,8 @@ def product_blocks(m: int, n: int, k: int, batch: int, small_kernels: bool) -> t
     """The blocks each of `batch` [m, k] @ [k, n] products is cut into, by the shapes alone
     (so that a step's numbers are the same on any number of threads: OpenBLAS's sums
     depend on the blocks). With OpenBLAS's small-matrix kernels, small_blocks. Without them
-    (its AVX2 cores: Haswell, Zen) blocks under their limit are only more calls, 1.1-1.3x
-    the whole product's time in halves and 1.5-2.2x in small_blocks' (products of 2M-4M
+    (its AVX2 cores: Haswell, Zen) blocks under their limit are only more calls, slower
+    than the whole product in halves and more so in small_blocks' (products of 2M-4M
     multiply-adds, one thread, an AMD EPYC Zen 2): products stay whole, but a single one of
     2M-4M, which goes in halves, so that two threads can share it (the pooled GEMMs cut it
     anyway) and one thread computes the same two blocks. Larger single products are cut
@@ -533,11 +529,9 @@ class PooledGemm:
             return None
         k, wp = kh * kw * c, w + 2 * pw
         # a GEMM a kernel row (by_rows) where it measured faster: 8-16 channels each way
-        # (ResNet-164's first stage at 32x32 1.40-1.72 -> 1.02-1.21 ms on one thread,
-        # 0.72 -> 0.52 on two, bench_kernels.py --conv-only "16 ch"; in a probe 8
-        # channels 0.32 -> 0.31), not from 32 channels (32x32 4.4 -> 4.8 ms), for
-        # digits-cnn's 16 -> 32 at 8x8 (0.37 -> 0.50) nor its 1 -> 16 (0.07 -> 0.11;
-        # docs/benchmarks.md). Its scratch is less than the single GEMM's, which `task`
+        # (ResNet-164's first stage at 32x32, bench_kernels.py --conv-only "16 ch"), not
+        # from 32 channels, nor for digits-cnn's 16 -> 32 at 8x8 or its 1 -> 16
+        # (docs/benchmarks.md). Its scratch is less than the single GEMM's, which `task`
         # counts.
         by_rows = kw > 1 and 8 <= c <= 16 and o <= 16
         for per in (_images_per_product(n, ho * wp, by_rows), 1):

@@ -1,8 +1,8 @@
 """Softmax cross-entropy over rows, forward and gradient, for the NumPy backend's fused
 kernels (Numba, the `fast` extra): the plain case (no class weights, no smoothing, a mean
 or a sum) in one pass over the scores instead of a dozen small NumPy calls, which cost
-more than the arithmetic on a classifier's [batch, classes] scores (digits-cnn's pair:
-158 -> 58 us a step, bench/refs/netdsl_step.py --profile --op-steps 500). A row with
+more than the arithmetic on a classifier's [batch, classes] scores
+(bench/refs/netdsl_step.py --profile shows the pair's share of a small step). A row with
 the ignored label, or a label out of range, is left to the caller (netdsl.ir.ops.loss),
 which takes its general path or raises."""
 from __future__ import annotations

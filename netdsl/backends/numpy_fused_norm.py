@@ -41,10 +41,9 @@ _PAR = {**_JIT, "parallel": True}  # channels in parallel: each is independent o
 
 # A channel's sums go block by block: each block of at most _BLOCK contiguous elements (a
 # row of P, or part of one) is summed in the data's dtype, in SIMD lanes, and the block's
-# sum joins a float64 total. Accumulating every element in float64 halved the lanes and
-# cost a conversion per element: ResNet-164's 64x32x32 moments took 0.152 ms so against
-# 0.068 (batch 16, one thread), at a relative error of 2e-7 against float64's 1e-14 - the
-# float32 result's own rounding.
+# sum joins a float64 total. Accumulating every element in float64 would halve the lanes
+# and cost a conversion per element, for an accuracy the float32 result's own rounding
+# (a relative 2e-7) throws away.
 _BLOCK = 1024
 
 
@@ -116,9 +115,8 @@ def _consts(x3, mean, inv, w, b):
 # The backward batchnorm kernels below split the channels into `tasks` runs, one a
 # thread, and each walks its run in memory order: image by image, the run's rows of P
 # elements in turn (the forward splits the data itself: bn_forward). Channel by channel
-# (N separate chunks of P, C*P elements apart) the hardware prefetchers lost the stream
-# at every chunk: from a cold cache, ResNet-164's 64x32x32 backward statistics took
-# 0.87-0.99 ms so against 0.37-0.51 in memory order, the same bits (one thread, batch 16).
+# (N separate chunks of P, C*P elements apart) the hardware prefetchers lose the stream
+# at every chunk, which from a cold cache takes markedly longer for the same bits.
 @numba.njit(inline="always")
 def _runs(tasks, nc, t):
     return t * nc // tasks, (t + 1) * nc // tasks
@@ -189,10 +187,8 @@ def bn_forward(x3, w, b, eps, relu, cap, y3, moments, tasks):
     (float64) for the running statistics. The threads take contiguous runs of the data
     (of images, where there are as many as threads), as the convolutions before and
     after split it (an image a task): each reads what it wrote and writes what it will
-    read, where a split by channels read half its data from the other core's cache
-    (ResNet-164's 16x64x32x32 written by images, bn_forward after it: 295 us split by
-    channels, 234 with the data written by channels; two threads on an AMD EPYC Zen 2,
-    scratch script). The block sums are kept by row and added in _moments' order: the
+    read, where a split by channels would read half its data from the other core's cache.
+    The block sums are kept by row and added in _moments' order: the
     same bits on any number of threads."""
     parts = _block_parts(x3)
     rows = x3.shape[0] * x3.shape[1]  # the (image, channel) rows, a contiguous run a task
@@ -293,7 +289,7 @@ def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks, co
             k_dev, k_sum, _s, _b, _z = _consts(x3, -np.float64(it) * gw / m, -sg / m,
                                                0.0, 0.0)
             # two loops, not one with `if accumulate` inside: with acc3 the same array as
-            # dx3 that loop did not vectorise (1.7 ms against 0.13 on 16x16x32x32)
+            # dx3 that loop does not vectorise
             if accumulate:
                 for j in range(p):
                     d = x3[i, c, j] - mt
@@ -382,8 +378,8 @@ def ln_grad_input(dy2, x2, w, eps, dx2):
 # layernorm's weight gradient: rows in blocks of this many, in parallel, each block's
 # column sums in the data's dtype (SIMD lanes across the columns), the blocks' sums then
 # added into the float64 result in order. The blocks are fixed by the shape, so the sums
-# are the same on any number of threads. One row at a time in float64 took transformer-
-# tiny's five [1024, 64] calls 0.34 ms a step on one thread and on two.
+# are the same on any number of threads. One row at a time in float64 is a scalar loop
+# on one thread, a visible share of a small transformer's step.
 _LN_ROWS = 32
 
 
@@ -409,12 +405,10 @@ def ln_grad_weight(dy2, x2, eps, acc):
 # -- softmax over rows ---------------------------------------------------------------------------
 def softmax_rows(x2, y2):
     """y = exp(x - max) / sum per row of the (R, D) x2; the sum in float64. The exp is
-    NumPy's (SIMD; Numba's math.exp is a scalar call per element): transformer-tiny's
-    two softmax calls took 0.57 ms in one Numba loop and 0.32 ms so
-    (bench/refs/netdsl_step.py --profile). In float32 it is the fused kernels' own
-    vectorised exp of non-positive numbers over the whole array (x - max <= 0); with the
-    maximum below, transformer-tiny's [32, 4, 32, 32] scores 0.125 -> 0.093 ms
-    (bench/bench_kernels.py, one thread; torch 0.119)."""
+    NumPy's (SIMD; Numba's math.exp is a scalar call per element, slower even in one
+    loop with the rest: bench/refs/netdsl_step.py --profile). In float32 it is the fused
+    kernels' own vectorised exp of non-positive numbers over the whole array
+    (x - max <= 0), faster still with the maximum below (bench/bench_kernels.py)."""
     _shift_by_row_max(x2, y2)
     if y2.dtype == np.float32:
         exp_of_nonpositive_in_place(y2.reshape(-1))

@@ -45,8 +45,8 @@ def adam_update(p, g, m, v, decay, wd, b1, c1, b2, c2, step_size, bc2_sqrt, eps)
 
 # A group of parameters (an `*_update_group` node): each in turn, by the loops above. Not
 # one compiled call over all of them: Numba takes a group's arrays as a tuple, compiled
-# per length (84 s for 500 parameters), or a reflected list, 6 us an array to unbox (both
-# measured with scratch scripts, not kept; docs/benchmarks.md).
+# anew for every length (over a minute for a deep network's group), or as a reflected
+# list, whose every array is unboxed again at every call.
 def sgd_update_many(ps, gs, bufs, lr, momentum, weight_decay, nesterov):
     for p, g, buf in zip(ps, gs, bufs, strict=True):
         sgd_update(p, g, buf, lr, momentum, weight_decay, nesterov)

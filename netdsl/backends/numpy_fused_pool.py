@@ -58,10 +58,9 @@ def _maxpool2x2_grad_bits(dyi, x, dxi):
     tap equal to it in row-major order (the first NaN where it is one): the tap the
     compare chain a, b, c, d of the NumPy kernel's rule picks (a later tap replaces the
     running maximum only when strictly greater, or a NaN over a number; -0.0 and 0.0 are
-    equal). dy's bits go there, 0 (+0.0) to the other three. The same bits as the chain
-    with float selects; on the Zen 2 (AVX2), one thread, with dx no longer zeroed first:
-    digits-cnn's pool backward 0.425 -> 0.155 ms, VGG-16's first 163.7 -> 70.2 ms
-    (bench/bench_kernels.py; docs/benchmarks.md)."""
+    equal). dy's bits go there, 0 (+0.0) to the other three: the same bits as the chain
+    with float selects, by integer masks, which vectorise on AVX2 where the selects do not
+    (bench/bench_kernels.py)."""
     n, nc, h, w = x.shape
     oh, ow = dyi.shape[2], dyi.shape[3]
     xf = x.reshape(x.size)  # C-contiguous (FusedKernels.accepts)
@@ -95,9 +94,8 @@ def maxpool2x2(x, y):
     """y = the maximum of each 2x2 window at stride 2 (no padding, every window inside x;
     a NaN wins): the values the NumPy kernel's np.maximum passes give, a window at a time
     on one thread, as NumPy's passes run (Numba's parallel loop made digits-cnn's small
-    pool twice as slow and VGG-16's no faster). digits-cnn's 32x32x8x8 0.063 -> 0.049 ms,
-    VGG-16's first pool (8x64x224x224) 31.6 -> 18.4 ms (bench/bench_kernels.py, one
-    thread)."""
+    pool slower and VGG-16's no faster): one pass over x instead of NumPy's several
+    (bench/bench_kernels.py)."""
     n, nc, h, w = x.shape
     oh, ow = y.shape[2], y.shape[3]
     xf = x.reshape(x.size)  # C-contiguous (FusedKernels.accepts)

@@ -14,7 +14,7 @@ from netdsl.ir.types import BATCH
 
 def check_attr(el, op: str, a: registry.Arg, v, loc: SourceLoc):
     def bad(expect):
-        # a tensor used to print as "but got a tensor f32[N, 4] " with no name
+        # describe_value names a tensor by its variable or origin, not by its type alone
         return el.error(f"{op}() expects {expect} for `{a.name}`, but got "
                         f"{describe_value(v)}", loc)
     is_int = isinstance(v, int) and not isinstance(v, bool)

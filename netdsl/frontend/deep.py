@@ -51,8 +51,8 @@ def run_deep(fn, *args, **kwargs):
             sys.setrecursionlimit(max(_saved_limit, _FRAMES))
             # The front end allocates millions of small, acyclic objects (parse tree, AST,
             # nodes) and keeps them all alive; each full collection walks all of them, which
-            # made checking cost grow faster than the file (a 10 MB file: 2.5x slower with
-            # the collector on). Collect once afterwards instead.
+            # would make checking cost grow faster than the file. Collect once afterwards
+            # instead.
             _gc["was_enabled"] = gc.isenabled()
             gc.disable()
         _active += 1

@@ -1,15 +1,15 @@
 """A hand-written recursive-descent parser for programs without errors: the fast path.
 
-Lark's LALR parser spent about 12 us per token (a reduction callback per precedence level,
-4.5 per token, each propagating positions), which made a 10 MB file take a minute to
-parse. This parser follows `grammar/netdsl.lark` rule by rule, one function per
-precedence level, and builds the same AST with the same locations (a node spans its
-first to its last token; a call points at its callee) directly from a token list.
+Lark's LALR parser makes a reduction callback per precedence level, several per token,
+each propagating positions, which makes a big file slow to parse. This parser follows
+`grammar/netdsl.lark` rule by rule, one function per precedence level, and builds the
+same AST with the same locations (a node spans its first to its last token; a call points
+at its callee) directly from a token list.
 
 It owns no error message: on anything it does not accept (a syntax error, a too-large
 number, a bad escape, a keyword argument before a positional one, nesting that might pass
 MAX_NESTING, a recursion limit) it gives up and `parse` runs the Lark parser, which
-reports the error exactly as before. tests/test_descent.py checks that both parsers give
+reports the error. tests/test_descent.py checks that both parsers give
 equal ASTs on every program in the repository and on generated ones.
 """
 from __future__ import annotations

@@ -32,7 +32,8 @@ from netdsl.frontend.values import (
 )
 from netdsl.ir import registry
 from netdsl.ir.build import add_op
-from netdsl.ir.graph import Graph, Node
+from netdsl.ir.graph import Graph
+from netdsl.ir.rewrite import make_source
 from netdsl.ir.types import BATCH, DTYPES, INT_MAX, TensorType
 
 MAX_REPEAT = 1_000_000
@@ -70,7 +71,7 @@ class Elaborator(Expressions, ArgumentBinding):
         frame = Frame({}, self.module, None)
         try:
             self.anns = [check_annotations(self.net.annotations, self, "network")]
-        except Fail:  # reported; go on without them (this used to escape as a crash)
+        except Fail:  # reported; go on without them (the diagnostics are raised below)
             self.anns = [{}]
         outputs, losses = [], []
         parallel_seen = False
@@ -175,8 +176,8 @@ class Elaborator(Expressions, ArgumentBinding):
         t = TensorType(tuple(dims), st.dtype)
         if (why := t.size_error()) is not None:
             raise self.error(f"input `{st.name}`: {why}", st.loc)
-        self.g.add(Node(st.name, "input", (), t, {"shape": tuple(dims), "dtype": st.dtype},
-                        loc=st.loc, annotations=dict(self.anns[-1])))
+        self.g.add(make_source(st.name, "input", t, {"shape": tuple(dims), "dtype": st.dtype},
+                               loc=st.loc, annotations=dict(self.anns[-1])))
         frame.locals[st.name] = Tensor(st.name, t, f"input at {where(st.loc)}", st.name)
 
     def parallel_decl(self, st: ast.ParallelDecl, frame: Frame):
@@ -334,7 +335,6 @@ class Elaborator(Expressions, ArgumentBinding):
     def call_block(self, ref: BlockRef, args, kwargs, e: ast.Call):
         b: ast.BlockDef = ref.block
         if len(self.stack) >= MAX_BLOCK_DEPTH:
-            # was 200, which overflowed Python's stack (RecursionError) before firing
             raise self.error(f"block calls are nested more than {MAX_BLOCK_DEPTH} deep; "
                              f"does block `{b.name}` call itself?", e.loc)
         names = [p.name for p in b.params]

@@ -69,8 +69,8 @@ class Expressions:
         raise self.error(msg, loc)
 
     def expr(self, e: ast.Expr, frame: Frame):
-        # the method's name is built once per AST class, not once per node (that was a
-        # tenth of elaborating a big file)
+        # the method's name is built once per AST class, not once per node (a big file has
+        # millions of nodes)
         name = _METHOD_NAMES.get(type(e))
         if name is None:
             name = _METHOD_NAMES[type(e)] = "e_" + type(e).__name__

@@ -3,7 +3,7 @@ for the wider operator set (axes, floats, padding).
 
 `binop` turns `a <op> b` into graph nodes: two tensors use the element-wise operator
 (`+ - * / **`, comparisons give bool masks); a tensor and a number use `scale` for
-`x * k` and `x / k` (as before), and otherwise a scalar constant - a `fill` node of shape
+`x * k` and `x / k`, and otherwise a scalar constant - a `fill` node of shape
 () and the tensor's element type - and the broadcasting operator: `x - 1`, `1 - x`,
 `2 / x`, `h ** 2`, `x > 0`. The builtins `max` and `min` with a tensor argument are
 element-wise (`max(x, 0)`), through `minmax`.

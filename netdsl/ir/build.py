@@ -1,5 +1,5 @@
-"""Adding a source-level operator to a graph: the node (through `rewrite.make_node`, the
-one node factory) plus the parameter and buffer nodes it owns. Used by the front end, one
+"""Adding a source-level operator to a graph: the node (through `rewrite.make_node`) plus
+the parameter and buffer nodes it owns (through `rewrite.make_source`). Used by the front end, one
 call per op in the source.
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from netdsl.errors import ShapeError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.rewrite import make_node
+from netdsl.ir.rewrite import make_node, make_source
 from netdsl.ir.types import TensorType
 
 
@@ -51,12 +51,11 @@ def add_op(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
         if pname in shared:
             param_names.append(shared[pname])
             continue
-        pnode = Node(f"{name}.{pname}", "buffer" if spec.buffer else "param", (),
-                     TensorType(spec.shape, spec.dtype),
-                     _param_attrs(spec),
-                     loc=node_fields.get("loc"), stack=node_fields.get("stack", ()),
-                     scope=node_fields.get("scope", ()),
-                     annotations=dict(node_fields.get("annotations", {})))
+        pnode = make_source(f"{name}.{pname}", "buffer" if spec.buffer else "param",
+                            TensorType(spec.shape, spec.dtype), _param_attrs(spec),
+                            loc=node_fields.get("loc"), stack=node_fields.get("stack", ()),
+                            scope=node_fields.get("scope", ()),
+                            annotations=dict(node_fields.get("annotations", {})))
         g.add(pnode)
         param_names.append(pnode.name)
     node.inputs = tuple(inputs) + tuple(param_names)

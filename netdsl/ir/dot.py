@@ -19,89 +19,103 @@ def _q(s: str) -> str:
 
 def to_dot(g: Graph, *, fold: bool = True, depth: int | None = None) -> str:
     """DOT text for `g`. Blocks deeper than `depth` levels are drawn as one box each."""
-    types = {n.name: n.type for n in g.nodes}
-    kinds = {n.name: n.op for n in g.nodes}
-    shown: dict[str, str] = {}  # value name -> id of the box that stands for it
-    lines = [f"digraph {_q(g.name)} {{",
-             "  rankdir=TB;",
-             '  node [shape=box, style="rounded,filled", fillcolor=white, fontsize=10];']
-    counter = [0]
+    d = _Drawing(g, fold, depth)
+    d.network_inputs()
+    d.items(group_tree(g.nodes, 0), "  ", 0)
+    d.edges()
+    d.output_roles()
+    d.lines.append("}")
+    return "\n".join(d.lines) + "\n"
 
-    def fresh(prefix: str) -> str:
-        counter[0] += 1
-        return f"{prefix}{counter[0]}"
 
-    for n in g.nodes:
-        if n.op == "input":
-            shown[n.name] = n.name
-            label = _q(f"{n.name}\n{n.type}")
-            lines.append(f"  {_q(n.name)} [shape=ellipse, label={label}];")
+class _Drawing:
+    """The DOT lines of one graph, and which box stands for each value drawn so far."""
 
-    def n_params(n: Node) -> int:
-        return sum(1 for i in n.inputs if kinds.get(i) == "param")
+    def __init__(self, g: Graph, fold: bool, depth: int | None):
+        self.g, self.fold, self.depth = g, fold, depth
+        self.types = {n.name: n.type for n in g.nodes}
+        self.kinds = {n.name: n.op for n in g.nodes}
+        self.shown: dict[str, str] = {}  # value name -> id of the box that stands for it
+        self.lines = [f"digraph {_q(g.name)} {{",
+                      "  rankdir=TB;",
+                      '  node [shape=box, style="rounded,filled", fillcolor=white, '
+                      'fontsize=10];']
+        self.counter = 0
 
-    def op_box(n: Node, indent: str) -> None:
-        shown[n.name] = n.name
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def network_inputs(self) -> None:
+        for n in self.g.nodes:
+            if n.op == "input":
+                self.shown[n.name] = n.name
+                label = _q(f"{n.name}\n{n.type}")
+                self.lines.append(f"  {_q(n.name)} [shape=ellipse, label={label}];")
+
+    def param_elems(self, nodes) -> int:
+        """The elements of the parameters `nodes` read (a symbolic shape counts none)."""
+        return sum(self.types[i].numel() for n in nodes for i in n.inputs
+                   if self.kinds.get(i) == "param" and not self.types[i].symbolic)
+
+    def op_box(self, n: Node, indent: str) -> None:
+        self.shown[n.name] = n.name
         label = f"{n.name}\n{n.op} : {n.type}"
-        if n_params(n):
-            pe = sum(types[i].numel() for i in n.inputs if kinds.get(i) == "param"
-                     and not types[i].symbolic)
-            label += f"\n{fmt_count(pe)} params"
-        lines.append(f"{indent}{_q(n.name)} [label={_q(label)}];")
+        if any(self.kinds.get(i) == "param" for i in n.inputs):
+            label += f"\n{fmt_count(self.param_elems([n]))} params"
+        self.lines.append(f"{indent}{_q(n.name)} [label={_q(label)}];")
 
-    def collapsed_box(it: GroupItem, indent: str, label: str) -> None:
-        bid = fresh("group")
+    def collapsed_box(self, it: GroupItem, indent: str) -> None:
+        bid = self.fresh("group")
         members = it.nodes
         for n in members:
-            shown[n.name] = bid
-        last = members[-1]
-        text = f"{label}\n{len(members)} ops : {last.type}"
-        pe = sum(types[i].numel() for n in members for i in n.inputs
-                 if kinds.get(i) == "param" and not types[i].symbolic)
-        if pe:
+            self.shown[n.name] = bid
+        text = f"{it.label}\n{len(members)} ops : {members[-1].type}"
+        if pe := self.param_elems(members):
             text += f"\n{fmt_count(pe)} params"
         style = ', shape=box3d' if it.count > 1 else ''
-        lines.append(f'{indent}{bid} [label={_q(text)}, fillcolor="#eeeeff"{style}];')
+        self.lines.append(f'{indent}{bid} [label={_q(text)}, fillcolor="#eeeeff"{style}];')
 
-    def emit(items, indent: str, level: int) -> None:
+    def items(self, items, indent: str, level: int) -> None:
+        """Boxes for the ops and groups of one level of the block tree; a group expanded
+        is a cluster per copy, holding the next level."""
         for it in items:
             if isinstance(it, OpItem):
-                op_box(it.node, indent)
-                continue
-            if it.count > 1 and fold:
-                collapsed_box(it, indent, it.label)
-                continue
-            if depth is not None and level >= depth:
-                collapsed_box(it, indent, it.label)
-                continue
-            for copy_nodes in it.copies:
-                name = it.name if len(it.copies) == 1 else _scope_name(copy_nodes[0], level)
-                cid = fresh("cluster_")
-                lines.append(f"{indent}subgraph {cid} {{")
-                lines.append(f"{indent}  label={_q(name)}; style=rounded; color=gray50;")
-                emit(group_tree(copy_nodes, level + 1, types), indent + "  ", level + 1)
-                lines.append(f"{indent}}}")
+                self.op_box(it.node, indent)
+            elif (it.count > 1 and self.fold) or (self.depth is not None
+                                                  and level >= self.depth):
+                self.collapsed_box(it, indent)
+            else:
+                for copy_nodes in it.copies:
+                    self.cluster(it, copy_nodes, indent, level)
 
-    emit(group_tree(g.nodes, 0), "  ", 0)
+    def cluster(self, it: GroupItem, copy_nodes, indent: str, level: int) -> None:
+        name = it.name if len(it.copies) == 1 else _scope_name(copy_nodes[0], level)
+        self.lines.append(f"{indent}subgraph {self.fresh('cluster_')} {{")
+        self.lines.append(f"{indent}  label={_q(name)}; style=rounded; color=gray50;")
+        self.items(group_tree(copy_nodes, level + 1, self.types), indent + "  ", level + 1)
+        self.lines.append(f"{indent}}}")
 
-    edges: set[tuple[str, str]] = set()
-    for n in g.nodes:
-        if n.name not in shown or n.is_source:
-            continue
-        dst = shown[n.name]
-        for i in n.inputs:
-            src = shown.get(i)
-            if src is not None and src != dst and (src, dst) not in edges:
-                edges.add((src, dst))
-                lines.append(f"  {_q(src)} -> {_q(dst)};")
-    for role, names in g.outputs.items():
-        oid = f"__{role}"
-        lines.append(f"  {_q(oid)} [shape=plaintext, label={_q(role)}];")
-        for name in names:
-            if name in shown:
-                lines.append(f"  {_q(shown[name])} -> {_q(oid)} [style=dashed];")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    def edges(self) -> None:
+        """An edge between two boxes for each value one reads of the other, once."""
+        seen: set[tuple[str, str]] = set()
+        for n in self.g.nodes:
+            if n.name not in self.shown or n.is_source:
+                continue
+            dst = self.shown[n.name]
+            for i in n.inputs:
+                src = self.shown.get(i)
+                if src is not None and src != dst and (src, dst) not in seen:
+                    seen.add((src, dst))
+                    self.lines.append(f"  {_q(src)} -> {_q(dst)};")
+
+    def output_roles(self) -> None:
+        for role, names in self.g.outputs.items():
+            oid = f"__{role}"
+            self.lines.append(f"  {_q(oid)} [shape=plaintext, label={_q(role)}];")
+            for name in names:
+                if name in self.shown:
+                    self.lines.append(f"  {_q(self.shown[name])} -> {_q(oid)} [style=dashed];")
 
 
 def _scope_name(n: Node, level: int) -> str:

@@ -1,76 +1,24 @@
 """The graph IR: plain dataclasses that every pass reads and rewrites.
 
-A `Graph` is a list of `Node`s in topological order. Every node produces one value named
-after the node; `inputs` name the nodes it reads. Network inputs, parameters and buffers
-are nodes too (ops `input`, `param`, `buffer`), so autodiff and the optimizer can refer to
-them like any other value, and a later pass can move, split or duplicate them.
+A `Graph` is a list of `Node`s (netdsl.ir.node) in topological order. Every node produces
+one value named after the node; `inputs` name the nodes it reads.
 """
 from __future__ import annotations
 
 import json
 import weakref
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from netdsl.errors import CallSite, SourceLoc
 from netdsl.ir.bulk import gc_paused
-from netdsl.ir.types import TensorType, bind_dim
+from netdsl.ir.node import SOURCE_OPS, STATE_OPS, Node
+from netdsl.ir.printer import to_text
+from netdsl.ir.serialize import graph_fields_from_json, graph_to_json
+from netdsl.ir.types import bind_dim
+from netdsl.ir.verify import verify
 
-# node ops that hold no computation: sources of values
-SOURCE_OPS = ("input", "param", "buffer")
-# the sources that are persistent state (kept across steps, saved in checkpoints)
-STATE_OPS = ("param", "buffer")
-
-
-@dataclass
-class Node:
-    name: str
-    op: str
-    inputs: tuple[str, ...]
-    type: TensorType
-    attrs: dict[str, Any] = field(default_factory=dict)
-    loc: SourceLoc | None = None
-    stack: tuple[CallSite, ...] = ()  # block calls that created the node, outermost first
-    scope: tuple[str, ...] = ()  # block instance path, e.g. ("stage3", "bottleneck12")
-    annotations: dict[str, Any] = field(default_factory=dict)
-    device: int | None = None  # assignment to a device, set by placement passes
-    meta: dict[str, Any] = field(default_factory=dict)  # free-form, survives copies
-
-    @property
-    def is_source(self) -> bool:
-        return self.op in SOURCE_OPS
-
-    def copy(self, **changes) -> Node:
-        """A copy with its own attrs, annotations and meta dicts (`dataclasses.replace`
-        semantics: only fields are copied; an unknown change is a TypeError). Written out
-        because `replace` was a third of the time of binding a big graph."""
-        if type(self) is not Node or not changes.keys() <= _NODE_FIELD_SET:
-            return _replace_copy(self, changes)  # replace's checks and TypeError
-        d = self.__dict__
-        if len(d) == len(_NODE_FIELDS):  # the fields alone (the usual case): copy the dict
-            values = d.copy()
-        else:
-            values = {f: d[f] for f in _NODE_FIELDS}
-        if changes:
-            values.update(changes)
-        values["attrs"] = dict(values["attrs"])
-        values["annotations"] = dict(values["annotations"])
-        values["meta"] = dict(values["meta"])
-        n = object.__new__(Node)
-        n.__dict__ = values
-        return n
-
-
-_NODE_FIELDS = tuple(f.name for f in fields(Node))
-_NODE_FIELD_SET = frozenset(_NODE_FIELDS)
-
-
-def _replace_copy(node: Node, changes: dict) -> Node:
-    n = replace(node, **changes)
-    n.attrs = dict(n.attrs)
-    n.annotations = dict(n.annotations)
-    n.meta = dict(n.meta)
-    return n
+# Node and the source-op tuples are re-exported: most layers take them from here
+__all__ = ["SOURCE_OPS", "STATE_OPS", "Graph", "Node", "NodeList"]
 
 
 class NodeList(list):
@@ -115,7 +63,7 @@ class Graph:
     outputs: dict[str, list[str]] = field(default_factory=dict)
     batch: int | str = "N"
     parallel: dict[str, int] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # keys declared in netdsl.ir.meta
     _index: dict[str, Node] | None = field(default=None, repr=False, compare=False)
 
     def __reduce__(self):
@@ -200,16 +148,13 @@ class Graph:
 
     # -- checks and printing ------------------------------------------------------------
     def verify(self, *, recheck_shapes: bool = True) -> Graph:
-        from netdsl.ir.verify import verify
         verify(self, recheck_shapes=recheck_shapes)
         return self
 
     def to_text(self, *, locations: bool = False) -> str:
-        from netdsl.ir.printer import to_text
         return to_text(self, locations=locations)
 
     def to_json(self) -> dict:
-        from netdsl.ir.serialize import graph_to_json
         return graph_to_json(self)
 
     def dumps(self) -> str:
@@ -217,5 +162,4 @@ class Graph:
 
     @staticmethod
     def from_json(data: dict) -> Graph:
-        from netdsl.ir.serialize import graph_from_json
-        return graph_from_json(data)
+        return Graph(**graph_fields_from_json(data))

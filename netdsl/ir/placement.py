@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.meta import PER_PROCESS
+
+__all__ = ["PER_PROCESS"]  # re-exported: the splitter and the memory planner read it here
 
 _SUFFIX = re.compile(r"@(?:d\d+|m\d+|s\d+)+")
-
-PER_PROCESS = "one_process_per_device"  # graph meta: a split step run over MPI
 
 
 def copy_name(name: str, device: int | None = None, micro: int | None = None,
@@ -104,8 +105,6 @@ class Shard:
         s = n.meta.get("shard")
         if s is None:
             return None
-        if isinstance(s, Shard):
-            return s
         axis, lo, hi, full = s
         return Shard(int(axis), int(lo), int(hi), tuple(full))
 

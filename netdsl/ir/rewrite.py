@@ -1,10 +1,14 @@
-"""The rewrite toolkit every pass uses: one node factory, use replacement, cloning, and
+"""The rewrite toolkit every pass uses: the node factories, use replacement, cloning, and
 splicing new nodes into the schedule.
 
 - `make_node` is the one way to build an operator node: attributes normalised against the
   op's signature, the type from its shape rule, position and block scope inherited from
   the node it stands for (`like`). The front end (`build.add_op`), autodiff, the optimizer
   and the memory rewrites all build nodes through it.
+- `make_source` is its counterpart for source nodes (`input`, `param`, `buffer`), which
+  have no inputs to type them by: their type is declared, and their attributes are kept
+  as given. Between the two, every node a layer makes is built here; the others are
+  copies (`Node.copy`, `clone`) and the nodes `serialize` reads back as they were saved.
 - `replace_uses` points readers (and output roles) of one value at another.
 - `clone` copies a node under a new name, keeping its rng key, so a recomputed copy of a
   random node draws what the original drew.
@@ -20,8 +24,9 @@ from collections.abc import Iterable
 
 from netdsl.errors import ShapeError
 from netdsl.ir import registry
-from netdsl.ir.graph import Graph, Node
+from netdsl.ir.graph import SOURCE_OPS, Graph, Node
 from netdsl.ir.ops._util import pair
+from netdsl.ir.types import TensorType
 
 # fields a derived node takes from the node it stands for, so errors and plans point at
 # the source line and block that caused it
@@ -75,10 +80,30 @@ def make_node(g: Graph, name: str, op_name: str, inputs: Iterable[str], attrs: d
     out_type = op.shape(in_types, attrs)
     if (why := out_type.size_error()) is not None:
         raise ShapeError(f"{op.name}: {why}")
+    _inherit(like, fields)
+    return Node(name, op_name, inputs, out_type, attrs, meta=dict(meta or {}), **fields)
+
+
+def make_source(name: str, op_name: str, type: TensorType, attrs: dict, *,
+                like: Node | None = None, meta: dict | None = None, **fields) -> Node:
+    """A new source node `op_name` ("input", "param" or "buffer") called `name`, of `type`.
+
+    The attributes are kept as given, past the op's signature (`shape`): the initialiser
+    reads `init`, `fan_in`, `value`; the feed and the optimizer read `dtype`, `default`,
+    `role`. Nothing is checked: the caller has sized the type (the front end reports a
+    size over the limit at the declaration). `like` gives loc, stack, scope and device
+    unless `fields` set them, as for `make_node`.
+    """
+    if op_name not in SOURCE_OPS:
+        raise ValueError(f"{op_name} is not a source op; make_node builds operator nodes")
+    _inherit(like, fields)
+    return Node(name, op_name, (), type, dict(attrs), meta=dict(meta or {}), **fields)
+
+
+def _inherit(like: Node | None, fields: dict) -> None:
     if like is not None:
         for f in INHERITED:
             fields.setdefault(f, getattr(like, f))
-    return Node(name, op_name, inputs, out_type, attrs, meta=dict(meta or {}), **fields)
 
 
 def _check_float_dtypes(op: registry.OpDef, in_types) -> None:

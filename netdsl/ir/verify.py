@@ -4,24 +4,33 @@
 - every op is registered, and forward ops' recorded types agree with their shape rule;
 - source nodes have no inputs; every output role names an existing node;
 - the loss, if any, is a scalar;
+- every key of a node's and of the graph's `meta` is declared (netdsl.ir.meta), and its
+  value is of a declared type;
 - effects: no node reads a value (or a view of it) after another node overwrote that
   value in place (`OpDef.writes`); the writer's own result is the new version and may be
   read, and so may a node that names the writer among its inputs (it reads the value as
   written: the optimizer-state write-back). This is what keeps a rewrite from moving a
   read past an update.
+
+`Graph.verify()` calls `verify`, which takes the graph as it is (this module does not
+import netdsl.ir.graph, which imports it).
 """
 from __future__ import annotations
 
 from netdsl.ir import registry
-from netdsl.ir.graph import SOURCE_OPS, Graph
+from netdsl.ir.meta import GRAPH_META, NODE_META, NODE_META_TYPES, meta_problem
+from netdsl.ir.node import SOURCE_OPS
 
 
 class IRError(AssertionError):
     """A broken IR invariant: a bug in a pass, never a user error."""
 
 
-def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
+def verify(g, *, recheck_shapes: bool = True) -> None:
     ops = registry.load_all()
+    if (why := meta_problem(g.meta, GRAPH_META)) is not None:
+        raise IRError(f"graph {g.name}: {why}")
+    meta_types = NODE_META_TYPES.get
     nodes = g.nodes
     pos: dict[str, int] = {}  # the values defined so far, at their positions
     root: dict[str, str] = {}  # view -> the value whose storage it aliases (absent: itself)
@@ -35,6 +44,12 @@ def verify(g: Graph, *, recheck_shapes: bool = True) -> None:
             raise IRError(f"%{name}: unknown op {o!r}")
         if inputs and o in SOURCE_OPS:
             raise IRError(f"%{name}: a {o} node takes no inputs")
+        m = n.meta
+        if m:  # (most nodes have no meta, or one key)
+            for key, value in m.items():
+                # an undeclared key's types are (), of which nothing is an instance
+                if not isinstance(value, meta_types(key, ())):
+                    raise IRError(f"%{name}: {meta_problem(m, NODE_META)}")
         for i in inputs:
             if i not in pos:
                 raise IRError(f"%{name} reads %{i}, which is not defined before it")

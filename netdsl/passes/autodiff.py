@@ -31,7 +31,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.rewrite import make_node
 from netdsl.ir.types import TensorType
-from netdsl.passes.pipeline import register_pass
+from netdsl.passes.registry import register_pass
 
 
 class GradBuilder:
@@ -82,10 +82,9 @@ def lower_dropout(g: Graph) -> Graph:
     nodes: list[Node] = []
     for n in g.nodes:
         if n.op == "dropout":
-            mask = Node(f"{n.name}.mask", "dropout_mask", (n.inputs[0],), n.type,
-                        {"p": n.attrs["p"]}, loc=n.loc, stack=n.stack, scope=n.scope,
-                        device=n.device,
-                        meta={**n.meta, "rng_key": n.meta.get("rng_key", n.name)})
+            mask = make_node(g, f"{n.name}.mask", "dropout_mask", (n.inputs[0],),
+                             {"p": n.attrs["p"]}, like=n,
+                             meta={**n.meta, "rng_key": n.meta.get("rng_key", n.name)})
             nodes.append(mask)
             n = n.copy(op="mul", inputs=(n.inputs[0], mask.name), attrs={})
             n.meta["lowered_from"] = "dropout"
@@ -97,7 +96,6 @@ def lower_dropout(g: Graph) -> Graph:
 @register_pass("autodiff")
 def autodiff(g: Graph) -> Graph:
     """The training graph of forward graph `g` (which is not modified); see module doc."""
-    ops = registry.load_all()
     if not g.outputs.get("loss"):
         raise NetdslError(f"graph `{g.name}` has no loss to differentiate; declare one")
     if "grads" in g.outputs:
@@ -106,50 +104,75 @@ def autodiff(g: Graph) -> Graph:
     loss = g.outputs["loss"][0]
     forward = list(g.nodes)
     params = [n.name for n in forward if n.op == "param"]
+    back = _Backward(g, _active(forward, params, loss))
+    seed = back.seed(loss)
+    for n in reversed(forward):
+        if not n.is_source and n.name in back.active:
+            back.visit(n)
+    grad_names, grad_of = back.param_gradients(params, seed)
+    back.close()
+    g.outputs["grads"] = grad_names
+    g.meta["grad_of"] = grad_of
+    _prune_backward(g, set(grad_names))
+    return g  # (verified by run_pipeline)
 
-    # values that depend on a parameter through differentiable ops ...
+
+def _active(forward: list[Node], params: list[str], loss: str) -> set[str]:
+    """The values that both depend on a parameter through differentiable ops and reach
+    the loss: the only ones that get gradients."""
+    ops = registry.load_all()
     depends = set(params)
     for n in forward:
         if not n.is_source and ops[n.op].differentiable and any(i in depends for i in n.inputs):
             depends.add(n.name)
-    # ... and that the loss depends on
     reaches = {loss}
     for n in reversed(forward):
         if n.name in reaches:
             reaches.update(n.inputs)
-    active = depends & reaches
+    return depends & reaches
 
-    contribs: dict[str, list[str]] = {}
-    totals: dict[str, str | None] = {}
 
-    def total(value: str) -> str | None:
+class _Backward:
+    """The backward pass under construction: each active value's gradient contributions,
+    summed once (when the value's own gradient rule, or a parameter, needs the total)."""
+
+    def __init__(self, g: Graph, active: set[str]):
+        self.g, self.active = g, active
+        self.contribs: dict[str, list[str]] = {}
+        self.totals: dict[str, str | None] = {}
+        self.b = GradBuilder(g, self.total)
+
+    def total(self, value: str) -> str | None:
         """The gradient of `value`: its contributions, summed with `add` nodes (once)."""
-        if value in totals:
-            return totals[value]
-        parts = contribs.pop(value, [])
+        if value in self.totals:
+            return self.totals[value]
+        b = self.b
+        parts = self.contribs.pop(value, [])
         acc = parts[0] if parts else None
-        prev, b.fwd = b.fwd, g[value]  # the sum sits with the value (on its device)
+        prev, b.fwd = b.fwd, self.g[value]  # the sum sits with the value (on its device)
         for p in parts[1:]:
             acc = b.emit("add", [acc, p], tag="acc")
-            g[acc].meta["sums_gradient_of"] = value  # (a pipeline re-chains these sums)
+            self.g[acc].meta["sums_gradient_of"] = value  # (a pipeline re-chains these sums)
         b.fwd = prev
-        totals[value] = acc
+        self.totals[value] = acc
         return acc
 
-    b = GradBuilder(g, total)
-    b.fwd = g[loss]
-    seed = b.emit("fill", [], {"shape": (), "value": 1.0, "dtype": g[loss].type.dtype},
-                  tag="seed")
-    contribs[loss] = [seed]
+    def seed(self, loss: str) -> str:
+        """d(loss)/d(loss) = 1, the loss's first contribution."""
+        self.b.fwd = self.g[loss]
+        seed = self.b.emit("fill", [], {"shape": (), "value": 1.0,
+                                        "dtype": self.g[loss].type.dtype}, tag="seed")
+        self.contribs[loss] = [seed]
+        return seed
 
-    for n in reversed(forward):
-        if n.is_source or n.name not in active:
-            continue
-        op = ops[n.op]
+    def visit(self, n: Node) -> None:
+        """Apply forward node `n`'s gradient rule to its total gradient, if it has one."""
+        b = self.b
         b.fwd = n
-        gy = total(n.name)
+        gy = self.total(n.name)
         if gy is None:
-            continue
+            return
+        op = registry.OPS[n.op]
         if op.grad is None:
             raise NetdslError(f"cannot differentiate `{n.op}` (node %{n.name}): it has no "
                               f"gradient rule", loc=n.loc, stack=n.stack)
@@ -158,31 +181,33 @@ def autodiff(g: Graph) -> Graph:
             raise AssertionError(f"gradient rule of {n.op} returned {len(grads)} gradients "
                                  f"for {len(n.inputs)} inputs")
         for inp, gi in zip(n.inputs, grads, strict=True):
-            if gi is not None and inp in active:
-                if g[gi].type.shape != g[inp].type.shape:
-                    raise AssertionError(f"gradient {gi} of %{inp} has type {g[gi].type}, "
-                                         f"value has {g[inp].type}")
-                contribs.setdefault(inp, []).append(gi)
+            if gi is not None and inp in self.active:
+                if self.g[gi].type.shape != self.g[inp].type.shape:
+                    raise AssertionError(f"gradient {gi} of %{inp} has type "
+                                         f"{self.g[gi].type}, value has {self.g[inp].type}")
+                self.contribs.setdefault(inp, []).append(gi)
 
-    grad_names, grad_of = [], {}
-    for p in params:
-        pn = g[p]
-        b.fwd = pn
-        gp = total(p)
-        if gp is None:  # the parameter does not reach the loss: its gradient is zero
-            gp = b.emit("fill", [], {"shape": pn.type.shape, "value": 0.0,
-                                     "dtype": pn.type.dtype}, tag="zero")
-        elif gp in grad_of or gp == seed or g[gp].meta.get("phase") != "backward":
-            # the same value is already another parameter's gradient (add(p, q) passes gy
-            # to both): copy it so that each parameter owns its gradient node
-            gp = b.emit("scale", [gp], {"factor": 1.0}, tag="own")
-        grad_names.append(gp)
-        grad_of[gp] = p
-    b._total = None  # (the builder and `total` refer to each other: freed by refcount)
-    g.outputs["grads"] = grad_names
-    g.meta["grad_of"] = grad_of
-    _prune_backward(g, set(grad_names))
-    return g  # (verified by run_pipeline)
+    def param_gradients(self, params: list[str], seed: str) -> tuple[list[str], dict]:
+        """One gradient node per parameter, in order, and {gradient: parameter}."""
+        b, grad_names, grad_of = self.b, [], {}
+        for p in params:
+            pn = self.g[p]
+            b.fwd = pn
+            gp = self.total(p)
+            if gp is None:  # the parameter does not reach the loss: its gradient is zero
+                gp = b.emit("fill", [], {"shape": pn.type.shape, "value": 0.0,
+                                         "dtype": pn.type.dtype}, tag="zero")
+            elif gp in grad_of or gp == seed or self.g[gp].meta.get("phase") != "backward":
+                # the same value is already another parameter's gradient (add(p, q) passes
+                # gy to both): copy it so that each parameter owns its gradient node
+                gp = b.emit("scale", [gp], {"factor": 1.0}, tag="own")
+            grad_names.append(gp)
+            grad_of[gp] = p
+        return grad_names, grad_of
+
+    def close(self) -> None:
+        # the builder and `total` refer to each other: broken here, freed by refcount
+        self.b._total = None
 
 
 def _prune_backward(g: Graph, keep: set[str]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from netdsl.errors import NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph
-from netdsl.passes.pipeline import register_pass
+from netdsl.passes.registry import register_pass
 
 DEVICES = ("cpu", "gpu")
 

@@ -32,8 +32,8 @@ _HEADS_ORDER = (0, 2, 1, 3)
 
 # Keep each head's [T, T] probabilities from the forward where T <= this x hd (a head's
 # probabilities no more than 4/3 of its q, k and v, [T, 3hd]): the backward then reads them
-# instead of recomputing the scores' products and softmax (transformer-tiny's step 1-3%
-# faster at one and two threads for 1 MB more at the peak; docs/benchmarks.md). Longer
+# instead of recomputing the scores' products and softmax (transformer-tiny's step runs
+# faster so for little more memory at the peak; docs/benchmarks.md). Longer
 # sequences recompute: their probabilities would outgrow the activations around them
 # (flash attention's choice).
 KEEP_PROBS_UP_TO = 4

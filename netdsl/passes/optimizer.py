@@ -30,9 +30,9 @@ from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.ops.optim import GROUP_SHARED, group_op, member_inputs
 from netdsl.ir.placement import replica_key
-from netdsl.ir.rewrite import make_node
+from netdsl.ir.rewrite import make_node, make_source
 from netdsl.ir.types import TensorType
-from netdsl.passes.pipeline import register_pass
+from netdsl.passes.registry import register_pass
 
 KINDS = {
     "sgd": {"lr": 0.1, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0,
@@ -47,13 +47,12 @@ KINDS = {
 def _state(g: Graph, name: str, like: Node, shape=None, dtype=None) -> str:
     shape = like.type.shape if shape is None else shape
     t = TensorType(tuple(shape), dtype or like.type.dtype)
-    g.add(Node(name, "buffer", (), t,
-               {"shape": tuple(shape), "init": "zeros", "fan_in": 1, "dtype": t.dtype,
-                "role": "optimizer_state"},
-               loc=like.loc, stack=like.stack, scope=like.scope, device=like.device,
-               # the state of a parameter's shard is the same shard of the state
-               meta={"phase": "optimizer", **({"shard": like.meta["shard"]}
-                                              if "shard" in like.meta else {})}))
+    g.add(make_source(name, "buffer", t,
+                      {"shape": tuple(shape), "init": "zeros", "fan_in": 1, "dtype": t.dtype,
+                       "role": "optimizer_state"}, like=like,
+                      # the state of a parameter's shard is the same shard of the state
+                      meta={"phase": "optimizer", **({"shard": like.meta["shard"]}
+                                                     if "shard" in like.meta else {})}))
     return name
 
 
@@ -79,9 +78,9 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
     h = {**KINDS[kind], **hyper}
     g = g.copy()
     lr = g.fresh_name("lr")
-    g.add(Node(lr, "input", (), TensorType((), "f32"),
-               {"shape": (), "dtype": "f32", "default": float(h["lr"]), "role": "lr"},
-               meta={"phase": "optimizer"}))
+    g.add(make_source(lr, "input", TensorType((), "f32"),
+                      {"shape": (), "dtype": "f32", "default": float(h["lr"]), "role": "lr"},
+                      meta={"phase": "optimizer"}))
     params = [n for n in g.nodes if n.op == "param"]
     grads = list(g.outputs["grads"])
     if h["clip_grad_norm"] is not None and params:  # (nothing to clip without parameters)

@@ -1,51 +1,34 @@
 """The pass pipeline: named Graph -> Graph steps, each followed by `verify()`.
 
-A pass is registered once with `@register_pass(name)`; a pipeline is a list of names, or
-(name, options) pairs, run in order:
+A pass is registered once with `@register_pass(name)` (netdsl.passes.registry, re-exported
+here); a pipeline is a list of names, or (name, options) pairs, run in order:
 
     g = run_pipeline(forward, ["autodiff", ("optimizer", {"kind": "sgd", "lr": 0.1})])
 
 After every step the graph is verified (a pass that breaks an IR invariant is caught at
-the step that broke it, not at run time; a pass does not verify its own result, which on
-a split step of 700k nodes cost 1.3 s a time), and with `dump=DIR` (or the NETDSL_DUMP_IR
-environment variable) its readable IR is written to `DIR/NN-name.ir`, so a user or a test
-can see what each step did. Later layers register their own passes (the memory planner
-registers "plan"); `PASSES` lists what is known.
+the step that broke it, not at run time; a pass does not verify its own result, so a split
+step of hundreds of thousands of nodes is verified once a step, not twice), and with
+`dump=DIR` (or the NETDSL_DUMP_IR environment variable) its readable IR is written to
+`DIR/NN-name.ir`, so a user or a test can see what each step did. Later layers register
+their own passes (the memory planner registers "memory", the splitter "sync_gradients");
+`PASSES` lists what is known.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from netdsl.errors import NetdslError
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
+from netdsl.passes import autodiff, device, fuse, optimizer  # noqa: F401  (they register)
+from netdsl.passes.registry import PASSES, Pass, register_pass
+
+__all__ = ["DUMP_ENV", "PASSES", "Pass", "Step", "register_pass", "run_pipeline"]
 
 DUMP_ENV = "NETDSL_DUMP_IR"
-
-
-@dataclass(frozen=True)
-class Pass:
-    name: str
-    fn: Callable[..., Graph]
-    doc: str
-
-
-PASSES: dict[str, Pass] = {}
-
-
-def register_pass(name: str):
-    """Decorator registering `fn(graph, **options) -> Graph` as pass `name`."""
-    def deco(fn):
-        if name in PASSES and PASSES[name].fn is not fn:
-            raise ValueError(f"pass {name!r} registered twice")
-        PASSES[name] = Pass(name, fn, (fn.__doc__ or "").strip().split("\n")[0])
-        return fn
-    return deco
-
 
 Step = str | tuple[str, dict[str, Any]]
 
@@ -57,7 +40,6 @@ def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = N
     `recheck_shapes=False` leaves re-running every shape rule to the caller's final
     verify (a split step of half a million nodes spends most of its build in them; every
     node a pass makes got its type from its shape rule already)."""
-    _load_builtin_passes()
     dump = dump if dump is not None else os.environ.get(DUMP_ENV) or None
     if dump is not None:
         Path(dump).mkdir(parents=True, exist_ok=True)
@@ -73,9 +55,3 @@ def run_pipeline(g: Graph, steps: Sequence[Step], *, dump: str | Path | None = N
             (Path(dump) / f"{k:02d}-{name}.ir").write_text(g.to_text())
     return g
 
-
-def _load_builtin_passes() -> None:
-    import netdsl.passes.autodiff  # noqa: F401  (registers "autodiff")
-    import netdsl.passes.device  # noqa: F401  (registers "device")
-    import netdsl.passes.fuse  # noqa: F401  (registers "fuse")
-    import netdsl.passes.optimizer  # noqa: F401  (registers "optimizer")

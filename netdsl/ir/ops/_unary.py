@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float, scratch_rule
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 
 
 def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: int = 1,

@@ -11,8 +11,8 @@ reads only the mask. A forward-only graph keeps the fused `dropout` kernel.
 import math
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import PROBABILITY, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float, scratch_rule
-from netdsl.ir.registry import PROBABILITY, Arg, OpDef, grad_rule, kernel, register
 
 
 def _same(op):

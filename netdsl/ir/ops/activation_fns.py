@@ -6,10 +6,10 @@ Semantics and boundary conventions follow PyTorch: relu6 and hardsigmoid pass no
 at their kinks (hardtanh's strict inequalities), clip passes it at its bounds (clamp's).
 """
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.ops._unary import unary
 from netdsl.ir.ops._util import need_float
 from netdsl.ir.ops.elementwise import unbroadcast
-from netdsl.ir.registry import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 _SELU_ALPHA = 1.6732632423543772848170429916717

@@ -6,10 +6,10 @@ shape (`unbroadcast`). Scalar constants in expressions (`x - 1`, `h ** 2`) reach
 operators as a `fill` node of shape () (see netdsl.frontend.tensor_arith).
 """
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._unary import unary
 from netdsl.ir.ops._util import broadcast, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import DTYPES, TensorType
 
 # -- unary math ---------------------------------------------------------------------------

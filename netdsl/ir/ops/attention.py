@@ -11,8 +11,8 @@ them, then uses matmul, transpose, softmax_grad and scale.
 import math
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, matmul, need_float
-from netdsl.ir.registry import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

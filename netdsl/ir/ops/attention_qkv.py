@@ -28,9 +28,9 @@ from __future__ import annotations
 import math
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, matmul, need_float
 from netdsl.ir.ops.attention import _ATTN, _probs, _static
-from netdsl.ir.registry import POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 _HEADS = Arg("heads", "int", range=POSITIVE)

@@ -23,8 +23,8 @@ transpose of all_reduce is all_reduce, of all_gather reduce_scatter, and back.
 from __future__ import annotations
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 COMM_OPS = ("send", "recv", "all_reduce", "all_gather", "reduce_scatter")

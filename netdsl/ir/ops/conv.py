@@ -9,9 +9,7 @@ zero-padded onto x first (and cropped off dx).
 import functools
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops import conv_winograd as winograd
-from netdsl.ir.ops._util import fused_kernels, matmul, need_float, need_rank, out_size, pair
-from netdsl.ir.registry import (
+from netdsl.ir.opdef import (
     NON_NEGATIVE,
     POSITIVE,
     Arg,
@@ -21,6 +19,8 @@ from netdsl.ir.registry import (
     kernel,
     register,
 )
+from netdsl.ir.ops import conv_winograd as winograd
+from netdsl.ir.ops._util import fused_kernels, matmul, need_float, need_rank, out_size, pair
 from netdsl.ir.types import TensorType
 
 
@@ -200,10 +200,10 @@ def _flat_shift_gw_scratch(n, c, o, kernel, g, hp, wp, ho) -> int:
 
 # Below this many output pixels per image, a GEMM per image is too small to run well; the
 # batch is folded into one GEMM where that GEMM is big enough to pay for the column copy
-# (>= 128 channels each way) or the per-offset GEMMs are worse still (C*kh*kw <= 64).
-# bench/bench_kernels.py --conv: digits-cnn's first conv 0.65 -> 0.065 ms and ResNet-50's
-# 7x7 stage 71 -> 36 ms forward; 64 channels at 8x8 (ResNet-164's last stage) measured
-# slower folded, so it keeps the flat shift.
+# (>= 128 channels each way) or the per-offset GEMMs are worse still (C*kh*kw <= 64), as
+# in digits-cnn's first convolution and ResNet-50's 7x7 stage (bench/bench_kernels.py
+# --conv); 64 channels at 8x8 (ResNet-164's last stage) measured slower folded, so it
+# keeps the flat shift.
 _FOLD_MAX_PIXELS = 196
 
 
@@ -218,8 +218,7 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) ->
         return "pointwise"
     if gpu:
         # the columns and one batched GEMM: a GPU is held back by launches, not bytes, and
-        # the flat shift is kh*kw GEMMs and adds (ResNet-164's conv2d on an H200: 485 ->
-        # 144 us a call on average, docs/benchmarks.md, "The GPU")
+        # the flat shift is kh*kw GEMMs and adds (docs/benchmarks.md, "The GPU")
         return "im2col"
     if fast and _is_depthwise(cin, g):
         return "depthwise"
@@ -234,11 +233,10 @@ def _forward_path(n, cin, cout, geom, g, h, w, fast: bool, gpu: bool = False) ->
 def _image_tasks_beat_winograd(n, cin, cout, g, ho, wo) -> bool:
     """Where the flat shift, an image a task (numpy_fused_gemm.shifted_conv_tasks), is
     faster than Winograd for a forward or input gradient: up to 64 channels each way from
-    14x14 to 56x56, two images or more. Two threads, medians of four alternating runs:
-    32 channels at 16x16 0.47 -> 0.30 ms, 64 at 14x14 0.99 -> 0.83, at 56x56 13.6 ->
-    12.7; at 8x8, and at 128 channels and more, Winograd stays ahead (docs/benchmarks.md).
-    At 224x224 (VGG-16's first convolutions) each task's buffers are 13 MB, far from any
-    cache, and VGG-16's step came out 1-3% slower, so Winograd keeps those.
+    14x14 to 56x56, two images or more; at 8x8, and at 128 channels and more, Winograd
+    stays ahead (measured: docs/benchmarks.md). At 224x224 (VGG-16's first convolutions)
+    each task's buffers are far out of any cache, and VGG-16's step came out slower, so
+    Winograd keeps those.
     It does not depend on the threads, so neither do a step's numbers: with fewer images
     than threads the flat shift runs as `shifted`, the same sums."""
     return g == 1 and n >= 2 and max(cin, cout) <= 64 and 196 <= ho * wo <= 56 * 56
@@ -457,7 +455,7 @@ def _conv_forward(xp, x, w, geom, g, out=None, fast=None, gpu=False, residual=No
 def _pointwise(xp, x, w, out, fast, residual=None):
     """A 1x1, stride-1, unpadded, ungrouped convolution: one GEMM per image (folding the
     batch into one GEMM needs two transposing copies in NCHW, which cost more than they
-    save: docs/benchmarks.md), straight into `out`."""
+    save), straight into `out`."""
     n, c, h, wd = x.shape
     o = w.shape[0]
     r = None if residual is None else residual.reshape(n, o, -1)
@@ -526,7 +524,8 @@ def _conv_by_path(xp, x, w, geom, g, out=None, fast=None, gpu=False):
         return xp.ascontiguousarray(y.reshape(n, o, ho, wp)[..., :wo])
     if g == 1 and fast is not None:
         # columns one image at a time (the fused kernels' parallel copy), each image's GEMM
-        # straight into its rows of y: ResNet-50's 7x7/2 stem 39 -> 24 ms
+        # straight into its rows of y: one image's columns in memory, not the batch's (the
+        # path of large images such as ResNet-50's 7x7/2 stem)
         y = xp.empty((n, o, ho * wo), x.dtype) if out is None else _flat_out(out, n, o)
         cols = xp.empty((x.shape[1] * kh * kw, ho * wo), x.dtype)
         w2 = w.reshape(o, -1)
@@ -643,84 +642,114 @@ def _conv2d_gi_kernel(xp, ins, a, ctx):
 
 
 def _conv2d_gw(xp, ins, a, fast):
+    """dW of a 2-D convolution: the first path that applies, from the fused kernels' own
+    loops to the folded GEMM that takes any geometry."""
     dy, x = ins
     n, o, ho, wo = dy.shape
     c = x.shape[1]
     g = a["groups"]
-    og, cg = o // g, c // g
-    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
+    geom = _geometry(None, a)
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
     if fast is not None and _is_depthwise(c, g):
-        gw = fast.depthwise.grad_weight(dy, x, tuple(a["shape"]), _geometry(None, a),
-                                        fast.threads, _scratch_elems("grad_weight", x.shape,
-                                                                     o, a))
+        gw = fast.depthwise.grad_weight(dy, x, tuple(a["shape"]), geom, fast.threads,
+                                        _scratch_elems("grad_weight", x.shape, o, a))
         if gw is not None:
             return gw
     if _is_pointwise(a):
-        p = ho * wo
-        if o * c > p * (o + c):
-            # small images: the batch folded into one GEMM (K = N*H*W) costs two
-            # transposing copies of dy and x, less than N products of [O, C] to sum
-            d = xp.ascontiguousarray(dy.reshape(n, o, p).transpose(1, 0, 2)).reshape(o, -1)
-            xt = xp.ascontiguousarray(x.reshape(n, c, p).transpose(1, 0, 2)).reshape(c, -1)
-            return matmul(xp, d, xt.T, fast=fast).reshape(tuple(a["shape"]))
-        # sum over n of dy[n] @ x[n]^T (a transposed view: no copy). With fewer output
-        # than input channels, the transposed products x[n] @ dy[n]^T and one transposing
-        # copy of their [C, O] sum: OpenBLAS multiplies [64, 1024] @ [1024, 16] 1.5x
-        # faster than [16, 1024] @ [1024, 64], with the same bits (ResNet-164's 16 <- 64
-        # at 32x32: 0.88 -> 0.55 ms on one thread, bench_kernels.py --conv-only 1x1;
-        # docs/benchmarks.md). Not for the
-        # folded GEMM above, where ResNet-50's 512 <- 2048 came out 20% slower so.
-        dy3, x3 = dy.reshape(n, o, -1), x.reshape(n, c, -1)
-        if o < c:
-            gw = matmul(xp, x3, dy3.transpose(0, 2, 1), fast=fast).sum(axis=0)
-            return xp.ascontiguousarray(gw.T).reshape(tuple(a["shape"]))
-        return matmul(xp, dy3, x3.transpose(0, 2, 1), fast=fast).sum(axis=0).reshape(
-            tuple(a["shape"]))
-    if fast is not None and winograd.applies((kh, kw, sh, sw, ph, pw, dh, dw), g, n, c, o,
-                                             ho, wo):
+        return _gw_pointwise(xp, dy, x, a, fast)
+    if fast is not None and winograd.applies(geom, g, n, c, o, ho, wo):
         return winograd.grad_weight(fast, dy, x, ph, pw)
     if (sh, sw) == (1, 1) and g == 1 and fast is not None:
         # an image a task: its shifted rows and padded dy in the thread's cache, one GEMM;
         # as many tasks at once as the scratch the plan reserves for the paths below holds
         hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
         gw = fast.shifted_conv_grad_weight(dy, x, kh, kw, ph, pw, dh, dw, _gw_scratch(
-            n, c, o, (kh, kw, sh, sw, ph, pw, dh, dw), 1, hp, wp, ho, wo))
+            n, c, o, geom, 1, hp, wp, ho, wo))
         if gw is not None:
             return gw
     if (sh, sw) == (1, 1) and ho * wo >= 256 and not on_gpu(a):
-        # flat shift: per kernel offset, one batched GEMM of the padded dy with a strided
-        # slice of the flattened padded x; no im2col buffer
-        wp = x.shape[3] + 2 * pw
-        length = ho * wp
-        buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
-        dyp = xp.zeros((n, g, og, ho, wp), dtype=dy.dtype)
-        dyp[..., :wo] = dy.reshape(n, g, og, ho, wo)
-        dyp = dyp.reshape(n, g, og, length)
-        if g == 1:  # 3-d operands, which the fused kernels' GEMMs take
-            buf, dyp = buf[:, 0], dyp[:, 0]
-        gw = xp.empty((g, og, cg, kh, kw), dtype=dy.dtype)
-        for i in range(kh):
-            for j in range(kw):
-                off = i * dh * wp + j * dw
-                prods = matmul(xp, dyp, buf[..., off:off + length].swapaxes(-1, -2),
-                               fast=fast)
-                gw[:, :, :, i, j] = prods.sum(axis=0).reshape(g, og, cg)
-        return gw.reshape(tuple(a["shape"]))
+        return _gw_flat_shift(xp, dy, x, a, fast)
     if g == 1 and fast is not None and ho * wo >= 256:
-        # large images: one image's columns at a time (no transposed copy of dy), the
-        # images' products added in their order (not inside the GEMM, whose K blocks would
-        # round otherwise with its threads than NumPy's matmul does on one): ResNet-50's
-        # 7x7/2 stem 42 -> 29 ms
-        gw = xp.zeros((o, c * kh * kw), dy.dtype)
-        prod = xp.empty_like(gw)
-        cols = xp.empty((c * kh * kw, ho * wo), x.dtype)
-        for i in range(n):
-            fast.im2col_rows(x[i:i + 1], kh, kw, sh, sw, ph, pw, dh, dw, cols)
-            gw += matmul(xp, dy[i].reshape(o, -1), cols.T, prod, fast)
-        return gw.reshape(tuple(a["shape"]))
-    # one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]
+        return _gw_image_columns(xp, dy, x, a, fast)
+    return _gw_folded_columns(xp, dy, x, a, fast)
+
+
+def _gw_pointwise(xp, dy, x, a, fast):
+    """dW of a 1x1 convolution: products of dy and x as they lie, no columns."""
+    n, o, ho, wo = dy.shape
+    c = x.shape[1]
+    p = ho * wo
+    if o * c > p * (o + c):
+        # small images: the batch folded into one GEMM (K = N*H*W) costs two
+        # transposing copies of dy and x, less than N products of [O, C] to sum
+        d = xp.ascontiguousarray(dy.reshape(n, o, p).transpose(1, 0, 2)).reshape(o, -1)
+        xt = xp.ascontiguousarray(x.reshape(n, c, p).transpose(1, 0, 2)).reshape(c, -1)
+        return matmul(xp, d, xt.T, fast=fast).reshape(tuple(a["shape"]))
+    # sum over n of dy[n] @ x[n]^T (a transposed view: no copy). With fewer output than
+    # input channels, the transposed products x[n] @ dy[n]^T and one transposing copy of
+    # their [C, O] sum: OpenBLAS multiplies [C, K] @ [K, O] faster than [O, K] @ [K, C]
+    # for O < C, with the same bits (ResNet-164's 16 <- 64 at 32x32; bench_kernels.py
+    # --conv-only 1x1). Not for the folded GEMM above, where ResNet-50's 512 <- 2048 came
+    # out slower so.
+    dy3, x3 = dy.reshape(n, o, -1), x.reshape(n, c, -1)
+    if o < c:
+        gw = matmul(xp, x3, dy3.transpose(0, 2, 1), fast=fast).sum(axis=0)
+        return xp.ascontiguousarray(gw.T).reshape(tuple(a["shape"]))
+    return matmul(xp, dy3, x3.transpose(0, 2, 1), fast=fast).sum(axis=0).reshape(
+        tuple(a["shape"]))
+
+
+def _gw_flat_shift(xp, dy, x, a, fast):
+    """dW at stride 1: per kernel offset, one batched GEMM of the padded dy with a
+    strided slice of the flattened padded x; no im2col buffer."""
+    n, o, ho, wo = dy.shape
+    g = a["groups"]
+    og, cg = o // g, x.shape[1] // g
+    kh, kw, _, _, ph, pw, dh, dw = _geometry(None, a)
+    wp = x.shape[3] + 2 * pw
+    length = ho * wp
+    buf = _flat_padded(xp, x, ph, pw, (kw - 1) * dw).reshape(n, g, cg, -1)
+    dyp = xp.zeros((n, g, og, ho, wp), dtype=dy.dtype)
+    dyp[..., :wo] = dy.reshape(n, g, og, ho, wo)
+    dyp = dyp.reshape(n, g, og, length)
+    if g == 1:  # 3-d operands, which the fused kernels' GEMMs take
+        buf, dyp = buf[:, 0], dyp[:, 0]
+    gw = xp.empty((g, og, cg, kh, kw), dtype=dy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            off = i * dh * wp + j * dw
+            prods = matmul(xp, dyp, buf[..., off:off + length].swapaxes(-1, -2),
+                           fast=fast)
+            gw[:, :, :, i, j] = prods.sum(axis=0).reshape(g, og, cg)
+    return gw.reshape(tuple(a["shape"]))
+
+
+def _gw_image_columns(xp, dy, x, a, fast):
+    """dW of an ungrouped convolution on large images: one image's columns at a time (no
+    transposed copy of dy), the images' products added in their order (not inside the
+    GEMM, whose K blocks would round otherwise with its threads than NumPy's matmul does
+    on one): one image's columns in memory, not the batch's (ResNet-50's 7x7/2 stem)."""
+    n, o, ho, wo = dy.shape
+    c = x.shape[1]
+    kh, kw, sh, sw, ph, pw, dh, dw = _geometry(None, a)
+    gw = xp.zeros((o, c * kh * kw), dy.dtype)
+    prod = xp.empty_like(gw)
+    cols = xp.empty((c * kh * kw, ho * wo), x.dtype)
+    for i in range(n):
+        fast.im2col_rows(x[i:i + 1], kh, kw, sh, sw, ph, pw, dh, dw, cols)
+        gw += matmul(xp, dy[i].reshape(o, -1), cols.T, prod, fast)
+    return gw.reshape(tuple(a["shape"]))
+
+
+def _gw_folded_columns(xp, dy, x, a, fast):
+    """dW as one GEMM per group over all N*Ho*Wo: columns as [G, C/G*kh*kw, N*Ho*Wo]."""
+    n, o, ho, wo = dy.shape
+    g = a["groups"]
+    og, cg = o // g, x.shape[1] // g
+    geom = _geometry(None, a)
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
     if g == 1:
-        cols = _folded_columns(xp, x, (kh, kw, sh, sw, ph, pw, dh, dw), ho, wo, fast)[None]
+        cols = _folded_columns(xp, x, geom, ho, wo, fast)[None]
     else:
         win = windows(xp, pad2d(xp, x, ph, pw), kh, kw, sh, sw, dh, dw, ho, wo)
         win = win.reshape(n, g, cg, ho, wo, kh, kw).transpose(1, 2, 5, 6, 0, 3, 4)

@@ -14,16 +14,7 @@ begins then ends, "same", "valid").
 from __future__ import annotations
 
 from netdsl.errors import ShapeError
-from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
-from netdsl.ir.ops.conv import (
-    _scratch_elems,
-    conv2d_forward,
-    conv2d_grad_input,
-    conv2d_grad_weight,
-    explicit_padding,
-)
-from netdsl.ir.ops.pool import spatial
-from netdsl.ir.registry import (
+from netdsl.ir.opdef import (
     NON_NEGATIVE,
     POSITIVE,
     Arg,
@@ -33,6 +24,15 @@ from netdsl.ir.registry import (
     kernel,
     register,
 )
+from netdsl.ir.ops._util import need_float, need_rank, out_size, pair
+from netdsl.ir.ops.conv import (
+    _scratch_elems,
+    conv2d_forward,
+    conv2d_grad_input,
+    conv2d_grad_weight,
+    explicit_padding,
+)
+from netdsl.ir.ops.pool import spatial
 from netdsl.ir.types import TensorType
 
 

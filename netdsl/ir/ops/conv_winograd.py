@@ -31,9 +31,9 @@ _G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.
 # G (x) G [16, 9]: element (4*i + j, 3*a + b) is G[i, a] * G[j, b], so G g G^T of every
 # filter at once is one GEMM, (G (x) G) @ w.reshape(O*C, 9)^T = U as [16, O, C], and the
 # weight gradient's G^T dU G is dU.reshape(16, O*C)^T @ (G (x) G). Exact in either dtype
-# (products of 0, +-1/2 and 1). Broadcast matmuls of the 4x3 G over every filter, as
-# before, made VGG-16's 512-channel 14x14 forward 59 ms instead of 28 (bench_kernels.py
-# --conv; docs/benchmarks.md).
+# (products of 0, +-1/2 and 1). Broadcast matmuls of the 4x3 G over every filter take
+# far longer on many channels (VGG-16's 512-channel 14x14 forward; bench_kernels.py
+# --conv).
 _KRON = {np.dtype(t): np.kron(_G, _G).astype(t) for t in (np.float32, np.float64)}
 
 
@@ -41,10 +41,10 @@ def applies(geom, groups: int, n: int, c: int, o: int, ho: int, wo: int) -> bool
     """Where this kernel runs: 3x3, stride 1, undilated, ungrouped, at least 32 channels
     each way, and at least 96 tiles in the batch, below which its 16 small GEMMs lose to
     the flat shift's 9 larger ones or to the folded im2col GEMM (16 channels at 32x32, or
-    64 tiles of 64 channels, on two threads). Small images are no exception since the
-    filter transforms became one GEMM and the GEMMs went on the loops' threads:
-    ResNet-50's 512-channel 7x7 layers and ResNet-164's 64-channel 8x8 ones run 1.1-1.5x
-    faster so (bench/bench_kernels.py --conv; docs/benchmarks.md)."""
+    64 tiles of 64 channels, on two threads). Small images are no exception: with the
+    filter transforms one GEMM and the GEMMs on the loops' threads, ResNet-50's
+    512-channel 7x7 layers and ResNet-164's 64-channel 8x8 ones run faster so
+    (bench/bench_kernels.py --conv)."""
     kh, kw, sh, sw, _ph, _pw, dh, dw = geom
     if (kh, kw, sh, sw, dh, dw, groups) != (3, 3, 1, 1, 1, 1, 1) or min(c, o) < 32:
         return False
@@ -57,15 +57,13 @@ def tiles(ho: int, wo: int) -> tuple[int, int]:
 
 
 # A chunk needs no more tiles than this for its GEMMs to run at full speed: VGG-16's
-# 224x224 images (12,544 tiles each) go one at a time instead of three, beside the step's
-# largest activations (64 channels, batch 8: tile buffers of 104 instead of 309 MB, by
-# chunk()'s count), no slower (bench/bench_kernels.py --conv; docs/benchmarks.md). Below
-# it, fewer chunks are faster still: each is three parallel passes and 16 GEMMs, and a
-# weight gradient's GEMMs get a longer K. Chunks held to the flat shift's scratch (5
-# images of 16 for ResNet-164's 32-channel 16x16 weight gradient, the last of one) took
-# 5-20% longer than the whole batch at once on two threads, up to 15% on one
-# (bench/bench_winograd_chunks.py), and no network's planned peak moved without that
-# bound (docs/benchmarks.md, "Winograd's chunks").
+# 224x224 images (12,544 tiles each) go one at a time, beside the step's largest
+# activations, with a third of the tile buffers of three at once and no slower
+# (bench/bench_kernels.py --conv). Below it, fewer chunks are faster still: each is three
+# parallel passes and 16 GEMMs, and a weight gradient's GEMMs get a longer K. Chunks are
+# not held to the flat shift's scratch: that made them slower than the whole batch at
+# once (bench/bench_winograd_chunks.py), and no network's planned peak moved without
+# that bound (docs/benchmarks.md, "Winograd's chunks").
 _ENOUGH_TILES = 4096
 
 
@@ -84,7 +82,7 @@ def chunk(n: int, c: int, o: int, ho: int, wo: int) -> tuple[int, int]:
 
 # The 16 tile matrices of a chunk lie _SKEW elements further apart than their size: rows
 # a power-of-two multiple of 4 KiB apart map to the same cache sets, and the transforms,
-# which write (or read) all 16 at once, ran several times slower than their GEMMs so.
+# which write (or read) all 16 at once, would take longer than their GEMMs so.
 _SKEW = 16
 
 

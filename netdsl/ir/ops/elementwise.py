@@ -7,8 +7,8 @@ seed d(loss)/d(loss) = 1, and the scalar constants of expressions like `x - 1`).
 from math import prod
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import broadcast, fused_kernels, norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import DTYPES, TensorType
 
 
@@ -117,8 +117,7 @@ def _sum_except(xp, ins, a, ctx):
     ax = a["axis"] % x.ndim
     if x.flags.c_contiguous and x.dtype.kind == "f" and x.size:
         # as matrix-vector products with ones (BLAS), not NumPy's sum over the leading
-        # axes, which adds one row at a time: transformer-tiny's 14 bias gradients took
-        # 0.58 ms so and 0.28 ms this way (bench/refs/netdsl_step.py --profile)
+        # axes, which adds one row at a time (a transformer's bias gradients)
         lead, trail = prod(x.shape[:ax]), prod(x.shape[ax + 1:])
         y = (x.reshape(lead, x.shape[ax]) if trail == 1
              else xp.matmul(x.reshape(lead, x.shape[ax], trail), xp.ones(trail, x.dtype)))

@@ -8,8 +8,8 @@ summed weights of the counted labels. The class axis is PyTorch's: dim 1 of [N, 
 [N, C, d1, ...] scores, or `axis=` (e.g. -1 for a language model's [N, T, C]).
 """
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import NON_NEGATIVE, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, need_float, norm_axis, scratch_rule
-from netdsl.ir.registry import NON_NEGATIVE, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

@@ -11,8 +11,8 @@ per-channel sums of the backward (the weight and bias gradients), and
 import math
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis, scratch_rule
-from netdsl.ir.registry import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

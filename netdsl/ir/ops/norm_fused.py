@@ -10,8 +10,8 @@ so neither the pre-activation value nor a mask is kept. With the backend's fused
 the forward is one pass over x (statistics per channel while the channel is in cache,
 then y), each backward node one more.
 """
+from netdsl.ir.opdef import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.ops.norm import _bn_params, _bn_shape, _bn_writes, bn_forward, bn_rule
-from netdsl.ir.registry import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 
 register(OpDef(
     "batchnorm_relu",

@@ -6,8 +6,8 @@ compute the same thing and there are no running buffers. Backward recomputes the
 statistics from x; the ops retain their input and their scale.
 """
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.ops._util import need_float, norm_axis
-from netdsl.ir.registry import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from netdsl.errors import NetdslError, ShapeError
+from netdsl.ir.opdef import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, need_rank
 from netdsl.ir.ops.norm import (
     _affine_or_unit,
@@ -40,7 +41,6 @@ from netdsl.ir.ops.norm import (
     grad_sums,
     move_running,
 )
-from netdsl.ir.registry import GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 _FUSED = {"internal": True, "fused_kernels": ("batchnorm",)}

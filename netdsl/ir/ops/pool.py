@@ -15,8 +15,8 @@ import itertools
 import math
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, need_float, need_rank
-from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

@@ -12,9 +12,9 @@ result, read it back with the residual and wrote the sum; other paths add it aft
 sums are the unfused pair's: the product (plus its bias), then the residual.
 """
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops import conv, dense
 from netdsl.ir.ops._util import fused_kernels
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 
 
 def _with_residual(op: str, shape):

@@ -5,8 +5,8 @@ ReduceMean / ReduceSum / ReduceMax / ReduceMin), with `keepdims`.
 that), so a network's per-example results stay independent of how a batch is split.
 """
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import norm_axis
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 

@@ -12,8 +12,8 @@ import math
 import numpy as np
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import need_float
-from netdsl.ir.registry import GT0, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import TensorType
 
 _PAD_MODES = ("constant", "reflect", "replicate")

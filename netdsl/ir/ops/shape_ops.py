@@ -3,8 +3,8 @@ squeeze, unsqueeze, expand, gather."""
 
 
 from netdsl.errors import ShapeError
+from netdsl.ir.opdef import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, norm_axis
-from netdsl.ir.registry import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.types import Dim, TensorType, mul_dims
 
 

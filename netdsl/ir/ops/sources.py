@@ -1,5 +1,5 @@
 """Source nodes: network inputs, trainable parameters and buffers."""
-from netdsl.ir.registry import Arg, OpDef, register
+from netdsl.ir.opdef import Arg, OpDef, register
 from netdsl.ir.types import TensorType
 
 

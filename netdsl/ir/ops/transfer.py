@@ -8,7 +8,7 @@ device's budget. On the NumPy backend the copy is real (a separate buffer, separ
 accounted), so the mechanism runs and is tested without a GPU; on CuPy it goes through
 pinned host memory on a copy stream. For gradients each is the other's transpose.
 """
-from netdsl.ir.registry import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
 
 
 def _same(ins, a):

@@ -18,7 +18,7 @@ from netdsl.ir.types import TensorType
 from netdsl.ir.verify import IRError
 from netdsl.parallel.project import mark_over_mpi, project
 from netdsl.parallel.split import SplitSpec, split_step
-from netdsl.runtime.trainer import training_graph
+from netdsl.step.graphs import training_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -400,7 +400,7 @@ def test_auto_lists_the_candidates_it_cannot_make_with_why():
 
 def test_auto_skips_only_pipelines_that_could_not_win():
     """auto builds a pipeline's micro-batch counts in rising order and stops once one is
-    slower than the one before and than a split that fits (choose._past_its_best): each
+    slower than the one before and than a split that fits (candidates.past_its_best): each
     candidate it did not build, built here, is slower than its choice; where nothing
     fits unplanned, it builds every one."""
     from netdsl.parallel.choose import candidates, choose

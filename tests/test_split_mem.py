@@ -272,7 +272,8 @@ def test_ranks_share_the_candidates_and_choose_as_one_process(resnet):
     and the chosen one once more where another rank made it."""
     from netdsl.ir.serialize import fingerprint
     from netdsl.memory.profiles import get_profile
-    from netdsl.parallel.choose import Share, _work, choose
+    from netdsl.parallel.candidates import work_of
+    from netdsl.parallel.choose import Share, choose
     from netdsl.parallel.predict import get_interconnect
     net, opt, _ = resnet
     kw = dict(batch=BATCH, strategy="auto", devices=2, optimizer=opt,
@@ -299,7 +300,7 @@ def test_ranks_share_the_candidates_and_choose_as_one_process(resnet):
         # each predicts its share (then plans its share of a wave, and builds the chosen
         # one again where another rank made it)
         specs = [c.spec for c in alone.considered]
-        work = [_work(spec) for spec in specs]
+        work = [work_of(spec) for spec in specs]
         for r in range(2):
             share = [spec.describe() for spec in Share(r, 2, None).mine(specs, work)]
             assert built[r][:len(share)] == share

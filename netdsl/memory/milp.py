@@ -22,11 +22,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.search import DEFAULT_PREFETCH, Planner
-from netdsl.memory.simulate import FWD, OFFLOAD, RECOMPUTE, simulate
+from netdsl.memory.simulate import FWD, OFFLOAD, RECOMPUTE, Sim, simulate
 from netdsl.sizes import parse_size
 
 
@@ -50,10 +52,10 @@ class ExactResult:
 def exact_plan(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-12gb",
                float_dtype: str = "f32", prefetch: int | None = None,
                time_limit_s: float = 60.0, rounds: int = 6) -> ExactResult:
+    """The program (module docstring) for bound training step `g` within `budget_bytes`,
+    solved at most `rounds` times, each within `time_limit_s`."""
     try:
-        import numpy as np
         from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
     except ImportError:
         raise NetdslError("the exact planner needs SciPy (pip install scipy)") from None
     t0 = time.perf_counter()
@@ -66,62 +68,11 @@ def exact_plan(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-
     cand = pl.cand
     nc = len(cand)
     col = {p: i for i, p in enumerate(cand)}
-    rec_cost, off_cost = pl.estimates()
     base = simulate(prep, {}, pl.prefetch)
     keep_t = np.array(base.timeline, dtype=float)  # the unplanned schedule's entries
-    at = {p: i for i, (_, p) in enumerate(base.entries)}  # position -> entry index
-    first_bwd = pl.first_bwd()
-    last_fwd: dict[int, int] = {}
-    for k, ins in enumerate(prep.inputs):
-        if prep.phase[k] == FWD:
-            for u in ins:
-                last_fwd[u] = max(last_fwd.get(u, -1), at[k])
-
-    rows, cols, vals = [], [], []
-    for p in cand:
-        b = float(prep.bytes[p])
-        lf, fb = last_fwd.get(p, at[p]), at[first_bwd[p]]
-        for t in range(lf + 1, fb):
-            rows.append(t)
-            cols.append(col[p])
-            vals.append(-b)
-        for t in range(lf + 1, max(lf + 1, fb - pl.prefetch)):
-            rows.append(t)
-            cols.append(nc + col[p])
-            vals.append(-b)
-        inter = sum(prep.bytes[u] for u in pl.close({p: RECOMPUTE}) if u != p)
-        if inter:
-            rows.append(fb)
-            cols.append(col[p])
-            vals.append(float(inter))
-    a_mem = coo_matrix((vals, (rows, cols)), shape=(len(keep_t), 2 * nc)).tocsr()
-    # r_v + o_v <= 1, and no clone reads a clone
-    pr, pc = [], []
-    k = 0
-    for p in cand:
-        pr += [k, k]
-        pc += [col[p], nc + col[p]]
-        k += 1
-    for p in cand:
-        for u in pl.closure_inputs(p) & pl.cand_set:
-            pr += [k, k]
-            pc += [col[p], col[u]]
-            k += 1
-    a_one = coo_matrix(([1.0] * len(pr), (pr, pc)), shape=(k, 2 * nc)).tocsr()
-    cost = np.array([rec_cost[p] for p in cand]
-                    + [off_cost.get(p, 0.0) for p in cand])
-    upper = np.ones(2 * nc)
-    if profile.unified:
-        upper[nc:] = 0  # offload saves nothing in unified memory
-    for p, d in pl.forced.items():
-        i = col[p]
-        if d == RECOMPUTE:
-            cost[i] -= 1e3  # forced: take it whatever it costs
-        elif d == OFFLOAD:
-            cost[nc + i] -= 1e3
-        else:
-            upper[i] = upper[nc + i] = 0
-
+    a_mem = _memory_rows(pl, base, col, len(keep_t))
+    a_one = _exclusions(pl, col)
+    cost, upper = _objective(pl, col)
     target = float(budget)
     best = None
     done = 0
@@ -150,3 +101,75 @@ def exact_plan(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40-
     ok, closed, peak, t, obj = best
     return ExactResult(ok, {prep.names[p]: d for p, d in sorted(closed.items())}, peak, t,
                        base_t, obj, time.perf_counter() - t0, done, pl.prefetch)
+
+
+def _memory_rows(pl: Planner, base: Sim, col: dict[int, int], n_rows: int):
+    """The bytes each decision frees (negative) or adds at each entry of the unplanned
+    schedule `base` (module docstring): columns r_v then o_v, one row an entry."""
+    from scipy.sparse import coo_matrix
+    prep, nc = pl.prep, len(col)
+    at = {p: i for i, (_, p) in enumerate(base.entries)}  # position -> entry index
+    first_bwd = pl.first_bwd()
+    last_fwd: dict[int, int] = {}
+    for k, ins in enumerate(prep.inputs):
+        if prep.phase[k] == FWD:
+            for u in ins:
+                last_fwd[u] = max(last_fwd.get(u, -1), at[k])
+    rows, cols, vals = [], [], []
+    for p in pl.cand:
+        b = float(prep.bytes[p])
+        lf, fb = last_fwd.get(p, at[p]), at[first_bwd[p]]
+        for t in range(lf + 1, fb):
+            rows.append(t)
+            cols.append(col[p])
+            vals.append(-b)
+        for t in range(lf + 1, max(lf + 1, fb - pl.prefetch)):
+            rows.append(t)
+            cols.append(nc + col[p])
+            vals.append(-b)
+        inter = sum(prep.bytes[u] for u in pl.close({p: RECOMPUTE}) if u != p)
+        if inter:
+            rows.append(fb)
+            cols.append(col[p])
+            vals.append(float(inter))
+    return coo_matrix((vals, (rows, cols)), shape=(n_rows, 2 * nc)).tocsr()
+
+
+def _exclusions(pl: Planner, col: dict[int, int]):
+    """The rows that sum to at most 1: r_v + o_v, and r_u + r_v where v's clone reads u
+    (no clone reads a clone)."""
+    from scipy.sparse import coo_matrix
+    nc = len(col)
+    pr, pc = [], []
+    k = 0
+    for p in pl.cand:
+        pr += [k, k]
+        pc += [col[p], nc + col[p]]
+        k += 1
+    for p in pl.cand:
+        for u in pl.closure_inputs(p) & pl.cand_set:
+            pr += [k, k]
+            pc += [col[p], col[u]]
+            k += 1
+    return coo_matrix(([1.0] * len(pr), (pr, pc)), shape=(k, 2 * nc)).tocsr()
+
+
+def _objective(pl: Planner, col: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(each decision's cost, its upper bound): the cost model's estimates, with the
+    source's forced decisions taken whatever they cost and its kept values pinned."""
+    cand, nc = pl.cand, len(col)
+    rec_cost, off_cost = pl.estimates()
+    cost = np.array([rec_cost[p] for p in cand]
+                    + [off_cost.get(p, 0.0) for p in cand])
+    upper = np.ones(2 * nc)
+    if pl.profile.unified:
+        upper[nc:] = 0  # offload saves nothing in unified memory
+    for p, d in pl.forced.items():
+        i = col[p]
+        if d == RECOMPUTE:
+            cost[i] -= 1e3  # forced: take it whatever it costs
+        elif d == OFFLOAD:
+            cost[nc + i] -= 1e3
+        else:
+            upper[i] = upper[nc + i] = 0
+    return cost, upper

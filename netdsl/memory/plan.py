@@ -50,9 +50,9 @@ def value_bytes(t, float_dtype: str = "f32") -> int:
 # also holds what the plan places nowhere: the caller's batch (each fed input is copied
 # into its slot while the caller keeps its own array) and the interpreter's objects, which
 # tracemalloc counts with the arrays: each slot's view, the run's dictionaries, the
-# kernels' short-lived objects. Those measured 72-250 bytes a node above the plan and the
-# batch, at most 111 kB on small steps (ResNet-20 to ResNet-1001, transformer-tiny;
-# docs/memory.md, "What a run holds besides the plan").
+# kernels' short-lived objects. The allowance a node and the fixed part are fitted to
+# measurements of ResNet-20 to ResNet-1001 and transformer-tiny, and hold what those ran
+# (docs/memory.md, "What a run holds besides the plan").
 OBJECT_BYTES_PER_NODE = 128
 OBJECT_BYTES_FIXED = 160 << 10
 
@@ -67,9 +67,8 @@ def process_reserves(g: Graph, float_dtype: str = "f32") -> dict[int, int]:
     """Per device of a split step run one process per device (over MPI: `meta[PER_PROCESS]`),
     what that process holds besides its device's plan: `unplanned_bytes` of its own nodes
     and of the unplaced ones, which every rank has (`parallel.project`). Empty for a step
-    run in one process, whose devices share one interpreter. (ResNet-20's pipeline ranks
-    at batch 8 measured 0.15-0.25 MB above their plans, with 0.34-0.42 MB reserved:
-    docs/parallel.md.)"""
+    run in one process, whose devices share one interpreter. (Checked against what
+    ResNet-20's pipeline ranks hold above their plans: docs/parallel.md.)"""
     if not g.meta.get(PER_PROCESS):
         return {}
     own: dict[int, list[Node]] = {}

@@ -379,6 +379,15 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
                  reserves)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
+    options = _options(pl, strategy, budget, pl.peak(base_sim) <= budget, tick)
+    tick(1.0)
+    return _result(pl, strategy, budget, options, base_sim, base_t, t0)
+
+
+def _options(pl: Planner, strategy: str, budget: int, base_fits: bool, tick
+             ) -> list[tuple[float, int, dict[int, str], Sim]]:
+    """The plans `strategy` weighs (module doc), each (predicted time, peak, decisions,
+    simulation); `base_fits`: the unplanned step fits the budget."""
     options: list[tuple[float, int, dict[int, str], Sim]] = []
 
     def consider(dec: dict[int, str]) -> tuple[Sim, float]:
@@ -388,7 +397,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
 
     if strategy != "auto":
         consider(pl.baseline(strategy))
-    elif pl.peak(base_sim) <= budget:
+    elif base_fits:
         consider({})  # nothing to plan: keeping everything is the fastest step
     else:
         for s in ("none", "offload-all", "checkpoint-sqrt"):
@@ -396,7 +405,7 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         n = len(pl.cand)
         # where offload is not possible (unified memory): checkpoint plans on the cut
         # points, or (no cuts; a split step: also) every k-th retained value kept
-        if profile.unified and (not _chain_plans(pl, budget, consider) or pl.multi):
+        if pl.profile.unified and (not _chain_plans(pl, budget, consider) or pl.multi):
             for k in sorted({2, 3, 4, 8, max(1, math.ceil(math.sqrt(n)))}):
                 if k < n:
                     consider(pl.segments(k))
@@ -406,8 +415,14 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
             shortest_prefixes(pl, ladder, budget, consider, tick)
         else:
             _shortest_prefix(pl, ladder, budget, consider, tick)
-    tick(1.0)
+    return options
 
+
+def _result(pl: Planner, strategy: str, budget: int,
+            options: list[tuple[float, int, dict[int, str], Sim]], base_sim: Sim,
+            base_t: float, t0: float) -> PlanResult:
+    """The plan chosen among `options`: the fastest that fits (the fewest decisions, then
+    the smallest peak, among equals), else the smallest peak (`t0`: when planning began)."""
     feasible = [o for o in options if o[1] <= budget]
     if feasible:
         t, peak, dec, sim = min(feasible, key=lambda o: (o[0], len(o[2]), o[1]))
@@ -420,17 +435,9 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     state_off = [p for p in dec if p in set(prep.opt_state)]
     counts[OFFLOAD] -= len(state_off)
     counts[KEEP] = len(pl.cand) - sum(1 for p in dec if p in pl.cand_set)
-    by_type: dict[str, dict[str, int]] = {}
-    for p in pl.cand:
-        lt = pl.ops[prep.ops[p]].layer_type
-        d = dec.get(p, KEEP)
-        by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
-    for p, d in dec.items():
-        if p not in pl.cand_set and prep.phase[p] == FWD:
-            lt = pl.ops[prep.ops[p]].layer_type
-            by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    by_type = _by_layer_type(pl, dec)
     res = PlanResult(
-        g.name, strategy, profile, budget, bool(feasible), named, peak,
+        prep.g.name, strategy, pl.profile, budget, bool(feasible), named, peak,
         pl.peak(base_sim), sim.host_bytes, t, base_t, sim.offload_bytes,
         pl.costs.recompute_flops(sim), sim.state_bytes, prep.workspace,
         time.perf_counter() - t0, pl.prefetch, {k: counts.get(k, 0) for k in DECISIONS}, by_type,
@@ -443,6 +450,22 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
         best = min(options, key=lambda o: o[1])
         res.dominant = dominant(pl, best[3])
     return res
+
+
+def _by_layer_type(pl: Planner, dec: dict[int, str]) -> dict[str, dict[str, int]]:
+    """The decisions by layer type: every candidate's, and those of the forward values
+    recomputed with them."""
+    prep = pl.prep
+    by_type: dict[str, dict[str, int]] = {}
+    for p in pl.cand:
+        lt = pl.ops[prep.ops[p]].layer_type
+        d = dec.get(p, KEEP)
+        by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    for p, d in dec.items():
+        if p not in pl.cand_set and prep.phase[p] == FWD:
+            lt = pl.ops[prep.ops[p]].layer_type
+            by_type.setdefault(lt, {k: 0 for k in DECISIONS})[d] += 1
+    return by_type
 
 
 @gc_paused()  # (searches and rewrites whole steps: netdsl.ir.bulk)
@@ -469,8 +492,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     (`plan.process_reserves`): the search plans each device into the budget less its own,
     and the check counts each device's own. The check counts the rewritten step's
     (recomputed values add nodes, and so objects)."""
-    from netdsl.memory.plan import device_peaks, make_plan, process_reserves, unplanned_bytes
-    from netdsl.memory.strategies import apply_decisions
+    from netdsl.memory.plan import process_reserves, unplanned_bytes
     budget = parse_size(mem, "--mem")
     profile = get_profile(profile)
     split = any(n.device is not None for n in step.nodes)
@@ -484,41 +506,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         res = plan_memory(step, max(target, 1), profile, strategy, float_dtype,
                           prefetch=prefetch, progress=progress,
                           offload_state=offload_state, roles=roles, reserves=reserves)
-        res.budget_bytes = budget
-        res.outside_plan_bytes = outside
-        for d, row in res.per_device.items():
-            row["outside_plan_bytes"] = reserves.get(d, 0)
-        res.feasible = res.feasible and (
-            all(row["peak_bytes"] + row["outside_plan_bytes"] <= budget
-                for row in res.per_device.values()) if res.per_device
-            else res.planned_peak_bytes + outside <= budget)
-        return res
-
-    def check(res: PlanResult) -> tuple[Graph, int]:
-        """The rewritten step and its peak as a run holds it."""
-        t0 = time.perf_counter()
-        g = apply_decisions(step, res.decisions, prefetch=res.prefetch)
-        if res.per_device:  # a split step: every device within the budget
-            mp = make_plan(g, roles, float_dtype, pack_arena=False)
-            peaks = device_peaks(g, mp)
-            own = process_reserves(g, float_dtype) if res.profile.unified else {}
-            if res.profile.unified:  # the host pools count too (all of them: an upper bound)
-                peaks = {d: v + mp.host_peak_bytes + own.get(d, 0) for d, v in peaks.items()}
-            for d, v in peaks.items():
-                row = res.per_device.setdefault(d, {})
-                row["verified_peak_bytes"], row["outside_plan_bytes"] = v, own.get(d, 0)
-            res.outside_plan_bytes = max(own.values(), default=0)
-            peak = max(peaks.values())
-        else:
-            mp = make_plan(g, roles, float_dtype, pack_arena=arena)
-            if res.profile.unified:
-                res.outside_plan_bytes = unplanned_bytes(g, float_dtype)
-            peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + res.outside_plan_bytes
-            if res.profile.unified:  # host and device are one memory: the pool counts too
-                peak += mp.host_bytes if arena else mp.host_peak_bytes
-        res.verified_peak_bytes = peak
-        res.verify_s = time.perf_counter() - t0
-        return g, peak
+        return _judged(res, budget, outside, reserves)
 
     target = budget if split else budget - outside
     res = None
@@ -528,7 +516,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
             return None, res
         if not res.feasible:
             break
-        g, peak = check(res)
+        g, peak = _check(step, res, roles, float_dtype, arena)
         if peak <= budget:
             return g, res
         # below the plan just found, by the excess: the same target could find it again
@@ -538,7 +526,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     # search that found nothing under its budget returned that plan already (the plans it
     # weighs below the budget do not depend on it: plan_memory, _chain_plans)
     floor = res if not res.feasible else search(0)
-    g, peak = check(floor)
+    g, peak = _check(step, floor, roles, float_dtype, arena)
     floor.min_feasible_bytes = peak
     if peak <= budget:
         floor.feasible, floor.dominant = True, ""
@@ -549,6 +537,52 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
         floor.dominant += (f", and its process's inputs and interpreter objects "
                            f"{format_decimal(held)}")
     return None, floor
+
+
+def _judged(res: PlanResult, budget: int, outside: int, reserves: dict[int, int]
+            ) -> PlanResult:
+    """A plan searched for within the budget less what a run holds besides it, judged
+    against the whole budget with that counted (`outside`; per device, `reserves`)."""
+    res.budget_bytes = budget
+    res.outside_plan_bytes = outside
+    for d, row in res.per_device.items():
+        row["outside_plan_bytes"] = reserves.get(d, 0)
+    res.feasible = res.feasible and (
+        all(row["peak_bytes"] + row["outside_plan_bytes"] <= budget
+            for row in res.per_device.values()) if res.per_device
+        else res.planned_peak_bytes + outside <= budget)
+    return res
+
+
+def _check(step: Graph, res: PlanResult, roles: tuple[str, ...], float_dtype: str,
+           arena: bool) -> tuple[Graph, int]:
+    """The step rewritten by plan `res` and its peak as a run holds it (`plan_and_apply`;
+    filled into `res`: its verified peaks and what a run holds besides the plan)."""
+    from netdsl.memory.plan import device_peaks, make_plan, process_reserves, unplanned_bytes
+    from netdsl.memory.strategies import apply_decisions
+    t0 = time.perf_counter()
+    g = apply_decisions(step, res.decisions, prefetch=res.prefetch)
+    if res.per_device:  # a split step: every device within the budget
+        mp = make_plan(g, roles, float_dtype, pack_arena=False)
+        peaks = device_peaks(g, mp)
+        own = process_reserves(g, float_dtype) if res.profile.unified else {}
+        if res.profile.unified:  # the host pools count too (all of them: an upper bound)
+            peaks = {d: v + mp.host_peak_bytes + own.get(d, 0) for d, v in peaks.items()}
+        for d, v in peaks.items():
+            row = res.per_device.setdefault(d, {})
+            row["verified_peak_bytes"], row["outside_plan_bytes"] = v, own.get(d, 0)
+        res.outside_plan_bytes = max(own.values(), default=0)
+        peak = max(peaks.values())
+    else:
+        mp = make_plan(g, roles, float_dtype, pack_arena=arena)
+        if res.profile.unified:
+            res.outside_plan_bytes = unplanned_bytes(g, float_dtype)
+        peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + res.outside_plan_bytes
+        if res.profile.unified:  # host and device are one memory: the pool counts too
+            peak += mp.host_bytes if arena else mp.host_peak_bytes
+    res.verified_peak_bytes = peak
+    res.verify_s = time.perf_counter() - t0
+    return g, peak
 
 
 def infeasible_error(res: PlanResult, also: str = "") -> BudgetError:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,20 +101,62 @@ class Prepared:
 
 def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             eager_updates: bool = True) -> Prepared:
+    """Index bound training-step graph `g` (module docstring): the step computing `roles`,
+    its values counted in `float_dtype`; `eager_updates` False: the optimizer's updates
+    stay where the graph has them."""
     ops = registry.load_all()
     order, _, wanted_names = schedule(g, roles)
     names = [n.name for n in order]
     pos = {name: k for k, name in enumerate(names)}
-    nbytes, inputs, phase, opnames, full = [], [], [], [], []
-    workspace = state = 0
     device = [0 if n.device is None else n.device for n in order]
-    dev_state: dict[int, int] = {}
-    dev_ws: dict[int, int] = {}
+    v = _values(g, order, pos, device, ops, float_dtype)
     # never recomputed: communication (a copy would send or reduce again) and summaries
     # of a larger input (OpDef.extra["summary"]: a batchnorm's statistics, a few bytes
     # whose recompute reads the whole input again), which are no candidates either
     summary = {k for k, n in enumerate(order) if ops[n.op].extra.get("summary")}
     fixed = summary | {k for k, n in enumerate(order) if n.op in COMM_OPS}
+    wanted = {pos[w] for w in wanted_names}
+    read_bwd = set()
+    for k, ins in enumerate(v.inputs):
+        if v.phase[k] == BWD:
+            read_bwd.update(ins)
+    cands = [k for k in range(len(names)) if v.phase[k] == FWD and k in read_bwd
+             and k not in wanted and v.bytes[k] > 0 and k not in summary]
+    opt_state = [k for k in range(len(names)) if v.phase[k] == STATE and k in read_bwd
+                 and order[k].attrs.get("role") == "optimizer_state"]
+    first_late, first_bwd, late_node = _backward_marks(order, v.phase, v.inputs)
+    early, updates, written, root = _optimizer_order(g, order, v.inputs, ops)
+    if not eager_updates:
+        early, updates = [], []
+    held, held_end = _held(order, pos)
+    return Prepared(g, names, pos, v.bytes, v.inputs, v.phase, wanted, v.state, v.workspace,
+                    cands, v.ops, v.full, opt_state, first_late, first_bwd, early, late_node,
+                    updates, written, root, device, v.device_state, v.device_workspace,
+                    fixed, sorted(set(device)) or [0], held, held_end)
+
+
+class _Values(NamedTuple):
+    """Each scheduled node's value, by position (`Prepared`'s fields of the same names)."""
+
+    bytes: list[int]
+    inputs: list[tuple[int, ...]]
+    phase: list[int]
+    ops: list[str]
+    full: list[int]
+    state: int
+    workspace: int
+    device_state: dict[int, int]
+    device_workspace: dict[int, int]
+
+
+def _values(g: Graph, order: list, pos: dict[str, int], device: list[int], ops: dict,
+            float_dtype: str) -> _Values:
+    """The bytes, inputs and phase of each node of `order`, and the state and workspace
+    they add up to (per device too)."""
+    nbytes, inputs, phase, opnames, full = [], [], [], [], []
+    workspace = state = 0
+    dev_state: dict[int, int] = {}
+    dev_ws: dict[int, int] = {}
     sizes: dict = {}  # bytes per type: a deep network repeats a few types many times
     for n in order:
         opnames.append(n.op)
@@ -139,16 +182,14 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         w = workspace_bytes(g, n, float_dtype)
         workspace = max(workspace, w)
         dev_ws[d] = max(dev_ws.get(d, 0), w)
-    wanted = {pos[w] for w in wanted_names}
-    read_bwd = set()
-    for k, ins in enumerate(inputs):
-        if phase[k] == BWD:
-            read_bwd.update(ins)
-    cands = [k for k in range(len(names)) if phase[k] == FWD and k in read_bwd
-             and k not in wanted and nbytes[k] > 0 and k not in summary]
-    opt_state = [k for k in range(len(names)) if phase[k] == STATE and k in read_bwd
-                 and order[k].attrs.get("role") == "optimizer_state"]
-    n_all = len(names)
+    return _Values(nbytes, inputs, phase, opnames, full, state, workspace, dev_state, dev_ws)
+
+
+def _backward_marks(order: list, phase: list[int], inputs: list[tuple[int, ...]]
+                    ) -> tuple[list[int], int, list[bool]]:
+    """(each value's first backward reader, or -1; the first backward position; whether
+    each position is a backward node, not the optimizer's)."""
+    n_all = len(order)
     first_late = [-1] * n_all
     for k in range(n_all - 1, -1, -1):
         if phase[k] == BWD:
@@ -157,9 +198,16 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
     first_bwd = next((k for k in range(n_all) if phase[k] == BWD), n_all)
     late_node = [phase[k] == BWD and order[k].meta.get("phase") != "optimizer"
                  for k in range(n_all)]
+    return first_late, first_bwd, late_node
+
+
+def _optimizer_order(g: Graph, order: list, inputs: list[tuple[int, ...]], ops: dict
+                     ) -> tuple[list[int], list[int], dict[int, tuple[int, ...]], list[int]]:
+    """(the optimizer's sources and step counter, moved early; its updates, placed
+    eagerly; the storage each update writes; the storage each value aliases)."""
     upd_names = set(g.outputs.get("updates", ()))
     early, updates, written = [], [], {}
-    root = list(range(n_all))
+    root = list(range(len(order)))
     for k, n in enumerate(order):
         op = ops.get(n.op)
         if op is not None and op.view_of is not None and op.view_of < len(n.inputs) \
@@ -173,8 +221,11 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
         elif n.name in upd_names:
             updates.append(k)
             written[k] = tuple(root[inputs[k][j]] for j in op.written_inputs(n))
-    if not eager_updates:
-        early, updates = [], []
+    return early, updates, written, root
+
+
+def _held(order: list, pos: dict[str, int]) -> tuple[dict[int, list[int]], set[int]]:
+    """An MPI step's sends held past their readers (`Prepared.held`, `held_end`)."""
     held: dict[int, list[int]] = {}
     held_end: set[int] = set()
     for k, n in enumerate(order):
@@ -183,10 +234,7 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             held.setdefault(pos[to], []).append(k)
         elif to is not None:  # "end" (or a node the step does not run)
             held_end.add(k)
-    return Prepared(g, names, pos, nbytes, inputs, phase, wanted, state, workspace, cands,
-                    opnames, full, opt_state, first_late, first_bwd, early, late_node,
-                    updates, written, root, device, dev_state, dev_ws, fixed,
-                    sorted(set(device)) or [0], held, held_end)
+    return held, held_end
 
 
 @dataclass
@@ -255,7 +303,6 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     positions not given are kept). `by_kind` also splits the live bytes into KINDS."""
     decisions = decisions or {}
     n = len(prep.names)
-    inputs, phase = prep.inputs, prep.phase
     rec = [False] * n
     off = [False] * n
     for p, d in decisions.items():
@@ -263,9 +310,27 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
             rec[p] = True
         elif d == OFFLOAD:
             off[p] = True
+    need = _needed_at(prep, decisions, rec, off)
+    seq, renamed, offloaded, cloned = _place(prep, need, rec, prefetch)
+    # 3. eager updates, and offloaded optimizer state streamed through its update
+    if prep.updates:
+        seq = _eager(prep, seq, renamed)
+    if any(off[p] for p in prep.opt_state):
+        seq = _stream_state(prep, seq, off, prefetch, offloaded)
+        for p in prep.opt_state:
+            if off[p]:
+                renamed[p] = 2  # the update reads the copy brought in for it
+    sim = _count(prep, seq, _reads(prep, seq, renamed), offloaded, cloned)
+    if by_kind:
+        sim.kinds = _kinds(prep, sim.lifetimes, len(seq))
+    return sim
 
-    # 1. where each planned value is first needed in the backward pass: at its first
-    # backward reader, or earlier if a clone that reads it is needed earlier
+
+def _needed_at(prep: Prepared, decisions: dict[int, str], rec: list[bool],
+               off: list[bool]) -> dict[int, int]:
+    """1. where each planned value is first needed in the backward pass: at its first
+    backward reader, or earlier if a clone that reads it is needed earlier."""
+    inputs, phase = prep.inputs, prep.phase
     wanted = prep.wanted
     first_late = prep.first_late
     need: dict[int, int] = {}
@@ -280,8 +345,16 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
                 if (rec[u] or off[u]) and u not in wanted and phase[u] != STATE:
                     if u not in need or need[p] < need[u]:
                         need[u] = need[p]
-    # 2. clones and prefetches before the node where they are needed, in forward order;
-    # each to_host right after its value
+    return need
+
+
+def _place(prep: Prepared, need: dict[int, int], rec: list[bool], prefetch: int
+           ) -> tuple[list[tuple[int, int]], list[int], list[int], list[int]]:
+    """2. clones and prefetches before the node where they are needed, in forward order;
+    each to_host right after its value. Returns (the schedule, how each value is read
+    from its backward readers: 0 as is, 1 its clone, 2 its device copy, the values
+    offloaded, the values cloned)."""
+    n = len(prep.names)
     before: dict[int, list[tuple[int, int]]] = {}
     after: dict[int, list[tuple[int, int]]] = {}
     offloaded: list[int] = []
@@ -307,19 +380,23 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         seq.append((NODE, p))
         if p in after:
             seq.extend(after[p])
+    return seq, renamed, offloaded, cloned
 
-    # 3. eager updates
-    if prep.updates:
-        seq = _eager(prep, seq, renamed)
-    if any(off[p] for p in prep.opt_state):
-        seq = _stream_state(prep, seq, off, prefetch, offloaded)
-        for p in prep.opt_state:
-            if off[p]:
-                renamed[p] = 2  # the update reads the copy brought in for it
 
-    # 4. who reads what: value ids p (original), n + p (clone), 2n + p (device copy),
-    # 3n + p (host copy)
-    entries = seq
+class _Reads(NamedTuple):
+    """Who reads what in a schedule, by value id: p (original), n + p (clone), 2n + p
+    (device copy), 3n + p (host copy)."""
+
+    started: list[tuple[int, int]]  # each device value's id and the entry that makes it
+    last: list[int]  # the last entry reading each value id (-1: none)
+    waits: dict[int, list[int]]  # entry -> offloaded values whose device copies it reads
+    host_start: dict[int, int]  # value -> the entry that copies it to the host
+
+
+def _reads(prep: Prepared, entries: list[tuple[int, int]], renamed: list[int]) -> _Reads:
+    """4. who reads what (`_Reads`)."""
+    n = len(prep.names)
+    inputs, phase = prep.inputs, prep.phase
     last = [-1] * (4 * n)
     reads_dev: dict[int, list[int]] = {}
     started: list[tuple[int, int]] = []
@@ -347,11 +424,17 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         else:  # H2D
             started.append((2 * n + p, i))
             last[3 * n + p] = i
-    host_end = {p: last[3 * n + p] for p in host_start if last[3 * n + p] >= 0}
+    return _Reads(started, last, reads_dev, host_start)
 
-    # 5. the byte count
-    m = len(entries)
-    nbytes, full = prep.bytes, prep.full_bytes
+
+def _count(prep: Prepared, entries: list[tuple[int, int]], reads: _Reads,
+           offloaded: list[int], cloned: list[int]) -> Sim:
+    """5. the byte count: each value's lifetime, the device and host timelines and their
+    peaks (per device too, for a split graph)."""
+    n, m = len(prep.names), len(entries)
+    phase, nbytes, full = prep.phase, prep.bytes, prep.full_bytes
+    started, last, host_start = reads.started, reads.last, reads.host_start
+    host_end = {p: last[3 * n + p] for p in host_start if last[3 * n + p] >= 0}
     host_state = [p for p in offloaded if phase[p] == STATE]
     ends: list[tuple[int, int, int, int]] = []  # (value id, bytes, first, one past last)
     for vid, s in started:
@@ -359,7 +442,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         b = nbytes[p] if phase[p] != STATE else full[p] if vid >= 2 * n else 0
         if b == 0:
             continue
-        if vid < n and (p in wanted or p in prep.held_end):
+        if vid < n and (p in prep.wanted or p in prep.held_end):
             e = m
         elif last[vid] >= 0:
             e = last[vid] + 1
@@ -388,7 +471,7 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
         host = list(accumulate(hdiff[:m]))
     else:
         host = [0] * m
-    sim = Sim(entries, timeline, host, reads_dev, peak, peak_i, max(host, default=0),
+    sim = Sim(entries, timeline, host, reads.waits, peak, peak_i, max(host, default=0),
               device_state, prep.workspace, sum(full[p] for p in offloaded), cloned,
               lifetimes=ends)
     if len(prep.devices) > 1:
@@ -396,16 +479,21 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     else:
         sim.device_peaks = {0: peak}
         sim.device_unified_peaks = {0: sim.unified_peak}
-    if by_kind:
-        kd = {k: [0] * (m + 1) for k in KINDS}
-        for vid, b, s, e in ends:
-            p = vid % n if vid >= n else vid
-            kind = (KINDS[3] if vid >= 2 * n else KINDS[2] if vid >= n
-                    else KINDS[1] if phase[p] == BWD else KINDS[0])
-            kd[kind][s] += b
-            kd[kind][e] -= b
-        sim.kinds = {k: list(accumulate(d[:m])) for k, d in kd.items()}
     return sim
+
+
+def _kinds(prep: Prepared, ends: list[tuple[int, int, int, int]], m: int
+           ) -> dict[str, list[int]]:
+    """The live bytes after each of `m` entries, split into KINDS."""
+    n, phase = len(prep.names), prep.phase
+    kd = {k: [0] * (m + 1) for k in KINDS}
+    for vid, b, s, e in ends:
+        p = vid % n if vid >= n else vid
+        kind = (KINDS[3] if vid >= 2 * n else KINDS[2] if vid >= n
+                else KINDS[1] if phase[p] == BWD else KINDS[0])
+        kd[kind][s] += b
+        kd[kind][e] -= b
+    return {k: list(accumulate(d[:m])) for k, d in kd.items()}
 
 
 def _by_device(prep: Prepared, sim: Sim, host_start: dict[int, int],

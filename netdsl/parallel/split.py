@@ -290,8 +290,8 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g = join_slice_grads(g)
     if device != "cpu":  # the kernels' variants for the device, as a single device's step
         g = for_device(g, device)
-    # one verify for the reorderings, fusions and marks, every shape rule once (a verify
-    # of a 700k-node step takes 1.3 s without the shapes, 4 s with them)
+    # one verify for the reorderings, fusions and marks, every shape rule once (the shape
+    # rules are most of a verify's time on a large step)
     g = g.verify()
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)

@@ -1,0 +1,226 @@
+"""Which splits `choose` tries, and in what order: the policy half of choosing a split.
+
+`candidates` lists the specs a `--strategy` allows: one for `data`, `pipeline`, `hybrid`,
+`tensor` and `spatial` (the schemes of `split.py`); for `auto`, every data x pipeline
+factorisation of the device count (with micro-batch counts 1, 2, 4 ... up to the batch
+for pipelines), the tensor split and its data x tensor hybrids and (for a network with
+convolutions) the spatial split and its data x spatial hybrids.
+
+The candidates are built in rounds (`rounds`): a pipeline's micro-batch counts in rising
+order, each only while it could still win (`past_its_best`); the counts not built are
+listed as skipped. Ranks that would be idle in a round build the next counts ahead
+(`ahead`), with figures the rounds drop where they stop before them, so the choice is the
+one a single process makes. `work_of` estimates what each candidate costs to build, to
+share the candidates out evenly.
+
+With `--mem`, planning never makes a step faster, so the candidates that do not fit are
+planned fastest first (`planning_order`), each only while it would beat the fastest that
+fits (`beats`): the choice is the fastest step that fits, planned or not, in the fewest
+plans.
+
+The functions read the candidates' figures (`choose.Choice`, or a string saying why one
+cannot be made) by their place in the list of specs; building and predicting them is
+`choose.py`'s.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
+from netdsl.errors import SplitError
+from netdsl.parallel.split import SplitSpec
+
+if TYPE_CHECKING:
+    from netdsl.parallel.choose import Choice
+
+CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
+
+
+def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
+               declared: dict, bn: str, schedule: str | None = None,
+               has_conv: bool = False) -> list[SplitSpec]:
+    """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
+    else the file's `parallel { schedule = ... }`, else GPipe's; `has_conv`: the network
+    has 2-d convolutions, which a spatial split cuts)."""
+    # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
+    sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
+                                                     else "gpipe")
+    if sched not in ("gpipe", "1f1b"):
+        raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
+    if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
+        d, p, t, s = (declared.get(k, 1) for k in ("data", "pipeline", "tensor", "spatial"))
+        if ParallelConfig(**declared).devices == devices > 1:
+            if p == 1 and not (schedule or declared.get("schedule")):
+                sched = "1f1b"  # replicas accumulating micro-batches: each part in turn
+            return [SplitSpec(data=d, pipeline=p, tensor=t, spatial=s, bn=bn, schedule=sched,
+                              microbatches=microbatches or declared.get("microbatches", 1))]
+        strategy = "auto"
+        sched = schedule or declared.get("schedule") or "1f1b"
+    if strategy not in CHOICES:
+        raise SplitError(f"unknown --strategy `{strategy}`; choose one of "
+                         f"{', '.join(CHOICES)}")
+    if devices < 1:
+        raise SplitError(f"--devices must be at least 1, not {devices}")
+    if strategy in ("tensor", "spatial") and (microbatches or 1) > 1:
+        raise SplitError(f"--microbatches {microbatches}: {MICROBATCHES_APPLY}")
+    if strategy == "data":  # micro-batches: each replica accumulates, each part in turn
+        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1,
+                          schedule=schedule or declared.get("schedule") or "1f1b")]
+    if strategy == "tensor":
+        return [SplitSpec(tensor=devices, bn=bn)]
+    if strategy == "spatial":
+        return [SplitSpec(spatial=devices, bn=bn)]
+    if strategy == "pipeline":
+        m = microbatches if microbatches is not None else min(batch, 4 * devices)
+        return [SplitSpec(pipeline=devices, microbatches=m, bn=bn, schedule=sched)]
+    if strategy == "hybrid":
+        d = declared.get("data", 1)
+        p = declared.get("pipeline", 1)
+        if d * p != devices or d == 1 or p == 1:
+            d, p = _hybrid_factors(devices)
+        m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
+        return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
+    return _auto(devices, batch, microbatches, bn, sched, has_conv)
+
+
+def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: str,
+          has_conv: bool) -> list[SplitSpec]:
+    """`auto`'s candidates (module docstring)."""
+    out = []
+    for d in range(1, devices + 1):
+        if devices % d:
+            continue
+        p = devices // d
+        for m in _micro_counts(p, batch, microbatches):
+            if d * m <= batch:
+                out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn,
+                                     schedule=sched))
+    if devices > 1:
+        out.append(SplitSpec(tensor=devices, bn=bn))
+        out.extend(SplitSpec(data=d, tensor=devices // d, bn=bn)
+                   for d in range(2, devices) if devices % d == 0 and d <= batch)
+    if devices > 1 and has_conv:
+        out.append(SplitSpec(spatial=devices, bn=bn))
+        if bn == "sync":
+            out.extend(SplitSpec(data=d, spatial=devices // d, bn=bn)
+                       for d in range(2, devices) if devices % d == 0 and d <= batch)
+    return out
+
+
+def _micro_counts(p: int, batch: int, microbatches: int | None) -> list[int]:
+    """The micro-batch counts auto tries for a pipeline of `p` stages."""
+    if p == 1:
+        return [1]
+    if microbatches is not None:
+        return [microbatches]
+    out, m = [], 1
+    while m <= batch:
+        if m >= p or m == 1:
+            out.append(m)
+        m *= 2
+    return out or [1]
+
+
+def _hybrid_factors(devices: int) -> tuple[int, int]:
+    for d in range(2, devices):
+        if devices % d == 0 and devices // d > 1:
+            return d, devices // d
+    raise SplitError(f"a hybrid split needs a device count with two factors above 1 "
+                     f"(4, 6, 8 ...), not {devices}")
+
+
+def families(specs: list[SplitSpec]) -> list[list[int]]:
+    """The candidates (their places) by family: pipelines that differ only in their
+    micro-batches together, fewest first; any other candidate alone."""
+    out: dict[SplitSpec, list[int]] = {}
+    for k, spec in enumerate(specs):
+        key = replace(spec, microbatches=1) if spec.pipeline > 1 else spec
+        out.setdefault(key, []).append(k)
+    return [sorted(ks, key=lambda k: specs[k].microbatches) for ks in out.values()]
+
+
+def beats(c: Choice, best: Choice | None) -> bool:
+    """Whether candidate `c` is faster than `best`, the fastest that fits (None: none)."""
+    return best is None or c.report.predicted_step_s < best.report.predicted_step_s
+
+
+def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
+                                                            Choice | None]:
+    """One process's way through the candidates, on the figures `found` so far: each
+    round every family's next candidate (its first, then more micro-batches while
+    `past_its_best` does not stop it), the best (the fastest that fits, visited in spec
+    order) after each. Returns (the candidates taken so far, the next round's candidates
+    that have no figures yet, [] when it is done, and the best so far)."""
+    depth = [0] * len(families)
+    going = list(range(len(families)))
+    taken: set[int] = set()
+    best = None
+    while going:
+        now = [families[f][depth[f]] for f in going]
+        if any(k not in found for k in now):
+            return taken, [k for k in now if k not in found], best
+        taken.update(now)
+        best = min((c for k in sorted(taken) if not isinstance(c := found[k], str) and c.fits),
+                   key=lambda c: c.report.predicted_step_s, default=None)  # (the first)
+        stopped, going = going, []
+        for f in stopped:
+            depth[f] += 1
+            fam = families[f]
+            if depth[f] < len(fam) and not past_its_best(
+                    found, [fam[depth[f] - 1], fam[depth[f] - 2]] if depth[f] > 1 else [],
+                    best):
+                going.append(f)
+    return taken, [], best
+
+
+def ahead(families: list[list[int]], found: dict, now: list[int], work: list[float],
+          width: int) -> list[int]:
+    """The counts `width` ranks build ahead of round `now`: each of its families' next
+    count, all of a family's where they cost less than the rest of the round (they run
+    beside it rather than after it), more where ranks would be idle."""
+    total = sum(work[k] for k in now)
+    out, rests = [], []
+    for fam in (fam for fam in families if any(k in now for k in fam)):
+        rest = [k for k in fam if k not in found and k not in now]
+        if sum(work[k] for k in rest) <= total - sum(work[k] for k in fam if k in now):
+            out += rest
+        elif rest:
+            out.append(rest.pop(0))
+            rests.append(rest)
+    for rest in rests:
+        out += rest[:max(0, width - len(now) - len(out))]
+    return out
+
+
+def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool:
+    """Whether a pipeline family's next candidates (more micro-batches) cannot win: its
+    last (`last_two`: the last and the one before) was slower than the one before and
+    than `best`, the fastest that fits. The predicted time of a pipeline falls with its
+    bubble, (p - 1) / (m + p - 1), and rises with its per-node costs, which grow with m,
+    so once it rises it goes on rising, and planning only adds time."""
+    if best is None or len(last_two) < 2:
+        return False
+    last, before = (found[k] for k in last_two)
+    if isinstance(last, str) or isinstance(before, str):
+        return False
+    t = last.report.predicted_step_s
+    return t > before.report.predicted_step_s and t >= best.report.predicted_step_s
+
+
+def planning_order(considered: list[Choice]) -> list[Choice]:
+    """The candidates that do not fit, in the order they are planned: by their unplanned
+    predicted times, since planning adds recomputation and copies, never speed."""
+    return sorted((c for c in considered if not c.fits),
+                  key=lambda c: c.report.predicted_step_s)
+
+
+def work_of(spec: SplitSpec) -> float:
+    """About a candidate's time to build and predict, in a pipeline's micro-batches: a
+    pipeline costs about one each, a data or spatial part about 3.4 (with its micro-
+    batches, in a hybrid), a tensor split 1.4 times as much. Fitted to measurements of
+    resnet2504 and resnet164 candidates on four devices (docs/benchmarks.md)."""
+    if spec.data == spec.tensor == spec.spatial == 1:
+        return spec.microbatches
+    return 3.4 * spec.data * spec.spatial * spec.microbatches * (
+        1.4 if spec.tensor > 1 else 1.0)

@@ -52,16 +52,9 @@ def parse_size(text: str | int, what: str = "size") -> int:
     return int(round(value))
 
 
-def format_size(n: float) -> str:
-    """Binary prefixes, as `netdsl show` prints bytes: 1536 -> '1.50 KiB'."""
-    for prefix, scale in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {prefix}B"
-    return f"{int(n)} B"
-
-
-def format_decimal(n: float) -> str:
-    """Decimal prefixes, as budgets are usually written: 12e9 -> '12.00 GB'."""
+def format_bytes(n: float) -> str:
+    """Bytes as every command prints them: decimal prefixes, as --mem takes budgets
+    (12e9 -> '12.00 GB', 1536 -> '1.54 kB'); --json gives bytes."""
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {prefix}B"

@@ -3,7 +3,7 @@ commands print them."""
 import pytest
 
 from netdsl.errors import NetdslError
-from netdsl.sizes import SizeError, format_decimal, format_seconds, format_size, parse_size
+from netdsl.sizes import SizeError, format_bytes, format_seconds, parse_size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -33,9 +33,9 @@ def test_bad_sizes(text, fragment):
 
 
 def test_format():
-    assert format_size(1536) == "1.50 KiB"
-    assert format_decimal(12 * 10**9) == "12.00 GB"
-    assert format_decimal(12) == "12 B"
+    assert format_bytes(1536) == "1.54 kB"  # decimal, as --mem takes budgets
+    assert format_bytes(12 * 10**9) == "12.00 GB"
+    assert format_bytes(12) == "12 B"
 
 
 @pytest.mark.parametrize("s,text", [

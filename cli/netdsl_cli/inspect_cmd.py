@@ -100,7 +100,8 @@ def show(
 
 
 def _show_table(s, depth: int) -> Table:
-    from netdsl.ir.stats import fmt_bytes, fmt_count, fmt_si
+    from netdsl.ir.stats import fmt_count, fmt_si
+    from netdsl.sizes import format_bytes
 
     t = Table(title=Text(f"{s.network} (batch {s.batch}; FLOPs = 2 x MACs)"),
               show_edge=False, pad_edge=False)
@@ -111,15 +112,15 @@ def _show_table(s, depth: int) -> Table:
         style = "bold" if r.kind == "block" else ""
         t.add_row(Text("  " * r.level + r.label, style=style), Text(r.op),
                   Text(str(r.type) if r.type is not None else ""),
-                  Text(fmt_count(r.params)), Text(fmt_si(r.flops)), Text(fmt_bytes(r.out_bytes)))
+                  Text(fmt_count(r.params)), Text(fmt_si(r.flops)), Text(format_bytes(r.out_bytes)))
     t.add_section()
     total = f"total ({fmt_count(s.nodes)} ops, {fmt_count(s.convs)} convs)"
     t.add_row(Text(total, style="bold"),
               Text(""), Text(""), Text(fmt_count(s.params), style="bold"),
               Text(fmt_si(s.flops_forward), style="bold"),
-              Text(fmt_bytes(s.activation_bytes), style="bold"))
-    t.caption = Text(f"parameters {fmt_bytes(s.param_bytes)}, buffers {fmt_count(s.buffers)} "
-                     f"elements, largest workspace {fmt_bytes(s.workspace_peak)}")
+              Text(format_bytes(s.activation_bytes), style="bold"))
+    t.caption = Text(f"parameters {format_bytes(s.param_bytes)}, buffers {fmt_count(s.buffers)} "
+                     f"elements, largest workspace {format_bytes(s.workspace_peak)}")
     return t
 
 

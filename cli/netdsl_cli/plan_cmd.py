@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from netdsl.memory.report import plan_json
-from netdsl.sizes import format_seconds
+from netdsl.sizes import format_bytes, format_seconds
 from netdsl_cli.common import (
     FileArg,
     JsonOpt,
@@ -93,11 +93,10 @@ def plan(
             if exact:
                 _print_exact(res, extra["exact"])
         if not res.feasible:
-            from netdsl.sizes import format_decimal
             from netdsl.step.fit import fits_with
             sys.stderr.write(
-                f"netdsl: no plan fits {format_decimal(res.budget_bytes)}: the smallest "
-                f"budget that works is {format_decimal(res.min_feasible_bytes)} "
+                f"netdsl: no plan fits {format_bytes(res.budget_bytes)}: the smallest "
+                f"budget that works is {format_bytes(res.min_feasible_bytes)} "
                 f"({res.min_feasible_bytes} bytes); it is dominated by {res.dominant}"
                 f"{fits_with(fitting)}\n")
             raise typer.Exit(EXIT_INFEASIBLE)
@@ -125,7 +124,7 @@ def _print_exact(res, e: dict) -> None:
 def _print(res, batch: int, depth: int, microbatches: int, peak: int) -> None:
     from netdsl.ir.stats import fmt_si
     from netdsl.memory.report import decision_rows
-    from netdsl.sizes import format_decimal as fb
+    fb = format_bytes
 
     out = console()
     arena, bound = res.sim.arena()
@@ -191,6 +190,6 @@ def calibrate(
         out.print(Text(f"GEMM {p.flops_per_s / 1e9:.1f} GFLOP/s, memory "
                        f"{p.mem_bw / 1e9:.1f} GB/s, host copy {p.link_bw / 1e9:.1f} GB/s, "
                        f"{p.op_overhead_s * 1e6:.1f} us per node, "
-                       f"{p.capacity_bytes / 1e9:.1f} GB"))
+                       f"{format_bytes(p.capacity_bytes)}"))
         if output is not None:
             out.print(Text(f"profile: {output} (use it with --profile {output})"))

@@ -21,7 +21,7 @@ from rich.progress import (
 )
 
 from netdsl.options import RunOptions
-from netdsl.sizes import format_decimal, format_seconds
+from netdsl.sizes import format_bytes, format_seconds
 from netdsl_cli.common import (
     FileArg,
     JsonOpt,
@@ -86,16 +86,16 @@ class _Bar:
             d = plan["decisions"]
             per = plan.get("per_device")  # a split step: planned per device
             # in decimal units, as --mem budgets are written (21GB, not 19.6 GiB)
-            held = (f"at most {format_decimal(max(v['peak_bytes'] for v in per.values()))} "
+            held = (f"at most {format_bytes(max(v['peak_bytes'] for v in per.values()))} "
                     f"on each of {len(per)} devices" if per
-                    else format_decimal(info['planned_peak_bytes']))
+                    else format_bytes(info['planned_peak_bytes']))
             self.err.print(
                 f"memory plan ({plan['strategy']} on {plan['profile']}): "
-                f"{held} of the {format_decimal(info['budget_bytes'])} budget; "
+                f"{held} of the {format_bytes(info['budget_bytes'])} budget; "
                 f"{d.get('recompute', 0):,} values recomputed, {d.get('offload', 0):,} "
                 f"offloaded, predicted {100 * plan['predicted_overhead']:+.1f}% step time")
         else:
-            self.err.print(f"expected memory: about {format_decimal(info['planned_peak_bytes'])} "
+            self.err.print(f"expected memory: about {format_bytes(info['planned_peak_bytes'])} "
                            "(state + activations kept for backward)")
         if info["start_step"]:
             self.err.print(f"resuming at step {info['start_step']} of {info['total_steps']}")
@@ -185,7 +185,7 @@ def _run(file: Path, plot: Path | None, json_output: bool, **options) -> int | N
         line = (f"{result.network}: {result.steps} steps, final loss {result.final_loss:.4f}, "
                 f"{result.images_per_s:.1f} images/s "
                 f"(median step {format_seconds(result.step_time_s)}), "
-                f"peak memory {format_decimal(result.peak_bytes)}")
+                f"peak memory {format_bytes(result.peak_bytes)}")
         if result.test_accuracy is not None:
             line += f", test accuracy {result.test_accuracy:.4f}"
         out.print(line)

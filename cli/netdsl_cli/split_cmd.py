@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from netdsl.sizes import format_decimal, format_seconds
+from netdsl.sizes import format_bytes, format_seconds
 from netdsl_cli.common import (
     FileArg,
     JsonOpt,
@@ -106,27 +106,27 @@ def _print(res) -> None:
         t.add_column(col, justify="right")
     for d in rep.per_device:
         row = [str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
-               format_decimal(d.peak_bytes), str(d.sends), str(d.collectives),
-               format_decimal(d.comm_bytes)]
+               format_bytes(d.peak_bytes), str(d.sends), str(d.collectives),
+               format_bytes(d.comm_bytes)]
         if mem is not None:
             m = mem.get(d.device, {})
-            row += [f"{m.get('recompute', 0):,} ({format_decimal(m.get('recompute_bytes', 0))})",
-                    f"{m.get('offload', 0):,} ({format_decimal(m.get('offload_bytes', 0))})"]
+            row += [f"{m.get('recompute', 0):,} ({format_bytes(m.get('recompute_bytes', 0))})",
+                    f"{m.get('offload', 0):,} ({format_bytes(m.get('offload_bytes', 0))})"]
         t.add_row(*row)
     out.print(t)
     reserve = max(d.outside_plan_bytes for d in rep.per_device)
     if reserve:
-        out.print(f"each device's process also holds up to {format_decimal(reserve)} besides "
+        out.print(f"each device's process also holds up to {format_bytes(reserve)} besides "
                   "its peak memory (its inputs and interpreter objects), counted where the split "
                   "is fitted to memory")
     if best.memory is not None:
         p = best.memory
         out.print(f"memory plan ({p.strategy} on {p.profile.name}): every device within "
-                  f"{format_decimal(p.budget_bytes)}; {p.counts.get('recompute', 0):,} values "
+                  f"{format_bytes(p.budget_bytes)}; {p.counts.get('recompute', 0):,} values "
                   f"recomputed, {p.counts.get('offload', 0):,} offloaded "
-                  f"({format_decimal(p.offload_bytes)} to the hosts); unplanned the split "
+                  f"({format_bytes(p.offload_bytes)} to the hosts); unplanned the split "
                   "would need "
-                  f"{format_decimal(best.unplanned_peak_bytes + reserve)} and take "
+                  f"{format_bytes(best.unplanned_peak_bytes + reserve)} and take "
                   f"{format_seconds(best.unplanned_step_s)}")
     out.print(f"predicted step {format_seconds(rep.predicted_step_s)} on {rep.profile} over "
               f"{rep.interconnect} (one device: {format_seconds(rep.single_step_s)}), "
@@ -136,8 +136,8 @@ def _print(res) -> None:
     if rep.ideal_bubble is not None:
         out.print(f"pipeline bubble {rep.bubble:.1%} ({best.graph.meta['split']['schedule']}"
                   f"; GPipe's (p-1)/(m+p-1) = {rep.ideal_bubble:.1%})")
-    out.print(f"sent per step {format_decimal(rep.comm_bytes_total)} (ring lower bound "
-              f"{format_decimal(rep.comm_bytes_lower_bound)})")
+    out.print(f"sent per step {format_bytes(rep.comm_bytes_total)} (ring lower bound "
+              f"{format_bytes(rep.comm_bytes_lower_bound)})")
     if len(res.chosen.considered) > 1:
         alt = Table(title="considered")
         for col in ("split", "fits", "step", "speed-up", "bubble", "max peak"):
@@ -147,7 +147,7 @@ def _print(res) -> None:
             alt.add_row(c.spec.describe() + (" *" if c is best else ""),
                         fits, format_seconds(c.report.predicted_step_s),
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
-                        format_decimal(max(d.peak_bytes for d in c.report.per_device)))
+                        format_bytes(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
@@ -160,7 +160,7 @@ def _print(res) -> None:
         out.print(f"verify: {verdict} to the {g.reference} within {g.rtol:g} (loss "
                   f"{g.loss_rel:.2g}, gradients {g.grad_rel:.2g}, state {g.state_rel:.2g}; "
                   f"largest: {g.worst or '-'}); sent "
-                  f"{format_decimal(sum(g.comm_bytes.values()))} as counted by the "
+                  f"{format_bytes(sum(g.comm_bytes.values()))} as counted by the "
                   "communicator (float64)")
         if g.first_divergence:
             out.print(f"first difference: {g.first_divergence}")

@@ -342,10 +342,3 @@ def fmt_si(n: float, unit: str = "") -> str:
             return f"{n / scale:.2f} {prefix}{unit}"
     return f"{n:g} {unit}".rstrip()
 
-
-def fmt_bytes(n: int) -> str:
-    """Binary prefixes: 1536 -> '1.50 KiB'."""
-    for prefix, scale in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {prefix}B"
-    return f"{n} B"

@@ -74,7 +74,7 @@ from netdsl.memory.simulate import (
     prepare,
     simulate,
 )
-from netdsl.sizes import format_decimal, parse_size
+from netdsl.sizes import format_bytes, parse_size
 
 STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
 CHEAP_TYPES = ("norm", "activation", "pool", "elementwise", "shape", "dropout", "reduce")
@@ -535,7 +535,7 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     held = floor.per_device.get(floor.worst_device, {}).get("outside_plan_bytes")
     if held:  # (over MPI) what the device's process holds besides its plan
         floor.dominant += (f", and its process's inputs and interpreter objects "
-                           f"{format_decimal(held)}")
+                           f"{format_bytes(held)}")
     return None, floor
 
 
@@ -592,17 +592,17 @@ def infeasible_error(res: PlanResult, also: str = "") -> BudgetError:
     if res.worst_device is not None:
         row = res.per_device.get(res.worst_device, {})
         return BudgetError(
-            f"no memory plan fits {format_decimal(res.budget_bytes)} per device for "
+            f"no memory plan fits {format_bytes(res.budget_bytes)} per device for "
             f"`{res.network}` (strategy {res.strategy}, profile {res.profile.name}): device "
-            f"{res.worst_device} needs at least about {format_decimal(need)} ({need:,} "
+            f"{res.worst_device} needs at least about {format_bytes(need)} ({need:,} "
             f"bytes) even with {row.get(RECOMPUTE, 0):,} values recomputed and "
             f"{row.get(OFFLOAD, 0):,} offloaded, dominated by "
             f"{res.dominant or 'the persistent state'}; give --mem at least that, more "
             "devices, a smaller --batch, more --microbatches, or another split" + also)
     return BudgetError(
-        f"no memory plan fits {format_decimal(res.budget_bytes)} for `{res.network}` "
+        f"no memory plan fits {format_bytes(res.budget_bytes)} for `{res.network}` "
         f"(strategy {res.strategy}, profile {res.profile.name}): the smallest budget that "
-        f"works is about {format_decimal(need)} ({need:,} bytes), dominated by "
+        f"works is about {format_bytes(need)} ({need:,} bytes), dominated by "
         f"{res.dominant or 'the persistent state'}; give --mem at least that, a smaller "
         "--batch, more --microbatches (the gradients accumulated over parts of the batch), "
         "or another --strategy" + also)
@@ -722,8 +722,8 @@ def dominant(pl: Planner, sim: Sim) -> str:
         hosted = sum(prep.full_bytes[p] for p in streamed if prep.device[p] == d)
         state = prep.device_state.get(d, 0) - hosted
         ws = prep.device_workspace.get(d, 0)
-        return (f"on device {d}: persistent state {format_decimal(state)}, workspace "
-                f"{format_decimal(ws)}, live values {format_decimal(peaks[d] - state - ws)}")
+        return (f"on device {d}: persistent state {format_bytes(state)}, workspace "
+                f"{format_bytes(ws)}, live values {format_bytes(peaks[d] - state - ws)}")
     g = prep.g
     parts: Counter = Counter()
     for k, name in enumerate(prep.names):
@@ -740,12 +740,12 @@ def dominant(pl: Planner, sim: Sim) -> str:
     if hosted:
         parts["optimizer state"] -= hosted
     at = sim.entries[sim.peak_index][1] if sim.peak_index >= 0 else None
-    bits = [f"{k} {format_decimal(v)}" for k, v in parts.most_common() if v]
+    bits = [f"{k} {format_bytes(v)}" for k, v in parts.most_common() if v]
     if hosted:
-        bits.append(f"{format_decimal(hosted)} of optimizer state in the host pool")
-    text = (f"persistent state {format_decimal(sim.state_bytes)} ({', '.join(bits)}), "
-            f"workspace {format_decimal(prep.workspace)}, live values "
-            f"{format_decimal(live)}")
+        bits.append(f"{format_bytes(hosted)} of optimizer state in the host pool")
+    text = (f"persistent state {format_bytes(sim.state_bytes)} ({', '.join(bits)}), "
+            f"workspace {format_bytes(prep.workspace)}, live values "
+            f"{format_bytes(live)}")
     if at is not None:
         text += f" at %{prep.names[at]}"
     return text

@@ -44,7 +44,7 @@ from netdsl.parallel.candidates import (
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
 from netdsl.parallel.project import mark_over_mpi
 from netdsl.parallel.split import SplitSpec, split_step
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_bytes
 
 # `jobs` None: worker processes only where the forward nodes times the candidates reach
 # this, about where a worker saves as much as it costs to start (resnet20 on four
@@ -368,17 +368,17 @@ def _no_fit(considered: list[Choice], errors: list[str], devices: int,
     if worst.memory is not None:
         m = worst.memory
         return SplitError(
-            f"no split onto {devices} device(s) fits {format_decimal(cap)} per device, "
+            f"no split onto {devices} device(s) fits {format_bytes(cap)} per device, "
             f"even with memory planning: the best ({worst.spec.describe()}) needs at "
-            f"least {format_decimal(m.min_feasible_bytes)} ({m.min_feasible_bytes:,} "
+            f"least {format_bytes(m.min_feasible_bytes)} ({m.min_feasible_bytes:,} "
             f"bytes) on device {m.worst_device} "
             f"({m.dominant or 'its persistent state'}); use more devices, a smaller "
             "batch, or more memory")
     peak = max(worst.report.per_device, key=lambda d: d.peak_bytes + d.outside_plan_bytes)
     return SplitError(
-        f"no split onto {devices} device(s) fits {cap / 1e9:.3g} GB per device: the "
+        f"no split onto {devices} device(s) fits {format_bytes(cap)} per device: the "
         f"best ({worst.spec.describe()}) needs "
-        f"{(peak.peak_bytes + peak.outside_plan_bytes) / 1e9:.3g} GB on device "
+        f"{format_bytes(peak.peak_bytes + peak.outside_plan_bytes)} on device "
         f"{peak.device}; use more devices, a smaller batch, or more memory")
 
 

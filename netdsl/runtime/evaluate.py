@@ -21,7 +21,7 @@ from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Split, accuracy, batches, make_dataset
 from netdsl.runtime.executor import Executor
 from netdsl.runtime.run_state import RunState
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_bytes
 from netdsl.step import room
 from netdsl.step.graphs import eval_graph, eval_roles, loss_labels
 
@@ -205,9 +205,9 @@ class RunEvaluator:
             if free is not None and need > free:
                 part = "rank" if self.distributed else "device"
                 why = (f"evaluation skipped: it runs the whole model, joined from every "
-                       f"{part} of the split, which needs about {format_decimal(need)} "
+                       f"{part} of the split, which needs about {format_bytes(need)} "
                        f"(its parameters and the forward pass at batch {self.batch}), "
-                       f"but {format_decimal(free)} is free on its machine; use "
+                       f"but {format_bytes(free)} is free on its machine; use "
                        "--eval-samples 0 not to evaluate, or evaluate a checkpoint "
                        "afterwards with `netdsl eval`")
         if not self.distributed:

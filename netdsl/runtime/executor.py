@@ -42,7 +42,7 @@ from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, s
 from netdsl.runtime.comm import Communicator, InProcess
 from netdsl.runtime.replay import StepReplay, wanted
 from netdsl.runtime.state_parts import StateParts
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_bytes
 
 # output roles a training step computes that an evaluation (training=False) leaves out
 TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
@@ -399,8 +399,8 @@ class Executor:
         if held > self.budget_bytes:
             raise NetdslError(
                 f"out of the memory budget at {_where(n)}: device {dev} would hold "
-                f"{format_decimal(held)}, over the {format_decimal(self.budget_bytes)} budget "
-                f"(this value is {format_decimal(nbytes)}). Plan the step for this budget "
+                f"{format_bytes(held)}, over the {format_bytes(self.budget_bytes)} budget "
+                f"(this value is {format_bytes(nbytes)}). Plan the step for this budget "
                 "(`netdsl run --mem` or `netdsl plan --mem`), or give more memory or a "
                 "smaller batch",
                 loc=n.loc, stack=n.stack)

@@ -7,7 +7,7 @@ from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.memory.plan import make_plan, unplanned_bytes, value_bytes
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_bytes
 from netdsl.step import room
 from netdsl.step.graphs import accumulating_step, roles_of
 from netdsl.step.request import StepRequest
@@ -36,8 +36,8 @@ def budget_to_fit(step: Graph, req: StepRequest) -> tuple[str | None, tuple[int,
     mem = room.budget_within(free)
     where = room.where_kind(req.device_kind)
     return mem, (need, free), (
-        f"the step as written needs about {format_decimal(need)} and about "
-        f"{format_decimal(free)} is free on {where}: planned into --mem {mem} (activations "
+        f"the step as written needs about {format_bytes(need)} and about "
+        f"{format_bytes(free)} is free on {where}: planned into --mem {mem} (activations "
         "recomputed or offloaded, so a step takes longer; give --mem to choose the budget)")
 
 
@@ -49,10 +49,10 @@ def cannot_fit_even_planned(as_written: tuple[int, int], failed, batch: int, whe
     need, free = as_written
     return NetdslError(
         f"out of memory before the first step: a training step needs about "
-        f"{format_decimal(need)} as written (at batch {batch}), about "
-        f"{format_decimal(free)} is free on {where}, and no memory plan "
-        f"fits {format_decimal(failed.budget_bytes)} of it: the least a plan needs is about "
-        f"{format_decimal(failed.min_feasible_bytes)}, "
+        f"{format_bytes(need)} as written (at batch {batch}), about "
+        f"{format_bytes(free)} is free on {where}, and no memory plan "
+        f"fits {format_bytes(failed.budget_bytes)} of it: the least a plan needs is about "
+        f"{format_bytes(failed.min_feasible_bytes)}, "
         f"dominated by {failed.dominant or 'the persistent state'}; use a smaller batch "
         f"(e.g. --batch {max(batch // 2, 1)}: activations shrink with it)"
         f"{room.ACCUMULATE if batch > 1 else ''}, or a smaller network"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from netdsl.backends import host_memory
 from netdsl.errors import NetdslError
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_bytes
 
 # (one device's runs; the message's "activations shrink with it" goes before it)
 ACCUMULATE = (", more --microbatches (the batch in parts, one after the other, "
@@ -57,12 +57,12 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
     the logical devices of a split run in this one process)."""
     free = available_bytes(backend) if free is None else free
     at = where(backend)
-    have = (f"about {format_decimal(free)} is free on {at}" if free is not None
+    have = (f"about {format_bytes(free)} is free on {at}" if free is not None
             else f"{at} has less free")
     smaller = max(batch // 2, 1)
     if budget is not None:
         share = f"each {part}'s share of " if ranks > 1 else ""
-        fit = f"a --mem budget below {share}what is free (it was {format_decimal(budget)}), "
+        fit = f"a --mem budget below {share}what is free (it was {format_bytes(budget)}), "
     elif free is not None:
         each = f" for each {part}" if ranks > 1 else ""
         fit = (f"--mem {budget_within(free, ranks)} to plan the step into it{each} "
@@ -71,8 +71,8 @@ def out_of_memory(needed: int, backend, batch: int, when: str,
         fit = "--mem to plan the step into less memory, "
     sharing = (f"{ranks} ranks sharing {at}" if part == "rank" else
                f"{ranks} devices of the split, all in this process,")
-    who = (f"the {sharing} need about {format_decimal(needed)} together for a training step"
-           if ranks > 1 else f"a training step needs about {format_decimal(needed)}")
+    who = (f"the {sharing} need about {format_bytes(needed)} together for a training step"
+           if ranks > 1 else f"a training step needs about {format_bytes(needed)}")
     fewer = ((", fewer ranks on one machine" if part == "rank" else ", another --split")
              if ranks > 1 else ACCUMULATE if batch > 1 else "")
     return NetdslError(

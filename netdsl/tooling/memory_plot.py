@@ -7,7 +7,7 @@ from pathlib import Path
 
 from netdsl.memory.search import PlanResult
 from netdsl.memory.simulate import KINDS, simulate
-from netdsl.sizes import format_decimal
+from netdsl.sizes import format_bytes
 from netdsl.tooling.curves import _pyplot, save_figure
 
 
@@ -26,7 +26,7 @@ def plot_memory(res: PlanResult, path: str | Path) -> None:
         ax.stackplot(x, layers, labels=["state (params, buffers, optimizer)", "workspace",
                                         *KINDS], linewidth=0)
         ax.axhline(res.budget_bytes / gb, color="black", linestyle="--", label="budget")
-        ax.set_title(f"{res.network}: {title}, peak {format_decimal(sim.peak_bytes)}")
+        ax.set_title(f"{res.network}: {title}, peak {format_bytes(sim.peak_bytes)}")
         ax.set_xlabel("schedule step")
         ax.set_ylabel("device memory (GB)")
     axes[1].legend(loc="upper right", fontsize=8)

@@ -184,8 +184,10 @@ class SplitResult:
         best = self.chosen.best
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
                "spec": best.spec.describe(), "mpi": self.mpi, "warnings": self.warnings,
+               "exact": best.exact, "note": self.chosen.note,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
-                                 "fits": c.fits, "planned": c.memory is not None
+                                 "fits": c.fits, "exact": c.exact,
+                                 "planned": c.memory is not None
                                  and c.memory.feasible,
                                  "predicted_step_s": c.report.predicted_step_s,
                                  "predicted_speedup": c.report.predicted_speedup,

@@ -274,12 +274,12 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     `device` pass: a GPU's convolutions as columns and one batched GEMM)."""
     fusing = _fusing(fwd, spec, device)
     if fusing is not None:
-        fwd = run_pipeline(fwd, [("fuse", fusing)], recheck_shapes=False)
+        fwd = run_pipeline(fwd, [("fuse", fusing)], verify="structure")
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
     g = run_pipeline(g, ["autodiff", "sync_gradients", ("optimizer", {"kind": kind, **opt})],
-                     recheck_shapes=False)
+                     verify="structure")
     if spec.schedule not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
     g = order_micro_batches(defer_results(g), spec.schedule)

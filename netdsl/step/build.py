@@ -158,7 +158,7 @@ def build_step(forward: Graph, cfg: TrainConfig, req: StepRequest, *,
         step.split = SplitSpec(microbatches=micro, schedule=order).describe()
         step.microbatches = micro
     else:
-        step.graph = training_graph(step.graph, cfg, req.device_kind).verify()
+        step.graph = training_graph(step.graph, cfg, req.device_kind)  # (verified)
     if labels:  # the loss's own logits, for accuracy
         step.graph.outputs["logits"] = [labels[0]]
     _choose_budget(step)
@@ -231,7 +231,9 @@ def _choose_budget(step: Step) -> None:
         return
     if not req.runs:
         return
-    grouped = run_pipeline(step.graph, ["group_updates"], recheck_shapes=False)
+    # (its nodes were verified or typed by their shape rules: order and effects checked)
+    grouped = run_pipeline(step.graph, ["group_updates"], verify="structure")
+    grouped.verify(recheck_shapes=False)
     mem = None
     if not req.split_devices:
         mem, step.as_written, warning = budget_to_fit(grouped, req)

@@ -49,6 +49,7 @@ from netdsl.ir import registry
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.memory.checkpoint import (
+    chain_fits,
     chain_plan,
     cut_points,
     decisions_of,
@@ -672,11 +673,11 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
         # doubling, then bisection (the dynamic program is quick at small limits)
         lo = max(u.held + u.temp for u in us) - 1
         hi = lo + 1
-        while chain_plan(us, hi, grain) is None:
+        while not chain_fits(us, hi, grain):
             lo, hi = hi, 2 * hi
         while hi - lo > max(grain, hi // 256):
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
+            lo, hi = (lo, mid) if chain_fits(us, mid, grain) else (mid, hi)
         # references from the floor to three times its limit (or keeping everything)
         top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
         groups[d] = (us, grain, fixed, hi, top)

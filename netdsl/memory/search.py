@@ -57,7 +57,6 @@ from netdsl.memory.checkpoint import (
     model_peak,
     units,
 )
-from netdsl.memory.cost import Costs
 from netdsl.memory.devices import per_device, shortest_prefixes
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
@@ -132,9 +131,10 @@ class PlanResult:
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
                  overrides: dict[str, str] | None, offload_state: bool = False,
-                 roles: tuple[str, ...] = ROLES, reserves: dict[int, int] | None = None):
-        self.prep = prepare(g, roles, float_dtype=float_dtype)
-        self.costs = Costs(self.prep, profile, float_dtype)
+                 roles: tuple[str, ...] = ROLES, reserves: dict[int, int] | None = None,
+                 prep: Prepared | None = None):
+        self.prep = prep or prepare(g, roles, float_dtype=float_dtype)
+        self.costs = self.prep.costs(profile, float_dtype)
         self.profile = profile
         self.prefetch = prefetch
         self.ops = registry.load_all()
@@ -348,11 +348,13 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
                 progress=None, offload_state: bool = False,
                 roles: tuple[str, ...] = ROLES,
-                reserves: dict[int, int] | None = None) -> PlanResult:
+                reserves: dict[int, int] | None = None,
+                prep: Prepared | None = None) -> PlanResult:
     """Plan bound training-step graph `g` into `budget_bytes` (module doc); a split step
     into `budget_bytes` per device, each device's plan into the budget less its
     `reserves` entry (what its process holds besides its plan: `plan_and_apply`).
-    `roles`: the outputs the step computes.
+    `roles`: the outputs the step computes; `prep`: `prepare(g, roles, float_dtype)`,
+    where the caller has it (searches of one step share it).
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
@@ -368,16 +370,17 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
                                  or prefetch < 1):
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
+    prep = prep or prepare(g, roles, float_dtype=float_dtype)
     if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
         res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
-                          DEFAULT_PREFETCH, progress, offload_state, roles, reserves)
+                          DEFAULT_PREFETCH, progress, offload_state, roles, reserves, prep)
         if not res.feasible:
             res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
-                              progress, offload_state, roles, reserves)
+                              progress, offload_state, roles, reserves, prep)
         res.plan_s = time.perf_counter() - t0
         return res
     pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state, roles,
-                 reserves)
+                 reserves, prep)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options = _options(pl, strategy, budget, pl.peak(base_sim) <= budget, tick)
@@ -433,7 +436,8 @@ def _result(pl: Planner, strategy: str, budget: int,
     min_peak = min(o[1] for o in options)
     named = {prep.names[p]: d for p, d in sorted(dec.items())}
     counts = Counter(dec.values())
-    state_off = [p for p in dec if p in set(prep.opt_state)]
+    opt_state = set(prep.opt_state)
+    state_off = [p for p in dec if p in opt_state]
     counts[OFFLOAD] -= len(state_off)
     counts[KEEP] = len(pl.cand) - sum(1 for p in dec if p in pl.cand_set)
     by_type = _by_layer_type(pl, dec)
@@ -503,10 +507,13 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     else:
         outside = unplanned_bytes(step, float_dtype) if profile.unified else 0
 
+    prep = prepare(step, roles, float_dtype=float_dtype)  # (every search's)
+
     def search(target: int) -> PlanResult:
         res = plan_memory(step, max(target, 1), profile, strategy, float_dtype,
                           prefetch=prefetch, progress=progress,
-                          offload_state=offload_state, roles=roles, reserves=reserves)
+                          offload_state=offload_state, roles=roles, reserves=reserves,
+                          prep=prep)
         return _judged(res, budget, outside, reserves)
 
     target = budget if split else budget - outside

@@ -58,6 +58,7 @@ from netdsl.memory.checkpoint import (
     units,
 )
 from netdsl.memory.devices import per_device, shortest_prefixes
+from netdsl.memory.plan import MemoryPlan
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
     BWD,
@@ -115,6 +116,8 @@ class PlanResult:
     state_offloaded: int = 0  # optimizer-state buffers kept in the host pool
     state_buffers: int = 0  # optimizer-state buffers in all
     verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
+    # ... that storage plan itself, of a step on one device (the run follows it)
+    storage: MemoryPlan | None = field(default=None, repr=False)
     # what a run holds besides the plan, within the budget (plan.unplanned_bytes)
     outside_plan_bytes: int = 0
     verify_s: float | None = None
@@ -582,7 +585,7 @@ def _check(step: Graph, res: PlanResult, roles: tuple[str, ...], float_dtype: st
         res.outside_plan_bytes = max(own.values(), default=0)
         peak = max(peaks.values())
     else:
-        mp = make_plan(g, roles, float_dtype, pack_arena=arena)
+        mp = res.storage = make_plan(g, roles, float_dtype, pack_arena=arena)
         if res.profile.unified:
             res.outside_plan_bytes = unplanned_bytes(g, float_dtype)
         peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + res.outside_plan_bytes

@@ -443,7 +443,7 @@ def _plan(g: Graph, cap: int, single_step: float, profile: Profile, link: Interc
     without its search state, the planned step's report), or (None, the plan, None)."""
     from netdsl.parallel.memplan import plan_split
     planned, res = plan_split(g, cap, profile, float_dtype, strategy)
-    res = replace(res, prep=None, sim=None, baseline_sim=None)  # (sent between ranks)
+    res = replace(res, prep=None, sim=None, baseline_sim=None, storage=None)  # (sent)
     if planned is None:
         return None, res, None
     return planned, res, report(planned, single_step, profile, link, float_dtype)[0]

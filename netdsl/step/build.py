@@ -255,6 +255,7 @@ def _plan(step: Step, progress) -> None:
         prefetch=req.prefetch, progress=progress, verify=req.verify_plan)
     if planned is not None:
         step.graph = planned
+        step._storage = step.memory_plan.storage  # (the check's, made for this run)
 
 
 def microbatches_to_fit(step: Step, phase=None) -> int | None:

@@ -122,7 +122,7 @@ def build(net: Network, options=None, *, runs: bool = False, mem_default: bool =
     from netdsl.step.build import build_step
     from netdsl.step.request import request_for, resolve_config
     opts = options or StepOptions()
-    warnings = conflicts(opts)
+    warnings = conflicts(opts, budgeted=mem_default)
     cfg = resolve_config(net.train, opts)
     backend = backend_for(opts) if opts.backend != "numpy" else None
     req = request_for(opts, cfg, backend, runs=runs, mem_default=mem_default, **overrides)

@@ -129,19 +129,21 @@ class RunOptions(StepOptions):
     check_numerics: bool = option(False, "stop at the first NaN/Inf, naming the node")
 
 
-# (option, when it means something, why it does not otherwise): a warning names the option
+# (option, when it means something given the others and whether the step is planned into a
+# budget anyway, why it does not otherwise): a warning names the option
 _IDLE = (
-    ("device", lambda o: o.backend == "cupy" or o.device in (None, 0),
+    ("device", lambda o, budgeted: o.backend == "cupy" or o.device in (None, 0),
      "has no effect with the NumPy backend (it picks a GPU for --backend cupy)"),
-    ("split", lambda o: o.split is None or o.devices > 1 or o.distributed,
+    ("split", lambda o, budgeted: o.split is None or o.devices > 1 or o.distributed,
      "has no effect on one device (give --devices N)"),
-    ("jobs", lambda o: o.jobs is None or o.devices > 1 or o.distributed,
+    ("jobs", lambda o, budgeted: o.jobs is None or o.devices > 1 or o.distributed,
      "has no effect on one device (it builds the candidate splits of --devices N)"),
-    ("bn", lambda o: o.bn == "sync" or o.devices > 1 or o.distributed
+    ("bn", lambda o, budgeted: o.bn == "sync" or o.devices > 1 or o.distributed
      or (o.microbatches or 1) > 1,
      "has no effect without --devices, --distributed or --microbatches (nothing splits the "
      "batch)"),
-    ("offload_state", lambda o: not o.offload_state or o.mem is not None,
+    ("offload_state", lambda o, budgeted: not o.offload_state or o.mem is not None
+     or budgeted,
      "has no effect without --mem (the plan of a budget may offload the optimizer state)"),
 )
 
@@ -151,9 +153,10 @@ def _value(opts: StepOptions, name: str) -> str:
     return cli_name(name) if isinstance(v, bool) else f"{cli_name(name)} {v}"
 
 
-def conflicts(opts: StepOptions) -> list[str]:
+def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
     """Check `opts` together: raise NetdslError for a combination that cannot mean what was
-    asked, return a warning for each option that does nothing with the others."""
+    asked, return a warning for each option that does nothing with the others.
+    `budgeted`: the step is planned into a budget even without --mem (`plan`)."""
     _choice(opts.backend, BACKENDS, "--backend")
     _choice(opts.dtype, DTYPES, "--dtype")
     _choice(opts.bn, BN_MODES, "--bn")
@@ -163,7 +166,8 @@ def conflicts(opts: StepOptions) -> list[str]:
                           "activations")
     if isinstance(opts, RunOptions):
         _run_conflicts(opts)
-    return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE if not used(opts)]
+    return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE
+            if not used(opts, budgeted)]
 
 
 def _run_conflicts(opts: RunOptions) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netdsl.config import TrainConfig
+from netdsl.config import DATA_PATHS, TrainConfig
 from netdsl.frontend import ModuleEnv, elaborate, load_module, train_config
 from netdsl.ir.graph import Graph
 
@@ -74,13 +74,20 @@ def _network(env: ModuleEnv, network: str | None) -> Network:
 
 
 def _paths_relative_to(file: str, train: TrainConfig | None) -> TrainConfig | None:
-    """A data path in the file (`npz(path="data.npz")`) means next to that file, as an
-    import does, not in whatever folder netdsl runs from."""
-    if train is None or train.data.kind != "npz" or Path(train.data.path).is_absolute() \
-            or file.startswith("<"):
+    """A data path in the file (`npz(path="data.npz")`, `images("train/")`) means next to
+    that file, as an import does, not in whatever folder netdsl runs from."""
+    if train is None or file.startswith("<"):
         return train
-    path = str(Path(file).resolve().parent / train.data.path)
-    return train.model_copy(update={"data": train.data.model_copy(update={"path": path})})
+    here = Path(file).resolve().parent
+    update = {}
+    for part in ("data", "val"):
+        data = getattr(train, part)
+        fields = DATA_PATHS.get(data.kind, ()) if data is not None else ()
+        moved = {k: str(here / getattr(data, k)) for k in fields
+                 if getattr(data, k) is not None and not Path(getattr(data, k)).is_absolute()}
+        if moved:
+            update[part] = data.model_copy(update=moved)
+    return train.model_copy(update=update) if update else train
 
 
 def train(net: Network, options=None, callback=None):

@@ -98,6 +98,21 @@ def train(net: Network, options=None, callback=None):
     return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()
 
 
+def describe_data(net: Network, batch: int | None = None, workers: int | None = None,
+                  batches: int = 8, bad_images: str = "stop", png: str | Path | None = None,
+                  progress=None):
+    """What `net`'s training data is and how fast this machine loads `batches` batches of
+    it (`netdsl data`): a `netdsl.runtime.data.inspect.DataReport`; `png`: a few samples
+    as a picture there. Raises NetdslError for data that cannot be read."""
+    from netdsl.options import RunOptions, conflicts
+    from netdsl.runtime.data.inspect import describe
+    from netdsl.step.request import resolve_config
+    opts = RunOptions(batch=batch, workers=workers, bad_images=bad_images)
+    conflicts(opts)
+    return describe(net.graph, resolve_config(net.train, opts), workers, batches, bad_images,
+                    None if png is None else str(png), progress)
+
+
 def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
              split: str = "test", samples: int | None = None, backend: str = "numpy",
              device: int | None = None, dtype: str = "f32", progress=None):

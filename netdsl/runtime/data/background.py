@@ -51,9 +51,12 @@ class BackgroundLoader(Loader):
                  timeout: float | None = None):
         super().__init__(split, batch, seed)
         self.workers, self.prefetch = workers, prefetch
+        # the batches are asked for ahead by a cursor of their own: (epoch, pos) are those
+        # of the batches handed out, what a checkpoint must restore
+        self._cursor = Loader(split, batch, seed)
         self.timeout = timeout or float(os.environ.get("NETDSL_DATA_TIMEOUT",
                                                        DEFAULT_TIMEOUT_S))
-        self._ahead: deque = deque()  # batches asked for: (job, slot, epoch, positions)
+        self._ahead: deque = deque()  # batches asked for: (job, slot, state after, positions)
         self._done: dict[int, int] = {}  # job -> workers that have answered
         self._jobs_of: dict[int, set] = {}  # worker -> jobs it holds
         self._next_job = 0
@@ -106,6 +109,7 @@ class BackgroundLoader(Loader):
         if self._ahead:
             raise NetdslError("internal: the loader was restored after it started")
         super().restore(state)
+        self._cursor.restore(state)
 
     def only(self, wanted: list[bool] | None, rows: tuple[int, int] | None) -> None:
         if self._procs:
@@ -116,7 +120,7 @@ class BackgroundLoader(Loader):
     def _ask(self) -> None:
         """Send the next batch in order to the workers, its rows shared out among them."""
         slot = self._free.pop()
-        epoch, pos = self.advance()
+        epoch, pos = self._cursor.advance()
         job, self._next_job = self._next_job, self._next_job + 1
         lo, hi = self.rows or (0, self.batch)
         cuts = np.linspace(lo, hi, self.workers + 1).astype(int)
@@ -124,7 +128,7 @@ class BackgroundLoader(Loader):
         for w in range(self.workers):
             self._jobs_of[w].add(job)
             self._queues[w].put((job, slot, epoch, pos, int(cuts[w]), int(cuts[w + 1])))
-        self._ahead.append((job, slot, epoch, pos))
+        self._ahead.append((job, slot, self._cursor.state(), pos))
 
     def next(self, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
         t0 = time.perf_counter()
@@ -135,8 +139,9 @@ class BackgroundLoader(Loader):
             self._in_use = None
         while len(self._ahead) < self.prefetch + 1 and self._free:
             self._ask()
-        job, slot, epoch, pos = self._ahead.popleft()
+        job, slot, after, pos = self._ahead.popleft()
         self._wait_for(job, pos)
+        self.epoch, self.pos = after["epoch"], after["pos"]
         self._in_use = slot
         self.wait_s = time.perf_counter() - t0
         return [a if wanted is None or wanted[k] else None

@@ -113,6 +113,14 @@ def describe_data(net: Network, batch: int | None = None, workers: int | None = 
                     None if png is None else str(png), progress)
 
 
+def save_images(net: Network, folder: str | Path, progress=None) -> int:
+    """Write `net`'s data (training then held-out samples) as an image folder that
+    `images(folder)` reads (`netdsl data --save-images`); returns the count."""
+    from netdsl.runtime.data.inspect import save_images as save
+    from netdsl.step.request import resolve_config
+    return save(net.graph, resolve_config(net.train, None), str(folder), progress)
+
+
 def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
              split: str = "test", samples: int | None = None, backend: str = "numpy",
              device: int | None = None, dtype: str = "f32", progress=None):

@@ -209,7 +209,7 @@ def write_shards(root, count=2, per=5, seed=0):
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-    return "part-{00..%02d}.tar" % (count - 1)
+    return "part-{00.." + f"{count - 1:02d}" + "}.tar"
 
 
 def test_shards_stream_through_a_shuffle_buffer_each_record_once(tmp_path):

@@ -31,6 +31,9 @@ def data(
         "--batches", min=1, help="batches loaded to measure images/s")] = 8,
     png: Annotated[Path | None, typer.Option(
         "--png", help="write the first batch's first 16 samples to this PNG, 4 a row")] = None,
+    save_images: Annotated[Path | None, typer.Option(
+        "--save-images", help="write every sample as DIR/LABEL/N.png instead (an image "
+        "folder for images(DIR))")] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """The training data: counts, classes, a batch's shapes, samples as a PNG, images/s."""
@@ -38,6 +41,17 @@ def data(
     with guard(json_output):
         from netdsl.api import describe_data
         net = load_network(file)
+        if save_images is not None:
+            from netdsl.api import save_images as save
+            try:
+                n = save(net, save_images, progress=bar)
+            finally:
+                bar.close()
+            if json_output:
+                print_json({"saved": n, "folder": str(save_images)})
+            else:
+                console().print(f"wrote {n:,} images to {save_images}")
+            return
         try:
             r = describe_data(net, batch, workers, batches, bad_images, png, progress=bar)
         finally:

@@ -85,3 +85,38 @@ def grid(x: np.ndarray, pipeline, path: str, count: int = 16) -> None:
         tile = np.clip(x[k].transpose(1, 2, 0) * 255 + 0.5, 0, 255).astype(np.uint8)
         canvas[r * (h + 2) + 1:r * (h + 2) + 1 + h, q * (w + 2) + 1:q * (w + 2) + 1 + w] = tile
     pillow().fromarray(canvas[..., 0] if c == 1 else canvas).save(path)
+
+
+def save_images(forward: Graph, cfg: TrainConfig, folder: str, progress=None) -> int:
+    """Write the training and held-out samples of the data as an image folder (`folder/
+    LABEL/NNNNN.png`, 8-bit, values in [0, 1] scaled by 255): what `images(folder)` reads.
+    Returns the count written; a folder that holds anything already is refused."""
+    from pathlib import Path
+
+    from netdsl.errors import NetdslError
+    from netdsl.runtime.data import batches
+    from netdsl.runtime.data.sources import pillow
+    Image = pillow()
+    out = Path(folder)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NetdslError(f"--save-images {folder} is not an empty folder; give a new one")
+    data = load_dataset(forward, cfg)
+    if len(data.input_names) < 2:
+        raise NetdslError(f"network `{forward.name}` takes no labels: an image folder needs "
+                          "one class a sample")
+    parts = [data.train] + ([data.test] if data.test is not None else [])
+    total, done = sum(len(p) for p in parts), 0
+    for part in parts:
+        for x, y in (b[:2] for b in batches(part, 256)):
+            if x.ndim != 4 or x.shape[1] not in (1, 3) or y.ndim != 1:
+                raise NetdslError(f"the data of `{forward.name}` is not images with one "
+                                  f"class each (samples shaped {list(x.shape[1:])})")
+            pixels = np.clip(np.asarray(x, np.float64) * 255 + 0.5, 0, 255).astype(np.uint8)
+            for img, label in zip(pixels, y):
+                (out / str(int(label))).mkdir(parents=True, exist_ok=True)
+                Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0)).save(
+                    out / str(int(label)) / f"{done:05d}.png")
+                done += 1
+            if progress is not None:
+                progress(done, total)
+    return done

@@ -130,7 +130,8 @@ class RunOptions(StepOptions):
     check_numerics: bool = option(False, "stop at the first NaN/Inf, naming the node")
     workers: int | None = option(
         None, "processes that read and augment images(), arrays() and shards() data in the "
-        "background (0: in this process; default: one a core, at most 8)", min=0)
+        "background (0: in this process; default: one with --backend numpy, whose step takes "
+        "every core, else one a core, at most 8)", min=0)
     bad_images: str = option(
         "stop", "a sample that cannot be read (a corrupt image): stop (the run stops, naming "
         "it, its checkpoint saved) or skip (replaced by the next sample, counted and named)")

@@ -58,7 +58,8 @@ class Trainer:
         self.cfg = resolve_config(cfg, opts)
         self.data = load_dataset(forward, self.cfg, opts.bad_images)
         self.batch = self.cfg.batch
-        self.loader = open_loader(self.data.train, self.batch, self.cfg.seed, opts.workers)
+        self.loader = open_loader(self.data.train, self.batch, self.cfg.seed, opts.workers,
+                                  cpu_step=opts.backend == "numpy")
         self.total = (self.cfg.steps if self.cfg.steps is not None else
                       (self.cfg.epochs or 1) * self.loader.batches_per_epoch)
         backend = backend_for(opts)

@@ -15,11 +15,15 @@ from netdsl.runtime.data.samples import SampleSplit
 CLASSES_FILE = "classes.json"
 
 
-def open_loader(split, batch: int, seed: int, workers: int | None, ranks_here: int = 1):
+def open_loader(split, batch: int, seed: int, workers: int | None, ranks_here: int = 1,
+                cpu_step: bool = False):
     """The training split's loader: `workers` processes in the background for a split read
-    from disk (None: `default_workers`; 0: in this process), else the plain loader."""
+    from disk (None: `default_workers`, or one where the step itself runs on the CPU's
+    cores; 0: in this process), else the plain loader."""
     if isinstance(split, SampleSplit):
-        k = default_workers(ranks_here) if workers is None else workers
+        if workers is None:
+            workers = 1 if cpu_step else default_workers(ranks_here)
+        k = workers
         if k > 0:
             return BackgroundLoader(split, batch, seed, k)
     return Loader(split, batch, seed)

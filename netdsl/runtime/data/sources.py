@@ -57,13 +57,15 @@ def pillow():
     return Image
 
 
-def decode(Image, opened, where: str, mode: str):
-    """Decode an opened image fully (a truncated file fails here, not later), in `mode`
-    ("RGB" or "L")."""
+def decode(Image, source, where: str, mode: str):
+    """Open and decode an image (a path or a file of bytes) fully, so that a truncated
+    file fails here, not later, in `mode` ("RGB" or "L")."""
     try:
-        with opened as im:
+        with Image.open(source) as im:
             im.load()
             return im.convert(mode) if im.mode != mode else im.copy()
+    except FileNotFoundError:
+        raise BadSample(where, "the file is gone") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         why = str(e) or type(e).__name__
         raise BadSample(where, f"not a readable image ({why})") from None
@@ -123,15 +125,7 @@ class ImageFolder(Source):
         return f"{self.root / self.files[i]} (sample {i})"
 
     def read(self, i: int):
-        Image = pillow()
-        path = self.root / self.files[i]
-        try:
-            opened = Image.open(path)
-        except FileNotFoundError:
-            raise BadSample(self.where(i), "the file is gone") from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise BadSample(self.where(i), f"not a readable image ({e})") from None
-        return decode(Image, opened, self.where(i), self.mode)
+        return decode(pillow(), self.root / self.files[i], self.where(i), self.mode)
 
 
 class ArrayFiles(Source):
@@ -256,11 +250,7 @@ class TarShards(Source):
         if len(data) != self.size[i]:
             raise BadSample(self.where(i), "the shard is shorter than when it was indexed")
         import io
-        try:
-            opened = Image.open(io.BytesIO(data))
-        except (OSError, SyntaxError, ValueError) as e:
-            raise BadSample(self.where(i), f"not a readable image ({e})") from None
-        return decode(Image, opened, self.where(i), self.mode)
+        return decode(Image, io.BytesIO(data), self.where(i), self.mode)
 
     def stream_order(self, seed: int, epoch: int, buffer: int) -> np.ndarray:
         """An epoch's order: the shards in an order drawn from (seed, epoch), their

@@ -271,7 +271,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
         from netdsl.runtime.data import Loader, make_dataset
         from netdsl.runtime.gate import verify_split
         cfg, b = step.cfg, step.request.batch
-        data = make_dataset(net.graph, cfg.data, seed)
+        data = make_dataset(net.graph, cfg.data, seed, cfg)
         feeds = dict(zip(data.input_names, Loader(data.train, b, seed).next(), strict=True))
         result.gate = verify_split(net.graph, b, chosen.best.spec, cfg.optimizer.model_dump(),
                                    feeds, split=chosen.best.graph, seed=seed)

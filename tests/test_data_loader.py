@@ -180,3 +180,62 @@ def test_netdsl_data_reports_counts_classes_shapes_speed_and_a_png(folder_net, t
     r = CliRunner().invoke(app, ["data", folder_net.file, "--workers", "0", "--batches", "1"])
     assert r.exit_code == 0 and "classes: 3 (ant, bee, cat)" in r.output
     assert "in this process" in r.output
+
+
+class FakeGpu:
+    """A stand-in for the CuPy backend's two calls the loader makes: `pin_host` and
+    `upload` (host arrays play the device's)."""
+
+    name, xp = "cupy", np
+
+    def __init__(self):
+        self.pinned, self.unpinned, self.uploads = [], [], []
+
+    def pin_host(self, array):
+        self.pinned.append(array.ctypes.data)
+        return lambda: self.unpinned.append(array.ctypes.data)
+
+    def upload(self, host, out):
+        out[...] = host
+        self.uploads.append(out)
+
+
+def test_on_a_gpu_the_next_batch_is_sent_while_the_step_runs(folder_net):
+    """After the step is queued (`send_ahead`), the next batch is copied from its
+    page-locked slot into one of two device buffers used in turn; `next` then gives its
+    host arrays (labels for the accuracy) and `device_batch`, what the step is fed."""
+    data = load_dataset(folder_net.graph, folder_net.train)
+    plain = Loader(data.train, 4, 5)
+    bg = BackgroundLoader(data.train, 4, 5, workers=2)
+    gpu = FakeGpu()
+    try:
+        first = bg.next()
+        assert bg.device_batch is None  # (nothing was sent before the first step)
+        assert all(np.array_equal(a, b) for a, b in zip(first, plain.next()))
+        buffers = []
+        for step in range(5):
+            bg.send_ahead(gpu)
+            assert len(gpu.uploads) == 2 * (step + 1)  # x and y, before `next` is called
+            host = bg.next()
+            want = plain.next()
+            assert all(np.array_equal(d, w) for d, w in zip(bg.device_batch, want))
+            assert all(np.array_equal(h, w) for h, w in zip(host, want))
+            assert not np.shares_memory(bg.device_batch[0], host[0])
+            buffers.append(id(bg.device_batch[0]))
+        assert len(set(buffers)) == 2 and buffers[0] != buffers[1]  # two sets, in turn
+        assert len(gpu.pinned) == bg.prefetch + 1  # every slot, once
+    finally:
+        bg.close()
+    assert sorted(gpu.unpinned) == sorted(gpu.pinned)
+
+
+def test_a_rank_that_reads_no_samples_starts_no_workers(folder_net):
+    data = load_dataset(folder_net.graph, folder_net.train)
+    bg = BackgroundLoader(data.train, 4, 5, workers=2)
+    bg.only([False, True], (0, 4))  # (a pipeline's last stage: the labels only)
+    try:
+        x, y = bg.next()
+        bg.send_ahead(FakeGpu())
+    finally:
+        bg.close()
+    assert x is None and y.shape == (4,) and not bg._procs and bg.device_batch is None

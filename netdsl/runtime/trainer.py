@@ -252,12 +252,13 @@ class Trainer:
         and checkpoint when they are due."""
         arrays = self.loader.next(self._fed)
         lr = lr_at(self.cfg.schedule, self.cfg.optimizer.lr, self.step, self.total)
-        feeds = self.feeds(arrays)
+        feeds = self.feeds(self.loader.device_batch or arrays)
         feeds["lr"] = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)  # (the run's dtype)
         be = self.executor.backend
         t0 = time.perf_counter()
         try:
             out = self.executor.run(feeds, training=True, roles=self.ROLES, step=self.step)
+            self.loader.send_ahead(be)  # (on a GPU: the next batch's copy, during this step)
         except NonFinite as e:
             raise non_finite_error(self.executor, self.train_graph,
                                    self.forward.outputs.get("loss", []), e, feeds, lr,

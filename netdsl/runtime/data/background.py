@@ -64,6 +64,9 @@ class BackgroundLoader(Loader):
         self._procs: list = []
         self._blocks: list = []
         self._finalizer = None
+        self._unpin: list = []  # (a GPU run) the slots' page locks, undone at close
+        self._device: list = [None, None]  # two sets of device buffers, used in turn
+        self._sent: tuple | None = None  # (job, device arrays) of the batch on its way
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -101,9 +104,34 @@ class BackgroundLoader(Loader):
                                            self._blocks)
 
     def close(self) -> None:
+        for unpin in self._unpin:
+            unpin()
+        self._unpin = []
         if self._finalizer is not None:
             self._views = []
             self._finalizer()
+
+    def send_ahead(self, backend) -> None:
+        """On a GPU, once the step is queued: wait for the next batch and start its copy
+        from the (page-locked) slot to the device, so that it runs while the step does.
+        The device buffers are two sets used in turn: the step that read a set has
+        finished (the trainer read its loss) before the set is written again."""
+        if backend.name == "numpy" or not self._procs or not self._reads_samples():
+            return
+        if not self._unpin:
+            self._unpin = [backend.pin_host(np.frombuffer(b.buf, np.uint8))
+                           for b in self._blocks]
+        self._top_up()
+        job, slot, _, pos = self._ahead[0]
+        self._wait_for(job, pos)
+        k = job % 2
+        if self._device[k] is None:
+            self._device[k] = [None if a is None else backend.xp.empty(a.shape, a.dtype)
+                               for a in self._views[slot]]
+        for host, dev in zip(self._views[slot], self._device[k]):
+            if host is not None:
+                backend.upload(host, dev)
+        self._sent = (job, self._device[k])
 
     def restore(self, state: dict) -> None:
         if self._ahead:
@@ -130,26 +158,43 @@ class BackgroundLoader(Loader):
             self._queues[w].put((job, slot, epoch, pos, int(cuts[w]), int(cuts[w + 1])))
         self._ahead.append((job, slot, self._cursor.state(), pos))
 
+    def _reads_samples(self) -> bool:
+        """Whether this process reads any sample (not only labels) of a batch: an MPI rank
+        whose part of the step reads no input loads nothing in the background."""
+        lo, hi = self.rows or (0, self.batch)
+        return hi > lo and any(not s.labels and (self.wanted is None or self.wanted[k])
+                               for k, s in enumerate(self.split.specs))
+
     def next(self, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
+        if not self._reads_samples():
+            return Loader.next(self, wanted)
         t0 = time.perf_counter()
         if not self._procs:
             self._start()
         if self._in_use is not None:  # (the step that read it has finished)
             self._free.append(self._in_use)
             self._in_use = None
-        while len(self._ahead) < self.prefetch + 1 and self._free:
-            self._ask()
+        self._top_up()
         job, slot, after, pos = self._ahead.popleft()
         self._wait_for(job, pos)
         self.epoch, self.pos = after["epoch"], after["pos"]
         self._in_use = slot
+        sent = self._sent if self._sent is not None and self._sent[0] == job else None
+        self.device_batch = None if sent is None else [
+            a if wanted is None or wanted[k] else None for k, a in enumerate(sent[1])]
         self.wait_s = time.perf_counter() - t0
         return [a if wanted is None or wanted[k] else None
                 for k, a in enumerate(self._views[slot])]
 
+    def _top_up(self) -> None:
+        while len(self._ahead) < self.prefetch + 1 and self._free:
+            self._ask()
+
     def _wait_for(self, job: int, pos: np.ndarray) -> None:
-        """Until every worker has made its rows of `job`: a worker's error, its death or
-        the timeout stop the run, naming the samples."""
+        """Until every worker has made its rows of `job` (at once if they have): a
+        worker's error, its death or the timeout stop the run, naming the samples."""
+        if job not in self._done:
+            return
         start = time.monotonic()
         while self._done[job] < self.workers:
             try:

@@ -25,6 +25,9 @@ class Loader:
         self.rows: tuple[int, int] | None = None
         self.wait_s = 0.0  # how long the last `next` took to give its batch
         self.skipped: dict[int, str] = {}  # samples replaced (--bad-images skip): why
+        # the last batch's arrays already on the device (a GPU run's background loader),
+        # else None: the host arrays `next` gave are fed
+        self.device_batch: list | None = None
 
     def only(self, wanted: list[bool] | None, rows: tuple[int, int] | None) -> None:
         """Read only the inputs `wanted` and the rows [lo, hi) of the samples (an MPI
@@ -56,6 +59,7 @@ class Loader:
 
     def next(self, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
         t0 = time.perf_counter()
+        wanted = self.wanted if wanted is None else wanted
         epoch, idx = self.advance()
         out = self.split.take(idx, wanted, epoch=epoch, rows=self.rows)
         self.skipped.update(getattr(self.split, "skipped", {}))
@@ -68,6 +72,9 @@ class Loader:
     def restore(self, state: dict) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._perm = self._permutation()
+
+    def send_ahead(self, backend) -> None:
+        """(A background loader starts the next batch's copy to a GPU here.)"""
 
     def close(self) -> None:
         """(Nothing runs in the background here; see `background.BackgroundLoader`.)"""

@@ -2,7 +2,7 @@
 its reference in the same run:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_data.py \
-        [decode] [keeps-up] [big] [digits] [--dir /tmp/netdsl-bench-data]
+        [decode] [keeps-up] [big] [digits] [shards] [--dir /tmp/netdsl-bench-data]
 
 decode    images/s through random_resized_crop(224) + flip + normalize on a folder of
           ImageNet-like JPEGs (500x375, quality 90), with 1 and 2 workers, against
@@ -15,6 +15,8 @@ big       an arrays() source of 4 GB trains; the process's anonymous memory (Rss
           step's planned peak
 digits    the digits as a PNG image folder against digits(): test accuracy of
           examples/digits-cnn.net
+shards    tar shards of those JPEGs read and decoded through a shuffle buffer in one
+          process, against the webdataset package (when installed; not a dependency)
 """
 from __future__ import annotations
 
@@ -261,6 +263,61 @@ def digits(args) -> dict:
     return out
 
 
+def _shards(folder: Path, out: Path, per: int) -> str:
+    """The JPEG folder as WebDataset shards of `per` records (KEY.jpg + KEY.cls)."""
+    import io
+    import tarfile
+    files = sorted(folder.glob("*/*.jpg"))
+    count = -(-len(files) // per)
+    if not (out / ".done").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        for s in range(count):
+            with tarfile.open(out / f"part-{s:04d}.tar", "w") as tar:
+                for f in files[s * per:(s + 1) * per]:
+                    for name, data in ((f"{f.stem}.jpg", f.read_bytes()),
+                                       (f"{f.stem}.cls", f.parent.name[1:].encode())):
+                        info = tarfile.TarInfo(name)
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        (out / ".done").write_text("")
+    return str(out / ("part-{0000.." + f"{count - 1:04d}" + "}.tar"))
+
+
+def shards(args) -> dict:
+    """Reading and decoding tar shards in one process, through a shuffle buffer of 1,000:
+    netdsl's reader (headers indexed, records by offset) against the webdataset package's
+    stream, where it is installed (it is no dependency of netdsl)."""
+    from netdsl.runtime.data.sources import TarShards
+    folder = _images(Path(args.dir) / "jpeg", args.jpegs, (500, 375), 10, "jpg")
+    pattern = _shards(folder, Path(args.dir) / "shards", 500)
+    out = {}
+    for rnd in range(args.rounds):
+        start = time.perf_counter()
+        src = TarShards(pattern)
+        order = src.stream_order(rnd, 0, 1000)
+        index_s = time.perf_counter() - start
+        for i in order:
+            src.read(int(i))
+        mine = len(order) / (time.perf_counter() - start)
+        try:
+            import webdataset as wds
+        except ImportError:
+            theirs = None
+        else:
+            from netdsl.runtime.data.sources import expand
+            start = time.perf_counter()
+            ds = wds.WebDataset(expand(pattern), shardshuffle=False, empty_check=False)
+            n = sum(1 for s in ds.shuffle(1000).decode("pil") if s["jpg"].convert("RGB"))
+            theirs = n / (time.perf_counter() - start)
+        out["netdsl"] = max(out.get("netdsl", 0.0), mine)
+        out["index_s"] = min(out.get("index_s", 1e9), index_s)
+        if theirs is not None:
+            out["webdataset"] = max(out.get("webdataset", 0.0), theirs)
+        print(f"round {rnd}: netdsl {mine:.0f} records/s (index {index_s:.2f} s), "
+              f"webdataset {theirs and round(theirs)} records/s", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("parts", nargs="*", default=["decode", "keeps-up", "big", "digits"])
@@ -276,7 +333,8 @@ def main() -> int:
         print("warning: OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE are set; run under "
               "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE", file=sys.stderr)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    parts = {"decode": decode, "keeps-up": keeps_up, "big": big, "digits": digits}
+    parts = {"decode": decode, "keeps-up": keeps_up, "big": big, "digits": digits,
+             "shards": shards}
     for p in args.parts:
         result = parts[p](args)
         print(json.dumps({p: result}, indent=1), flush=True)

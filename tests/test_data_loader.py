@@ -239,3 +239,39 @@ def test_a_rank_that_reads_no_samples_starts_no_workers(folder_net):
     finally:
         bg.close()
     assert x is None and y.shape == (4,) and not bg._procs and bg.device_batch is None
+
+
+def test_workers_end_when_their_main_process_is_killed(folder_net, tmp_path):
+    """A main process killed outright (nothing tells its workers to stop) leaves no
+    worker behind: each sees its parent gone within a second or two and ends."""
+    import subprocess
+    import sys
+    script = tmp_path / "orphan.py"
+    script.write_text(f"""
+import os, sys
+import netdsl
+from netdsl.runtime.data import load_dataset
+from netdsl.runtime.data.background import BackgroundLoader
+net = netdsl.load({str(folder_net.file)!r})
+data = load_dataset(net.graph, net.train)
+bg = BackgroundLoader(data.train, 4, 5, workers=2)
+bg.next()
+print(" ".join(str(p.pid) for p in bg._procs), flush=True)
+os._exit(0)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2, out.stderr
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        status = open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
+        return status != "Z"
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)

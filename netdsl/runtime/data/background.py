@@ -84,7 +84,7 @@ class BackgroundLoader(Loader):
         # a worker runs NumPy and Pillow only, never the threads the step uses
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self._results = ctx.Queue()
-        self._queues = [ctx.SimpleQueue() for _ in range(self.workers)]
+        self._queues = [ctx.Queue() for _ in range(self.workers)]
         names = [b.name for b in self._blocks]
         # the workers start with SIGINT ignored from their first instruction: a Ctrl-C
         # while they start is the main process's alone
@@ -92,7 +92,8 @@ class BackgroundLoader(Loader):
         try:
             for w in range(self.workers):
                 p = ctx.Process(target=work, args=(w, self.split, names, self.layout,
-                                                   self._queues[w], self._results),
+                                                   self._queues[w], self._results,
+                                                   os.getpid()),
                                 daemon=True, name=f"netdsl-data-{w}")
                 p.start()
                 self._procs.append(p)

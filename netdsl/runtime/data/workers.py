@@ -9,6 +9,8 @@ failure as a message, never as a traceback.
 """
 from __future__ import annotations
 
+import os
+import queue
 import signal
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -65,15 +67,22 @@ def attach(name: str) -> shared_memory.SharedMemory:
             resource_tracker.register = register
 
 
-def work(wid: int, split, slots: list[str], layout: Layout, jobs, results) -> None:
+def work(wid: int, split, slots: list[str], layout: Layout, jobs, results,
+         parent: int) -> None:
     """A worker's life: take (job, slot, epoch, positions, lo, hi) jobs until None, fill
-    rows [lo, hi) of that slot, and answer (job, worker, skipped or an error message)."""
+    rows [lo, hi) of that slot, and answer (job, worker, skipped or an error message).
+    A worker whose main process is gone (killed: nothing told it to stop) ends itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the main process stops the run)
     blocks = [attach(n) for n in slots]
     views = [layout.arrays(b.buf) for b in blocks]
     try:
         while True:
-            job = jobs.get()
+            try:
+                job = jobs.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return
+                continue
             if job is None:
                 return
             jid, slot, epoch, pos, lo, hi = job
@@ -88,4 +97,7 @@ def work(wid: int, split, slots: list[str], layout: Layout, jobs, results) -> No
     finally:
         del views
         for b in blocks:
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # (a view still held: the process ends all the same)
+                pass

@@ -178,7 +178,8 @@ def keeps_up(args) -> dict:
                               "  train_transforms = [random_crop(32, padding=4), flip()] }\n")
     rows: dict[str, list] = {}
     for _ in range(args.rounds):
-        for name, workers in (("memory", "0"), ("images", "1"), ("images", "2")):
+        for name, workers in [("memory", "0")] + [("images", k)
+                                                  for k in args.workers.split(",")]:
             r = _run(nets[name], "--steps", str(args.steps), "--workers", workers)
             wall = r["step_time_s"] + r["data_wait_s"]
             rows.setdefault(f"{name}, workers {workers}", []).append(
@@ -326,6 +327,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--workers", default="1,2", help="keeps-up: the --workers to run")
     ap.add_argument("--gb", type=float, default=4.0)
     ap.add_argument("--big-steps", type=int, default=200)
     args = ap.parse_args()

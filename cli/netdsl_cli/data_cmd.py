@@ -61,8 +61,8 @@ def data(
             return
         out = console()
         test = f", {r.test_samples:,} held out" if r.test_samples else ""
-        out.print(f"{r.network}: data {r.data} {r.name}: {r.train_samples:,} training "
-                  f"samples{test}")
+        name = f"{r.data} {r.name}" if r.name != r.data else r.data
+        out.print(f"{r.network}: data {name}: {r.train_samples:,} training samples{test}")
         if r.classes:
             shown = ", ".join(r.classes[:10]) + (", ..." if len(r.classes) > 10 else "")
             out.print(f"classes: {len(r.classes):,} ({shown})")

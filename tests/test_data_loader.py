@@ -182,6 +182,27 @@ def test_netdsl_data_reports_counts_classes_shapes_speed_and_a_png(folder_net, t
     assert "in this process" in r.output
 
 
+def test_netdsl_data_saves_a_data_set_as_the_image_folder_images_reads(tmp_path):
+    """--save-images writes every sample (training, then held out) as LABEL/N.png; the
+    folder read back with images() gives the same pixels (8-bit) and labels."""
+    from netdsl_cli.app import app
+    rng = np.random.default_rng(0)
+    x = (rng.integers(0, 256, (10, 3, 16, 16)) / 255).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=np.arange(10) % 3)
+    npz_net = load(tmp_path, 'npz(path="d.npz")', train="", eval="")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["data", npz_net.file, "--save-images", str(out)])
+    assert r.exit_code == 0 and "wrote 10 images" in r.output, r.output
+    back = load(tmp_path, 'images("out")', train="", eval="")
+    data = load_dataset(back.graph, back.train)
+    assert data.classes == ["0", "1", "2"]
+    got = {int(np.round(a.sum() * 255)): int(c) for a, c in zip(*data.train.take(np.arange(10)))}
+    want = {int(np.round(a.sum() * 255)): int(c) for a, c in zip(x, np.arange(10) % 3)}
+    assert got == want
+    r = CliRunner().invoke(app, ["data", npz_net.file, "--save-images", str(out)])
+    assert r.exit_code == 1 and "is not an empty folder" in r.output
+
+
 class FakeGpu:
     """A stand-in for the CuPy backend's two calls the loader makes: `pin_host` and
     `upload` (host arrays play the device's)."""

@@ -219,7 +219,9 @@ class Trainer:
                     try:
                         self._train_step(run, log)
                     except DataError as e:  # (between steps: what was trained is kept)
-                        if not (self.opts.checkpoint and self.step > (self.resumed_from or 0)):
+                        # (over MPI a save needs every rank, and only this one stopped)
+                        if not (self.opts.checkpoint and self.step > (self.resumed_from or 0)
+                                and not self.opts.distributed):
                             raise
                         self.save()
                         raise DataError(f"{e.message}; the checkpoint in {self.opts.checkpoint}"

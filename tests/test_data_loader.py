@@ -211,10 +211,16 @@ class FakeGpu:
 
     def __init__(self):
         self.pinned, self.unpinned, self.uploads = [], [], []
+        self.synced_before_unpin = None
 
     def pin_host(self, array):
         self.pinned.append(array.ctypes.data)
-        return lambda: self.unpinned.append(array.ctypes.data)
+        ptr = array.ctypes.data
+        return lambda: self.unpinned.append(ptr)
+
+    def synchronize(self):
+        if self.synced_before_unpin is None:
+            self.synced_before_unpin = not self.unpinned
 
     def upload(self, host, out):
         out[...] = host
@@ -247,7 +253,7 @@ def test_on_a_gpu_the_next_batch_is_sent_while_the_step_runs(folder_net):
         assert len(gpu.pinned) == bg.prefetch + 1  # every slot, once
     finally:
         bg.close()
-    assert sorted(gpu.unpinned) == sorted(gpu.pinned)
+    assert sorted(gpu.unpinned) == sorted(gpu.pinned) and gpu.synced_before_unpin
 
 
 def test_a_rank_that_reads_no_samples_starts_no_workers(folder_net):
@@ -296,3 +302,21 @@ os._exit(0)
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+def test_a_failure_found_while_sending_ahead_is_said_by_the_next_batch(folder_net):
+    """send_ahead runs after a step is queued: a worker's death found there is raised by
+    the following `next`, so that the trainer counts (and saves) the step queued."""
+    data = load_dataset(folder_net.graph, folder_net.train)
+    fill = data.train.fill
+    data.train.fill = lambda *a: time.sleep(0.5) or fill(*a)  # (each batch takes 0.5 s)
+    bg = BackgroundLoader(data.train, 4, 5, workers=1)
+    gpu = FakeGpu()
+    try:
+        bg.next()
+        bg._procs[0].kill()  # (the next batch not yet made)
+        bg.send_ahead(gpu)  # no error here
+        with pytest.raises(NetdslError, match="data worker 0 .* was killed by SIGKILL"):
+            bg.next()
+    finally:
+        bg.close()

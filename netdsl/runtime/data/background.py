@@ -67,6 +67,8 @@ class BackgroundLoader(Loader):
         self._unpin: list = []  # (a GPU run) the slots' page locks, undone at close
         self._device: list = [None, None]  # two sets of device buffers, used in turn
         self._sent: tuple | None = None  # (job, device arrays) of the batch on its way
+        self._backend = None  # (the GPU's, once a batch is sent to it)
+        self._failed: DataError | None = None  # a failure found while sending, said next
 
     # -- start and stop ----------------------------------------------------------------
     def _start(self) -> None:
@@ -105,6 +107,8 @@ class BackgroundLoader(Loader):
                                            self._blocks)
 
     def close(self) -> None:
+        if self._unpin:  # (a copy still in flight reads the slot it unlocks)
+            self._backend.synchronize()
         for unpin in self._unpin:
             unpin()
         self._unpin = []
@@ -120,11 +124,16 @@ class BackgroundLoader(Loader):
         if backend.name == "numpy" or not self._procs or not self._reads_samples():
             return
         if not self._unpin:
+            self._backend = backend
             self._unpin = [backend.pin_host(np.frombuffer(b.buf, np.uint8))
                            for b in self._blocks]
         self._top_up()
         job, slot, _, pos = self._ahead[0]
-        self._wait_for(job, pos)
+        try:
+            self._wait_for(job, pos)
+        except DataError as e:  # (said by `next`: the step queued now is still counted)
+            self._failed = e
+            return
         k = job % 2
         if self._device[k] is None:
             self._device[k] = [None if a is None else backend.xp.empty(a.shape, a.dtype)
@@ -167,6 +176,8 @@ class BackgroundLoader(Loader):
                                for k, s in enumerate(self.split.specs))
 
     def next(self, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
+        if self._failed is not None:
+            raise self._failed
         if not self._reads_samples():
             return Loader.next(self, wanted)
         t0 = time.perf_counter()
@@ -277,8 +288,8 @@ def _shut(procs, queues, blocks) -> None:
     for b in blocks:
         try:
             b.close()
-        except BufferError:  # (an array still viewing it: unlinked all the same)
-            pass
+        except BufferError:  # an array still views it: mapped while it lives, unlinked now
+            b.close = lambda: None  # (and its __del__ says nothing of it)
         try:
             b.unlink()
         except FileNotFoundError:

@@ -22,6 +22,7 @@ SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 SCHEDULES = ("gpipe", "1f1b")
 BN_MODES = ("sync", "local")
 INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
+BAD_IMAGES = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,13 @@ class RunOptions(StepOptions):
         None, "held-out samples per evaluation (0: none; default: all of real data, one "
         "batch of synthetic data)", min=0)
     check_numerics: bool = option(False, "stop at the first NaN/Inf, naming the node")
+    workers: int | None = option(
+        None, "processes that read and augment images(), arrays() and shards() data in the "
+        "background (0: in this process; default: one with --backend numpy, whose step takes "
+        "every core, else one a core, at most 8)", min=0)
+    bad_images: str = option(
+        "stop", "a sample that cannot be read (a corrupt image): stop (the run stops, naming "
+        "it, its checkpoint saved) or skip (replaced by the next sample, counted and named)")
 
 
 # (option, when it means something given the others and whether the step is planned into a
@@ -182,6 +190,7 @@ def _run_conflicts(opts: RunOptions) -> None:
     if opts.overwrite and opts.resume:
         raise NetdslError("give --resume (go on from the checkpoint) or --overwrite (start "
                           "over and replace it), not both")
+    _choice(opts.bad_images, BAD_IMAGES, "--bad-images")
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")

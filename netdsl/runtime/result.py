@@ -36,6 +36,8 @@ class RunResult:
     test_accuracy: float | None = None
     test_loss: float | None = None
     train_accuracy: float | None = None
+    data_wait_s: float = 0.0  # the mean time a step waited for its batch
+    skipped_samples: int = 0  # samples that could not be read, replaced (--bad-images skip)
     resumed_from: int | None = None
     # the signal that stopped the run after its step ("SIGINT", "SIGTERM"; see runtime.stop)
     interrupted: str | None = None

@@ -164,3 +164,37 @@ def test_simulator_is_the_reference_on_a_split_step(spec):
     for k in range(3):
         dec = {} if k == 0 else random_decisions(prep, rng, state=k == 2)
         same_simulation(simulate(prep, dec, 3), reference_simulate(prep, dec, 3))
+
+
+# -- the choice of a split: candidates not built ---------------------------------------------
+def _choice_figures(chosen):
+    best = chosen.best
+    return (best.spec, best.report.to_json(), best.fits,
+            None if best.memory is None else best.memory.decisions)
+
+
+@pytest.mark.parametrize("name,batch,profile,mem", [
+    ("digits-cnn", 32, "cpu", None), ("digits-cnn", 32, "k40-12gb", 1_300_000),
+    pytest.param("resnet20-cifar", 8, "k40-12gb", None, marks=pytest.mark.slow)])
+def test_auto_without_outclassed_candidates_chooses_as_with_them(monkeypatch, name, batch,
+                                                                profile, mem):
+    """Where an exact split fits, auto builds no inexact one (candidates.outclassed): its
+    choice and the chosen step's figures are those of building every candidate the rounds
+    reach (with `mem`, planning those that do not fit), and what it left out is inexact
+    and listed as skipped."""
+    from netdsl.memory.profiles import get_profile
+    from netdsl.parallel import candidates as cand
+    from netdsl.parallel.choose import choose
+    from netdsl.parallel.predict import get_interconnect
+    net = load(f"{name}.net")
+    kw = dict(batch=batch, strategy="auto", devices=4, mem=mem, plan=mem is not None,
+              optimizer=(net.train or TrainConfig()).optimizer.model_dump(),
+              profile=get_profile(profile), link=get_interconnect("shm"), jobs=1)
+    fast = choose(net.graph, **kw)
+    monkeypatch.setattr(cand, "outclassed", lambda *a: False)
+    whole = choose(net.graph, **kw)
+    assert _choice_figures(fast) == _choice_figures(whole)
+    assert fast.best.exact
+    left_out = {c.spec for c in whole.considered} - {c.spec for c in fast.considered}
+    assert left_out and left_out <= set(fast.skipped)
+    assert not any(c.exact for c in whole.considered if c.spec in left_out)

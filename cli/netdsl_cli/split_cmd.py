@@ -153,8 +153,9 @@ def _print(res) -> None:
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
     if res.chosen.skipped:
-        out.print("not built (more micro-batches of a pipeline already slower than a split "
-                  "that fits): " + "; ".join(s.describe() for s in res.chosen.skipped))
+        out.print("not built (more micro-batches of a pipeline, already slower than a split "
+                  "that fits or changing the numbers where an exact split fits): "
+                  + "; ".join(s.describe() for s in res.chosen.skipped))
     g = res.gate
     if g is not None:
         verdict = "equal" if g.ok else "DIFFERENT"

@@ -84,7 +84,8 @@ class Chosen:
     single: Graph
     considered: list[Choice] = field(default_factory=list)
     # candidates not built: more micro-batches of a pipeline already slower than a split
-    # that fits (`candidates.past_its_best`)
+    # that fits (`candidates.past_its_best`), or inexact where an exact split fits
+    # (`candidates.outclassed`)
     skipped: list[SplitSpec] = field(default_factory=list)
     # candidates that cannot be made, each "spec: why" (with a layer pinned by @device(k),
     # every scheme but a pipeline)
@@ -290,6 +291,15 @@ class _Run:
         return Choice(spec, g, rep, _fits(rep, self.cap), exact=same,
                       ranks_exact=same or not r.prefer_exact)
 
+    def ranked_inexact(self) -> frozenset[int]:
+        """The places of the candidates that rank with the inexact splits (`evaluate`'s
+        `ranks_exact`, known before they are built)."""
+        r = self.request
+        if not r.prefer_exact:
+            return frozenset()
+        stats = has_batch_statistics(r.fwd)
+        return frozenset(k for k, spec in enumerate(self.specs) if not exact(spec, stats))
+
     def keep_if_best(self, c: Choice) -> None:
         """Make `c` the best if it fits and is faster; only the best keeps its graph."""
         if c.fits and beats(c, self.best):
@@ -311,15 +321,16 @@ class _Run:
         figures by the candidates' places)."""
         work = [work_of(spec) for spec in self.specs]
         fams = families(self.specs)
+        inexact = self.ranked_inexact()
         found: dict[int, Choice | str] = {}
         while True:
-            taken, now, self.best = rounds(fams, found)
+            taken, now, self.best = rounds(fams, found, inexact)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
                 return taken, found
             if self.width > 1:
-                now += ahead(fams, found, now, work, self.width)
+                now += ahead(fams, found, now, work, self.width, inexact)
             found.update(self._round(now, work, len(found)))
 
     def _round(self, now: list[int], work: list[float], done: int) -> dict[int, Choice | str]:

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from netdsl.ir import registry
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.ops.comm import COMM_OPS
 from netdsl.memory import schedule_arrays as sa
@@ -285,6 +286,7 @@ class Sim:
     device_peaks: dict[int, int] = field(default_factory=dict)
     device_unified_peaks: dict[int, int] = field(default_factory=dict)
 
+    @gc_paused()  # (a list per schedule entry: netdsl.ir.bulk)
     def arena(self) -> tuple[int, int]:
         """(arena bytes, lower bound): the values packed by lifetime into one block by
         netdsl.memory.arena (first fit), against the most value bytes alive at once."""

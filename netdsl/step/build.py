@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import NetdslError
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.ir.serialize import fingerprint
 from netdsl.memory.plan import MemoryPlan, device_peaks, make_plan
@@ -135,6 +136,7 @@ class Step:
         return infeasible_error(self.memory_plan, fits_with(fitting))
 
 
+@gc_paused()  # (builds, plans and drops whole steps: netdsl.ir.bulk)
 def build_step(forward: Graph, cfg: TrainConfig, req: StepRequest, *,
                world: World | None = None, phase: Callable[[str], None] | None = None,
                progress: Callable[[float], None] | None = None) -> Step:

@@ -178,18 +178,20 @@ def _choice_figures(chosen):
     pytest.param("resnet20-cifar", 8, "k40-12gb", None, marks=pytest.mark.slow)])
 def test_auto_without_outclassed_candidates_chooses_as_with_them(monkeypatch, name, batch,
                                                                 profile, mem):
-    """Where an exact split fits, auto builds no inexact one (candidates.outclassed): its
+    """Where an exact split fits, auto builds no big inexact one (candidates.outclassed): its
     choice and the chosen step's figures are those of building every candidate the rounds
     reach (with `mem`, planning those that do not fit), and what it left out is inexact
     and listed as skipped."""
     from netdsl.memory.profiles import get_profile
     from netdsl.parallel import candidates as cand
+    from netdsl.parallel import choose as choose_mod
     from netdsl.parallel.choose import choose
     from netdsl.parallel.predict import get_interconnect
     net = load(f"{name}.net")
     kw = dict(batch=batch, strategy="auto", devices=4, mem=mem, plan=mem is not None,
               optimizer=(net.train or TrainConfig()).optimizer.model_dump(),
               profile=get_profile(profile), link=get_interconnect("shm"), jobs=1)
+    monkeypatch.setattr(choose_mod, "OUTCLASSED_MIN_WORK", 0)  # (small networks too)
     fast = choose(net.graph, **kw)
     monkeypatch.setattr(cand, "outclassed", lambda *a: False)
     whole = choose(net.graph, **kw)

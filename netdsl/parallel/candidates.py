@@ -25,7 +25,8 @@ statistics); one that normalises batchnorm over micro-batches, or over each devi
 rows alone, computes other numbers. Where `prefer_exact` (auto, with neither
 --microbatches nor --bn local asked for), every exact candidate that fits ranks before
 every inexact one (`rank`), so an inexact split is chosen only where no exact one fits,
-planned or not.
+planned or not. Once one fits, the rounds build no big inexact candidate (`outclassed`:
+none could win, whatever its time; `choose.OUTCLASSED_MIN_WORK`) and list it as skipped.
 
 The functions read the candidates' figures (`choose.Choice`, or a string saying why one
 cannot be made) by their place in the list of specs; building and predicting them is
@@ -200,7 +201,8 @@ def beats(c: Choice, best: Choice | None) -> bool:
 
 def outclassed(k: int, inexact: frozenset[int], best: Choice | None) -> bool:
     """Whether candidate `k` cannot win before it is built: it ranks with the inexact
-    splits (`inexact`: their places) and `best`, which fits, with the exact ones."""
+    splits (`inexact`: the places of those left out so) and `best`, which fits, with the
+    exact ones."""
     return k in inexact and best is not None and best.ranks_exact
 
 

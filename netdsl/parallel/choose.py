@@ -56,6 +56,10 @@ from netdsl.sizes import format_bytes
 # holds (`_process_bytes`)
 FANOUT_MIN_WORK = 1000
 MAX_AUTO_JOBS = 8
+# An inexact candidate that cannot win (an exact split fits: `candidates.outclassed`) is
+# still built, for the table of what auto considered, where it makes fewer forward node
+# copies than this (resnet164's pipeline of four micro-batches makes about 5,500)
+OUTCLASSED_MIN_WORK = 10_000
 # What a process that builds candidates holds at most (resident): the interpreter, and
 # about 5 kB a forward node for each copy of the network in the largest candidate (a
 # pipeline's micro-batches, data or spatial parts, tensor shards). Fitted to measurements
@@ -272,8 +276,10 @@ class _Run:
 
     def build(self, spec: SplitSpec) -> Graph:
         r = self.request
+        # the shape rules are checked on the chosen step alone (`fetch_chosen`): a
+        # candidate's verify checks its structure, its metadata and its effects
         g = split_step(r.fwd, r.batch, spec, r.optimizer, r.gather, profile=r.profile,
-                       device=self.device)
+                       device=self.device, recheck_shapes=False)
         g.outputs.update(r.outputs or {})
         return mark_over_mpi(g) if r.over_mpi else g
 
@@ -293,12 +299,15 @@ class _Run:
 
     def ranked_inexact(self) -> frozenset[int]:
         """The places of the candidates that rank with the inexact splits (`evaluate`'s
-        `ranks_exact`, known before they are built)."""
+        `ranks_exact`, known before they are built) and that `rounds` leaves out once an
+        exact split fits: those that make OUTCLASSED_MIN_WORK forward node copies or
+        more (smaller ones are built for the table of what was considered)."""
         r = self.request
         if not r.prefer_exact:
             return frozenset()
-        stats = has_batch_statistics(r.fwd)
-        return frozenset(k for k, spec in enumerate(self.specs) if not exact(spec, stats))
+        stats, n = has_batch_statistics(r.fwd), len(r.fwd.nodes)
+        return frozenset(k for k, spec in enumerate(self.specs)
+                         if not exact(spec, stats) and n * _copies(spec) >= OUTCLASSED_MIN_WORK)
 
     def keep_if_best(self, c: Choice) -> None:
         """Make `c` the best if it fits and is faster; only the best keeps its graph."""
@@ -386,6 +395,8 @@ class _Run:
         if best.graph is None and (share is None or share.needs_step):
             g = self.local.get(best.spec)
             best.graph = g if g is not None else _rebuild(self.build(best.spec), best.memory)
+        if best.graph is not None:  # (every shape rule once, on the step chosen)
+            best.graph.verify()
 
 
 def _no_fit(considered: list[Choice], errors: list[str], devices: int,

@@ -266,12 +266,15 @@ def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
 
 def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                gather: tuple[str, ...] = (), stage_of: dict[str, int] | None = None,
-               profile: Profile | None = None, device: str = "cpu") -> Graph:
+               profile: Profile | None = None, device: str = "cpu",
+               recheck_shapes: bool = True) -> Graph:
     """The split training step: split forward, autodiff, gradient all-reduce, optimizer,
     then the structural check. `profile` prices nodes for balancing pipeline stages.
     Data and pipeline splits fuse as the single-device step on `device` ("cpu" or
     "gpu") does (`_fusing`), and every split's kernels take that device's variants (the
-    `device` pass: a GPU's convolutions as columns and one batched GEMM)."""
+    `device` pass: a GPU's convolutions as columns and one batched GEMM).
+    `recheck_shapes` False: the final verify leaves out the shape rules (a candidate of
+    `choose`, which verifies wholly the one it chooses)."""
     fusing = _fusing(fwd, spec, device)
     if fusing is not None:
         fwd = run_pipeline(fwd, [("fuse", fusing)], verify="structure")
@@ -292,7 +295,7 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
         g = for_device(g, device)
     # one verify for the reorderings, fusions and marks, every shape rule once (the shape
     # rules are most of a verify's time on a large step)
-    g = g.verify()
+    g = g.verify(recheck_shapes=recheck_shapes)
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g

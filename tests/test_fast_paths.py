@@ -200,3 +200,36 @@ def test_auto_without_outclassed_candidates_chooses_as_with_them(monkeypatch, na
     left_out = {c.spec for c in whole.considered} - {c.spec for c in fast.considered}
     assert left_out and left_out <= set(fast.skipped)
     assert not any(c.exact for c in whole.considered if c.spec in left_out)
+
+
+# -- rewrites that index the graph once -------------------------------------------------------
+def test_joining_attention_gradients_indexes_the_step_a_few_times(monkeypatch):
+    """fuse_grads joins each micro-batch's attention backward nodes into one
+    attention_qkv_grad; the rebuilt step keeps its name index as nodes are added, rather
+    than indexing the whole step again for every node it makes (which grew with layers
+    times micro-batches, squared)."""
+    from netdsl.ir.graph import Graph
+    from netdsl.parallel import split as split_mod
+    net = load("gpt-tiny.net")
+    rebuilt, fusing = [0], [False]
+    idx = Graph._idx
+
+    def counted(g):
+        rebuilt[0] += fusing[0] and g._index is None
+        return idx(g)
+
+    def fuse_grads(g, **kw):
+        fusing[0] = True
+        try:
+            return real(g, **kw)
+        finally:
+            fusing[0] = False
+
+    real = split_mod.fuse_grads
+    monkeypatch.setattr(Graph, "_idx", counted)
+    monkeypatch.setattr(split_mod, "fuse_grads", fuse_grads)
+    g = split_step(net.graph, 16, SplitSpec(pipeline=2, microbatches=8),
+                   net.train.optimizer.model_dump())
+    joined = g.by_op("attention_qkv_grad")
+    assert len(joined) == 2 * 8  # (two layers, eight micro-batches)
+    assert 0 < rebuilt[0] < 8

@@ -6,8 +6,9 @@ batch 16 on the k40-12gb profile with at most 30% predicted overhead.
         [--mem 12GB] [--batch 16] [--profile k40-12gb] [--max-overhead 0.30] [--prefetch N]
 
 With `--timing`, how the compile path's cost grows with depth instead (issue 45): each
-command in a fresh process, as a user runs it, timed whole, with the largest resident
-set of its process tree, over a doubling series of depths, and the slope of log(time)
+command in a fresh process, as a user runs it, timed whole (wall, and the CPU seconds of
+its processes, which a loaded machine changes less), with the largest resident set of
+its process tree, over a doubling series of depths, and the slope of log(time)
 against log(layers) fitted by least squares over the commands that succeed (1: linear
 in the depth):
 - `resnet`: `netdsl plan` of the resnet2504 family at batch 16 on `--profile`, into a
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import sys
 import tempfile
 import time
@@ -123,43 +125,59 @@ def slope(points: list[tuple[int, float]]) -> float:
         (x - mx) ** 2 for x in xs)
 
 
+def cpu_seconds() -> float:
+    """User and system seconds of the children waited for so far (their workers too)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def timing(a) -> None:
+    """The timed series (module docstring): wall seconds, and the CPU seconds of the
+    command's processes, which other processes on the machine change less."""
     from bench_compile import ROOT as CHECKOUT
     from bench_compile import timed
     series: dict[str, list[tuple[int, float]]] = {}
-    print(f"{'series':8} {'depth':>7} {'seconds':>8} {'RSS MB':>7}  result")
+    cpu: dict[str, list[tuple[int, float]]] = {}
+    print(f"{'series':8} {'depth':>7} {'seconds':>8} {'CPU s':>7} {'RSS MB':>7}  result")
     with tempfile.TemporaryDirectory() as tmp:
         for name, depth, cmd in timing_commands(a, Path(tmp)):
             if name not in a.series.split(","):
                 continue
+            c0 = cpu_seconds()
             dt, peak, rc, out, err = timed(cmd, CHECKOUT, CHECKOUT)
+            dc = cpu_seconds() - c0
             what = "ok" if rc == 0 else f"exit {rc}: {(err or out).strip()[-160:]}"
             if rc == 0:
                 d = json.loads(out)
                 what = (d.get("spec") or f"plan {d.get('strategy')}, "
                         f"{'fits' if d.get('feasible') else 'does not fit'}")
-            print(f"{name:8} {depth:7d} {dt:8.1f} {peak / 1e6:7.0f}  {what}", flush=True)
+            print(f"{name:8} {depth:7d} {dt:8.1f} {dc:7.1f} {peak / 1e6:7.0f}  {what}",
+                  flush=True)
             if rc == 0:  # (a plan that fails searches more micro-batches: other work)
                 series.setdefault(name, []).append((depth, dt))
+                cpu.setdefault(name, []).append((depth, dc))
     unit = {"resnet": "layers", "decoder": "blocks"}
     for name, pts in series.items():
         if len(pts) > 1:
-            print(f"{name}: time grows as {unit[name]}^{slope(pts):.2f} "
-                  f"({pts[0][0]} to {pts[-1][0]} {unit[name]})")
+            print(f"{name}: wall time grows as {unit[name]}^{slope(pts):.2f}, CPU time as "
+                  f"{unit[name]}^{slope(cpu[name]):.2f} ({pts[0][0]} to {pts[-1][0]} "
+                  f"{unit[name]})")
     if a.plot:
-        plot(series, unit, a.plot)
+        plot(series, cpu, unit, a.plot)
 
 
-def plot(series: dict, unit: dict, path: Path) -> None:
+def plot(series: dict, cpu: dict, unit: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, pts in series.items():
-        ax.loglog([d for d, _ in pts], [t for _, t in pts], "o-",
-                  label=f"{name} ({unit[name]}; slope {slope(pts):.2f})")
+        line, = ax.loglog([d for d, _ in cpu[name]], [t for _, t in cpu[name]], "o-",
+                          label=f"{name} ({unit[name]}), CPU; slope {slope(cpu[name]):.2f}")
+        ax.loglog([d for d, _ in pts], [t for _, t in pts], "x--", color=line.get_color(),
+                  label=f"{name}, wall; slope {slope(pts):.2f}")
     ax.set_xlabel("depth (layers, or decoder blocks)")
-    ax.set_ylabel("whole-process seconds")
+    ax.set_ylabel("seconds, whole process")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

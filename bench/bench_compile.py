@@ -18,12 +18,14 @@ decided so that "the same decisions" is checked rather than read.
   name (target 2 s; the error must name the misspelt name).
 
 Each line is the median of `--runs` runs (split and run: one) and its ratio to the
-target. The fingerprint of a plan is a digest of its decisions (every value's), peaks and
-predicted times; of a split, of its choice (the split, its per-device table and plan).
-They are compared with those recorded in bench/refs/compile_fingerprints.json (made by
-`--record` at the reference commit), and with `--ref DIR` (a checkout of another commit:
-`git archive COMMIT | tar -x -C DIR`) the same commands run there too, timed in turn with
-this checkout's, so both are measured on the same machine at the same time.
+target, with the CPU seconds of the command's processes beside it (which other processes
+on a shared machine change less than the wall time). The fingerprint of a plan is a
+digest of its decisions (every value's), peaks and predicted times; of a split, of its
+choice (the split, its per-device table and plan). They are compared with those recorded
+in bench/refs/compile_fingerprints.json (made by `--record` at the reference commit),
+and with `--ref DIR` (a checkout of another commit: `git archive COMMIT | tar -x -C
+DIR`) the same commands run there too, timed in turn with this checkout's, so both are
+measured on the same machine at the same time.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -159,11 +162,20 @@ def targets(only: set[str], tmp: Path) -> list[tuple]:
     return out
 
 
+def cpu_seconds() -> float:
+    """User and system seconds of the children waited for so far (their workers too)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def measure(key: str, cmd: list[str], checkout: Path, runs: int, fingerprint):
-    """(median seconds, peak bytes, fingerprint or a note) of `runs` runs of `cmd`."""
-    times, peaks, fp = [], [], "-"
+    """(median seconds, median CPU seconds of the command's processes, peak bytes,
+    fingerprint or a note) of `runs` runs of `cmd`."""
+    times, cpus, peaks, fp = [], [], [], "-"
     for _ in range(runs):
+        c0 = cpu_seconds()
         dt, peak, rc, out, err = timed(cmd, checkout, checkout)
+        cpus.append(cpu_seconds() - c0)
         if key == "errors":
             ok = rc != 0 and "`hh`" in out + err
             fp = "names `hh`" if ok else f"exit {rc}, no error named `hh`"
@@ -175,7 +187,7 @@ def measure(key: str, cmd: list[str], checkout: Path, runs: int, fingerprint):
             fp = fingerprint(json.loads(out))
         times.append(dt)
         peaks.append(peak)
-    return statistics.median(times), max(peaks), fp
+    return statistics.median(times), statistics.median(cpus), max(peaks), fp
 
 
 def main() -> None:
@@ -193,15 +205,15 @@ def main() -> None:
                             capture_output=True, text=True).stdout.strip()
     print(f"netdsl compile path, commit {commit}, load average "
           f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")
-    print(f"{'target':<36} {'seconds':>8} {'target':>7} {'ratio':>7} {'RSS MB':>7}  "
-          "fingerprint")
+    print(f"{'target':<36} {'seconds':>8} {'CPU s':>7} {'target':>7} {'ratio':>7} "
+          f"{'RSS MB':>7}  fingerprint")
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         for key, label, cmd, t_s, t_bytes, fpf in targets(set(a.only.split(",")), Path(tmp)):
             runs = 1 if key.startswith(("split", "run")) else a.runs
             checkouts = [("", ROOT)] + ([("ref ", a.ref.resolve())] if a.ref else [])
             for tag, checkout in checkouts:
-                dt, peak, fp = measure(key, cmd, checkout, runs, fpf)
+                dt, cpu, peak, fp = measure(key, cmd, checkout, runs, fpf)
                 if not tag:
                     found[key] = fp
                 same = recorded.get(key)
@@ -209,7 +221,8 @@ def main() -> None:
                     f"{fp} {'=' if fp == same else '!='} recorded {same}")
                 rss = f"{peak / 1e6:7.0f}" + (
                     f" ({peak / t_bytes:.2f}x of {t_bytes / 1e9:.0f} GB)" if t_bytes else "")
-                print(f"{tag + label:<36} {dt:8.2f} {t_s:7.1f} {dt / t_s:6.2f}x {rss}  {note}")
+                print(f"{tag + label:<36} {dt:8.2f} {cpu:7.2f} {t_s:7.1f} {dt / t_s:6.2f}x "
+                      f"{rss}  {note}")
     if a.record:
         a.record.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
 

@@ -21,6 +21,7 @@ from netdsl.memory.simulate import (
     Sim,
     _kinds,
     _needed_at,
+    _stream_state,
 )
 
 
@@ -274,31 +275,4 @@ def _eager(prep: Prepared, seq: list[tuple[int, int]], renamed: list[int]
             j = stack.pop()
             out.append(seq[j])
             stack.extend(reversed(after.get(j, ())))
-    return out
-
-
-def _stream_state(prep: Prepared, seq, off, prefetch: int, offloaded: list[int]):
-    """Offloaded optimizer state: copied in `prefetch` entries before its update, out
-    right after it."""
-    at = {p: i for i, (kind, p) in enumerate(seq) if kind == NODE}
-    users: dict[int, list[int]] = {}
-    for u in prep.updates:
-        for s in prep.inputs[u]:
-            users.setdefault(s, []).append(u)
-    before: dict[int, list[int]] = {}
-    after: dict[int, list[int]] = {}
-    for s in prep.opt_state:
-        if not off[s]:
-            continue
-        readers = [at[u] for u in users.get(s, ())]
-        if not readers:
-            continue
-        offloaded.append(s)
-        before.setdefault(max(0, min(readers) - prefetch), []).append(s)
-        after.setdefault(max(readers), []).append(s)
-    out = []
-    for i, e in enumerate(seq):
-        out.extend((H2D, s) for s in before.get(i, ()))
-        out.append(e)
-        out.extend((D2H, s) for s in after.get(i, ()))
     return out

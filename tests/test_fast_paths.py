@@ -233,3 +233,26 @@ def test_joining_attention_gradients_indexes_the_step_a_few_times(monkeypatch):
     joined = g.by_op("attention_qkv_grad")
     assert len(joined) == 2 * 8  # (two layers, eight micro-batches)
     assert 0 < rebuilt[0] < 8
+
+
+def test_auto_rechecks_the_shapes_of_the_chosen_step_alone(monkeypatch):
+    """A candidate's final verify leaves out the shape rules (most of a verify's time);
+    the step auto chooses is verified wholly, once."""
+    from netdsl.ir.graph import Graph
+    from netdsl.memory.profiles import get_profile
+    from netdsl.parallel.choose import choose
+    from netdsl.parallel.predict import get_interconnect
+    net = load("digits-cnn.net")
+    seen = []
+    verify = Graph.verify
+
+    def recorded(g, *, recheck_shapes=True):
+        seen.append((g, recheck_shapes))
+        return verify(g, recheck_shapes=recheck_shapes)
+
+    monkeypatch.setattr(Graph, "verify", recorded)
+    chosen = choose(net.graph, 32, "auto", 4, net.train.optimizer.model_dump(),
+                    get_profile("cpu"), get_interconnect("shm"), jobs=1)
+    split = [(g, full) for g, full in seen if g.meta.get("split", {}).get("devices", 1) > 1]
+    assert len({id(g) for g, _ in split}) >= len(chosen.considered) > 1
+    assert [g for g, full in split if full] == [chosen.best.graph]

@@ -116,8 +116,10 @@ def train_config(tdef: ast.TrainDef | None) -> TrainConfig | None:
             if err["type"] == "extra_forbidden":
                 top = path[0] if path else "?"
                 if len(path) == 1:
-                    msg = (f"unknown train setting `{top}` (known: "
-                           f"{', '.join(TrainConfig.model_fields)})")
+                    loop = [f for f in TrainConfig.model_fields
+                            if f not in TrainConfig.STEP_SETTINGS]
+                    msg = (f"unknown train setting `{top}` (known: {', '.join(loop)}), or "
+                           f"of how the step computes: {', '.join(TrainConfig.STEP_SETTINGS)}")
                 else:
                     kind = data.get(top, {}).get("kind", top)
                     msg = f"{kind}() has no argument `{path[-1]}`"

@@ -30,6 +30,15 @@ from netdsl.ir.types import TensorType
 
 REQUIRED = object()
 
+# mixed precision (netdsl.passes.precision), as PyTorch's autocast lists: a "reduced" op
+# has its float inputs cast to the 2-byte type and runs in it (convolutions and products,
+# accumulating in f32); an "f32" op has them cast to f32 (softmax, losses, exp, log,
+# sums: where 8 bits of mantissa or f16's range lose the result); a "follow" op runs in
+# the type of its inputs (the widest, where they differ), its reductions in f32
+PRECISIONS = ("reduced", "f32", "follow")
+# `OpDef.reads_reduced` of an op whose kernels move values without computing on them
+ANY_DEVICE = ("cpu", "gpu")
+
 # layer types; the memory planner picks offload for compute-heavy ones, recompute for cheap
 LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",
                "elementwise", "shape", "loss", "embedding", "reduce", "dropout",
@@ -126,6 +135,12 @@ class OpDef:
     writes: tuple[int, ...] | Callable[[Any], tuple[int, ...]] = ()
     view_of: int | None = None
     random: bool = False
+    # how it runs under mixed precision (PRECISIONS above), and the devices ("cpu",
+    # "gpu") whose kernel reads and writes bf16 and f16 values itself; elsewhere the
+    # executor converts them to f32 at the kernel's boundary (and the plan counts the
+    # copies as the node's workspace)
+    precision: str = "follow"
+    reads_reduced: tuple[str, ...] = ()
     # attached later by netdsl.passes.autodiff / the kernel modules
     grad: Callable | None = None
     kernel: Callable | None = None
@@ -221,6 +236,8 @@ def register(op: OpDef) -> OpDef:
         raise ValueError(f"operator {op.name!r} registered twice")
     if op.layer_type not in LAYER_TYPES:
         raise ValueError(f"unknown layer type {op.layer_type!r}")
+    if op.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision rule {op.precision!r}")
     OPS[op.name] = op
     return op
 

@@ -28,8 +28,9 @@ from netdsl.ir.types import NUMPY_DTYPE
 from netdsl.runtime.data import Loader, accuracy, load_dataset
 from netdsl.runtime.evaluate import RunEvaluator
 from netdsl.runtime.executor import Executor, NonFinite
+from netdsl.runtime.loss_scale import StepScale
 from netdsl.runtime.options import RunOptions, backend_for, check_options, preflight
-from netdsl.runtime.result import Callback, RunResult, device_name, interrupted_note
+from netdsl.runtime.result import Callback, RunResult, device_name, interrupted_note, nothing_to_do
 from netdsl.runtime.run_log import open_log
 from netdsl.runtime.run_memory import non_finite_error, refuse_what_cannot_fit, replay_warnings
 from netdsl.runtime.run_state import RunState
@@ -77,6 +78,7 @@ class Trainer:
         if not self.built.fits:
             raise self.built.refusal(self._phase)
         self.train_graph, self.full_graph = self.built.graph, self.built.full_graph
+        self.scale = StepScale(self.train_graph)  # f16's loss scale (else it does nothing)
         self.split, self.ROLES, self.acc = self.built.split, self.built.roles, self.built.labels
         self.budget = self.built.budget_bytes
         self.executor = self._executor(backend, comm)
@@ -163,13 +165,15 @@ class Trainer:
     def save(self) -> Path | None:
         return self.state.save({"network": self.forward.name, "step": self.step,
                                 "loader": self.loader.state(), "seed": self.cfg.seed,
-                                "config": json.loads(self.cfg.model_dump_json())})
+                                "config": json.loads(self.cfg.model_dump_json()),
+                                **self.scale.header()})
 
     def restore(self) -> None:
         header = self.state.restore()
         if header is not None:
             self.step = int(header["step"])
             self.loader.restore(header["loader"])
+            self.scale.restore(header)
             self.resumed_from = self.step
 
     def evaluate(self) -> dict:
@@ -243,6 +247,7 @@ class Trainer:
         lr = lr_at(self.cfg.schedule, self.cfg.optimizer.lr, self.step, self.total)
         feeds = self.feeds(arrays)
         feeds["lr"] = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)  # (the run's dtype)
+        self.scale.feed(feeds)
         be = self.executor.backend
         t0 = time.perf_counter()
         try:
@@ -260,6 +265,7 @@ class Trainer:
         run.losses.append(loss)
         rec = {"step": self.step, "loss": loss, "lr": lr, "images_per_s": self.batch / dt,
                "step_time_s": dt, "epoch": self.loader.epoch}
+        self.scale.after(out, rec, self.executor)
         if self.acc and "logits" in out:
             labels = arrays[self.data.input_names.index(self.acc[1])]
             c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2], labels)
@@ -297,7 +303,7 @@ class Trainer:
                 "planned_peak_bytes": self.planned_peak_bytes(), "dataset": self.data.name,
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
                 "memory_plan": self.built.plan_summary(), "split": self.split,
-                "profile": self.built.profile.name}
+                "profile": self.built.profile.name, "precision": self.cfg.precision}
 
     def _result(self, run: _Progress, meter, final_eval: dict, interrupted) -> RunResult:
         be, ex = self.executor.backend, self.executor
@@ -319,21 +325,13 @@ class Trainer:
             step_time_s=median, test_accuracy=final_eval.get("test_accuracy"),
             test_loss=final_eval.get("test_loss"), train_accuracy=run.train_accuracy,
             resumed_from=self.resumed_from, losses=run.losses, interrupted=interrupted,
+            precision=self.cfg.precision, loss_scale=self.scale.summary(),
             note=interrupted_note(interrupted, self.step, self.total, self.opts.checkpoint),
             warnings=list(self.warnings) + replay_warnings(self.executor))
 
     def _nothing_to_do(self) -> RunResult:
         """A resumed run already at (or past) its last step: say so, train nothing."""
-        be = self.executor.backend
-        result = RunResult(
-            network=self.forward.name, steps=self.step, final_loss=None, images_per_s=0.0,
-            peak_bytes=0, params=self.stats.params, backend=be.name,
-            device=device_name(be), batch=self.batch,
-            planned_peak_bytes=self.planned_peak_bytes(), profile=self.built.profile.name,
-            budget_bytes=self.budget, step_time_s=0.0, resumed_from=self.resumed_from,
-            note=f"the checkpoint is at step {self.step}, already at or past the "
-                 f"{self.total} steps asked for; nothing to train (raise --steps to go on)",
-            warnings=list(self.warnings))
+        result = nothing_to_do(self)
         self.cb.on_end(result)
         return result
 

@@ -316,7 +316,7 @@ register(OpDef(
     retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
-    extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
+    extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}, precision="reduced"))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -335,14 +335,16 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                flops=lambda ins, out, a: conv2d_flops([out], ins[0], a),
                workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
-               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
+               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True},
+               precision="reduced"))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: conv2d_flops([ins[1]], ins[0], a),
                workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
-               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
+               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True},
+               precision="reduced"))
 
 
 # -- kernels ----------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ register(OpDef(
     "linear", LINEAR_ARGS, linear_shape, "linear", linear_params, linear_flops,
     retains=("inputs", "weight"),
     doc="y = x W^T + b over the last dimension; weight [out, in]",
-    extra={"fused_kernels": ("gemm",)}))
+    extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 def _matmul_shape(ins, a):
@@ -58,7 +58,7 @@ register(OpDef(
     "matmul", (Arg("a", "tensor"), Arg("b", "tensor")), _matmul_shape, "matmul",
     flops=lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs",),
     doc="batched matrix product with NumPy broadcasting of the leading dimensions",
-    extra={"fused_kernels": ("gemm",)}))
+    extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 def _emb_shape(ins, a):
@@ -94,12 +94,12 @@ def _lin_gw_shape(ins, a):
 register(OpDef("linear_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor")),
                _lin_gi_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: 2 * out.numel() * ins[1].shape[0],
-               doc="dx = dy W", extra={"fused_kernels": ("gemm",)}))
+               doc="dx = dy W", extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 register(OpDef("linear_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor")),
                _lin_gw_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: 2 * ins[0].numel() * ins[1].shape[-1],
                doc="dW = dy^T x, summed over all leading dimensions",
-               extra={"fused_kernels": ("gemm",)}))
+               extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 def _emb_grad_shape(ins, a):

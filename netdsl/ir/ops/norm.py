@@ -13,7 +13,7 @@ import math
 from netdsl.errors import ShapeError
 from netdsl.ir.opdef import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
 from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis, scratch_rule
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import TensorType, accumulate_dtype
 
 
 def _bn_shape(ins, a):
@@ -100,8 +100,8 @@ def _gi_shape(ins, a):
 
 
 def _gw_shape(ins, a):
-    x = ins[1]  # the weight has the normalised dims
-    return TensorType(tuple(x.shape[a["axis"] % x.rank:]), ins[0].dtype)
+    x = ins[1]  # the weight has the normalised dims; a sum over the rows: f32 for 2 bytes
+    return TensorType(tuple(x.shape[a["axis"] % x.rank:]), accumulate_dtype(ins[0].dtype))
 
 
 # layernorm's backward (batchnorm's is the statistics pass below)
@@ -128,7 +128,8 @@ STAT_ROWS = ("weight", "bias", "mean", "inv")  # rows of batchnorm_grad_stats' r
 def _stats_shape(ins, a):
     dy, x = ins[:2]
     need_rank(x, "batchnorm_grad_stats", (2, 3, 4, 5))
-    return TensorType((len(STAT_ROWS), x.shape[1]), dy.dtype)
+    # sums over the batch, its mean and 1/std: kept in f32 for 2-byte dy and x
+    return TensorType((len(STAT_ROWS), x.shape[1]), accumulate_dtype(dy.dtype))
 
 
 def _stats_workspace(ins, out, a):

@@ -48,7 +48,8 @@ register(OpDef(
     doc="conv2d(x) + residual in one kernel (made by the `fuse` pass from an add of two "
         "tensors of one type one of which is a conv2d read only by the add); arguments and "
         "parameters as conv2d's",
-    extra={"spatial": 2, "fused_kernels": conv.kernel_groups, "gpu_variant": True}))
+    extra={"spatial": 2, "fused_kernels": conv.kernel_groups, "gpu_variant": True},
+    precision="reduced"))
 
 register(OpDef(
     "linear_add", (dense.LINEAR_ARGS[0], Arg("residual", "tensor")) + dense.LINEAR_ARGS[1:],
@@ -58,7 +59,7 @@ register(OpDef(
     doc="linear(x) + residual in one kernel (made by the `fuse` pass from an add of two "
         "tensors of one type one of which is a linear read only by the add); arguments and "
         "parameters as linear's",
-    extra={"fused_kernels": ("gemm",)}))
+    extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 @kernel("conv2d_add")

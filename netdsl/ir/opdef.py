@@ -135,7 +135,8 @@ class OpDef:
     writes: tuple[int, ...] | Callable[[Any], tuple[int, ...]] = ()
     view_of: int | None = None
     random: bool = False
-    # how it runs under mixed precision (PRECISIONS above), and the devices ("cpu",
+    # how it runs under mixed precision (PRECISIONS above; extra["output_attrs"]: the
+    # attributes its value holds as they are, which f16 must hold), and the devices ("cpu",
     # "gpu") whose kernel reads and writes bf16 and f16 values itself; elsewhere the
     # executor converts them to f32 at the kernel's boundary (and the plan counts the
     # copies as the node's workspace)

@@ -117,7 +117,7 @@ def _check_f16_range(op, n: Node) -> None:
         if v is not None and abs(v) > F16_MAX:
             raise NetdslError(
                 f"{n.op} %{n.name} cannot run in f16: its {name}={v:g} is beyond f16's "
-                f"range (+-{F16_MAX:g}), so its value would hold inf; give a {name} within "
+                f"range (+-{F16_MAX:g}), so its output would hold inf; give a {name} within "
                 "it, or train with --precision bf16 (f32's range)", loc=n.loc, stack=n.stack)
 
 

@@ -90,7 +90,7 @@ class Trainer:
         self.state = RunState(self.executor, forward, opts.checkpoint, opts.distributed)
         self.evaluator = RunEvaluator(self.executor, forward, self.data, self.batch, self.acc,
                                       opts.eval_samples, self.state, self.rank,
-                                      opts.distributed, self.cfg.seed)
+                                      opts.distributed, self.cfg.seed, self.cfg.precision)
         if self.rank != 0:
             self.cb = Callback()  # rank 0 reports
         self.stats = summarize(self.built.bound)

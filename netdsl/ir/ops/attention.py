@@ -95,6 +95,7 @@ def _mask_shape(ins, a):
 # its diagonal), so that --check-numerics does not take the mask for an overflow
 register(OpDef("causal_mask", (Arg("x", "tensor"), Arg("value", "float", -1e9)),
                _mask_shape, "elementwise", flops=lambda ins, out, a: out.numel(),
+               extra={"output_attrs": ("value",)},  # (held as it is: f16 must hold it)
                doc="scores [..., L, S] with entry (i, j) set to `value` where j > i, so a "
                    "following softmax lets query i see keys 0..i"))
 register(OpDef("causal_mask_grad", (Arg("dy", "tensor"),), lambda ins, a: ins[0], "backward",

@@ -65,6 +65,7 @@ register(OpDef("fill", (Arg("shape", "shape"), Arg("value", "float", 0.0),
                         Arg("dtype", "str", "f32", choices=tuple(DTYPES))),
                lambda ins, a: TensorType(tuple(a["shape"]), a["dtype"]), "other",
                differentiable=False, reads_reduced=ANY_DEVICE,
+               extra={"output_attrs": ("value",)},  # (held as it is: f16 must hold it)
                doc="a constant tensor (the loss seed, zero gradients)"))
 
 

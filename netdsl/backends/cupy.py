@@ -123,8 +123,9 @@ class CupyBackend:
             return
         try:
             import ml_dtypes
-            with self._dev:
-                self.xp.zeros(1, dtype=ml_dtypes.bfloat16).astype(self.xp.float32)
+            with self._dev:  # an array, a conversion and a product of the type
+                z = self.xp.zeros((2, 2), dtype=ml_dtypes.bfloat16)
+                (z @ z).astype(self.xp.float32)
         except Exception as e:
             raise DeviceError(f"--precision bf16 on the cupy backend needs bfloat16 arrays, "
                               f"which this CuPy ({self.xp.__version__}) does not have "

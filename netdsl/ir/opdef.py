@@ -38,6 +38,8 @@ REQUIRED = object()
 PRECISIONS = ("reduced", "f32", "follow")
 # `OpDef.reads_reduced` of an op whose kernels move values without computing on them
 ANY_DEVICE = ("cpu", "gpu")
+# ... and of the products cuBLAS and cuDNN run on 2-byte data on a GPU (accumulating in f32)
+GPU_LIBRARIES = ("gpu",)
 
 # layer types; the memory planner picks offload for compute-heavy ones, recompute for cheap
 LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",

@@ -45,7 +45,8 @@ class LossScale:
             return
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
-            grown = f32(self.scale) * f32(self.growth_factor)
+            with np.errstate(over="ignore"):
+                grown = f32(self.scale) * f32(self.growth_factor)
             if np.isfinite(grown):  # (GradScaler keeps the scale where it would overflow)
                 self.scale = float(grown)
             self.growth_tracker = 0

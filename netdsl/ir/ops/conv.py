@@ -10,7 +10,9 @@ import functools
 
 from netdsl.errors import ShapeError
 from netdsl.ir.opdef import (
+    GPU_LIBRARIES,
     NON_NEGATIVE,
+    OPS,
     POSITIVE,
     Arg,
     OpDef,
@@ -807,3 +809,7 @@ def conv2d_rule(n, b, gy):
     if len(n.inputs) > 2:
         out.append(b.emit("sum_except", [gy], {"axis": 1}, tag="bias"))
     return out
+
+# on a GPU, cuBLAS and cuDNN read and write f16 themselves (mixed precision)
+for _name in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+    OPS[_name].reads_reduced = GPU_LIBRARIES

@@ -1,6 +1,16 @@
 """Dense algebra: linear layers, batched matrix products, embeddings."""
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.opdef import (
+    GPU_LIBRARIES,
+    OPS,
+    POSITIVE,
+    Arg,
+    OpDef,
+    ParamSpec,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.ops._util import broadcast, fused_kernels, matmul, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
 from netdsl.ir.ops.shape_ops import checked_indices, scatter_add_rows
@@ -197,3 +207,7 @@ def _matmul_rule(n, b, gy):
 def _embedding_rule(n, b, gy):
     return [None, b.emit("embedding_grad", [gy, n.inputs[0]], {"num": n.attrs["num"]},
                          tag="weight")]
+
+# on a GPU, cuBLAS and cuDNN read and write f16 themselves (mixed precision)
+for _name in ("linear", "matmul", "linear_grad_input", "linear_grad_weight"):
+    OPS[_name].reads_reduced = GPU_LIBRARIES

@@ -12,7 +12,7 @@ result, read it back with the residual and wrote the sum; other paths add it aft
 sums are the unfused pair's: the product (plus its bias), then the residual.
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import GPU_LIBRARIES, OPS, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops import conv, dense
 from netdsl.ir.ops._util import fused_kernels
 
@@ -102,3 +102,7 @@ class _Layer:
 
 grad_rule("conv2d_add")(_rule(conv.conv2d_rule))
 grad_rule("linear_add")(_rule(dense.linear_rule))
+
+# on a GPU, cuBLAS and cuDNN read and write f16 themselves (mixed precision)
+for _name in ("conv2d_add", "linear_add"):
+    OPS[_name].reads_reduced = GPU_LIBRARIES

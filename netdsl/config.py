@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 INT_MAX = 2 ** 63 - 1
 
 
+# NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
+# (the NumPy backend reads it; so does the mixed-precision rule of which kernels read
+# 2-byte values themselves, netdsl.ir.precision)
+FUSED_ENV = "NETDSL_FUSED_KERNELS"
+
+
 def env_switch(name: str, default: bool | None) -> bool | None:
     """An on/off environment variable (NETDSL_FUSED_KERNELS, NETDSL_CUDA_GRAPH...): off
     for 0, false, no or off (any case), on for any other value, `default` when unset or

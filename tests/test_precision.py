@@ -344,3 +344,67 @@ def test_f16_gradients_that_overflow_are_skipped_until_the_scale_fits(small):
 def test_bf16_runs_unscaled(small):
     r = Trainer(small.graph, small.train, RunOptions(steps=2, precision="bf16")).fit()
     assert r.loss_scale is None and r.precision == "bf16"
+
+
+# -- the fused loops that read bf16 ---------------------------------------------------------
+def test_the_fused_loops_read_bf16_as_the_f32_loops_compute_it():
+    """The batchnorm and relu loops on bf16 bits compute in f32 exactly as the f32 loops
+    do on the same values: their bf16 results are the f32 results rounded once (ties to
+    even, as ml_dtypes rounds), their f32 statistics equal."""
+    pytest.importorskip("numba")
+    from netdsl.backends.numpy_fused import FusedKernels
+    from netdsl.ir.types import numpy_dtype
+    bf16 = np.dtype(numpy_dtype("bf16"))
+    f = FusedKernels()
+    rng = np.random.default_rng(0)
+
+    def pair(shape, scale=1.0):
+        h = (scale * rng.standard_normal(shape)).astype(np.float32).astype(bf16)
+        return h, h.astype(np.float32)
+    (x, x32), (dy, dy32), (acc, acc32) = pair((4, 3, 50), 3.0), pair((4, 3, 50)), \
+        pair((4, 3, 50))
+    w = rng.standard_normal(3).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    for relu in (False, True):
+        y, y32 = np.empty_like(x), np.empty_like(x32)
+        m, m32 = np.empty((2, 3)), np.empty((2, 3))
+        f.bn_forward(x, w, b, 1e-5, relu, np.inf, y, m, 2)
+        f.bn_forward(x32, w, b, 1e-5, relu, np.inf, y32, m32, 2)
+        np.testing.assert_array_equal(m, m32)
+        np.testing.assert_array_equal(y, y32.astype(bf16))
+        st, st32 = np.empty((4, 3), np.float32), np.empty((4, 3), np.float32)
+        f.bn_grad_stats(dy, x, w, b, 1e-5, relu, np.inf, st, 2)
+        f.bn_grad_stats(dy32, x32, w, b, 1e-5, relu, np.inf, st32, 2)
+        np.testing.assert_array_equal(st, st32)
+        dx, dx32 = np.empty_like(x), np.empty_like(x32)
+        f.bn_grad_input(dy, x, st, w, b, relu, np.inf, acc, True, dx, 2)
+        f.bn_grad_input(dy32, x32, st, w, b, relu, np.inf, acc32, True, dx32, 2)
+        np.testing.assert_array_equal(dx, dx32.astype(bf16))
+    flat, flat32 = x.reshape(-1), x32.reshape(-1)
+    g, g32 = dy.reshape(-1), dy32.reshape(-1)
+    out, out32 = np.empty_like(flat), np.empty_like(flat32)
+    f.relu_grad(g, flat, g, True, out)
+    f.relu_grad(g32, flat32, g32, True, out32)
+    np.testing.assert_array_equal(out, out32.astype(bf16))
+    f.add(flat, g, True, out)
+    f.add(flat32, g32, True, out32)
+    np.testing.assert_array_equal(out, out32.astype(bf16))
+    nan = np.array([np.nan, -np.inf, 3e38], np.float32).astype(bf16)
+    out = np.empty_like(nan)
+    f.add(nan, nan, False, out)
+    assert np.isnan(out[0]) and np.isneginf(out[1]) and np.isposinf(out[2])  # (overflow)
+
+
+def test_which_kernels_read_two_byte_values_themselves():
+    from netdsl.ir.precision import converted
+    g = step_of("resnet20-cifar.net", 2, "bf16")
+    bn = next(n for n in g.nodes if n.op in ("batchnorm_relu", "batchnorm"))
+    conv = next(n for n in g.nodes if n.op == "conv2d")
+    assert converted(g, bn, "numba") == ((), False)  # the fused loops read bf16 bits
+    assert converted(g, bn, "cpu")[1]  # NumPy's reference kernels compute in f32
+    assert converted(g, conv, "numba")[1]  # the BLAS computes in f32
+    g16 = step_of("resnet20-cifar.net", 2, "f16")
+    bn16 = next(n for n in g16.nodes if n.op == bn.op)
+    assert converted(g16, bn16, "numba")[1]  # Numba has no float16
+    flat = next(n for n in g16.nodes if n.op == "flatten")
+    assert converted(g16, flat, "numba") == ((), False)  # moving values: any type

@@ -9,11 +9,8 @@ import numpy as np
 
 from netdsl.backends.erf import erf as erf_arrays
 from netdsl.backends.host_memory import keep_freed_memory
-from netdsl.config import env_switch
+from netdsl.config import FUSED_ENV, env_switch
 from netdsl.ir.types import numpy_dtype
-
-# NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
-FUSED_ENV = "NETDSL_FUSED_KERNELS"
 
 
 def load_fused():

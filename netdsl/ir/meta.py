@@ -168,8 +168,9 @@ GRAPH_META: dict[str, MetaKey] = _table(
     MetaKey("optimizer", dict, "the optimizer's kind and hyper-parameters",
             set_by=("passes.optimizer",)),
     MetaKey("precision", dict,
-            '{"dtype": "bf16" | "f16", "device": "cpu" | "gpu"}: a mixed-precision step, '
-            "and the device whose kernels' conversions of 2-byte values its plan counts",
+            '{"dtype": "bf16" | "f16", "device": "cpu" | "numba" | "gpu"}: a mixed-'
+            "precision step, and the kind of kernels whose conversions of 2-byte values its "
+            "plan counts",
             set_by=("passes.precision",), read_by=("ir.precision", "runtime.loss_scale")),
     MetaKey("memory_decisions", dict,
             '{value: "recompute" | "offload"}: what the memory plan did',

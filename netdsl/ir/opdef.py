@@ -36,10 +36,14 @@ REQUIRED = object()
 # sums: where 8 bits of mantissa or f16's range lose the result); a "follow" op runs in
 # the type of its inputs (the widest, where they differ), its reductions in f32
 PRECISIONS = ("reduced", "f32", "follow")
-# `OpDef.reads_reduced` of an op whose kernels move values without computing on them
-ANY_DEVICE = ("cpu", "gpu")
-# ... and of the products cuBLAS and cuDNN run on 2-byte data on a GPU (accumulating in f32)
+# The kinds of kernels an op may read 2-byte values with (`OpDef.reads_reduced`): "cpu"
+# (NumPy's reference kernels), "numba" (the NumPy backend's fused loops) and "gpu" (CuPy,
+# cuBLAS, cuDNN). An op whose kernels move values without computing on them reads them
+# on any; the products cuBLAS and cuDNN run on 2-byte data on a GPU (accumulating in
+# f32); the fused loops that read bf16 bits (numpy_fused_bf16)
+ANY_DEVICE = ("cpu", "numba", "gpu")
 GPU_LIBRARIES = ("gpu",)
+FUSED_LOOPS = ("numba",)  # (bf16 only: netdsl.ir.precision.converted)
 
 # layer types; the memory planner picks offload for compute-heavy ones, recompute for cheap
 LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",
@@ -138,8 +142,8 @@ class OpDef:
     view_of: int | None = None
     random: bool = False
     # how it runs under mixed precision (PRECISIONS above; extra["output_attrs"]: the
-    # attributes its value holds as they are, which f16 must hold), and the devices ("cpu",
-    # "gpu") whose kernel reads and writes bf16 and f16 values itself; elsewhere the
+    # attributes its value holds as they are, which f16 must hold), and the kinds of
+    # kernels (ANY_DEVICE) that read and write 2-byte values themselves; elsewhere the
     # executor converts them to f32 at the kernel's boundary (and the plan counts the
     # copies as the node's workspace)
     precision: str = "follow"

@@ -30,6 +30,7 @@ from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.placement import copy_name, even_parts
+from netdsl.ir.precision import kernels_of
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.check import check
 from netdsl.parallel.order import order_micro_batches
@@ -280,7 +281,8 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
             raise SplitError(f"--precision {precision} does not combine with a "
                              f"{spec.name} split yet (it cuts the layers whose weights "
                              "the step casts); use a data or pipeline split, or f32")
-        fwd = run_pipeline(fwd, [("precision", {"dtype": precision, "device": device})],
+        fwd = run_pipeline(fwd, [("precision", {"dtype": precision,
+                                                "device": kernels_of(device)})],
                            recheck_shapes=False)
     fusing = _fusing(fwd, spec, device)
     if fusing is not None:

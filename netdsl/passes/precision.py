@@ -16,9 +16,10 @@ shares the cast (autocast caches its casts of the weights likewise); a loss the 
 leave 2-byte is cast to f32. The nodes' types follow from their shape rules. Autodiff then
 differentiates the casts like any op (a cast's gradient is the cast back), so the
 activations' gradients are 2-byte and every parameter's gradient is f32. The graph's
-`meta["precision"]` records the type and the device ("cpu" or "gpu": whose kernels read
-2-byte values themselves, `OpDef.reads_reduced`; the storage plan counts the others'
-conversions to f32 as their workspace).
+`meta["precision"]` records the type and the kind of kernels it runs with (`device`:
+"cpu", "numba" or "gpu", netdsl.ir.precision: which read 2-byte values themselves,
+`OpDef.reads_reduced`; the storage plan counts the others' conversions to f32 as their
+workspace).
 
 `loss_scale(g)` (f16: its 5 bits of exponent flush small gradients to zero) builds
 torch.amp.GradScaler's step into the graph: the backward starts from the scalar input

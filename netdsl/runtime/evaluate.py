@@ -16,7 +16,7 @@ from pathlib import Path
 from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import STATE_OPS, Graph
-from netdsl.ir.precision import device_of_backend
+from netdsl.ir.precision import kernels_of_backend
 from netdsl.memory.plan import make_plan, value_bytes
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import Split, accuracy, batches, make_dataset
@@ -69,7 +69,7 @@ def eval_pass(base: Executor, forward: Graph, input_names: list[str], samples, b
 
 def _graph(forward: Graph, batch: int, logits: str | None, precision: str, backend) -> Graph:
     """The evaluation graph at `precision`, with the conversions of `backend`'s device."""
-    return eval_graph(forward, batch, logits, precision, device_of_backend(backend.name))
+    return eval_graph(forward, batch, logits, precision, kernels_of_backend(backend))
 
 
 @dataclass

@@ -35,9 +35,9 @@ from netdsl.errors import CheckpointError, NetdslError, NonFinite
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
-from netdsl.ir.precision import converted, device_of_backend
+from netdsl.ir.precision import converted, kernels_of_backend
 from netdsl.ir.printer import node_line
-from netdsl.ir.types import TensorType, numpy_dtype
+from netdsl.ir.types import REDUCED_DTYPES, TensorType, numpy_dtype
 from netdsl.memory.liveness import RUN_ONLY_ROLES, kept
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
 from netdsl.runtime.comm import Communicator, InProcess
@@ -181,6 +181,8 @@ class Executor:
             # the fused kernels (Numba) this graph's ops call load now, in this dtype, not
             # inside a measured step; a first run compiles them
             fused.load(sorted(groups), (numpy_dtype(dtype),))
+            if any(n.type.dtype == "bf16" for n in graph.nodes):  # (loops that read bf16)
+                fused.load(sorted(groups), (numpy_dtype("bf16"),))
         if any(n.attrs.get("target") == "gpu" for n in graph.nodes):
             getattr(self.backend, "cudnn", None)  # cuDNN too (loaded and checked once)
         self.dtype = dtype
@@ -376,13 +378,14 @@ class Executor:
         if key not in self._plans:
             g = self.graph
             prog = []
-            device = device_of_backend(self.backend.name)
+            device = kernels_of_backend(self.backend)
             for name, frees in zip(plan.order, plan.frees, strict=True):
                 n = g[name]
                 kind = _STATE if n.op in STATE_OPS else _INPUT if n.op == "input" else _OP
                 if kind is _OP and "gate" in n.meta:
                     kind = _GATED
-                elif kind is _OP and converted(g, n, device) != ((), False):
+                elif kind is _OP and (n.type.dtype in REDUCED_DTYPES
+                                      or converted(g, n, device) != ((), False)):
                     kind = _CONVERT
                     self._conversions[name] = converted(g, n, device)
                 nb = plan.sizes.get(name) if kind is not _STATE else None
@@ -395,7 +398,10 @@ class Executor:
         """A node the run loop's plain call does not run: an update skipped where the f16
         loss scale's flag is set (its value is the unchanged parameter it would have
         written), or a kernel given f32 copies of its 2-byte inputs, whose result is
-        converted to the node's type (into its planned slot where it has one)."""
+        converted to the node's type (into its planned slot where it has one). A kernel
+        that reads 2-byte values itself gets them as they are; where it computed in f32
+        after all (a fallback its fused loops did not take), its result is converted too.
+        An f16 value that overflows becomes inf, which the loss scale's check is for."""
         if kind is _GATED:
             gate = n.meta["gate"]
             closed = self.gates.get(gate)
@@ -405,19 +411,20 @@ class Executor:
                 return values[n.inputs[registry.OPS[n.op].view_of]]
             return self._call(n, inputs, ctx)
         ins, out = self._conversions[n.name]
-        compute = self.np_dtype
         for k in ins:
-            inputs[k] = inputs[k].astype(compute)
+            inputs[k] = inputs[k].astype(self.np_dtype)
         slot = ctx.out
         if out:  # (the kernel's f32 result cannot be written into a 2-byte slot)
             ctx.out = None
         v = self._call(n, inputs, ctx)
-        if not out:
+        want = self._dtype_for(n.type.dtype)
+        if v.dtype == want:
             return v
-        if slot is not None:
-            self.xp.copyto(slot, v, casting="unsafe")
-            return slot
-        return v.astype(self._dtype_for(n.type.dtype))
+        with np.errstate(over="ignore"):
+            if slot is not None:
+                self.xp.copyto(slot, v, casting="unsafe")
+                return slot
+            return v.astype(want)
 
     def _workspaces(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[int, int]:
         if len(self._devices) == 1:  # one device: the plan's one region

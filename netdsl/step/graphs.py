@@ -13,6 +13,7 @@ from __future__ import annotations
 from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.precision import kernels_of
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.passes.fuse import fuse_options
 from netdsl.passes.pipeline import run_pipeline
@@ -38,7 +39,8 @@ def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Gra
     kind = opt.pop("kind")
     fusing = fuse_options(device)
     scale = ["loss_scale"] if cfg.precision == "f16" else []
-    return run_pipeline(forward, [("precision", {"dtype": cfg.precision, "device": device}),
+    precise = {"dtype": cfg.precision, "device": kernels_of(device)}
+    return run_pipeline(forward, [("precision", precise),
                                   ("fuse", fusing), "autodiff",
                                   ("fuse_grads", {"enabled": fusing["enabled"]}),
                                   "join_slice_grads", *scale,
@@ -94,14 +96,15 @@ def roles_of(step: Graph) -> tuple[str, ...]:
 
 
 def eval_graph(forward: Graph, batch: int, logits: str | None, precision: str = "f32",
-               device: str = "cpu") -> Graph:
+               kernels: str = "cpu") -> Graph:
     """The forward graph at `batch` as evaluation runs it, with the loss's logits as an
-    output where accuracy reads them, at mixed `precision` (as the step trains it)."""
+    output where accuracy reads them, at mixed `precision` (as the step trains it) for
+    `kernels` (netdsl.ir.precision.kernels_of_backend)."""
     g = forward.bind(batch)
     if logits:
         g.outputs["logits"] = [logits]
     if precision != "f32":
-        g = run_pipeline(g, [("precision", {"dtype": precision, "device": device})])
+        g = run_pipeline(g, [("precision", {"dtype": precision, "device": kernels})])
     return g
 
 

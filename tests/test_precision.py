@@ -408,3 +408,61 @@ def test_which_kernels_read_two_byte_values_themselves():
     assert converted(g16, bn16, "numba")[1]  # Numba has no float16
     flat = next(n for n in g16.nodes if n.op == "flatten")
     assert converted(g16, flat, "numba") == ((), False)  # moving values: any type
+
+
+# -- accuracy -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_digits_cnn_reaches_97_percent_in_bf16_and_f16_in_f32s_steps():
+    """The example's 10 epochs (440 steps) in f32, bf16 and f16: each reaches 97% test
+    accuracy, the mixed-precision runs within a point of f32's."""
+    pytest.importorskip("sklearn")
+    net = load("digits-cnn.net")
+    res = {p: Trainer(net.graph, net.train, RunOptions(precision=p)).fit()
+           for p in ("f32", "bf16", "f16")}
+    assert {r.steps for r in res.values()} == {440}
+    for p, r in res.items():
+        assert r.test_accuracy >= 0.97, (p, r.test_accuracy)
+        assert abs(r.test_accuracy - res["f32"].test_accuracy) <= 0.01, p
+    assert res["f16"].loss_scale["skipped_steps"] == 0
+    print("\n" + ", ".join(f"{p} {r.test_accuracy:.4f}" for p, r in res.items()))
+
+
+# -- export --------------------------------------------------------------------------------
+@pytest.mark.parametrize("example", ["digits-cnn.net", "transformer-tiny.net"])
+def test_export_half_writes_a_float16_model_that_computes_the_float32_ones(example, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx.reference import ReferenceEvaluator
+
+    from netdsl.interop.onnx_export import export_onnx
+    from netdsl.interop.weights import seeded
+    g = load(example).lower()
+    r32 = export_onnx(g, seeded(0), tmp_path / "m32.onnx", batch=2)
+    r16 = export_onnx(g, seeded(0), tmp_path / "m16.onnx", batch=2, half=True)
+    assert r16.weight_bytes * 2 == r32.weight_bytes
+    m16 = onnx.load(tmp_path / "m16.onnx")
+    assert {t.data_type for t in m16.graph.initializer} <= {onnx.TensorProto.FLOAT16,
+                                                             onnx.TensorProto.INT64}
+    feeds = example_feeds(g.bind(2))
+    feeds = {i.name: feeds[i.name].astype(np.float32 if feeds[i.name].dtype.kind == "f"
+                                         else np.int64) for i in m16.graph.input}
+    ref = ReferenceEvaluator(str(tmp_path / "m32.onnx")).run(None, feeds)[0]
+    half = ReferenceEvaluator(m16).run(None, {k: v.astype(np.float16) if v.dtype.kind == "f"
+                                              else v for k, v in feeds.items()})[0]
+    assert half.dtype == np.float16
+    assert np.abs(half - ref).max() <= 8 * 2.0 ** -11 * np.abs(ref).max()
+
+
+def test_export_half_refuses_a_weight_beyond_float16(tmp_path):
+    pytest.importorskip("onnx")
+    from netdsl.errors import InteropError
+    from netdsl.interop.onnx_export import export_onnx
+    from netdsl.interop.weights import seeded
+    g = load("digits-cnn.net").lower()
+    base = seeded(0)
+
+    def huge(n):
+        v = base(n)
+        return v * 1e8 if n.name == "linear.weight" else v
+    with pytest.raises(InteropError, match="weight `linear.weight` holds values beyond "
+                                           "float16's range"):
+        export_onnx(g, huge, tmp_path / "m.onnx", half=True)

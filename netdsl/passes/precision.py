@@ -38,10 +38,10 @@ from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.rewrite import make_node, make_source, replace_uses
 from netdsl.ir.types import REDUCED_DTYPES, TensorType
+from netdsl.options import PRECISIONS
 from netdsl.passes.optimizer import per_device_total
 from netdsl.passes.registry import register_pass
 
-PRECISIONS = ("f32", "bf16", "f16")
 F16_MAX = 65504.0  # the largest finite f16
 # the float types by width, for "follow" ops reading several
 _WIDTH = {"f16": 0, "bf16": 0, "f32": 1, "f64": 2}
@@ -77,12 +77,9 @@ def precision(g: Graph, dtype: str = "f32", device: str = "cpu") -> Graph:
             continue
         op = ops[n.op]
         wanted = _wanted(op, n, g, dtype)
-        if wanted:
-            n.inputs = tuple(cast(x, wanted[k], n) if k in wanted else x
-                             for k, x in enumerate(n.inputs))
-            n.type = op.shape([g[i].type for i in
-                               n.inputs[:op.n_tensor_inputs(len(n.inputs))]], n.attrs)
-        elif any(g[i].type.dtype in REDUCED_DTYPES for i in n.inputs):
+        n.inputs = tuple(cast(x, wanted[k], n) if k in wanted else x
+                         for k, x in enumerate(n.inputs))
+        if wanted or any(g[i].type.dtype in REDUCED_DTYPES for i in n.inputs):
             n.type = op.shape([g[i].type for i in
                                n.inputs[:op.n_tensor_inputs(len(n.inputs))]], n.attrs)
         if dtype == "f16" and n.type.dtype == "f16":

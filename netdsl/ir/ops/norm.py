@@ -366,7 +366,9 @@ def _bn_grad_stats(xp, ins, a, ctx):
     dy, x = ins[0], ins[1]
     w, b = affine_inputs(ins, 2)
     dy3, x3 = _view3(dy), _view3(x)
-    out = xp.empty((len(STAT_ROWS), x3.shape[1]), dtype=ctx.dtype_of(ctx.node.type.dtype))
+    # (f32 statistics for 2-byte data: the op's shape rule)
+    out = xp.empty((len(STAT_ROWS), x3.shape[1]),
+                   dtype=xp.float32 if dy3.dtype.itemsize == 2 else dy3.dtype)
     f = fused_kernels(ctx, dy, x, cuda=True)
     if f is not None:
         f.bn_grad_stats(dy3, x3, *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"],

@@ -466,3 +466,27 @@ def test_export_half_refuses_a_weight_beyond_float16(tmp_path):
     with pytest.raises(InteropError, match="weight `linear.weight` holds values beyond "
                                            "float16's range"):
         export_onnx(g, huge, tmp_path / "m.onnx", half=True)
+
+
+# -- splits ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision,split", [("bf16", "data"), ("f16", "pipeline")])
+def test_a_split_trains_at_a_precision_within_its_plan(precision, split, monkeypatch):
+    """The split's devices hold what their plans say; an f16 overflow on one stage skips
+    the step on both (their flags summed by an all_reduce)."""
+    if precision == "f16":
+        inject_inf_at(monkeypatch, 1)
+    net = load("resnet20-cifar.net")
+    t = Trainer(net.graph, net.train, RunOptions(steps=3, batch=8, precision=precision,
+                                                 devices=2, split=split, eval_samples=0))
+    before = []
+    orig = t._train_step
+    t._train_step = lambda run, log: (before.append(t.executor.state_dict()), orig(run, log))
+    r = t.fit()
+    assert r.peak_by_device == r.planned_peak_by_device and len(r.peak_by_device) == 2
+    assert all(math.isfinite(x) for x in r.losses)
+    if precision == "f16":
+        assert r.loss_scale == {"scale": 2.0 ** 15, "skipped_steps": 1}
+        after_skip = t.executor.state_dict() if len(before) < 3 else before[2]
+        for k, v in before[1].items():
+            if "running_" not in k:
+                np.testing.assert_array_equal(after_skip[k], v, err_msg=k)

@@ -17,8 +17,9 @@ DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 ITEMSIZE = {**DTYPES, "bf16": 2}
 FLOAT_DTYPES = ("f16", "f32", "f64", "bf16")
 # the 2-byte floats of mixed precision: a value of one is held at its own size whatever
-# the run's float dtype (--dtype), which f32 and f64 values take
+# the run's float dtype (--dtype), which f32 and f64 values take (RUN_FLOATS)
 REDUCED_DTYPES = ("f16", "bf16")
+RUN_FLOATS = ("f32", "f64")
 NUMPY_DTYPE = {"f16": "float16", "f32": "float32", "f64": "float64",
                "i32": "int32", "i64": "int64", "bool": "bool", "bf16": "bfloat16"}
 

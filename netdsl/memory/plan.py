@@ -33,7 +33,7 @@ from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import PER_PROCESS, Placement
 from netdsl.ir.precision import conversion_bytes, conversion_device
-from netdsl.ir.types import ITEMSIZE
+from netdsl.ir.types import ITEMSIZE, RUN_FLOATS
 from netdsl.memory.arena import pack
 from netdsl.memory.liveness import schedule
 
@@ -41,15 +41,10 @@ HOST = "host"
 DEVICE = "device"
 
 
-# the float types a run holds at its float dtype (--dtype); the 2-byte floats of mixed
-# precision (REDUCED_DTYPES) keep their own size
-_RUN_FLOATS = ("f32", "f64")
-
-
 def value_bytes(t, float_dtype: str = "f32") -> int:
     """Bytes of a value of type `t` when f32 and f64 values run at `float_dtype`; a bf16 or
     f16 value takes 2 bytes whatever that is."""
-    size = ITEMSIZE[float_dtype] if t.dtype in _RUN_FLOATS else ITEMSIZE[t.dtype]
+    size = ITEMSIZE[float_dtype] if t.dtype in RUN_FLOATS else ITEMSIZE[t.dtype]
     return t.numel() * size
 
 

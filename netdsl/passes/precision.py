@@ -147,9 +147,11 @@ def loss_scale(g: Graph) -> Graph:
     g = g.copy()
     seed = _seed(g)
     scale = g.fresh_name("loss_scale")
+    # (fed to every device of a split, as the learning rate is: unplaced)
     src = make_source(scale, "input", TensorType((), seed.type.dtype),
                       {"shape": (), "dtype": seed.type.dtype, "default": 1.0,
-                       "role": "loss_scale"}, like=seed, meta={"phase": "backward"})
+                       "role": "loss_scale"}, like=seed, device=None,
+                      meta={"phase": "backward"})
     g.nodes = [src if n.name == seed.name else n for n in g.nodes]
     replace_uses(g, seed.name, scale)
     grads = list(g.outputs["grads"])

@@ -37,7 +37,7 @@ from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.precision import converted, kernels_of_backend
 from netdsl.ir.printer import node_line
-from netdsl.ir.types import REDUCED_DTYPES, TensorType, numpy_dtype
+from netdsl.ir.types import REDUCED_DTYPES, RUN_FLOATS, TensorType, numpy_dtype
 from netdsl.memory.liveness import RUN_ONLY_ROLES, kept
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
 from netdsl.runtime.comm import Communicator, InProcess
@@ -49,8 +49,9 @@ from netdsl.sizes import format_bytes
 TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
 _STATE, _INPUT, _OP = "state", "input", "op"  # the kinds of node the run loop tells apart
 # ... and, under mixed precision, an op whose 2-byte values are converted around its kernel
-# (netdsl.ir.precision), and an update the f16 loss scale's flag may skip (meta "gate")
-_CONVERT, _GATED = "convert", "gated"
+# (netdsl.ir.precision), an update the f16 loss scale's flag may skip (meta "gate"), and
+# the flag (read back as it is made: the updates it gates do not read it as an input)
+_CONVERT, _GATED, _FLAG = "convert", "gated", "flag"
 
 
 @dataclass
@@ -96,10 +97,6 @@ class KernelContext:
         """The array dtype for an IR dtype: f32 and f64 run at the executor's dtype; bf16
         and f16 (mixed precision) are their own."""
         return array_dtype(ir_dtype, self.float_dtype)
-
-
-# the IR float types a run holds at its float dtype (--dtype)
-RUN_FLOATS = ("f32", "f64")
 
 
 def array_dtype(ir_dtype: str, float_dtype: str) -> str:
@@ -379,10 +376,13 @@ class Executor:
             g = self.graph
             prog = []
             device = kernels_of_backend(self.backend)
+            flags = {g[x].meta["gate"] for x in plan.order if "gate" in g[x].meta}
             for name, frees in zip(plan.order, plan.frees, strict=True):
                 n = g[name]
                 kind = _STATE if n.op in STATE_OPS else _INPUT if n.op == "input" else _OP
-                if kind is _OP and "gate" in n.meta:
+                if kind is _OP and name in flags:
+                    kind = _FLAG
+                elif kind is _OP and "gate" in n.meta:
                     kind = _GATED
                 elif kind is _OP and (n.type.dtype in REDUCED_DTYPES
                                       or converted(g, n, device) != ((), False)):
@@ -395,19 +395,19 @@ class Executor:
         return self._plans[key]
 
     def _call_mixed(self, kind: str, n: Node, inputs: list, ctx: KernelContext, values):
-        """A node the run loop's plain call does not run: an update skipped where the f16
-        loss scale's flag is set (its value is the unchanged parameter it would have
-        written), or a kernel given f32 copies of its 2-byte inputs, whose result is
+        """A node the run loop's plain call does not run: the f16 loss scale's flag, read
+        back; an update skipped where it is set (its value is the unchanged parameter it
+        would have written); or a kernel given f32 copies of its 2-byte inputs, whose result is
         converted to the node's type (into its planned slot where it has one). A kernel
         that reads 2-byte values itself gets them as they are; where it computed in f32
         after all (a fallback its fused loops did not take), its result is converted too.
         An f16 value that overflows becomes inf, which the loss scale's check is for."""
+        if kind is _FLAG:
+            v = self._call(n, inputs, ctx)
+            self.gates[n.name] = float(self.backend.to_host(v)) > 0
+            return v
         if kind is _GATED:
-            gate = n.meta["gate"]
-            closed = self.gates.get(gate)
-            if closed is None:  # (read back once a run)
-                closed = self.gates[gate] = float(self.backend.to_host(values[gate])) > 0
-            if closed:
+            if self.gates[n.meta["gate"]]:
                 return values[n.inputs[registry.OPS[n.op].view_of]]
             return self._call(n, inputs, ctx)
         ins, out = self._conversions[n.name]

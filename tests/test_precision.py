@@ -490,3 +490,31 @@ def test_a_split_trains_at_a_precision_within_its_plan(precision, split, monkeyp
         for k, v in before[1].items():
             if "running_" not in k:
                 np.testing.assert_array_equal(after_skip[k], v, err_msg=k)
+
+
+# -- the commands ----------------------------------------------------------------------------
+def test_the_commands_take_and_report_the_precision(small, tmp_path):
+    import subprocess
+    import sys
+
+    def netdsl_cli(*args):
+        return subprocess.run([sys.executable, "-m", "netdsl_cli", *map(str, args)],
+                              capture_output=True, text=True, timeout=300)
+    f = small.file
+    ck = tmp_path / "ck"
+    r = netdsl_cli("run", f, "--steps", "2", "--json", "--checkpoint", ck)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["precision"] == "f16" and d["loss_scale"] == {"scale": 65536.0,
+                                                           "skipped_steps": 0}
+    r = netdsl_cli("eval", f, "--checkpoint", ck, "--precision", "bf16", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["precision"] == "bf16", r.stderr
+    r = netdsl_cli("plan", f, "--precision", "bf16", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["precision"] == "bf16", r.stderr
+    r = netdsl_cli("show", f, "--precision", "bf16", "--json")
+    rows = {x["op"]: x for x in json.loads(r.stdout)["rows"]}
+    assert rows["conv2d"]["precision"] == "reduced" and rows["conv2d"]["type"].startswith("bf16")
+    assert rows["softmax_cross_entropy"]["precision"] == "f32"
+    r = netdsl_cli("run", f, "--steps", "1", "--dtype", "f64")  # (the file says f16)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "the train section's precision f16 computes in f16" in r.stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netdsl.config import TrainConfig
+from netdsl.config import DATA_PATHS, TrainConfig
 from netdsl.frontend import ModuleEnv, elaborate, load_module, train_config
 from netdsl.ir.graph import Graph
 
@@ -74,13 +74,20 @@ def _network(env: ModuleEnv, network: str | None) -> Network:
 
 
 def _paths_relative_to(file: str, train: TrainConfig | None) -> TrainConfig | None:
-    """A data path in the file (`npz(path="data.npz")`) means next to that file, as an
-    import does, not in whatever folder netdsl runs from."""
-    if train is None or train.data.kind != "npz" or Path(train.data.path).is_absolute() \
-            or file.startswith("<"):
+    """A data path in the file (`npz(path="data.npz")`, `images("train/")`) means next to
+    that file, as an import does, not in whatever folder netdsl runs from."""
+    if train is None or file.startswith("<"):
         return train
-    path = str(Path(file).resolve().parent / train.data.path)
-    return train.model_copy(update={"data": train.data.model_copy(update={"path": path})})
+    here = Path(file).resolve().parent
+    update = {}
+    for part in ("data", "val"):
+        data = getattr(train, part)
+        fields = DATA_PATHS.get(data.kind, ()) if data is not None else ()
+        moved = {k: str(here / getattr(data, k)) for k in fields
+                 if getattr(data, k) is not None and not Path(getattr(data, k)).is_absolute()}
+        if moved:
+            update[part] = data.model_copy(update=moved)
+    return train.model_copy(update=update) if update else train
 
 
 def train(net: Network, options=None, callback=None):
@@ -89,6 +96,29 @@ def train(net: Network, options=None, callback=None):
     from netdsl.runtime.options import RunOptions
     from netdsl.runtime.trainer import Trainer
     return Trainer(net.graph, net.train, options or RunOptions(), callback).fit()
+
+
+def describe_data(net: Network, batch: int | None = None, workers: int | None = None,
+                  batches: int = 8, bad_images: str = "stop", png: str | Path | None = None,
+                  progress=None):
+    """What `net`'s training data is and how fast this machine loads `batches` batches of
+    it (`netdsl data`): a `netdsl.runtime.data.inspect.DataReport`; `png`: a few samples
+    as a picture there. Raises NetdslError for data that cannot be read."""
+    from netdsl.options import RunOptions, conflicts
+    from netdsl.runtime.data.inspect import describe
+    from netdsl.step.request import resolve_config
+    opts = RunOptions(batch=batch, workers=workers, bad_images=bad_images)
+    conflicts(opts)
+    return describe(net.graph, resolve_config(net.train, opts), workers, batches, bad_images,
+                    None if png is None else str(png), progress)
+
+
+def save_images(net: Network, folder: str | Path, progress=None) -> int:
+    """Write `net`'s data (training then held-out samples) as an image folder that
+    `images(folder)` reads (`netdsl data --save-images`); returns the count."""
+    from netdsl.runtime.data.inspect import save_images as save
+    from netdsl.step.request import resolve_config
+    return save(net.graph, resolve_config(net.train, None), str(folder), progress)
 
 
 def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
@@ -127,7 +157,7 @@ def build(net: Network, options=None, *, runs: bool = False, mem_default: bool =
     from netdsl.step.build import build_step
     from netdsl.step.request import request_for, resolve_config
     opts = options or StepOptions()
-    warnings = conflicts(opts)
+    warnings = conflicts(opts, budgeted=mem_default)
     cfg = resolve_config(net.train, opts)
     backend = backend_for(opts) if opts.backend != "numpy" else None
     req = request_for(opts, cfg, backend, runs=runs, mem_default=mem_default, **overrides)
@@ -191,9 +221,10 @@ class SplitResult:
         best = self.chosen.best
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
                "spec": best.spec.describe(), "mpi": self.mpi, "warnings": self.warnings,
-               "precision": self.precision,
+               "exact": best.exact, "note": self.chosen.note, "precision": self.precision,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
-                                 "fits": c.fits, "planned": c.memory is not None
+                                 "fits": c.fits, "exact": c.exact,
+                                 "planned": c.memory is not None
                                  and c.memory.feasible,
                                  "predicted_step_s": c.report.predicted_step_s,
                                  "predicted_speedup": c.report.predicted_speedup,
@@ -252,7 +283,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
         from netdsl.runtime.data import Loader, make_dataset
         from netdsl.runtime.gate import verify_split
         cfg, b = step.cfg, step.request.batch
-        data = make_dataset(net.graph, cfg.data, seed)
+        data = make_dataset(net.graph, cfg.data, seed, cfg)
         feeds = dict(zip(data.input_names, Loader(data.train, b, seed).next(), strict=True))
         # the gate checks the split's rewrite in float64, against the single-device step:
         # a mixed-precision step's split is checked as the same split of the f32 step

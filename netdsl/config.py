@@ -117,11 +117,104 @@ class Npz(_Strict):
     test_fraction: float = Field(0.0, ge=0, lt=1)
 
 
-Dataset = Annotated[Synthetic | Digits | Npz, Field(discriminator="kind")]
+class Images(_Strict):
+    """An image folder, one sub-folder per class (torchvision's ImageFolder layout):
+    JPEG, PNG and WebP decoded with Pillow (the `images` extra)."""
+
+    kind: Literal["images"] = "images"
+    path: str
+    test_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+class Arrays(_Strict):
+    """Memory-mapped `.npy` files, x and optionally y: only what a batch needs is read."""
+
+    kind: Literal["arrays"] = "arrays"
+    x: str
+    y: str | None = None
+    test_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+class Shards(_Strict):
+    """WebDataset-layout tar shards (`key.jpg` + `key.cls` records), read in the stream's
+    order through a shuffle buffer; `path` may name a range, `train-{0000..0127}.tar`."""
+
+    kind: Literal["shards"] = "shards"
+    path: str
+    shuffle_buffer: int = Field(1000, ge=1, le=INT_MAX)
+
+
+Dataset = Annotated[Synthetic | Digits | Npz | Images | Arrays | Shards,
+                    Field(discriminator="kind")]
+# the data sets whose path fields name files, relative to the .net file that names them
+DATA_PATHS = {"npz": ("path",), "images": ("path",), "arrays": ("x", "y"),
+              "shards": ("path",)}
+
+
+class RandomResizedCrop(_Strict):
+    kind: Literal["random_resized_crop"] = "random_resized_crop"
+    size: int = Field(gt=0, le=65535)
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if not (0 < self.scale[0] <= self.scale[1] <= 1 and 0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError("random_resized_crop needs 0 < scale[0] <= scale[1] <= 1 and "
+                             "0 < ratio[0] <= ratio[1]")
+        return self
+
+
+class RandomCrop(_Strict):
+    kind: Literal["random_crop"] = "random_crop"
+    size: int = Field(gt=0, le=65535)
+    padding: int = Field(0, ge=0, le=65535)
+
+
+class Flip(_Strict):
+    kind: Literal["flip"] = "flip"
+    p: float = Field(0.5, ge=0, le=1)  # the chance of a horizontal flip
+
+
+class Resize(_Strict):
+    kind: Literal["resize"] = "resize"
+    size: int = Field(gt=0, le=65535)  # the shorter side, the aspect ratio kept
+
+
+class CenterCrop(_Strict):
+    kind: Literal["center_crop"] = "center_crop"
+    size: int = Field(gt=0, le=65535)
+
+
+class Normalize(_Strict):
+    kind: Literal["normalize"] = "normalize"
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @model_validator(mode="after")
+    def _per_channel(self):
+        if len(self.mean) != len(self.std) or not self.mean or min(self.std) <= 0:
+            raise ValueError("normalize needs as many means as stds, one per channel, "
+                             "each std > 0")
+        return self
+
+
+Transform = Annotated[RandomResizedCrop | RandomCrop | Flip | Resize | CenterCrop | Normalize,
+                      Field(discriminator="kind")]
+
+# calls of the train section that take positional arguments, in this order
+POSITIONAL = {"npz": ("path",), "images": ("path",), "arrays": ("x", "y"),
+              "shards": ("path",), "random_resized_crop": ("size",),
+              "random_crop": ("size",), "resize": ("size",), "center_crop": ("size",),
+              "normalize": ("mean", "std")}
 
 
 class TrainConfig(_Strict):
     data: Dataset = Field(default_factory=Synthetic)
+    # held-out data of its own (else the data's own test split, where it has one)
+    val: Dataset | None = None
+    train_transforms: tuple[Transform, ...] = ()
+    eval_transforms: tuple[Transform, ...] = ()
     optimizer: Optimizer = Field(default_factory=SGD)
     schedule: Schedule = Field(default_factory=Constant)
     # a batch larger than this cannot fit in any memory; an int32 index on every backend

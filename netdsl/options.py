@@ -23,6 +23,7 @@ SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 SCHEDULES = ("gpipe", "1f1b")
 BN_MODES = ("sync", "local")
 INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
+BAD_IMAGES = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -132,21 +133,30 @@ class RunOptions(StepOptions):
         None, "held-out samples per evaluation (0: none; default: all of real data, one "
         "batch of synthetic data)", min=0)
     check_numerics: bool = option(False, "stop at the first NaN/Inf, naming the node")
+    workers: int | None = option(
+        None, "processes that read and augment images(), arrays() and shards() data in the "
+        "background (0: in this process; default: one with --backend numpy, whose step takes "
+        "every core, else one a core, at most 8)", min=0)
+    bad_images: str = option(
+        "stop", "a sample that cannot be read (a corrupt image): stop (the run stops, naming "
+        "it, its checkpoint saved) or skip (replaced by the next sample, counted and named)")
 
 
-# (option, when it means something, why it does not otherwise): a warning names the option
+# (option, when it means something given the others and whether the step is planned into a
+# budget anyway, why it does not otherwise): a warning names the option
 _IDLE = (
-    ("device", lambda o: o.backend == "cupy" or o.device in (None, 0),
+    ("device", lambda o, budgeted: o.backend == "cupy" or o.device in (None, 0),
      "has no effect with the NumPy backend (it picks a GPU for --backend cupy)"),
-    ("split", lambda o: o.split is None or o.devices > 1 or o.distributed,
+    ("split", lambda o, budgeted: o.split is None or o.devices > 1 or o.distributed,
      "has no effect on one device (give --devices N)"),
-    ("jobs", lambda o: o.jobs is None or o.devices > 1 or o.distributed,
+    ("jobs", lambda o, budgeted: o.jobs is None or o.devices > 1 or o.distributed,
      "has no effect on one device (it builds the candidate splits of --devices N)"),
-    ("bn", lambda o: o.bn == "sync" or o.devices > 1 or o.distributed
+    ("bn", lambda o, budgeted: o.bn == "sync" or o.devices > 1 or o.distributed
      or (o.microbatches or 1) > 1,
      "has no effect without --devices, --distributed or --microbatches (nothing splits the "
      "batch)"),
-    ("offload_state", lambda o: not o.offload_state or o.mem is not None,
+    ("offload_state", lambda o, budgeted: not o.offload_state or o.mem is not None
+     or budgeted,
      "has no effect without --mem (the plan of a budget may offload the optimizer state)"),
 )
 
@@ -156,9 +166,10 @@ def _value(opts: StepOptions, name: str) -> str:
     return cli_name(name) if isinstance(v, bool) else f"{cli_name(name)} {v}"
 
 
-def conflicts(opts: StepOptions) -> list[str]:
+def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
     """Check `opts` together: raise NetdslError for a combination that cannot mean what was
-    asked, return a warning for each option that does nothing with the others."""
+    asked, return a warning for each option that does nothing with the others.
+    `budgeted`: the step is planned into a budget even without --mem (`plan`)."""
     _choice(opts.backend, BACKENDS, "--backend")
     _choice(opts.dtype, DTYPES, "--dtype")
     if opts.precision is not None:
@@ -171,7 +182,8 @@ def conflicts(opts: StepOptions) -> list[str]:
                           "activations")
     if isinstance(opts, RunOptions):
         _run_conflicts(opts)
-    return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE if not used(opts)]
+    return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE
+            if not used(opts, budgeted)]
 
 
 def _run_conflicts(opts: RunOptions) -> None:
@@ -186,6 +198,7 @@ def _run_conflicts(opts: RunOptions) -> None:
     if opts.overwrite and opts.resume:
         raise NetdslError("give --resume (go on from the checkpoint) or --overwrite (start "
                           "over and replace it), not both")
+    _choice(opts.bad_images, BAD_IMAGES, "--bad-images")
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")

@@ -193,3 +193,13 @@ def test_the_cli_warns_of_an_option_that_does_nothing():
     assert r.exit_code == 0, r.output
     warnings = json.loads(r.stdout)["warnings"]
     assert any(w.startswith("--device 7 has no effect") for w in warnings), warnings
+
+
+def test_plan_takes_offload_state_without_mem():
+    """plan plans into the profile's memory when no --mem is given, so --offload-state
+    means something there (run without --mem does not plan: warned)."""
+    assert conflicts(StepOptions(offload_state=True), budgeted=True) == []
+    r = CliRunner().invoke(app, ["plan", RESNET, "--batch", "2", "--offload-state",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["warnings"] == []

@@ -25,6 +25,7 @@ import typer
 # in the order `netdsl --help` lists them: check, show and graph first
 import netdsl_cli.inspect_cmd  # noqa: F401
 from netdsl_cli import (  # noqa: F401
+    data_cmd,
     eval_cmd,
     fmt_cmd,
     lsp_cmd,

@@ -117,6 +117,8 @@ class _Bar:
         if "accuracy" in r:
             m += f"  acc {r['accuracy']:.3f}"
         m += f"  {r['images_per_s']:.0f} img/s"
+        if "data_wait_s" in r:  # (the time the step waited for its batch)
+            m += f"  data wait {format_seconds(r['data_wait_s'])}"
         if "test_accuracy" in r:
             m += f"  test {r['test_accuracy']:.3f}"
         if "loss_scale" in r:  # f16: the scale this step used, and a step it skipped

@@ -145,12 +145,13 @@ def _print(res) -> None:
               f"{format_bytes(rep.comm_bytes_lower_bound)})")
     if len(res.chosen.considered) > 1:
         alt = Table(title="considered")
-        for col in ("split", "fits", "step", "speed-up", "bubble", "max peak"):
+        for col in ("split", "fits", "exact", "step", "speed-up", "bubble", "max peak"):
             alt.add_column(col, justify="right")
         for c in sorted(res.chosen.considered, key=lambda c: c.report.predicted_step_s):
             fits = "no" if not c.fits else "planned" if c.memory is not None else "yes"
             alt.add_row(c.spec.describe() + (" *" if c is best else ""),
-                        fits, format_seconds(c.report.predicted_step_s),
+                        fits, "yes" if c.exact else "no",
+                        format_seconds(c.report.predicted_step_s),
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         format_bytes(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)

@@ -63,6 +63,9 @@ class Backend(Protocol):
     def copy_to_device(self, host, out=None) -> Any:
         """A device copy of a host array made by `copy_to_host` (into `out` if given)."""
 
+    # a GPU backend also has `pin_host(array) -> unpin` and `upload(host, out)` (the data
+    # loader's batches on their way to the device while a step runs; netdsl.runtime.data)
+
     def memory_meter(self) -> Any:
         """A context manager measuring the peak bytes allocated while it is open
         (`.peak_bytes`, `.read()`), independently of the executor's count: tracemalloc on

@@ -208,6 +208,24 @@ class CupyBackend:
         self._pending[("in", id(host))] = [copied, host]
         return out
 
+    def pin_host(self, array: np.ndarray):
+        """Page-lock host memory made elsewhere (a data loader's shared-memory slot), so
+        that copies from it run asynchronously; returns the call that unlocks it."""
+        rt = self.xp.cuda.runtime
+        ptr, size = array.ctypes.data, array.nbytes
+        with self._dev:
+            rt.hostRegister(ptr, size, 0)
+        return lambda: rt.hostUnregister(ptr)
+
+    def upload(self, host: np.ndarray, out) -> None:
+        """Copy `host` (pinned) into the device array `out` on the copy stream, at once:
+        `out` is a buffer of the caller's that no queued kernel uses (unlike
+        copy_to_device's, taken from the pool), so the copy overlaps the compute queued
+        before it; the compute queued after this call waits for it."""
+        with self._dev:
+            out.set(host, stream=self._copy_stream)
+            self.xp.cuda.get_current_stream().wait_event(self._copy_stream.record())
+
     def memory_meter(self) -> PoolMeter:
         return PoolMeter(self.xp)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from netdsl.config import TrainConfig
+from netdsl.config import POSITIONAL, TrainConfig
 from netdsl.errors import Diagnostic, NetdslError
 from netdsl.frontend import ast
 
@@ -54,6 +54,12 @@ def pydantic_message(err: dict, field: str, describe=_show_input) -> str:
     return f"{what}: {err['msg']}" if field else err["msg"]
 
 
+# the kinds Pydantic names in an error's path: left out of the field named to the user
+_KINDS = {"sgd", "adam", "adamw", "step", "cosine", "constant", "synthetic", "digits", "npz",
+          "images", "arrays", "shards", "random_resized_crop", "random_crop", "flip",
+          "resize", "center_crop", "normalize"}
+
+
 class _Bad(Exception):
     def __init__(self, msg, loc):
         self.msg, self.loc = msg, loc
@@ -63,19 +69,36 @@ def _value(e: ast.Expr):
     if isinstance(e, ast.Const):
         return e.value
     if isinstance(e, ast.TupleExpr):
-        return [_value(x) for x in e.items]
+        return tuple(_value(x) for x in e.items)
     if isinstance(e, ast.Unary) and e.op == "-":
         v = _value(e.operand)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return -v
     if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
-        if e.args:
-            raise _Bad(f"{e.func.id}() takes keyword arguments only, e.g. "
-                       f"{e.func.id}(lr=0.1)", e.args[0].loc)
-        return {"kind": e.func.id, **{k: _value(v) for k, v, _ in e.kwargs}}
+        return {"kind": e.func.id, **_positional(e), **{k: _value(v) for k, v, _ in e.kwargs}}
     if isinstance(e, ast.Name):  # `schedule = cosine`: a call with no arguments
         return {"kind": e.id}
     raise _Bad("a train setting must be a constant or a call like sgd(lr=0.1)", e.loc)
+
+
+def _positional(e: ast.Call) -> dict:
+    """A call's positional arguments by name (`images("dir")`: path="dir"), for the calls
+    that take them (config.POSITIONAL); the others take keywords only."""
+    name, names = e.func.id, POSITIONAL.get(e.func.id, ())
+    if len(e.args) > len(names):
+        extra = e.args[len(names)]
+        if not names and name not in _KINDS:
+            return {}  # (an unknown call: the check names it, with the known ones)
+        if not names:
+            raise _Bad(f"{name}() takes keyword arguments only, e.g. {name}(lr=0.1)",
+                       extra.loc)
+        raise _Bad(f"{name}() takes at most {len(names)} positional argument(s) "
+                   f"({', '.join(names)})", extra.loc)
+    given = {k for k, _, _ in e.kwargs}
+    for k, v in zip(names, e.args):
+        if k in given:
+            raise _Bad(f"{name}() is given `{k}` twice", v.loc)
+    return {k: _value(v) for k, v in zip(names, e.args)}
 
 
 def train_config(tdef: ast.TrainDef | None) -> TrainConfig | None:
@@ -110,16 +133,16 @@ def train_config(tdef: ast.TrainDef | None) -> TrainConfig | None:
         # report in source order, as everywhere else
         errs.sort(key=lambda x: (x[0].line, x[0].column))
         for loc, err, path in errs:
-            field = ".".join(p for p in path if p not in ("sgd", "adam", "adamw", "step",
-                                                            "cosine", "constant", "synthetic",
-                                                            "digits", "npz"))
+            field = ".".join(p for p in path if p not in _KINDS)
             if err["type"] == "extra_forbidden":
                 top = path[0] if path else "?"
                 if len(path) == 1:
-                    loop = [f for f in TrainConfig.model_fields
-                            if f not in TrainConfig.STEP_SETTINGS]
-                    msg = (f"unknown train setting `{top}` (known: {', '.join(loop)}), or "
-                           f"of how the step computes: {', '.join(TrainConfig.STEP_SETTINGS)}")
+                    aside = ("val", "train_transforms", "eval_transforms",
+                             *TrainConfig.STEP_SETTINGS)
+                    loop = [k for k in TrainConfig.model_fields if k not in aside]
+                    msg = (f"unknown train setting `{top}` (known: {', '.join(loop)}); the "
+                           f"data's: {', '.join(aside[:3])}; of how the step computes: "
+                           f"{', '.join(TrainConfig.STEP_SETTINGS)}")
                 else:
                     kind = data.get(top, {}).get("kind", top)
                     msg = f"{kind}() has no argument `{path[-1]}`"

@@ -148,6 +148,9 @@ class OpDef:
     # copies as the node's workspace)
     precision: str = "follow"
     reads_reduced: tuple[str, ...] = ()
+    # reads only the part of its input that it outputs (slice): the cost model counts the
+    # output's bytes read and written, not the whole input's
+    reads_part: bool = False
     # attached later by netdsl.passes.autodiff / the kernel modules
     grad: Callable | None = None
     kernel: Callable | None = None
@@ -179,6 +182,11 @@ class OpDef:
         (a convolution's depend on its geometry and shapes); () for none."""
         spec = self.extra.get("fused_kernels", ())
         return spec(node, [graph[i].type for i in node.inputs]) if callable(spec) else spec
+
+    def moved_bytes(self, out: int, ins) -> int:
+        """Bytes a run of the node reads and writes (the roofline's memory side): its
+        output and its tensor inputs (`ins`, their byte counts)."""
+        return 2 * out if self.reads_part else out + sum(ins)
 
     def adds_storage(self, node) -> bool:
         """Whether `node`'s value takes storage of its own. An in-place update's value is

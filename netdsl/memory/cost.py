@@ -2,7 +2,8 @@
 
 A node's time is a roofline: max(FLOPs / rate, bytes moved / memory bandwidth) plus a
 fixed per-node overhead, with FLOPs from the registry (`OpDef.flops`, 2 x MACs) and
-bytes = its tensor inputs + its output. Sources cost nothing. A host copy takes
+bytes = its tensor inputs + its output (`OpDef.moved_bytes`: a slice reads only the part
+it outputs). Sources cost nothing. A host copy takes
 bytes / link bandwidth plus the overhead.
 
 The step is simulated on three streams: compute runs the schedule's nodes (and clones)
@@ -38,7 +39,7 @@ class Costs:
             op = ops[n.op]
             ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
             f = int(op.flops(ins, n.type, n.attrs))
-            moved = full[k] + sum(full[i] for i in prep.inputs[k])
+            moved = op.moved_bytes(full[k], (full[i] for i in prep.inputs[k]))
             self.flops.append(f)
             self.time.append(max(f / profile.flops_per_s, moved / profile.mem_bw)
                              + profile.op_overhead_s)

@@ -18,6 +18,15 @@ planned fastest first (`planning_order`), each only while it would beat the fast
 fits (`beats`): the choice is the fastest step that fits, planned or not, in the fewest
 plans.
 
+`auto` does not change what the step computes unless it must: a split is `exact` when its
+step is the single-device step's (data with synchronised batchnorm, tensor, spatial, a
+pipeline or accumulation of one micro-batch, or any split of a network without batch
+statistics); one that normalises batchnorm over micro-batches, or over each device's
+rows alone, computes other numbers. Where `prefer_exact` (auto, with neither
+--microbatches nor --bn local asked for), every exact candidate that fits ranks before
+every inexact one (`rank`), so an inexact split is chosen only where no exact one fits,
+planned or not.
+
 The functions read the candidates' figures (`choose.Choice`, or a string saying why one
 cannot be made) by their place in the list of specs; building and predicting them is
 `choose.py`'s.
@@ -30,11 +39,49 @@ from typing import TYPE_CHECKING
 from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.parallel.split import SplitSpec
+from netdsl.sizes import format_bytes
 
 if TYPE_CHECKING:
     from netdsl.parallel.choose import Choice
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
+# ops whose result depends on the other samples of the batch (its statistics)
+BATCH_STATISTICS_OPS = ("batchnorm",)
+
+
+def has_batch_statistics(fwd) -> bool:
+    return any(n.op in BATCH_STATISTICS_OPS for n in fwd.nodes)
+
+
+def exact(spec: SplitSpec, batch_statistics: bool) -> bool:
+    """Whether `spec`'s step computes the single-device step's numbers (module doc)."""
+    if not batch_statistics:
+        return True
+    if spec.bn == "local" and spec.data * spec.spatial > 1:
+        return False
+    return spec.microbatches == 1
+
+
+def prefers_exact(strategy: str | None, microbatches: int | None, bn: str,
+                  declared: dict, devices: int) -> bool:
+    """Whether the choice ranks exact splits first: `auto` (asked for, or for a file that
+    declares no split of these devices), unless the user asked for micro-batches or for
+    batchnorm on each device's rows."""
+    declared_here = strategy is None and ParallelConfig(**declared).devices == devices > 1
+    auto = strategy == "auto" or (strategy is None and not declared_here)
+    return auto and microbatches is None and bn == "sync"
+
+
+def inexact_note(c: Choice, cap: int) -> str:
+    """What a run says first when auto had to choose a split that changes the numbers."""
+    spec = c.spec
+    how = ("normalises batchnorm over each device's rows alone" if spec.bn == "local"
+           else f"normalises batchnorm over each of {spec.microbatches} micro-batches "
+           "alone")
+    return (f"auto chose {spec.describe()}, which {how}: its step computes other numbers "
+            f"than one device's, since no split that computes the same fits "
+            f"{format_bytes(cap)} a device (give --split data, tensor or spatial with more "
+            "memory or devices to keep them)")
 
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
@@ -140,9 +187,15 @@ def families(specs: list[SplitSpec]) -> list[list[int]]:
     return [sorted(ks, key=lambda k: specs[k].microbatches) for ks in out.values()]
 
 
+def rank(c: Choice) -> tuple[int, float]:
+    """How candidates are ordered: exact splits first where that is preferred, then by
+    their predicted step time."""
+    return (0 if c.ranks_exact else 1, c.report.predicted_step_s)
+
+
 def beats(c: Choice, best: Choice | None) -> bool:
-    """Whether candidate `c` is faster than `best`, the fastest that fits (None: none)."""
-    return best is None or c.report.predicted_step_s < best.report.predicted_step_s
+    """Whether candidate `c` ranks before `best`, the best that fits (None: none)."""
+    return best is None or rank(c) < rank(best)
 
 
 def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
@@ -162,7 +215,7 @@ def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
             return taken, [k for k in now if k not in found], best
         taken.update(now)
         best = min((c for k in sorted(taken) if not isinstance(c := found[k], str) and c.fits),
-                   key=lambda c: c.report.predicted_step_s, default=None)  # (the first)
+                   key=rank, default=None)  # (the first of equals)
         stopped, going = going, []
         for f in stopped:
             depth[f] += 1
@@ -205,14 +258,14 @@ def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool
     if isinstance(last, str) or isinstance(before, str):
         return False
     t = last.report.predicted_step_s
-    return t > before.report.predicted_step_s and t >= best.report.predicted_step_s
+    return t > before.report.predicted_step_s and not beats(last, best)
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:
-    """The candidates that do not fit, in the order they are planned: by their unplanned
-    predicted times, since planning adds recomputation and copies, never speed."""
-    return sorted((c for c in considered if not c.fits),
-                  key=lambda c: c.report.predicted_step_s)
+    """The candidates that do not fit, in the order they are planned: by `rank` on their
+    unplanned predicted times, since planning adds recomputation and copies, never
+    speed."""
+    return sorted((c for c in considered if not c.fits), key=rank)
 
 
 def work_of(spec: SplitSpec) -> float:

@@ -36,8 +36,12 @@ from netdsl.parallel.candidates import (
     ahead,
     beats,
     candidates,
+    exact,
     families,
+    has_batch_statistics,
+    inexact_note,
     planning_order,
+    prefers_exact,
     rounds,
     work_of,
 )
@@ -70,6 +74,8 @@ class Choice:
     memory: object | None = None  # memory.search.PlanResult, when planned per device
     unplanned_step_s: float | None = None  # the predicted step before planning
     unplanned_peak_bytes: int | None = None  # ... and its largest device peak
+    exact: bool = True  # its step computes the single-device step's numbers
+    ranks_exact: bool = True  # ranked with the exact splits (`candidates.rank`)
 
 
 @dataclass
@@ -83,6 +89,8 @@ class Chosen:
     # candidates that cannot be made, each "spec: why" (with a layer pinned by @device(k),
     # every scheme but a pipeline)
     unavailable: list[str] = field(default_factory=list)
+    # said first where auto chose a split that changes the numbers (none exact fits)
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,12 @@ class Request:
     mem_strategy: str = "auto"
     over_mpi: bool = False
     precision: str = "f32"
+
+    @property
+    def prefer_exact(self) -> bool:
+        """Whether exact splits rank first (`candidates.prefers_exact`)."""
+        return prefers_exact(self.strategy, self.microbatches, self.bn,
+                             dict(self.fwd.parallel), self.devices)
 
     def specs(self) -> list[SplitSpec]:
         """The candidates (`candidates.candidates`)."""
@@ -204,7 +218,9 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     if run.best is None:
         raise _no_fit(considered, errors, request.devices, run.cap)
     skipped = [specs[k] for k in range(len(specs)) if k not in taken]
-    return Chosen(run.best, run.single, considered, skipped, errors)
+    note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
+                                                                                 run.cap)
+    return Chosen(run.best, run.single, considered, skipped, errors, note)
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:
@@ -273,7 +289,9 @@ class _Run:
             return f"{spec.describe()}: {e.message}"
         r = self.request
         rep, _ = report(g, self.single_step, r.profile, r.link, r.float_dtype)
-        return Choice(spec, g, rep, _fits(rep, self.cap))
+        same = exact(spec, has_batch_statistics(r.fwd))
+        return Choice(spec, g, rep, _fits(rep, self.cap), exact=same,
+                      ranks_exact=same or not r.prefer_exact)
 
     def keep_if_best(self, c: Choice) -> None:
         """Make `c` the best if it fits and is faster; only the best keeps its graph."""

@@ -120,7 +120,8 @@ def node_time(g: Graph, n, profile: Profile, float_dtype: str = "f32") -> tuple[
     op = registry.OPS[n.op]
     ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
     f = int(op.flops(ins, n.type, n.attrs))
-    moved = value_bytes(n.type, float_dtype) + sum(value_bytes(t, float_dtype) for t in ins)
+    moved = op.moved_bytes(value_bytes(n.type, float_dtype),
+                           (value_bytes(t, float_dtype) for t in ins))
     return max(f / profile.flops_per_s, moved / profile.mem_bw) + profile.op_overhead_s, f
 
 

@@ -19,7 +19,7 @@ from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.precision import kernels_of_backend
 from netdsl.memory.plan import make_plan, value_bytes
 from netdsl.runtime import checkpoint
-from netdsl.runtime.data import Split, accuracy, batches, make_dataset
+from netdsl.runtime.data import accuracy, batches, load_dataset
 from netdsl.runtime.executor import Executor
 from netdsl.runtime.run_state import RunState
 from netdsl.sizes import format_bytes
@@ -115,7 +115,7 @@ def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Pa
                           "y)`")
     arrays, header = checkpoint.load(where)
     path = str(checkpoint.file_of(where))
-    data = make_dataset(forward, cfg.data, cfg.seed)
+    data = load_dataset(forward, cfg)
     chosen = data.test if split == "test" else data.train
     if chosen is None or len(chosen) == 0:
         raise NetdslError(f"the {data.name} data of `{forward.name}` has no held-out "
@@ -125,7 +125,7 @@ def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Pa
     if samples is None:  # (synthetic data's random labels say little: one batch, as a run)
         samples = batch if data.name == "synthetic" else len(chosen)
     limit = min(samples, len(chosen))
-    chosen = Split(chosen.take(slice(0, limit)))
+    chosen = chosen.head(limit)
     batch = min(batch, limit)
     be = get_backend(backend) if isinstance(backend, str) else backend
     if precision != "f32":
@@ -176,7 +176,7 @@ class RunEvaluator:
             return {}
         if self.base is not self.executor and not self._join(warnings):
             return {}
-        test = Split(self.data.test.take(slice(0, limit)))
+        test = self.data.test.head(limit)
         out = eval_pass(self.base, self.forward, self.data.input_names, test, self.batch,
                         self.labels, self.execs, progress, self.precision)
         return {"step": step, "eval_samples": limit, **{f"test_{k}": v for k, v in out.items()}}

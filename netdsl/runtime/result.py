@@ -36,6 +36,8 @@ class RunResult:
     test_accuracy: float | None = None
     test_loss: float | None = None
     train_accuracy: float | None = None
+    data_wait_s: float = 0.0  # the mean time a step waited for its batch
+    skipped_samples: int = 0  # samples that could not be read, replaced (--bad-images skip)
     resumed_from: int | None = None
     # the signal that stopped the run after its step ("SIGINT", "SIGTERM"; see runtime.stop)
     interrupted: str | None = None
@@ -77,17 +79,3 @@ def interrupted_note(signal_name: str | None, step: int, total: int,
 def device_name(be) -> str:
     return "cpu" if be.name == "numpy" else f"cuda:{be.device}"
 
-
-def nothing_to_do(t) -> RunResult:
-    """The result of a resumed run (trainer `t`) already at or past its last step."""
-    be = t.executor.backend
-    return RunResult(
-        network=t.forward.name, steps=t.step, final_loss=None, images_per_s=0.0,
-        peak_bytes=0, params=t.stats.params, backend=be.name, device=device_name(be),
-        batch=t.batch, planned_peak_bytes=t.planned_peak_bytes(),
-        profile=t.built.profile.name, budget_bytes=t.budget, step_time_s=0.0,
-        resumed_from=t.resumed_from, precision=t.cfg.precision,
-        loss_scale=t.scale.summary(),
-        note=f"the checkpoint is at step {t.step}, already at or past the {t.total} steps "
-             "asked for; nothing to train (raise --steps to go on)",
-        warnings=list(t.warnings))

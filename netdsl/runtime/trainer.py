@@ -13,7 +13,6 @@ layer prints nothing.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 import warnings
 from dataclasses import replace
@@ -25,14 +24,17 @@ from netdsl.config import TrainConfig
 from netdsl.ir.graph import Graph
 from netdsl.ir.stats import summarize
 from netdsl.ir.types import NUMPY_DTYPE
-from netdsl.runtime.data import Loader, accuracy, load_dataset
+from netdsl.runtime.data import accuracy, load_dataset
+from netdsl.runtime.data.feed import open_loader, rows_read, write_classes
+from netdsl.runtime.data.samples import DataError
 from netdsl.runtime.evaluate import RunEvaluator
 from netdsl.runtime.executor import Executor, NonFinite
 from netdsl.runtime.loss_scale import StepScale
 from netdsl.runtime.options import RunOptions, backend_for, check_options, preflight
-from netdsl.runtime.result import Callback, RunResult, device_name, interrupted_note, nothing_to_do
+from netdsl.runtime.result import Callback, RunResult, device_name
 from netdsl.runtime.run_log import open_log
-from netdsl.runtime.run_memory import non_finite_error, refuse_what_cannot_fit, replay_warnings
+from netdsl.runtime.run_memory import non_finite_error, refuse_what_cannot_fit
+from netdsl.runtime.run_report import METERED_STEPS, Progress, finished, nothing_to_do
 from netdsl.runtime.run_state import RunState
 from netdsl.runtime.schedule import lr_at
 from netdsl.runtime.stop import StopRequest
@@ -44,11 +46,6 @@ from netdsl.step.request import request_for, resolve_config
 
 __all__ = ["Callback", "RunResult", "Trainer"]
 
-# The memory meter (tracemalloc on NumPy) records every allocation, Python objects' too,
-# which slows a step down while it runs, so it watches the first steps only: the first
-# allocates the optimizer's state and every later one repeats the second's allocations
-# (the same graph by the same plan), so the high-water mark is theirs.
-METERED_STEPS = 2
 
 
 class Trainer:
@@ -60,9 +57,10 @@ class Trainer:
         preflight(opts)  # what would fail at the end fails now, before any work
         self.opts, self.cb, self.forward = opts, callback or Callback(), forward
         self.cfg = resolve_config(cfg, opts)
-        self.data = load_dataset(forward, self.cfg)
+        self.data = load_dataset(forward, self.cfg, opts.bad_images)
         self.batch = self.cfg.batch
-        self.loader = Loader(self.data.train, self.batch, self.cfg.seed)
+        self.loader = open_loader(self.data.train, self.batch, self.cfg.seed, opts.workers,
+                                  cpu_step=opts.backend == "numpy")
         self.total = (self.cfg.steps if self.cfg.steps is not None else
                       (self.cfg.epochs or 1) * self.loader.batches_per_epoch)
         backend = backend_for(opts)
@@ -84,6 +82,8 @@ class Trainer:
         self.executor = self._executor(backend, comm)
         self._refuse_what_cannot_fit(backend, comm)
         self._fed = self._fed_inputs()
+        self.loader.only(self._fed, rows_read(self.train_graph, self.data.input_names[0],
+                                              self.batch))
         status = getattr(backend, "cudnn_status", "")
         if status.startswith("not used"):  # (loaded by the executor: a GPU convolution)
             self.warnings.append(f"the convolutions run as columns and GEMMs; cuDNN {status}")
@@ -163,6 +163,8 @@ class Trainer:
         return self.state.copy()
 
     def save(self) -> Path | None:
+        if self.data.classes and self.rank == 0:
+            write_classes(self.opts.checkpoint, self.data.classes)
         return self.state.save({"network": self.forward.name, "step": self.step,
                                 "loader": self.loader.state(), "seed": self.cfg.seed,
                                 "config": json.loads(self.cfg.model_dump_json()),
@@ -203,11 +205,11 @@ class Trainer:
         if self.opts.resume:
             self.restore()
             if self.step >= self.total:
-                return self._nothing_to_do()
+                return nothing_to_do(self)
         self.cb.on_start(self._start_info())
         log = (open_log(self.opts.log, self.opts.resume, self.step)
                if self.opts.log and self.rank == 0 else None)
-        run = _Progress()
+        run = Progress()
         # the peak is measured by the backend (tracemalloc, the CuPy pool), not counted,
         # over the first METERED_STEPS steps
         meter = self.executor.backend.memory_meter()
@@ -218,13 +220,24 @@ class Trainer:
         with stop:
             try:
                 while self.step < self.total:
-                    self._train_step(run, log)
+                    try:
+                        self._train_step(run, log)
+                    except DataError as e:  # (between steps: what was trained is kept)
+                        # (over MPI a save needs every rank, and only this one stopped)
+                        if not (self.opts.checkpoint and self.step > (self.resumed_from or 0)
+                                and not self.opts.distributed):
+                            raise
+                        self.save()
+                        raise DataError(f"{e.message}; the checkpoint in {self.opts.checkpoint}"
+                                        f" holds step {self.step}: --resume goes on from "
+                                        "there") from None
                     if run.metering and len(run.times) == METERED_STEPS:
                         run.metering = False  # (its evaluation and save included)
                         meter.__exit__(None, None, None)
                     if self._stop_requested(stop):
                         break
             finally:
+                self.loader.close()
                 if run.metering:
                     meter.__exit__(None, None, None)
                 if log:
@@ -236,22 +249,23 @@ class Trainer:
         interrupted = stop.agreed  # (over MPI: every rank's, after the last step)
         final_eval = (self.evaluate() if self.data.test is not None and not interrupted
                       else {})
-        result = self._result(run, meter, final_eval, interrupted)
+        result = finished(self, run, meter, final_eval, interrupted)
         self.cb.on_end(result)
         return result
 
-    def _train_step(self, run: _Progress, log) -> None:
+    def _train_step(self, run: Progress, log) -> None:
         """One step: its batch, its run, its record (logged and reported), its evaluation
         and checkpoint when they are due."""
         arrays = self.loader.next(self._fed)
         lr = lr_at(self.cfg.schedule, self.cfg.optimizer.lr, self.step, self.total)
-        feeds = self.feeds(arrays)
+        feeds = self.feeds(self.loader.device_batch or arrays)
         feeds["lr"] = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)  # (the run's dtype)
         self.scale.feed(feeds)
         be = self.executor.backend
         t0 = time.perf_counter()
         try:
             out = self.executor.run(feeds, training=True, roles=self.ROLES, step=self.step)
+            self.loader.send_ahead(be)  # (on a GPU: the next batch's copy, during this step)
         except NonFinite as e:
             raise non_finite_error(self.executor, self.train_graph,
                                    self.forward.outputs.get("loss", []), e, feeds, lr,
@@ -264,8 +278,10 @@ class Trainer:
         run.times.append(dt)
         run.losses.append(loss)
         rec = {"step": self.step, "loss": loss, "lr": lr, "images_per_s": self.batch / dt,
-               "step_time_s": dt, "epoch": self.loader.epoch}
+               "step_time_s": dt, "data_wait_s": self.loader.wait_s,
+               "epoch": self.loader.epoch}
         self.scale.after(out, rec, self.executor)
+        run.waits.append(self.loader.wait_s)
         if self.acc and "logits" in out:
             labels = arrays[self.data.input_names.index(self.acc[1])]
             c, k = accuracy(be.to_host(out["logits"][0]), self.acc[2], labels)
@@ -304,43 +320,3 @@ class Trainer:
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
                 "memory_plan": self.built.plan_summary(), "split": self.split,
                 "profile": self.built.profile.name, "precision": self.cfg.precision}
-
-    def _result(self, run: _Progress, meter, final_eval: dict, interrupted) -> RunResult:
-        be, ex = self.executor.backend, self.executor
-        steady = run.times[METERED_STEPS:] or run.times[1:] or run.times  # (metered: slower)
-        median = statistics.median(steady) if steady else 0.0
-        return RunResult(
-            network=self.forward.name, steps=self.step,
-            final_loss=run.losses[-1] if run.losses else float("nan"),
-            images_per_s=self.batch / median if median else 0.0,
-            peak_bytes=self._state_bytes() + meter.read(), params=self.stats.params,
-            backend=be.name, device=device_name(be), batch=self.batch,
-            planned_peak_bytes=self.planned_peak_bytes(), profile=self.built.profile.name,
-            counted_peak_bytes=ex.peak_bytes, budget_bytes=self.budget, split=self.split,
-            peak_by_device=dict(sorted(ex.peak_by_device.items())),
-            planned_peak_by_device=self._planned_by_device(),
-            comm_bytes_per_step={d: b // max(len(run.losses), 1)
-                                 for d, b in sorted(ex.comm.sent_bytes.items())},
-            host_peak_bytes=ex.host_peak_bytes, memory_plan=self.built.plan_summary(),
-            step_time_s=median, test_accuracy=final_eval.get("test_accuracy"),
-            test_loss=final_eval.get("test_loss"), train_accuracy=run.train_accuracy,
-            resumed_from=self.resumed_from, losses=run.losses, interrupted=interrupted,
-            precision=self.cfg.precision, loss_scale=self.scale.summary(),
-            note=interrupted_note(interrupted, self.step, self.total, self.opts.checkpoint),
-            warnings=list(self.warnings) + replay_warnings(self.executor))
-
-    def _nothing_to_do(self) -> RunResult:
-        """A resumed run already at (or past) its last step: say so, train nothing."""
-        result = nothing_to_do(self)
-        self.cb.on_end(result)
-        return result
-
-
-class _Progress:
-    """What the loop has seen so far."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.losses: list[float] = []
-        self.train_accuracy: float | None = None
-        self.metering = True

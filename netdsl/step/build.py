@@ -207,6 +207,8 @@ def _split(step: Step, world: World | None, say, progress) -> None:
                     over_mpi=req.over_mpi, share=share, jobs=req.jobs, progress=progress,
                     precision=req.precision)
     best = chosen.best
+    if chosen.note:
+        step.warnings.append(chosen.note)
     say(f"building the training step ({best.spec.describe()})")
     step.chosen, step.graph, step.split = chosen, best.graph, best.spec.describe()
     step.memory_plan = best.memory

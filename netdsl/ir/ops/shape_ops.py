@@ -143,7 +143,7 @@ def _slice_shape(ins, a):
 register(OpDef("slice", (Arg("x", "tensor"), Arg("axis", "axis"),
                          Arg("start", "int", range=NON_NEGATIVE),
                          Arg("stop", "int", range=POSITIVE), Arg("step", "int", 1, range=POSITIVE)),
-               _slice_shape, "shape",
+               _slice_shape, "shape", reads_part=True,
                doc="x[start:stop:step] along one axis (`split` lowers to slices)"))
 
 

@@ -1,9 +1,17 @@
-"""Datasets and the epoch-based, seeded loader that feeds a network's inputs.
+"""Datasets and the epoch-based, seeded loaders that feed a network's inputs.
 
 A dataset is a pair of arrays per split: `x` for the network's first input and `y` for its
 second (the labels); a network with one input gets `x` only. Synthetic data is seeded and
 shaped from the network's input types; integer inputs are drawn below the size their
 consumer needs (class count of the loss, rows of an embedding table).
+
+This module holds the data sets held in memory (synthetic, digits, npz) and the split
+types; data read from disk sample by sample lives beside it, one module a job:
+`sources` (image folders, memory-mapped arrays, tar shards), `transforms` (the
+augmentation pipelines), `samples` (a split of a source through a pipeline), `sampler`
+(which samples make each batch: `Loader`), `workers` and `background` (the worker processes
+that decode into shared memory, and the loader that drives them), `inspect` (`netdsl
+data`).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from netdsl.config import Digits, Npz, Synthetic, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.types import NUMPY_DTYPE
+from netdsl.runtime.data.sampler import Loader  # noqa: F401  (its home: sampler)
 from netdsl.step.graphs import class_axis, loss_labels, source_input
 
 
@@ -25,12 +34,19 @@ class Split:
     def __len__(self) -> int:
         return len(self.arrays[0]) if self.arrays else 0
 
-    def take(self, idx, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
+    def take(self, idx, wanted: list[bool] | None = None, epoch: int = 0,
+             rows=None) -> list[np.ndarray | None]:
         """The samples at `idx` (an index array or a slice), one array per input (None for
-        an input `wanted` leaves out: one an MPI rank's part of the step does not read)."""
+        an input `wanted` leaves out: one an MPI rank's part of the step does not read);
+        held or drawn data gives every row whatever `rows` says, and whatever the epoch."""
         if wanted is None:
             return [a[idx] for a in self.arrays]
         return [a[idx] if w else None for a, w in zip(self.arrays, wanted, strict=True)]
+
+
+    def head(self, n: int) -> Split:
+        """The first n samples (views)."""
+        return Split([a[:n] for a in self.arrays])
 
 
 class DrawnSplit:
@@ -44,13 +60,17 @@ class DrawnSplit:
     def __len__(self) -> int:
         return self.count
 
-    def take(self, idx, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
+    def take(self, idx, wanted: list[bool] | None = None, epoch: int = 0,
+             rows=None) -> list[np.ndarray | None]:
         if isinstance(idx, slice):
             idx = np.arange(self.count)[idx]
         arrays = self.draw(np.asarray(idx, dtype=np.int64))  # (labels may need every input)
         if wanted is None:
             return arrays
         return [a if w else None for a, w in zip(arrays, wanted, strict=True)]
+
+    def head(self, n: int) -> DrawnSplit:
+        return DrawnSplit(min(n, self.count), self.draw)
 
 
 @dataclass
@@ -59,6 +79,7 @@ class Dataset:
     train: Split
     test: Split | None
     input_names: list[str]
+    classes: list[str] | None = None  # the class names by label (an image folder's)
 
 
 def _int_range(g: Graph, name: str) -> int | None:
@@ -303,48 +324,17 @@ def _fit(name: str, g: Graph, train: list, test: list | None) -> Dataset:
     return Dataset(name, out[0], out[1], [n.name for n in ins])
 
 
-def make_dataset(g: Graph, cfg, seed: int) -> Dataset:
+def make_dataset(g: Graph, cfg, seed: int, train_cfg: TrainConfig | None = None,
+                 bad: str = "stop") -> Dataset:
+    """The data set `cfg` describes for network `g`; a data set read from disk takes its
+    transforms from `train_cfg` and the bad-sample policy `bad` (stop or skip)."""
+    from netdsl.runtime.data import disk
+    if cfg.kind in disk.KINDS:
+        train, test, source = disk.make(g, _inputs(g), cfg, seed, train_cfg, bad)
+        return Dataset(source.name, train, test, [n.name for n in _inputs(g)],
+                       source.classes)
     kinds = {"synthetic": synthetic, "digits": digits, "npz": npz}
     return kinds[cfg.kind](g, cfg, seed)
-
-
-class Loader:
-    """Shuffled mini-batches, reshuffled every epoch from (seed, epoch): the state is just
-    (epoch, position), so a checkpoint can restore it exactly. The last partial batch of
-    an epoch is dropped (the graph has a fixed batch size)."""
-
-    def __init__(self, split: Split, batch: int, seed: int, shuffle: bool = True):
-        if len(split) < batch:
-            raise NetdslError(f"the data has {len(split)} training samples, fewer than one "
-                              f"batch of {batch}; lower --batch")
-        self.split, self.batch, self.seed, self.shuffle = split, batch, seed, shuffle
-        self.epoch, self.pos = 0, 0
-        self._perm = self._permutation()
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.split) // self.batch
-
-    def _permutation(self):
-        n = len(self.split)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng((self.seed, self.epoch)).permutation(n)
-
-    def next(self, wanted: list[bool] | None = None) -> list[np.ndarray | None]:
-        if self.pos + self.batch > len(self.split):
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._perm = self._permutation()
-        idx = self._perm[self.pos:self.pos + self.batch]
-        self.pos += self.batch
-        return self.split.take(idx, wanted)
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def restore(self, state: dict) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-        self._perm = self._permutation()
 
 
 def batches(split: Split | DrawnSplit, batch: int):
@@ -353,10 +343,17 @@ def batches(split: Split | DrawnSplit, batch: int):
         yield split.take(slice(i, i + batch))
 
 
-def load_dataset(forward: Graph, cfg: TrainConfig) -> Dataset:
-    """The train section's data set for `forward`; running out of memory said in words."""
+def load_dataset(forward: Graph, cfg: TrainConfig, bad: str = "stop") -> Dataset:
+    """The train section's data set for `forward`, its held-out samples `val`'s where the
+    section gives one; running out of memory said in words."""
     try:
-        return make_dataset(forward, cfg.data, cfg.seed)
+        data = make_dataset(forward, cfg.data, cfg.seed, cfg, bad)
+        if cfg.val is not None:
+            val = make_dataset(forward, cfg.val, cfg.seed,
+                               cfg.model_copy(update={"train_transforms": cfg.eval_transforms}),
+                               bad)
+            data.test = val.train
+        return data
     except MemoryError:
         raise NetdslError(f"out of memory making the {cfg.data.kind} data set for network "
                           f"`{forward.name}`; its inputs or classes are too large for this "

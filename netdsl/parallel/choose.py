@@ -33,6 +33,7 @@ from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel import fanout
 from netdsl.parallel.candidates import (
+    Choice,
     ahead,
     beats,
     candidates,
@@ -63,19 +64,6 @@ MAX_AUTO_JOBS = 8
 # rounds skip the largest micro-batch counts.
 PROCESS_BASE_BYTES = 100 << 20
 PROCESS_BYTES_PER_NODE_COPY = 5 << 10
-
-
-@dataclass
-class Choice:
-    spec: SplitSpec
-    graph: Graph
-    report: SplitReport
-    fits: bool
-    memory: object | None = None  # memory.search.PlanResult, when planned per device
-    unplanned_step_s: float | None = None  # the predicted step before planning
-    unplanned_peak_bytes: int | None = None  # ... and its largest device peak
-    exact: bool = True  # its step computes the single-device step's numbers
-    ranks_exact: bool = True  # ranked with the exact splits (`candidates.rank`)
 
 
 @dataclass

@@ -136,6 +136,7 @@ class Request:
     outputs: dict[str, list[str]] | None = None
     mem_strategy: str = "auto"
     over_mpi: bool = False
+    precision: str = "f32"
 
     @property
     def prefer_exact(self) -> bool:
@@ -156,17 +157,18 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            float_dtype: str = "f32", progress=None, schedule: str | None = None,
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
-           share: Share | None = None, jobs: int | None = None) -> Chosen:
+           share: Share | None = None, jobs: int | None = None,
+           precision: str = "f32") -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
     (`project.mark_over_mpi`: predicted and planned so); `share`: ranks that share the
     candidates out (`Share`; the choice and the chosen step are the ones each would have
     made alone); `jobs`: without `share`, the processes that share them so (this one and
-    jobs - 1 workers; None: `_jobs`' default)."""
+    jobs - 1 workers; None: `_jobs`' default); `precision`: the steps' mixed precision."""
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
-                                  outputs, mem_strategy, over_mpi),
+                                  outputs, mem_strategy, over_mpi, precision),
                           progress, share, jobs)
 
 
@@ -247,7 +249,8 @@ class _Run:
               progress) -> _Run:
         r = request
         device = "cpu" if r.profile.unified else "gpu"  # (a unified device: a CPU)
-        single = split_step(r.fwd, r.batch, SplitSpec(), r.optimizer, r.gather, device=device)
+        single = split_step(r.fwd, r.batch, SplitSpec(), r.optimizer, r.gather, device=device,
+                            precision=r.precision)
         return cls(r, specs, share, progress, device, single,
                    step_time(single, r.profile, r.link, r.float_dtype),
                    r.mem if r.mem is not None else r.profile.capacity_bytes)
@@ -260,7 +263,7 @@ class _Run:
     def build(self, spec: SplitSpec) -> Graph:
         r = self.request
         g = split_step(r.fwd, r.batch, spec, r.optimizer, r.gather, profile=r.profile,
-                       device=self.device)
+                       device=self.device, precision=r.precision)
         g.outputs.update(r.outputs or {})
         return mark_over_mpi(g) if r.over_mpi else g
 

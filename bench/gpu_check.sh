@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine (device tool), in order of value:
 #  1. the CuPy tests (tests/test_gpu.py: every operator case, training steps, planned and
-#     split steps, all against NumPy in float64),
+#     split steps, all against NumPy in float64; tests/test_precision_gpu.py: f16),
 #  2. issue 8's step table with --backend cupy against PyTorch on CUDA (bench_step.py),
-#  3. `netdsl run --backend cupy`: ResNet-164, resnet2504 unplanned and planned into 12 GB
-#     (CuPy's pool limited to 12 GB), ResNet-20 split over two logical devices.
+#  3. `netdsl run --backend cupy`: ResNet-164 (in f32, f16 and bf16), resnet2504 unplanned
+#     and planned into 12 GB (CuPy's pool limited to 12 GB), ResNet-20 split over two
+#     logical devices.
 # Each check has its own time limit, so one that hangs costs only its share. Results go
 # under $OUT (default ./gpu-results): gpu_check.log (everything printed), gpu-tests.log and
 # .xml, bench-gpu.json, cli-runs.txt.
@@ -89,7 +90,8 @@ EOF
   XDIST=()
   $PY -c "import xdist, pytest_timeout" 2>/dev/null && XDIST=(-n 8 --timeout 150)
   if has tests; then
-    step 200 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "${XDIST[@]}" \
+    step 200 $PY -m pytest -q -m gpu tests/test_gpu.py tests/test_precision_gpu.py \
+        -p no:cacheprovider "${XDIST[@]}" \
         --tb=short -rfE --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -n 60
   fi
@@ -122,6 +124,12 @@ EOF
     tail -c 600 "$OUT/cli-runs.txt"; echo
   }
   cli resnet164 60 examples/resnet164-cifar.net --steps 5 --batch 16
+  # mixed precision (never run on a GPU before: f16 on cuBLAS and cuDNN; bf16 where this
+  # CuPy has bfloat16 arrays, else refused by name)
+  for p in f16 bf16; do
+    cli "resnet164 --precision $p" 60 examples/resnet164-cifar.net --steps 5 --batch 16 \
+        --precision "$p"
+  done
   NETDSL_CUDA_GRAPH=1 cli "resnet164, CUDA graphs" 60 examples/resnet164-cifar.net --steps 5 \
       --batch 16
   # gradient accumulation and clipping on the device (untested there so far), and a

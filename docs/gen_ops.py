@@ -22,6 +22,11 @@ _KINDS = {"tensor": "tensor", "tensors": "tensors...", "int": "int", "float": "f
           "padding": "int, tuple or \"same\""}
 
 
+# the mixed-precision rule (OpDef.precision) as `netdsl show` marks it: runs in the 2-byte
+# type, in f32, or (blank) in its inputs' type
+_AMP = {"reduced": "low", "f32": "f32"}
+
+
 def _value(v) -> str:
     if isinstance(v, bool):
         return str(v).lower()
@@ -52,7 +57,8 @@ def signature(op: registry.OpDef) -> str:
 
 def table() -> str:
     registry.load_all()
-    rows = ["| operator | arguments (kinds) | layer type | meaning |", "|---|---|---|---|"]
+    rows = ["| operator | arguments (kinds) | layer type | amp | meaning |",
+            "|---|---|---|---|---|"]
     for name in sorted(registry.OPS):
         op = registry.OPS[name]
         if not op.callable_from_language:
@@ -60,7 +66,8 @@ def table() -> str:
         kinds = ", ".join(f"{a.name}: {_KINDS.get(a.kind, a.kind)}" + _valid(a)
                           for a in op.signature)
         doc = op.doc.replace("|", "\\|")
-        rows.append(f"| `{signature(op)}` | {kinds} | {op.layer_type} | {doc} |")
+        amp = _AMP.get(op.precision, "")
+        rows.append(f"| `{signature(op)}` | {kinds} | {op.layer_type} | {amp} | {doc} |")
     return "\n".join(rows)
 
 

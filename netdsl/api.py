@@ -123,20 +123,25 @@ def save_images(net: Network, folder: str | Path, progress=None) -> int:
 
 def evaluate(net: Network, checkpoint: str | Path, batch: int | None = None,
              split: str = "test", samples: int | None = None, backend: str = "numpy",
-             device: int | None = None, dtype: str = "f32", progress=None):
+             device: int | None = None, dtype: str = "f32", progress=None,
+             precision: str | None = None):
     """Evaluate `net` with the parameters and buffers of the checkpoint in `checkpoint`
     (a run's, or the weights `netdsl import` writes) on the `split` ("test" or "train")
     samples of its train section's data, in evaluation mode; returns a
     `netdsl.runtime.evaluate.EvalResult` (loss, accuracy, images/s). Raises NetdslError
-    (CheckpointError for a missing, corrupt or mismatched checkpoint)."""
-    from netdsl.options import StepOptions, conflicts
+    (CheckpointError for a missing, corrupt or mismatched checkpoint). `precision`: the
+    forward pass's mixed precision (None: the train section's)."""
+    from netdsl.options import StepOptions, check_precision, conflicts
     from netdsl.runtime.evaluate import evaluate_checkpoint
     from netdsl.runtime.options import backend_for
-    opts = StepOptions(backend=backend, device=device, dtype=dtype)
-    conflicts(opts)  # (its refusals: a dtype that is neither f32 nor f64)
+    opts = StepOptions(backend=backend, device=device, dtype=dtype, precision=precision)
+    conflicts(opts)  # (its refusals: a dtype that is neither f32 nor f64, f64 with bf16)
+    if precision is None and net.train is not None:
+        check_precision(net.train.precision, dtype, "the train section's precision")
     be = backend_for(opts)
     return evaluate_checkpoint(net.graph, net.train, checkpoint, batch=batch, split=split,
-                               samples=samples, backend=be, dtype=dtype, progress=progress)
+                               samples=samples, backend=be, dtype=dtype, progress=progress,
+                               precision=precision)
 
 
 def build(net: Network, options=None, *, runs: bool = False, mem_default: bool = False,
@@ -165,28 +170,29 @@ def plan(net: Network, mem: int | str | None = None, batch: int | None = None,
          profile: str | None = None, strategy: str = "auto", float_dtype: str = "f32",
          prefetch: int | None = None, progress=None, verify: bool = True,
          offload_state: bool = False, microbatches: int | None = None,
-         backend: str = "numpy"):
+         backend: str = "numpy", precision: str | None = None):
     """Plan `net`'s training step at `batch` into `mem` bytes ("12GB" works; None: the
     profile's memory) for a device `profile` (None: the device `backend` runs on), its
     gradients accumulated over `microbatches` parts of the batch (None: the file's), the
     step `run` would run (`build`); returns a `netdsl.memory.search.PlanResult`
     (`feasible` says whether it fits). With `verify`, the decisions are applied and the
     storage plan of the rewritten step gives `verified_peak_bytes`, the peak a run holds.
-    Raises NetdslError for bad sizes, profiles or strategies."""
+    `precision`: mixed precision (None: the train section's). Raises NetdslError for bad
+    sizes, profiles or strategies."""
     return plan_step(net, mem, batch, profile, strategy, float_dtype, prefetch, progress,
-                     verify, offload_state, microbatches, backend).memory_plan
+                     verify, offload_state, microbatches, backend, precision).memory_plan
 
 
 def plan_step(net: Network, mem: int | str | None = None, batch: int | None = None,
               profile: str | None = None, strategy: str = "auto", float_dtype: str = "f32",
               prefetch: int | None = None, progress=None, verify: bool = True,
               offload_state: bool = False, microbatches: int | None = None,
-              backend: str = "numpy"):
+              backend: str = "numpy", precision: str | None = None):
     """`plan`'s step itself (a `netdsl.step.build.Step`, its `memory_plan` the plan)."""
     from netdsl.options import StepOptions
     opts = StepOptions(batch=batch, mem=mem, profile=profile, strategy=strategy,
                        dtype=float_dtype, offload_state=offload_state,
-                       microbatches=microbatches, backend=backend)
+                       microbatches=microbatches, backend=backend, precision=precision)
     return build(net, opts, mem_default=True, progress=progress, prefetch=prefetch,
                  verify_plan=verify)
 
@@ -209,12 +215,13 @@ class SplitResult:
     mpi: bool = False  # predicted and planned as one process per device runs it
     profile: object | None = None  # the netdsl.memory.profiles.Profile predicted for
     warnings: list[str] = field(default_factory=list)  # options that did nothing
+    precision: str = "f32"  # the step's mixed precision
 
     def to_json(self) -> dict:
         best = self.chosen.best
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
                "spec": best.spec.describe(), "mpi": self.mpi, "warnings": self.warnings,
-               "exact": best.exact, "note": self.chosen.note,
+               "exact": best.exact, "note": self.chosen.note, "precision": self.precision,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
                                  "fits": c.fits, "exact": c.exact,
                                  "planned": c.memory is not None
@@ -250,7 +257,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           profile: str | None = None, interconnect: str = "pcie3", bn: str = "sync",
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None, mpi: bool = False,
-          jobs: int | None = None, backend: str = "numpy") -> SplitResult:
+          jobs: int | None = None, backend: str = "numpy",
+          precision: str | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto), for a device
@@ -259,23 +267,29 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     per device (recompute, offload: `parallel.memplan`). `mpi`: predict and plan the
     split as `run --distributed` runs it, one process per device, whose sends MPI holds
     until the peer has them. `jobs`: processes that build and predict the candidates
-    (None: one a core where they are big enough). Raises SplitError (exit 3) for splits
-    that cannot be made or do not fit."""
+    (None: one a core where they are big enough); `precision`: mixed precision (None: the
+    train section's). Raises SplitError (exit 3) for splits that cannot be made or do
+    not fit."""
     from netdsl.options import StepOptions
     opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
                        split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
-                       interconnect=interconnect, jobs=jobs, backend=backend)
+                       interconnect=interconnect, jobs=jobs, backend=backend,
+                       precision=precision)
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen
     result = SplitResult(chosen, step.request.batch, mpi=mpi, profile=step.profile,
-                         warnings=step.warnings)
+                         warnings=step.warnings, precision=step.request.precision)
     if verify:
         from netdsl.runtime.data import Loader, make_dataset
         from netdsl.runtime.gate import verify_split
         cfg, b = step.cfg, step.request.batch
         data = make_dataset(net.graph, cfg.data, seed, cfg)
         feeds = dict(zip(data.input_names, Loader(data.train, b, seed).next(), strict=True))
+        # the gate checks the split's rewrite in float64, against the single-device step:
+        # a mixed-precision step's split is checked as the same split of the f32 step
+        same = step.request.precision == "f32"
         result.gate = verify_split(net.graph, b, chosen.best.spec, cfg.optimizer.model_dump(),
-                                   feeds, split=chosen.best.graph, seed=seed)
+                                   feeds, split=chosen.best.graph if same else None,
+                                   seed=seed)
     return result

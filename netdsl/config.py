@@ -7,12 +7,18 @@ Command-line options override fields with `TrainConfig.model_copy(update=...)`.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # every count (batch, steps, seed...) is a 64-bit integer; every float finite
 INT_MAX = 2 ** 63 - 1
+
+
+# NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
+# (the NumPy backend reads it; so does the mixed-precision rule of which kernels read
+# 2-byte values themselves, netdsl.ir.precision)
+FUSED_ENV = "NETDSL_FUSED_KERNELS"
 
 
 def env_switch(name: str, default: bool | None) -> bool | None:
@@ -217,6 +223,19 @@ class TrainConfig(_Strict):
     epochs: int | None = Field(None, gt=0, le=INT_MAX)
     seed: int = Field(0, ge=0, le=INT_MAX)
     eval_every: int | None = Field(None, gt=0, le=INT_MAX)
+    # mixed precision: activations and gradients in bf16 or f16, the master weights and
+    # optimizer state in f32 (netdsl.passes.precision); f16 with a dynamic loss scale
+    precision: Literal["f32", "bf16", "f16"] = "f32"
+
+    # the settings of how the step computes, which an unknown setting's message lists
+    # apart from the loop's
+    STEP_SETTINGS: ClassVar[tuple[str, ...]] = ("precision",)
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _a_name(cls, v):
+        # `precision = bf16` reads as a name, which the front end gives as {"kind": "bf16"}
+        return v["kind"] if isinstance(v, dict) and set(v) == {"kind"} else v
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):

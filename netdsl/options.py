@@ -17,6 +17,7 @@ from netdsl.errors import NetdslError
 
 BACKENDS = ("numpy", "cupy")
 DTYPES = ("f32", "f64")
+PRECISIONS = ("f32", "bf16", "f16")
 MEMORY_STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
 SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 SCHEDULES = ("gpipe", "1f1b")
@@ -61,6 +62,10 @@ class StepOptions:
         None, "GPU index for cupy (default 0; over MPI each rank its place among the ranks "
         "on its machine)", min=0)
     dtype: str = option("f32", "f32 or f64")
+    precision: str | None = option(
+        None, "mixed precision: bf16 or f16 activations and gradients (half the bytes) with "
+        "f32 master weights and optimizer state, f16 with a dynamic loss scale; or f32 "
+        "(default: the train section's `precision`, else f32)")
     mem: int | str | None = option(
         None, "memory budget per device (12GB, 300MB, 1.5GiB; KB/MB/GB decimal, KiB/MiB/GiB "
         "binary): the step is planned to fit, recomputing or offloading what does not",
@@ -167,6 +172,9 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
     `budgeted`: the step is planned into a budget even without --mem (`plan`)."""
     _choice(opts.backend, BACKENDS, "--backend")
     _choice(opts.dtype, DTYPES, "--dtype")
+    if opts.precision is not None:
+        _choice(opts.precision, PRECISIONS, "--precision")
+    check_precision(opts.precision or "f32", opts.dtype)
     _choice(opts.bn, BN_MODES, "--bn")
     if opts.offload_state and (opts.devices > 1 or opts.distributed):
         raise NetdslError("--offload-state with --devices or --distributed is not supported "
@@ -194,6 +202,15 @@ def _run_conflicts(opts: RunOptions) -> None:
     if opts.eval_samples is not None and opts.eval_samples < 0:
         raise NetdslError(f"--eval-samples must be 0 (no evaluation) or more, not "
                           f"{opts.eval_samples}")
+
+
+def check_precision(precision: str, dtype: str, where: str = "--precision") -> None:
+    """Mixed precision keeps f32 master weights: with --dtype f64 (f64 ones) it would mean
+    two things at once, so the pair is refused. `where`: how the precision was given."""
+    if precision != "f32" and dtype == "f64":
+        raise NetdslError(f"{where} {precision} computes in {precision} from f32 master "
+                          "weights, and --dtype f64 asks for f64 ones; give one of them "
+                          "(--dtype f64 alone is the float64 reference run)")
 
 
 def _choice(value: str, allowed: tuple[str, ...], flag: str) -> None:

@@ -17,7 +17,7 @@ from netdsl_cli.common import (
     load_network,
     print_json,
 )
-from netdsl_cli.options import DEFAULTS, BackendOpt, BatchOpt, DeviceOpt, DtypeOpt
+from netdsl_cli.options import DEFAULTS, BackendOpt, BatchOpt, DeviceOpt, DtypeOpt, PrecisionOpt
 
 
 @app.command("eval")
@@ -35,6 +35,7 @@ def eval_(
     backend: BackendOpt = DEFAULTS.backend,
     device: DeviceOpt = DEFAULTS.device,
     dtype: DtypeOpt = DEFAULTS.dtype,
+    precision: PrecisionOpt = DEFAULTS.precision,
     json_output: JsonOpt = False,
 ) -> None:
     """Evaluate a checkpoint: loss and accuracy on the held-out data, in evaluation mode."""
@@ -44,7 +45,7 @@ def eval_(
         net = load_network(file)
         try:
             r = evaluate(net, checkpoint, batch, data, samples, backend, device, dtype,
-                         progress=bar)
+                         progress=bar, precision=precision)
         finally:
             bar.close()
         if json_output:
@@ -55,5 +56,6 @@ def eval_(
             None if r.loss is None else f"loss {r.loss:.4f}",
             None if r.accuracy is None else f"accuracy {r.accuracy:.4f}") if x)
         console().print(Text(f"{r.network} at {at} ({r.checkpoint}): {r.split} {scores} over "
-                             f"{r.samples:,} samples, batch {r.batch} ({r.backend}, {r.dtype}; "
+                             f"{r.samples:,} samples, batch {r.batch} ({r.backend}, "
+                             f"{r.dtype if r.precision == 'f32' else r.precision}; "
                              f"{r.images_per_s:,.0f} images/s)"), soft_wrap=True)

@@ -25,7 +25,7 @@ from netdsl_cli.common import (
     print_error,
     print_json,
 )
-from netdsl_cli.options import BatchOpt
+from netdsl_cli.options import BatchOpt, PrecisionOpt
 
 
 class GraphFormat(StrEnum):
@@ -79,15 +79,24 @@ def show(
     batch: BatchOpt = None,
     depth: Annotated[int, typer.Option("--depth", "-d", min=0,
                                        help="block levels to expand (0: totals only)")] = 2,
+    precision: PrecisionOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
-    """A table of parameters, forward FLOPs and output bytes, grouped by block."""
+    """A table of parameters, forward FLOPs and output bytes, grouped by block; each op's
+    mixed-precision rule (column `amp`: runs in the 2-byte type, in f32, or as its input);
+    with --precision, the forward pass as that precision computes it (its casts too)."""
     from netdsl.ir.stats import summarize
 
     with guard(json_output):
         net = load_network(file)
         b = batch if batch is not None else default_batch(net)
-        s = summarize(lower_bound(net, b))
+        g = lower_bound(net, b)
+        if precision is not None:
+            from netdsl.options import StepOptions, conflicts
+            from netdsl.passes.pipeline import run_pipeline
+            conflicts(StepOptions(precision=precision))  # (a precision it knows)
+            g = run_pipeline(g, [("precision", {"dtype": precision})])
+        s = summarize(g)
         if json_output:
             print_json(s.to_json(depth))
         else:
@@ -100,23 +109,30 @@ def _show_table(s, depth: int) -> Table:
 
     t = Table(title=Text(f"{s.network} (batch {s.batch}; FLOPs = 2 x MACs)"),
               show_edge=False, pad_edge=False)
-    for col, just in (("name", "left"), ("op", "left"), ("output", "left"),
+    for col, just in (("name", "left"), ("op", "left"), ("amp", "left"), ("output", "left"),
                       ("params", "right"), ("FLOPs", "right"), ("output bytes", "right")):
         t.add_column(col, justify=just, no_wrap=col != "name")
     for r in s.rows(depth):
         style = "bold" if r.kind == "block" else ""
         t.add_row(Text("  " * r.level + r.label, style=style), Text(r.op),
+                  Text(_AMP.get(r.precision, "")),
                   Text(str(r.type) if r.type is not None else ""),
                   Text(fmt_count(r.params)), Text(fmt_si(r.flops)), Text(format_bytes(r.out_bytes)))
     t.add_section()
     total = f"total ({fmt_count(s.nodes)} ops, {fmt_count(s.convs)} convs)"
     t.add_row(Text(total, style="bold"),
-              Text(""), Text(""), Text(fmt_count(s.params), style="bold"),
+              Text(""), Text(""), Text(""), Text(fmt_count(s.params), style="bold"),
               Text(fmt_si(s.flops_forward), style="bold"),
               Text(format_bytes(s.activation_bytes), style="bold"))
     t.caption = Text(f"parameters {format_bytes(s.param_bytes)}, buffers {fmt_count(s.buffers)} "
-                     f"elements, largest workspace {format_bytes(s.workspace_peak)}")
+                     f"elements, largest workspace {format_bytes(s.workspace_peak)}; amp: "
+                     "under --precision bf16/f16 the op runs in the 2-byte type (low), in f32 "
+                     "(f32), or in its inputs' type (blank)")
     return t
+
+
+# `show`'s column of each op's mixed-precision rule (OpDef.precision)
+_AMP = {"reduced": "low", "f32": "f32"}
 
 
 @app.command()

@@ -35,6 +35,9 @@ def export(
     flat: Annotated[bool, typer.Option(
         "--flat", help="no ONNX local functions for the blocks (node names still carry "
         "them)")] = False,
+    half: Annotated[bool, typer.Option(
+        "--half", help="weights and computation in float16 (default float32: the master "
+        "weights, whatever --precision trained them)")] = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Export a network to ONNX; the model passes onnx.checker's full check."""
@@ -52,7 +55,7 @@ def export(
         else:
             w = seeded(seed if seed is not None else (net.train.seed if net.train else 0))
         try:
-            r = export_onnx(g, w, onnx, batch=b, flat=flat, progress=bar)
+            r = export_onnx(g, w, onnx, batch=b, flat=flat, progress=bar, half=half)
         finally:
             bar.close()
         if json_output:

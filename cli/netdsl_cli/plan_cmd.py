@@ -35,6 +35,7 @@ from netdsl_cli.options import (
     MemOpt,
     MicrobatchesOpt,
     OffloadStateOpt,
+    PrecisionOpt,
     ProfileOpt,
     StrategyOpt,
 )
@@ -52,6 +53,7 @@ def plan(
     strategy: StrategyOpt = DEFAULTS.strategy,
     offload_state: OffloadStateOpt = DEFAULTS.offload_state,
     microbatches: MicrobatchesOpt = DEFAULTS.microbatches,
+    precision: PrecisionOpt = DEFAULTS.precision,
     depth: Annotated[int, typer.Option("--depth", "-d", min=1,
                                        help="block levels in the decision table")] = 2,
     plot: Annotated[Path | None, typer.Option(help="draw device memory over the schedule "
@@ -70,11 +72,13 @@ def plan(
     with guard(json_output), gc_paused():
         net = load_network(file)
         args = dict(mem=mem, batch=batch, profile=profile, strategy=strategy,
-                    offload_state=offload_state, microbatches=microbatches, backend=backend)
+                    offload_state=offload_state, microbatches=microbatches, backend=backend,
+                    precision=precision)
         with fraction_bar("plan", json_output) as progress:
             step = plan_step(net, progress=progress, **args)
         keep_to_exit(step)
         res, b, micro = step.memory_plan, step.request.batch, step.microbatches
+        prec = step.request.precision
         if not json_output:
             warn(step.warnings)
         fitting = None  # where no plan fits: more micro-batches that one would fit
@@ -90,10 +94,11 @@ def plan(
         if json_output:
             print_json(plan_json(res, b, depth, {
                 **extra, "fits_with_microbatches": fitting, "warnings": step.warnings,
+                "precision": prec,
                 "planned_peak_bytes": step.planned_peak_bytes(),
                 "search_peak_bytes": res.planned_peak_bytes}, micro))
         else:
-            _print(res, b, depth, micro, step.planned_peak_bytes())
+            _print(res, b, depth, micro, step.planned_peak_bytes(), prec)
             if exact:
                 _print_exact(res, extra["exact"])
         if not res.feasible:
@@ -125,7 +130,7 @@ def _print_exact(res, e: dict) -> None:
     console().print(Text(line))
 
 
-def _print(res, batch: int, depth: int, microbatches: int, peak: int) -> None:
+def _print(res, batch: int, depth: int, microbatches: int, peak: int, precision: str) -> None:
     from netdsl.ir.stats import fmt_si
     from netdsl.memory.report import decision_rows
     fb = format_bytes
@@ -135,6 +140,7 @@ def _print(res, batch: int, depth: int, microbatches: int, peak: int) -> None:
     lines = [
         f"{res.network} at batch {batch}"
         + (f" in {microbatches} micro-batches" if microbatches > 1 else "")
+        + (f", {precision} mixed precision" if precision != "f32" else "")
         + f" for profile {res.profile.name}, strategy {res.strategy}"
         f" (planned in {res.plan_s:.2f} s)",
         f"budget              {fb(res.budget_bytes)}",

@@ -77,8 +77,10 @@ class _Bar:
         self.total = info["total_steps"]
         split = f" ({info['split']})" if info.get("split") else ""  # e.g. microbatches=4
         profile = f", profile {info['profile']}" if info.get("profile") else ""
+        precision = info.get("precision", "f32")
+        mixed = f", {precision} mixed precision" if precision != "f32" else ""
         self.err.print(f"{info['network']}: {info['params']:,} parameters, backend "
-                       f"{info['backend']} ({info['device']}){profile}, "
+                       f"{info['backend']} ({info['device']}){profile}{mixed}, "
                        f"batch {info['batch']}{split}, data {info['dataset']} "
                        f"({info['train_samples']:,} samples)")
         plan = info.get("memory_plan")
@@ -119,6 +121,8 @@ class _Bar:
             m += f"  data wait {format_seconds(r['data_wait_s'])}"
         if "test_accuracy" in r:
             m += f"  test {r['test_accuracy']:.3f}"
+        if "loss_scale" in r:  # f16: the scale this step used, and a step it skipped
+            m += f"  scale {r['loss_scale']:g}" + (" (skipped)" if r["skipped"] else "")
         self.progress.update(self.task, completed=r["step"], metrics=m)
         # the first step of a run also allocates and warms up (often 10x a later step),
         # so the estimate is made from the second step of this run
@@ -190,6 +194,10 @@ def _run(file: Path, plot: Path | None, json_output: bool, **options) -> int | N
                 f"peak memory {format_bytes(result.peak_bytes)}")
         if result.test_accuracy is not None:
             line += f", test accuracy {result.test_accuracy:.4f}"
+        if result.loss_scale is not None:
+            s = result.loss_scale
+            line += (f"; f16 loss scale {s['scale']:g}, {s['skipped_steps']} step(s) skipped "
+                     "for inf or NaN gradients")
         out.print(line)
         if opts.checkpoint:
             out.print(f"checkpoint: {Path(opts.checkpoint) / 'checkpoint.npz'}")

@@ -32,6 +32,7 @@ from netdsl_cli.options import (
     JobsOpt,
     MemOpt,
     MicrobatchesOpt,
+    PrecisionOpt,
     ProfileOpt,
     ScheduleOpt,
     SplitOpt,
@@ -53,6 +54,7 @@ def split(
     interconnect: InterconnectOpt = DEFAULTS.interconnect,
     bn: BnOpt = DEFAULTS.bn,
     schedule: ScheduleOpt = DEFAULTS.schedule,
+    precision: PrecisionOpt = DEFAULTS.precision,
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
                                          "one batch in float64 and compare every "
                                          "gradient and updated value")] = False,
@@ -76,7 +78,8 @@ def split(
         n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
-                  schedule=schedule, mpi=mpi, jobs=jobs, backend=backend)
+                  schedule=schedule, mpi=mpi, jobs=jobs, backend=backend,
+                  precision=precision)
         with fraction_bar("split", json_output) as progress:
             res = split_api(net, progress=progress, **kw)
         keep_to_exit(res)
@@ -100,7 +103,9 @@ def _print(res) -> None:
     best = res.chosen.best
     rep = best.report
     t = Table(title=f"{best.graph.name} on {rep.devices} device(s): {best.spec.describe()} "
-                    f"(batch {res.batch}{', one process a device over MPI' if res.mpi else ''})")
+                    f"(batch {res.batch}"
+                    f"{f', {res.precision} mixed precision' if res.precision != 'f32' else ''}"
+                    f"{', one process a device over MPI' if res.mpi else ''})")
     mem = best.memory.per_device if best.memory is not None else None
     cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "sends", "collectives",
             "sent / step"]

@@ -20,6 +20,10 @@ class Backend(Protocol):
     xp: Any  # the array module kernels use
     device: int  # the device index (0 for the host)
 
+    def check_precision(self, precision: str) -> None:
+        """Raise NetdslError (DeviceError) if this backend cannot hold `precision`'s
+        2-byte values ("bf16", "f16"), saying what to use instead."""
+
     def asarray(self, host_array, dtype=None) -> Any:
         """Copy a host (NumPy) array onto the device."""
 

@@ -9,12 +9,15 @@ library: `Convolutions` takes the array module's pointer, stream and allocation 
 (the CuPy backend gives CuPy's; the tests give NumPy's, against a stand-in library built
 from C), so the calls, their argument order and the descriptors are tested without a GPU.
 
-Arithmetic: every convolution is set to CUDNN_FMA_MATH, so float32 stays float32 (cuDNN's
-default math lets Ampere and later GPUs use TF32 tensor cores, which round inputs to 10
-bits of mantissa; PyTorch's default does). An algorithm is chosen once per geometry, the
-fastest of cuDNN's heuristics whose workspace fits the bytes the caller allows (the
-node's workspace rule, so a storage plan stays exact), or none: the caller then takes its
-own path.
+Arithmetic: every float32 or float64 convolution is set to CUDNN_FMA_MATH, so float32
+stays float32 (cuDNN's default math lets Ampere and later GPUs use TF32 tensor cores, which
+round inputs to 10 bits of mantissa; PyTorch's default does). A float16 one (mixed
+precision) takes half data with float32 as its convolution's compute type (products
+accumulated in f32, cuDNN's "pseudo-half" configuration) and tensor-op math: the tensor
+cores, which is what f16 is for; its alpha and beta are floats. An algorithm is chosen
+once per geometry, the fastest of cuDNN's heuristics whose workspace fits the bytes the
+caller allows (the node's workspace rule, so a storage plan stays exact), or none: the
+caller then takes its own path.
 """
 from __future__ import annotations
 
@@ -31,10 +34,11 @@ ENV = "NETDSL_CUDNN"  # 0: never use cuDNN
 LIBRARY_ENV = "NETDSL_CUDNN_LIBRARY"  # a libcudnn to load instead of searching
 
 # cudnn_graph.h / cudnn_cnn.h constants (stable since cuDNN 7)
-_DATA = {"float32": 0, "float64": 1}  # CUDNN_DATA_FLOAT, CUDNN_DATA_DOUBLE
+# CUDNN_DATA_FLOAT, CUDNN_DATA_DOUBLE, CUDNN_DATA_HALF
+_DATA = {"float32": 0, "float64": 1, "float16": 2}
 _NCHW = 0  # CUDNN_TENSOR_NCHW
 _CROSS_CORRELATION = 1  # CUDNN_CROSS_CORRELATION (what deep learning calls convolution)
-_DEFAULT_MATH, _FMA_MATH = 0, 3  # cudnnMathType_t (1, 2: tensor-op math)
+_DEFAULT_MATH, _TENSOR_OP_MATH, _FMA_MATH = 0, 1, 3  # cudnnMathType_t
 _SUCCESS = 0
 
 FORWARD, DATA, FILTER = "forward", "data", "filter"
@@ -196,15 +200,16 @@ class Library:
                  groups: int) -> Geometry:
         """The descriptors of one convolution (shapes NCHW, weight [O, C/g, kh, kw])."""
         dt = _DATA[dtype]
+        half = dtype == "float16"  # (module docstring: f32 accumulation, tensor cores)
         xd, wd, yd = self._new("Tensor"), self._new("Filter"), self._new("Tensor")
         self.call("cudnnSetTensor4dDescriptor", xd, _NCHW, dt, *map(int, x))
         self.call("cudnnSetFilter4dDescriptor", wd, dt, _NCHW, *map(int, w))
         self.call("cudnnSetTensor4dDescriptor", yd, _NCHW, dt, *map(int, y))
         cd = self._new("Convolution")
         self.call("cudnnSetConvolution2dDescriptor", cd, *map(int, pads), *map(int, strides),
-                  *map(int, dilations), _CROSS_CORRELATION, dt)
+                  *map(int, dilations), _CROSS_CORRELATION, _DATA["float32"] if half else dt)
         self.call("cudnnSetConvolutionGroupCount", cd, int(groups))
-        self.call("cudnnSetConvolutionMathType", cd, _FMA_MATH)
+        self.call("cudnnSetConvolutionMathType", cd, _TENSOR_OP_MATH if half else _FMA_MATH)
         return Geometry(self, dtype, xd, wd, yd, cd)
 
 
@@ -290,7 +295,7 @@ class Convolutions:
         return self._geoms[key]
 
     def _run(self, kind, dtype, shapes, geom, groups, a, b, out, limit):
-        if dtype not in _DATA:  # (netdsl computes in float32 or float64)
+        if dtype not in _DATA:  # (netdsl computes in float32, float64 or float16)
             return None
         key = (dtype, shapes, geom, groups)
         g = self._geometry(key)
@@ -308,7 +313,7 @@ class Convolutions:
         if out is None or tuple(out.shape) != shape or not out.flags.c_contiguous:
             out = xp.empty(shape, dtype)
         ws = xp.empty(ws_bytes, xp.uint8) if ws_bytes else None
-        scalar = c_float if dtype == "float32" else c_double
+        scalar = c_double if dtype == "float64" else c_float  # (half: float, as cuDNN wants)
         alpha, beta = scalar(1.0), scalar(0.0)
         a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
         name, descs = _KINDS[kind]

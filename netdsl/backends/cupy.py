@@ -115,6 +115,24 @@ class CupyBackend:
                                            cupy.cuda.runtime.getDevice, cupy.asarray,
                                            cupy.asnumpy)
 
+    def check_precision(self, precision: str) -> None:
+        """f16 runs on every CUDA GPU CuPy supports. bf16 needs arrays of ml_dtypes'
+        bfloat16 on the device, which CuPy releases before 14 do not have: refused there,
+        by name, rather than failing inside the first kernel."""
+        if precision != "bf16":
+            return
+        try:
+            import ml_dtypes
+            with self._dev:  # an array, a conversion and a product of the type
+                z = self.xp.zeros((2, 2), dtype=ml_dtypes.bfloat16)
+                (z @ z).astype(self.xp.float32)
+        except Exception as e:
+            raise DeviceError(f"--precision bf16 on the cupy backend needs bfloat16 arrays, "
+                              f"which this CuPy ({self.xp.__version__}) does not have "
+                              f"({type(e).__name__}: {e}); train with --precision f16 on "
+                              "the GPU (its tensor cores and cuDNN take f16), or bf16 on "
+                              "the numpy backend") from None
+
     def asarray(self, host_array, dtype=None):
         with self._dev:
             return self.xp.array(host_array, dtype=dtype)

@@ -9,10 +9,8 @@ import numpy as np
 
 from netdsl.backends.erf import erf as erf_arrays
 from netdsl.backends.host_memory import keep_freed_memory
-from netdsl.config import env_switch
-
-# NETDSL_FUSED_KERNELS=0 runs the NumPy reference kernels even where Numba is installed
-FUSED_ENV = "NETDSL_FUSED_KERNELS"
+from netdsl.config import FUSED_ENV, env_switch
+from netdsl.ir.types import numpy_dtype
 
 
 def load_fused():
@@ -90,6 +88,10 @@ class NumpyBackend:
         if self._fused is _UNSET:
             self._fused = load_fused()
         return self._fused
+
+    def check_precision(self, precision: str) -> None:
+        """NumPy holds f16 itself and bf16 through ml_dtypes (a NetdslError without it)."""
+        numpy_dtype(precision)
 
     def asarray(self, host_array, dtype=None):
         return np.array(host_array, dtype=dtype, copy=True)

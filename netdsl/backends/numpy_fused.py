@@ -45,6 +45,7 @@ from netdsl.backends.numpy_fused_attention import (
     attention_probs_tasks,
     attention_tasks,
 )
+from netdsl.backends.numpy_fused_bf16 import BF16, with_bits
 from netdsl.backends.numpy_fused_gemm import PooledGemm, find_numpy_cblas
 from netdsl.backends.numpy_fused_loss import sce_forward, sce_grad
 from netdsl.backends.numpy_fused_norm import (
@@ -121,11 +122,13 @@ def short_spins() -> None:
 
 class FusedKernels:
     """What kernels see as `ctx.backend.fused`: the compiled loops, for float32 and
-    float64 C-contiguous arrays (callers fall back to the NumPy reference otherwise)."""
+    float64 C-contiguous arrays (callers fall back to the NumPy reference otherwise), and
+    bf16 ones for the loops that read it themselves (numpy_fused_bf16: batchnorm's and
+    relu's; an op's kernel gets bf16 only where its OpDef.reads_reduced says "numba")."""
 
-    bn_forward = staticmethod(bn_forward)
-    bn_grad_stats = staticmethod(bn_grad_stats)
-    bn_grad_input = staticmethod(bn_grad_input)
+    bn_forward = staticmethod(with_bits(bn_forward))
+    bn_grad_stats = staticmethod(with_bits(bn_grad_stats))
+    bn_grad_input = staticmethod(with_bits(bn_grad_input))
     bn_moments = staticmethod(bn_moments)  # a synchronised batchnorm's (ir/ops/norm_sync.py)
     bn_normalise = staticmethod(bn_normalise)
     bn_grad_sums = staticmethod(bn_grad_sums)
@@ -144,8 +147,8 @@ class FusedKernels:
     maxpool2x2_grad = staticmethod(maxpool2x2_grad)
     sce_forward = staticmethod(sce_forward)  # softmax cross-entropy, the plain case
     sce_grad = staticmethod(sce_grad)
-    add = staticmethod(add)  # a + b, or relu(a + b)
-    relu_grad = staticmethod(relu_grad)
+    add = staticmethod(with_bits(add))  # a + b, or relu(a + b)
+    relu_grad = staticmethod(with_bits(relu_grad))
     window_grad = staticmethod(window_grad)  # relu6's and clip's gradients
     scatter_add_rows = staticmethod(scatter_add_rows)
     col2im_add = staticmethod(col2im_add)
@@ -184,11 +187,15 @@ class FusedKernels:
         depthwise, attention or layernorm ones, a fraction of the time that compiling every
         kernel takes."""
         for group in groups:
-            warm = KERNEL_GROUPS[group]
             for dt in dtypes:
                 key = (group, np.dtype(dt))
-                if key not in self.loaded:
-                    warm(self, np.dtype(dt).type)
+                if np.dtype(dt) == BF16:  # (the groups whose loops read bf16 bits)
+                    warm = BF16_GROUPS.get(group)
+                    if warm is not None and key not in self.loaded:
+                        warm(self)
+                        self.loaded.add(key)
+                elif key not in self.loaded:
+                    KERNEL_GROUPS[group](self, np.dtype(dt).type)
                     self.loaded.add(key)
 
     @staticmethod
@@ -307,7 +314,7 @@ class FusedKernels:
 
     @staticmethod
     def accepts(*arrays) -> bool:
-        return all(isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64)
+        return all(isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64, BF16)
                    and a.flags.c_contiguous and a.size > 0 for a in arrays)
 
     def __repr__(self) -> str:
@@ -425,6 +432,22 @@ def _warm_depthwise(f: FusedKernels, dt) -> None:
                                      t.shape, geom, 1, 64)
     numpy_fused_depthwise.grad_weight(t, t, w1.shape, geom, 1, 64)
 
+
+def _warm_batchnorm_bf16(f: FusedKernels) -> None:
+    x, w, st = np.ones((1, 1, 2), BF16), np.ones(1, np.float32), np.ones((4, 1), np.float32)
+    f.bn_forward(x, w, w, 1e-5, True, np.inf, x.copy(), np.empty((2, 1)), 1)
+    f.bn_grad_stats(x, x, w, w, 1e-5, True, np.inf, st, 1)
+    f.bn_grad_input(x, x, st, w, w, True, np.inf, x, True, x.copy(), 1)
+
+
+def _warm_elementwise_bf16(f: FusedKernels) -> None:
+    d1 = np.ones(2, BF16)
+    f.add(d1, d1, True, d1.copy())
+    f.relu_grad(d1, d1, d1, True, d1.copy())
+
+
+# the groups with loops that read bf16 (numpy_fused_bf16), loaded for a graph that has it
+BF16_GROUPS = {"batchnorm": _warm_batchnorm_bf16, "elementwise": _warm_elementwise_bf16}
 
 # the groups an op names in OpDef.extra["fused_kernels"] (netdsl.ir.registry.OpDef.fused_groups)
 KERNEL_GROUPS = {

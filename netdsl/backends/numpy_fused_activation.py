@@ -2,7 +2,7 @@
 float32, and relu's one-pass forms: relu(a + b) and relu's gradient with a gradient sum's
 other term folded in (the fuse passes' add_relu and relu_grad with `acc`); relu6's and
 clip's gradients in one pass; and a plain a + b, which, unlike NumPy's, runs on the loops'
-threads."""
+threads. The add and relu loops take bf16 too (numpy_fused_bf16: `ld`, `stored`)."""
 from __future__ import annotations
 
 import numba
@@ -10,6 +10,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
+
+from netdsl.backends.numpy_fused_bf16 import ld, stored
 
 # erf(z) on [-4, 4] as the rational function z * P(z^2) / Q(z^2) that Eigen and XLA use for
 # float32 (outside it erf is +-1 in float32), with no exp and no branch, so LLVM vectorises
@@ -51,7 +53,7 @@ def like(a, v):
 
 @overload(like, inline="always")
 def _like_impl(a, v):
-    if a.dtype == numba.float32:
+    if a.dtype == numba.float32 or a.dtype == numba.uint16:  # (bf16 bits: computed in f32)
         return lambda a, v: np.float32(v)
     return lambda a, v: np.float64(v)
 _BLOCK = 1 << 14
@@ -165,23 +167,23 @@ def gelu_grad(dy, x):
 @numba.njit(**_SEQ)
 def _add(a, b, y):
     for i in range(y.size):
-        y[i] = a[i] + b[i]
+        y[i] = stored(y, ld(a[i]) + ld(b[i]))
 
 
 @numba.njit(**_SEQ)
 def _add_relu(a, b, y):
     zero = like(y, 0.0)
     for i in range(y.size):
-        v = a[i] + b[i]
-        y[i] = zero if v < zero else v
+        v = ld(a[i]) + ld(b[i])
+        y[i] = stored(y, zero if v < zero else v)
 
 
 @numba.njit(**_SEQ)
 def _relu_grad(dy, y, acc, with_acc, dx):
     one, zero = like(dx, 1.0), like(dx, 0.0)
     for i in range(dx.size):
-        s = dy[i] + acc[i] if with_acc else dy[i]
-        dx[i] = s * (one if y[i] > zero else zero)
+        s = ld(dy[i]) + ld(acc[i]) if with_acc else ld(dy[i])
+        dx[i] = stored(dx, s * (one if ld(y[i]) > zero else zero))
 
 
 @numba.njit(**_PAR)

@@ -17,7 +17,9 @@ norm_fused, which the tests compare these against):
   w and b first rounded to the data's dtype, computed in the data's dtype - the forward and
   both backward kernels compute z identically, so the relu mask the backward recomputes
   is the forward's exactly;
-- the backward's per-channel sums are taken the same way.
+- the backward's per-channel sums are taken the same way;
+- bf16 data (mixed precision) comes as its uint16 bits, read and written through
+  numpy_fused_bf16's `ld` and `stored` and computed in float32, by the same loops.
 
 Compiled with `cache=True`: the machine code is kept in `__pycache__` next to this file,
 so only the first process after an install pays the compile. `reassoc` lets the
@@ -34,6 +36,7 @@ import numpy as np
 
 from netdsl.backends.numpy_fused_activation import exp_of_nonpositive_in_place
 from netdsl.backends.numpy_fused_activation import like as _like
+from netdsl.backends.numpy_fused_bf16 import ld, stored
 
 _JIT = {"cache": True, "nogil": True, "fastmath": {"reassoc"}}
 _PAR = {**_JIT, "parallel": True}  # channels in parallel: each is independent of the others
@@ -59,7 +62,7 @@ def _moments(x3, c0, c1, moments):
         moments[1, c] = 0.0
     for i in range(n):
         for c in range(c0, c1):
-            k = x3[0, c, 0]
+            k = ld(x3[0, c, 0])
             for j0 in range(0, p, _BLOCK):
                 b1, b2 = _shifted_sums(x3[i, c, j0:j0 + _BLOCK], k)
                 moments[0, c] += np.float64(b1)
@@ -73,7 +76,7 @@ def _mean_and_variance(x3, c, s1, s2, moments):
     """moments[:, c] from channel c's sums of x - x3[0, c, 0] and of its square."""
     m = x3.shape[0] * x3.shape[2]
     mu = s1 / m
-    moments[0, c] = np.float64(x3[0, c, 0]) + mu
+    moments[0, c] = np.float64(ld(x3[0, c, 0])) + mu
     moments[1, c] = max(s2 / m - mu * mu, 0.0)
 
 
@@ -83,7 +86,7 @@ def _shifted_sums(r, k):
     s1 = _like(r, 0.0)
     s2 = _like(r, 0.0)
     for j in range(r.shape[0]):
-        d = r[j] - k
+        d = ld(r[j]) - k
         s1 += d
         s2 += d * d
     return s1, s2
@@ -96,8 +99,8 @@ def _masked_sums(dy, x, mt, scale, shift, zero, relu, cap, capped):
     sg = zero
     sgd = zero
     for j in range(x.shape[0]):
-        d = x[j] - mt
-        g = dy[j]
+        d = ld(x[j]) - mt
+        g = ld(dy[j])
         if relu and not _passes(d * scale + shift, zero, cap, capped):
             g = zero
         sg += g
@@ -109,7 +112,7 @@ def _masked_sums(dy, x, mt, scale, shift, zero, relu, cap, capped):
 def _consts(x3, mean, inv, w, b):
     """mean, inv, scale = inv * w, shift = b and 0 in the data's dtype."""
     it = _like(x3, inv)
-    return _like(x3, mean), it, it * _like(x3, w), _like(x3, b), _like(x3, 0.0)
+    return _like(x3, mean), it, it * _like(x3, ld(w)), _like(x3, ld(b)), _like(x3, 0.0)
 
 
 # The backward batchnorm kernels below split the channels into `tasks` runs, one a
@@ -135,7 +138,7 @@ def _block_sums(x3, parts, r0, r1):
     nc = x3.shape[1]
     for r in range(r0, r1):
         i, c = r // nc, r % nc
-        k = x3[0, c, 0]
+        k = ld(x3[0, c, 0])
         for q in range(parts.shape[3]):
             b1, b2 = _shifted_sums(x3[i, c, q * _BLOCK:(q + 1) * _BLOCK], k)
             parts[0, i, c, q] = np.float64(b1)
@@ -172,12 +175,12 @@ def _normalise_rows(x3, moments, w, b, eps, relu, cap, y3, r0, r1):
         mt, _it, scale, shift, zero = _consts(
             x3, moments[0, c], 1.0 / math.sqrt(moments[1, c] + eps), w[c], b[c])
         for j in range(p):
-            z = (x3[i, c, j] - mt) * scale + shift
+            z = (ld(x3[i, c, j]) - mt) * scale + shift
             if relu and not z > zero:  # NaN stays NaN; z > 0 is the backward's mask
                 z = zero if z == z else z
             if relu and capped and z > top:
                 z = top
-            y3[i, c, j] = z
+            y3[i, c, j] = stored(y3, z)
 
 
 @numba.njit(**_PAR)
@@ -292,18 +295,18 @@ def bn_grad_input(dy3, x3, st, w, b, relu, cap, acc3, accumulate, dx3, tasks, co
             # dx3 that loop does not vectorise
             if accumulate:
                 for j in range(p):
-                    d = x3[i, c, j] - mt
-                    g = dy3[i, c, j]
+                    d = ld(x3[i, c, j]) - mt
+                    g = ld(dy3[i, c, j])
                     if relu and not _passes(d * scale + shift, zero, top, capped):
                         g = zero
-                    dx3[i, c, j] = (d * k_dev + k_sum + g) * scale + acc3[i, c, j]
+                    dx3[i, c, j] = stored(dx3, (d * k_dev + k_sum + g) * scale + ld(acc3[i, c, j]))
             else:
                 for j in range(p):
-                    d = x3[i, c, j] - mt
-                    g = dy3[i, c, j]
+                    d = ld(x3[i, c, j]) - mt
+                    g = ld(dy3[i, c, j])
                     if relu and not _passes(d * scale + shift, zero, top, capped):
                         g = zero
-                    dx3[i, c, j] = (d * k_dev + k_sum + g) * scale
+                    dx3[i, c, j] = stored(dx3, (d * k_dev + k_sum + g) * scale)
 
 
 @numba.njit(**_JIT)

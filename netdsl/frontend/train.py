@@ -137,10 +137,12 @@ def train_config(tdef: ast.TrainDef | None) -> TrainConfig | None:
             if err["type"] == "extra_forbidden":
                 top = path[0] if path else "?"
                 if len(path) == 1:
-                    data = ("val", "train_transforms", "eval_transforms")
-                    msg = (f"unknown train setting `{top}` (known: "
-                           f"{', '.join(k for k in TrainConfig.model_fields if k not in data)}"
-                           f"); the data's: {', '.join(data)}")
+                    aside = ("val", "train_transforms", "eval_transforms",
+                             *TrainConfig.STEP_SETTINGS)
+                    loop = [k for k in TrainConfig.model_fields if k not in aside]
+                    msg = (f"unknown train setting `{top}` (known: {', '.join(loop)}); the "
+                           f"data's: {', '.join(aside[:3])}; of how the step computes: "
+                           f"{', '.join(TrainConfig.STEP_SETTINGS)}")
                 else:
                     kind = data.get(top, {}).get("kind", top)
                     msg = f"{kind}() has no argument `{path[-1]}`"

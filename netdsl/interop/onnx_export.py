@@ -22,6 +22,7 @@ from netdsl.errors import InteropError
 from netdsl.interop import require_onnx
 from netdsl.interop.onnx_export_ops import EXPORTERS
 from netdsl.interop.onnx_functions import FUNCTION_DOMAIN, block_functions
+from netdsl.interop.onnx_half import half_weight, to_half
 from netdsl.interop.weights import Weights
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.types import BATCH, TensorType
@@ -149,21 +150,24 @@ class Emitter:
 def _value_info(onnx, name: str, t: TensorType):
     # the batch is the named dimension N; a derived one (N*64 after a reshape) is unnamed
     dims = [d if isinstance(d, int) else (d if d == BATCH else None) for d in t.shape]
-    elem = getattr(onnx.TensorProto, _ELEM[t.dtype])
+    elem = getattr(onnx.TensorProto, _ELEM[t.dtype])  # (--half: made float16 after)
     return onnx.helper.make_tensor_value_info(name, elem, dims)
 
 
 def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
                 batch: int | None = None, external: bool | None = None, flat: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> ExportResult:
+                progress: Callable[[int, int], None] | None = None,
+                half: bool = False) -> ExportResult:
     """Write `graph`'s forward network (its `output`s) to `path` as ONNX and check it.
 
     graph: a forward graph (`Network.lower()`); batch: bind `N` to it (default: keep `N`
     symbolic); weights: the value of each parameter and buffer node; external: keep the
     weights in `path.data` (default: only when they pass 1 GiB); flat: no local functions
     for the blocks (the node names still carry them); progress(done, total) is
-    called as the weights are written. Raises InteropError, listing every operator that
-    has no ONNX form, before anything is written.
+    called as the weights are written; half: the weights and every float the model
+    computes in float16 (`onnx_half`; else float32, whatever precision trained them).
+    Raises InteropError, listing every operator that has no ONNX form, before anything
+    is written.
     """
     onnx = require_onnx()
     g = graph.bind(batch) if batch is not None else graph
@@ -190,21 +194,22 @@ def export_onnx(graph: Graph, weights: Weights, path: str | Path, *,
     outputs = [_value_info(onnx, name, g[name].type) for name in g.outputs["output"]]
 
     path = Path(path)
-    total = sum(n.type.nbytes() for n in state)
+    total = sum(n.type.nbytes() // (2 if half and n.type.is_float else 1) for n in state)
     if external is None:
         external = total > EXTERNAL_BYTES
     data_path = path.with_name(path.name + ".data") if external else None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        inits = _initializers(onnx, state, weights, data_path, progress)
+        inits = _initializers(onnx, state, weights, data_path, progress, half)
         return _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat,
-                       state, total)
+                       state, total, half)
     except OSError as e:
         raise InteropError(f"cannot write {e.filename or path}: {e.strerror or e}") from None
 
 
-def _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat, state, total):
-    """Assemble the model, infer its shapes, check it, save it."""
+def _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat, state, total,
+            half):
+    """Assemble the model (`half`: in float16), infer its shapes, check it, save it."""
     body, functions = em.nodes, []
     if not flat:
         body, functions = block_functions(onnx, g, nodes, em.by_node, OPSET)
@@ -217,6 +222,8 @@ def _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat, s
                                    producer_name="netdsl", producer_version=_version())
     model.ir_version = IR_VERSION
     onnx.helper.set_model_props(model, {"netdsl.network": g.name})
+    if half:
+        to_half(onnx, model)
     try:
         if data_path is not None:
             onnx.save_model(model, path)
@@ -237,7 +244,7 @@ def _finish(onnx, g, em, nodes, inputs, outputs, inits, path, data_path, flat, s
 
 
 def _initializers(onnx, state: list[Node], weights: Weights, data_path: Path | None,
-                  progress) -> list:
+                  progress, half: bool = False) -> list:
     out = []
     fh = open(data_path, "wb") if data_path is not None else None  # noqa: SIM115
     try:
@@ -247,6 +254,8 @@ def _initializers(onnx, state: list[Node], weights: Weights, data_path: Path | N
             if arr.shape != want:
                 raise InteropError(f"weight `{n.name}` has shape {arr.shape}, the network "
                                    f"expects {want}")
+            if half:
+                arr = half_weight(n.name, arr)
             t = onnx.numpy_helper.from_array(arr, n.name)
             if fh is not None and arr.size > 256:  # small ones stay inline
                 offset = fh.tell()

@@ -75,6 +75,10 @@ NODE_META: dict[str, MetaKey] = _table(
                     "parallel.syncbn", "parallel.tensor"),
             read_by=("ir.ops.comm", "parallel.check", "parallel.predict",
                      "parallel.replicate", "runtime.comm")),
+    MetaKey("gate", str,
+            "an optimizer update of an f16 step: the loss scale's found_inf flag, where set "
+            "the executor skips the update (the step's gradients held inf or NaN)",
+            set_by=("passes.optimizer",), read_by=("passes.optimizer", "runtime.executor")),
     MetaKey("clip_of", str,
             "a gradient scaled by clip_grad_norm: the gradient it scales",
             set_by=("passes.optimizer",), read_by=("parallel.check",)),
@@ -163,6 +167,11 @@ GRAPH_META: dict[str, MetaKey] = _table(
             set_by=("passes.autodiff", "parallel.gradsync"), read_by=("parallel.gradsync",)),
     MetaKey("optimizer", dict, "the optimizer's kind and hyper-parameters",
             set_by=("passes.optimizer",)),
+    MetaKey("precision", dict,
+            '{"dtype": "bf16" | "f16", "device": "cpu" | "numba" | "gpu"}: a mixed-'
+            "precision step, and the kind of kernels whose conversions of 2-byte values its "
+            "plan counts",
+            set_by=("passes.precision",), read_by=("ir.precision", "runtime.loss_scale")),
     MetaKey("memory_decisions", dict,
             '{value: "recompute" | "offload"}: what the memory plan did',
             set_by=("memory.strategies",)),

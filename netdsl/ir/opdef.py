@@ -30,6 +30,21 @@ from netdsl.ir.types import TensorType
 
 REQUIRED = object()
 
+# mixed precision (netdsl.passes.precision), as PyTorch's autocast lists: a "reduced" op
+# has its float inputs cast to the 2-byte type and runs in it (convolutions and products,
+# accumulating in f32); an "f32" op has them cast to f32 (softmax, losses, exp, log,
+# sums: where 8 bits of mantissa or f16's range lose the result); a "follow" op runs in
+# the type of its inputs (the widest, where they differ), its reductions in f32
+PRECISIONS = ("reduced", "f32", "follow")
+# The kinds of kernels an op may read 2-byte values with (`OpDef.reads_reduced`): "cpu"
+# (NumPy's reference kernels), "numba" (the NumPy backend's fused loops) and "gpu" (CuPy,
+# cuBLAS, cuDNN). An op whose kernels move values without computing on them reads them
+# on any; the products cuBLAS and cuDNN run on 2-byte data on a GPU (accumulating in
+# f32); the fused loops that read bf16 bits (numpy_fused_bf16)
+ANY_DEVICE = ("cpu", "numba", "gpu")
+GPU_LIBRARIES = ("gpu",)
+FUSED_LOOPS = ("numba",)  # (bf16 only: netdsl.ir.precision.converted)
+
 # layer types; the memory planner picks offload for compute-heavy ones, recompute for cheap
 LAYER_TYPES = ("input", "param", "conv", "linear", "matmul", "norm", "activation", "pool",
                "elementwise", "shape", "loss", "embedding", "reduce", "dropout",
@@ -126,6 +141,13 @@ class OpDef:
     writes: tuple[int, ...] | Callable[[Any], tuple[int, ...]] = ()
     view_of: int | None = None
     random: bool = False
+    # how it runs under mixed precision (PRECISIONS above; extra["output_attrs"]: the
+    # attributes its value holds as they are, which f16 must hold), and the kinds of
+    # kernels (ANY_DEVICE) that read and write 2-byte values themselves; elsewhere the
+    # executor converts them to f32 at the kernel's boundary (and the plan counts the
+    # copies as the node's workspace)
+    precision: str = "follow"
+    reads_reduced: tuple[str, ...] = ()
     # reads only the part of its input that it outputs (slice): the cost model counts the
     # output's bytes read and written, not the whole input's
     reads_part: bool = False
@@ -229,6 +251,8 @@ def register(op: OpDef) -> OpDef:
         raise ValueError(f"operator {op.name!r} registered twice")
     if op.layer_type not in LAYER_TYPES:
         raise ValueError(f"unknown layer type {op.layer_type!r}")
+    if op.precision not in PRECISIONS:
+        raise ValueError(f"unknown precision rule {op.precision!r}")
     OPS[op.name] = op
     return op
 

@@ -26,7 +26,7 @@ from netdsl.errors import ShapeError
 from netdsl.ir import registry
 from netdsl.ir.graph import SOURCE_OPS, Graph, Node
 from netdsl.ir.ops._util import pair
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import REDUCED_DTYPES, TensorType
 
 # fields a derived node takes from the node it stands for, so errors and plans point at
 # the source line and block that caused it
@@ -109,11 +109,18 @@ def _inherit(like: Node | None, fields: dict) -> None:
 def _check_float_dtypes(op: registry.OpDef, in_types) -> None:
     """The dtype rule: an operator's floating-point tensor arguments share one dtype. There
     is no implicit promotion (PyTorch's f32 @ f64 is an error too); a mix is a mistake
-    in the program, reported here for every operator rather than in each shape rule."""
+    in the program, reported here for every operator rather than in each shape rule.
+    Under mixed precision a backward operator (or one that declares
+    `extra["mixed_floats"]`: a synchronised batchnorm) reads 2-byte values beside f32
+    ones (parameters read as they are, batchnorm's statistics): there the 2-byte floats
+    count as f32, which their kernels compute in."""
     if len(in_types) < 2:  # nothing to disagree with
         return
     floats = [(i, t) for i, t in enumerate(in_types[:op.n_tensor_inputs(len(in_types))])
               if t.is_float]
+    if op.layer_type == "backward" or op.extra.get("mixed_floats"):
+        floats = [(i, t.with_dtype("f32") if t.dtype in REDUCED_DTYPES else t)
+                  for i, t in floats]
     for i, t in floats[1:]:
         j, first = floats[0]
         if t.dtype != first.dtype:

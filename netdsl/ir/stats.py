@@ -179,8 +179,15 @@ class Row:
     workspace: int = 0  # the largest single workspace inside
     nodes: int = 0  # operator nodes inside (all copies)
 
+    @property
+    def precision(self) -> str | None:
+        """An operator row's mixed-precision rule (`OpDef.precision`: reduced, f32 or
+        follow); None for a block."""
+        return registry.OPS[self.op].precision if self.kind == "op" else None
+
     def to_json(self) -> dict:
         return {"name": self.label, "kind": self.kind, "op": self.op,
+                "precision": self.precision,
                 "type": str(self.type) if self.type is not None else None,
                 "shape": list(self.type.shape) if self.type is not None else None,
                 "level": self.level, "count": self.count, "params": self.params,
@@ -292,6 +299,7 @@ def _summarize(g: Graph) -> Summary:
     types: dict[str, TensorType] = {}
     kinds: dict[str, str] = {}
     counted: set[str] = set()
+    state_of: dict[str, str] = {}  # a cast of a parameter or buffer -> that state
     per_node: dict[str, NodeStats] = {}
     params = buffers = param_bytes = flops_total = act = ws_peak = n_ops = convs = 0
     for n in g.nodes:
@@ -308,13 +316,19 @@ def _summarize(g: Graph) -> Summary:
             continue
         op = ops[n.op]
         p = b = 0
-        for i in n.inputs:
-            if kinds.get(i) in STATE_OPS and i not in counted:
-                counted.add(i)
-                if kinds[i] == "param":
-                    p += types[i].numel()
-                else:
-                    b += types[i].numel()
+        if n.op == "cast" and kinds.get(n.inputs[0]) in STATE_OPS:
+            # a 2-byte copy of a parameter (mixed precision): the parameter counts at the
+            # copy's reader, the layer that uses it
+            kinds[n.name], state_of[n.name] = kinds[n.inputs[0]], n.inputs[0]
+        else:
+            for i in n.inputs:
+                s = state_of.get(i, i)
+                if kinds.get(i) in STATE_OPS and s not in counted:
+                    counted.add(s)
+                    if kinds[i] == "param":
+                        p += types[i].numel()
+                    else:
+                        b += types[i].numel()
         ins = [types[i] for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
         f = int(op.flops(ins, n.type, n.attrs))
         w = int(op.workspace(ins, n.type, n.attrs))

@@ -10,10 +10,38 @@ Dim = int | str
 # static integers (attributes, dimensions, counts) are 64-bit signed, as in the kernels
 INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
 
+# the element types a program writes
 DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
-FLOAT_DTYPES = ("f16", "f32", "f64")
+# bfloat16 is made by the precision pass (netdsl.passes.precision) only: no program
+# declares it, so the language's list above does not name it
+ITEMSIZE = {**DTYPES, "bf16": 2}
+FLOAT_DTYPES = ("f16", "f32", "f64", "bf16")
+# the 2-byte floats of mixed precision: a value of one is held at its own size whatever
+# the run's float dtype (--dtype), which f32 and f64 values take (RUN_FLOATS)
+REDUCED_DTYPES = ("f16", "bf16")
+RUN_FLOATS = ("f32", "f64")
 NUMPY_DTYPE = {"f16": "float16", "f32": "float32", "f64": "float64",
-               "i32": "int32", "i64": "int64", "bool": "bool"}
+               "i32": "int32", "i64": "int64", "bool": "bool", "bf16": "bfloat16"}
+
+
+def accumulate_dtype(dtype: str) -> str:
+    """The type a reduction over values of `dtype` accumulates and keeps its result in:
+    f32 for the 2-byte floats (statistics, sums over the batch), else `dtype` itself."""
+    return "f32" if dtype in REDUCED_DTYPES else dtype
+
+
+def numpy_dtype(dtype: str) -> str:
+    """NumPy's name of IR element type `dtype`. bfloat16 is ml_dtypes' (the NumPy type JAX
+    uses), which NumPy knows by name once ml_dtypes is imported: imported here, when first
+    asked for."""
+    if dtype == "bf16":
+        try:
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+        except ImportError:
+            from netdsl.errors import NetdslError
+            raise NetdslError("bf16 values need the ml_dtypes package (a dependency of "
+                              "netdsl: pip install ml_dtypes)") from None
+    return NUMPY_DTYPE[dtype]
 
 
 @dataclass(frozen=True)
@@ -61,14 +89,14 @@ class TensorType:
         return n
 
     def nbytes(self, batch: int | None = None) -> int:
-        return self.numel(batch) * DTYPES[self.dtype]
+        return self.numel(batch) * ITEMSIZE[self.dtype]
 
     def size_error(self) -> str | None:
         """Why this type cannot exist (its bytes, with N = 1, do not fit in 64 bits)."""
         shape = self.shape
         n = math.prod(d for d in shape if isinstance(d, int)) if self.symbolic else \
             math.prod(shape)
-        if n * DTYPES.get(self.dtype, 1) > INT_MAX:
+        if n * ITEMSIZE.get(self.dtype, 1) > INT_MAX:
             return (f"a tensor {self} would hold {n:.3g} elements, more than any memory "
                     "(at most 2**63 bytes)")
         return None

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import PER_PROCESS, Placement
-from netdsl.ir.types import DTYPES, FLOAT_DTYPES
+from netdsl.ir.precision import conversion_bytes, conversion_device
+from netdsl.ir.types import ITEMSIZE, RUN_FLOATS
 from netdsl.memory.arena import pack
 from netdsl.memory.liveness import schedule
 
@@ -41,8 +42,9 @@ DEVICE = "device"
 
 
 def value_bytes(t, float_dtype: str = "f32") -> int:
-    """Bytes of a value of type `t` when floats run at `float_dtype`."""
-    size = DTYPES[float_dtype] if t.dtype in FLOAT_DTYPES else DTYPES[t.dtype]
+    """Bytes of a value of type `t` when f32 and f64 values run at `float_dtype`; a bf16 or
+    f16 value takes 2 bytes whatever that is."""
+    size = ITEMSIZE[float_dtype] if t.dtype in RUN_FLOATS else ITEMSIZE[t.dtype]
     return t.numel() * size
 
 
@@ -122,7 +124,12 @@ def _op_facts(o: str) -> tuple[bool, bool | None, str]:
             op.extra.get("space", DEVICE))
 
 
-def workspace_bytes(g: Graph, n: Node, float_dtype: str = "f32") -> int:
+def workspace_bytes(g: Graph, n: Node, float_dtype: str = "f32",
+                    device: str | None = None) -> int:
+    """The scratch `n`'s kernel holds while it runs: its op's workspace rule (which counts
+    f32: scaled to the run's float dtype), plus, under mixed precision, the f32 copies of
+    its 2-byte values the executor converts around the kernel on `device`
+    (`netdsl.ir.precision.conversion_device(g)`, which the caller asks once)."""
     op = registry.OPS[n.op]
     if n.is_source or op.workspace is registry.OpDef.workspace:  # (no rule: none)
         return 0
@@ -134,7 +141,10 @@ def workspace_bytes(g: Graph, n: Node, float_dtype: str = "f32") -> int:
         if len(_WORKSPACES) >= _MAX_WORKSPACES:  # (a long-lived process: the LSP server)
             _WORKSPACES.clear()
         w = _WORKSPACES[key] = int(op.workspace(list(ins), n.type, n.attrs))
-    return w * DTYPES[float_dtype] // 4 if float_dtype != "f32" else w  # rules count f32
+    w = w * ITEMSIZE[float_dtype] // 4 if float_dtype != "f32" else w  # rules count f32
+    if device is not None:
+        w += conversion_bytes(g, n, device, ITEMSIZE[float_dtype])
+    return w
 
 
 _WORKSPACES: dict[tuple, int] = {}
@@ -208,13 +218,15 @@ def make_plan(g: Graph, roles: tuple[str, ...], float_dtype: str = "f32", *,
     space: dict[str, str] = {}
     workspaces: dict[str, int] = {}
     facts: dict[str, tuple] = {}  # per op, what the rules below ask of it (700k nodes)
+    # under mixed precision every node may convert 2-byte values around its kernel
+    device = conversion_device(g)
     for n in order:
         name, o = n.name, n.op
         f = facts.get(o)
         if f is None:
             f = facts[o] = _op_facts(o)
         has_workspace, storage, where = f
-        w = workspace_bytes(g, n, float_dtype) if has_workspace else 0
+        w = workspace_bytes(g, n, float_dtype, device) if has_workspace or device else 0
         if w:
             workspaces[name] = w
             workspace = max(workspace, w)

@@ -44,6 +44,7 @@ from netdsl.ir import registry
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.ops.comm import COMM_OPS
+from netdsl.ir.precision import conversion_device
 from netdsl.memory import schedule_arrays as sa
 from netdsl.memory.liveness import schedule
 from netdsl.memory.plan import value_bytes, workspace_bytes
@@ -181,6 +182,7 @@ def _values(g: Graph, order: list, pos: dict[str, int], device: list[int], ops: 
     they add up to (per device too)."""
     nbytes, inputs, phase, opnames, full = [], [], [], [], []
     workspace = state = 0
+    converting = conversion_device(g)  # (mixed precision: f32 copies around kernels)
     dev_state: dict[int, int] = {}
     dev_ws: dict[int, int] = {}
     sizes: dict = {}  # bytes per type: a deep network repeats a few types many times
@@ -205,7 +207,7 @@ def _values(g: Graph, order: list, pos: dict[str, int], device: list[int], ops: 
         op = ops[n.op]
         phase.append(BWD if n.meta.get("phase") in ("backward", "optimizer") else FWD)
         nbytes.append(b if op.adds_storage(n) else 0)
-        w = workspace_bytes(g, n, float_dtype)
+        w = workspace_bytes(g, n, float_dtype, converting)
         workspace = max(workspace, w)
         dev_ws[d] = max(dev_ws.get(d, 0), w)
     return _Values(nbytes, inputs, phase, opnames, full, state, workspace, dev_state, dev_ws)

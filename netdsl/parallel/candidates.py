@@ -28,26 +28,38 @@ every inexact one (`rank`), so an inexact split is chosen only where no exact on
 planned or not. Once one fits, the rounds build no big inexact candidate (`outclassed`:
 none could win, whatever its time; `choose.OUTCLASSED_MIN_WORK`) and list it as skipped.
 
-The functions read the candidates' figures (`choose.Choice`, or a string saying why one
+The functions read the candidates' figures (`Choice`, or a string saying why one
 cannot be made) by their place in the list of specs; building and predicting them is
 `choose.py`'s.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
+from netdsl.ir.graph import Graph
+from netdsl.parallel.predict import SplitReport
 from netdsl.parallel.split import SplitSpec
 from netdsl.sizes import format_bytes
-
-if TYPE_CHECKING:
-    from netdsl.parallel.choose import Choice
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 # ops whose result depends on the other samples of the batch (its statistics)
 BATCH_STATISTICS_OPS = ("batchnorm",)
+
+
+@dataclass
+class Choice:
+    """One candidate split, built and predicted (and planned, under a budget)."""
+    spec: SplitSpec
+    graph: Graph
+    report: SplitReport
+    fits: bool
+    memory: object | None = None  # memory.search.PlanResult, when planned per device
+    unplanned_step_s: float | None = None  # the predicted step before planning
+    unplanned_peak_bytes: int | None = None  # ... and its largest device peak
+    exact: bool = True  # its step computes the single-device step's numbers
+    ranks_exact: bool = True  # ranked with the exact splits (`rank`)
 
 
 def has_batch_statistics(fwd) -> bool:

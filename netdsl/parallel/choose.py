@@ -33,6 +33,7 @@ from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel import fanout
 from netdsl.parallel.candidates import (
+    Choice,
     ahead,
     beats,
     candidates,
@@ -67,19 +68,6 @@ OUTCLASSED_MIN_WORK = 10_000
 # rounds skip the largest micro-batch counts.
 PROCESS_BASE_BYTES = 100 << 20
 PROCESS_BYTES_PER_NODE_COPY = 5 << 10
-
-
-@dataclass
-class Choice:
-    spec: SplitSpec
-    graph: Graph
-    report: SplitReport
-    fits: bool
-    memory: object | None = None  # memory.search.PlanResult, when planned per device
-    unplanned_step_s: float | None = None  # the predicted step before planning
-    unplanned_peak_bytes: int | None = None  # ... and its largest device peak
-    exact: bool = True  # its step computes the single-device step's numbers
-    ranks_exact: bool = True  # ranked with the exact splits (`candidates.rank`)
 
 
 @dataclass
@@ -153,6 +141,7 @@ class Request:
     outputs: dict[str, list[str]] | None = None
     mem_strategy: str = "auto"
     over_mpi: bool = False
+    precision: str = "f32"
 
     @property
     def prefer_exact(self) -> bool:
@@ -173,17 +162,18 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            float_dtype: str = "f32", progress=None, schedule: str | None = None,
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
-           share: Share | None = None, jobs: int | None = None) -> Chosen:
+           share: Share | None = None, jobs: int | None = None,
+           precision: str = "f32") -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
     (`project.mark_over_mpi`: predicted and planned so); `share`: ranks that share the
     candidates out (`Share`; the choice and the chosen step are the ones each would have
     made alone); `jobs`: without `share`, the processes that share them so (this one and
-    jobs - 1 workers; None: `_jobs`' default)."""
+    jobs - 1 workers; None: `_jobs`' default); `precision`: the steps' mixed precision."""
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
-                                  outputs, mem_strategy, over_mpi),
+                                  outputs, mem_strategy, over_mpi, precision),
                           progress, share, jobs)
 
 
@@ -264,7 +254,8 @@ class _Run:
               progress) -> _Run:
         r = request
         device = "cpu" if r.profile.unified else "gpu"  # (a unified device: a CPU)
-        single = split_step(r.fwd, r.batch, SplitSpec(), r.optimizer, r.gather, device=device)
+        single = split_step(r.fwd, r.batch, SplitSpec(), r.optimizer, r.gather, device=device,
+                            precision=r.precision)
         return cls(r, specs, share, progress, device, single,
                    step_time(single, r.profile, r.link, r.float_dtype),
                    r.mem if r.mem is not None else r.profile.capacity_bytes)
@@ -279,7 +270,8 @@ class _Run:
         # the shape rules are checked on the chosen step alone (`fetch_chosen`): a
         # candidate's verify checks its structure, its metadata and its effects
         g = split_step(r.fwd, r.batch, spec, r.optimizer, r.gather, profile=r.profile,
-                       device=self.device, recheck_shapes=False)
+                       device=self.device, precision=r.precision,
+                       recheck_shapes=False)
         g.outputs.update(r.outputs or {})
         return mark_over_mpi(g) if r.over_mpi else g
 

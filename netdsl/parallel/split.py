@@ -30,6 +30,7 @@ from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.placement import copy_name, even_parts
+from netdsl.ir.precision import kernels_of
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.check import check
 from netdsl.parallel.order import order_micro_batches
@@ -267,22 +268,33 @@ def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
 def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                gather: tuple[str, ...] = (), stage_of: dict[str, int] | None = None,
                profile: Profile | None = None, device: str = "cpu",
-               recheck_shapes: bool = True) -> Graph:
+               recheck_shapes: bool = True, precision: str = "f32") -> Graph:
     """The split training step: split forward, autodiff, gradient all-reduce, optimizer,
     then the structural check. `profile` prices nodes for balancing pipeline stages.
     Data and pipeline splits fuse as the single-device step on `device` ("cpu" or
     "gpu") does (`_fusing`), and every split's kernels take that device's variants (the
-    `device` pass: a GPU's convolutions as columns and one batched GEMM).
-    `recheck_shapes` False: the final verify leaves out the shape rules (a candidate of
-    `choose`, which verifies wholly the one it chooses)."""
+    `device` pass: a GPU's convolutions as columns and one batched GEMM). `precision`
+    ("bf16", "f16"): the forward graph is made mixed-precision first, and f16's
+    gradients are scaled (netdsl.passes.precision). `recheck_shapes` False: the final
+    verify leaves out the shape rules (a candidate of `choose`, which verifies wholly the
+    one it chooses)."""
+    if precision != "f32":
+        if spec.tensor > 1 or spec.spatial > 1:
+            raise SplitError(f"--precision {precision} does not combine with a "
+                             f"{spec.name} split yet (it cuts the layers whose weights "
+                             "the step casts); use a data or pipeline split, or f32")
+        fwd = run_pipeline(fwd, [("precision", {"dtype": precision,
+                                                "device": kernels_of(device)})],
+                           verify="structure")
     fusing = _fusing(fwd, spec, device)
     if fusing is not None:
         fwd = run_pipeline(fwd, [("fuse", fusing)], verify="structure")
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
-    g = run_pipeline(g, ["autodiff", "sync_gradients", ("optimizer", {"kind": kind, **opt})],
-                     verify="structure")
+    scale = ["loss_scale"] if precision == "f16" else []
+    g = run_pipeline(g, ["autodiff", "sync_gradients", *scale,
+                         ("optimizer", {"kind": kind, **opt})], verify="structure")
     if spec.schedule not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
     g = order_micro_batches(defer_results(g), spec.schedule)

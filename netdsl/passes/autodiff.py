@@ -10,7 +10,9 @@
    `GradBuilder` and returns one gradient value name (or None) per input, parameters and
    buffers included;
 4. a value read by several nodes gets the sum of its gradient contributions (`add` nodes);
-5. only values that both depend on a parameter and reach the loss get gradients; backward
+5. a gradient is held in the type of its value: under mixed precision (netdsl.passes.
+   precision) a contribution a rule gives in another float type is cast to it;
+6. only values that both depend on a parameter and reach the loss get gradients; backward
    nodes whose results no parameter gradient needs are removed (so e.g. the first conv
    never computes a gradient for the network input).
 
@@ -182,9 +184,14 @@ class _Backward:
                                  f"for {len(n.inputs)} inputs")
         for inp, gi in zip(n.inputs, grads, strict=True):
             if gi is not None and inp in self.active:
-                if self.g[gi].type.shape != self.g[inp].type.shape:
+                t = self.g[inp].type
+                if self.g[gi].type.shape != t.shape:
                     raise AssertionError(f"gradient {gi} of %{inp} has type "
-                                         f"{self.g[gi].type}, value has {self.g[inp].type}")
+                                         f"{self.g[gi].type}, value has {t}")
+                if self.g[gi].type.dtype != t.dtype:
+                    # mixed precision: a gradient is held in its value's type (an f32
+                    # parameter read as it is by a 2-byte op gets an f32 gradient)
+                    gi = b.emit("cast", [gi], {"dtype": t.dtype}, tag="cast")
                 self.contribs.setdefault(inp, []).append(gi)
 
     def param_gradients(self, params: list[str], seed: str) -> tuple[list[str], dict]:

@@ -27,6 +27,7 @@ numbers do not change.
 from __future__ import annotations
 
 from netdsl.errors import NetdslError
+from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.ops.optim import GROUP_SHARED, group_op, member_inputs
 from netdsl.ir.placement import replica_key
@@ -57,9 +58,16 @@ def _state(g: Graph, name: str, like: Node, shape=None, dtype=None) -> str:
 
 
 def _update(g: Graph, name: str, op_name: str, inputs: list[str], attrs: dict,
-            like: Node) -> str:
-    g.add(make_node(g, name, op_name, inputs, attrs, like=like, meta={"phase": "optimizer"}))
+            like: Node, gate: str | None = None) -> str:
+    meta = {"phase": "optimizer", **({"gate": gate} if gate else {})}
+    g.add(make_node(g, name, op_name, inputs, attrs, like=like, meta=meta))
     return name
+
+
+def _gates(g: Graph, grads: list[str]) -> list[str | None]:
+    """Per gradient, the f16 loss scale's flag its update is skipped by (the `unscale`
+    that made it reads it: netdsl.passes.precision), or None."""
+    return [g[x].inputs[2] if g[x].op == "unscale" else None for x in grads]
 
 
 @register_pass("optimizer")
@@ -83,6 +91,7 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
                       meta={"phase": "optimizer"}))
     params = [n for n in g.nodes if n.op == "param"]
     grads = list(g.outputs["grads"])
+    gates = _gates(g, grads)
     if h["clip_grad_norm"] is not None and params:  # (nothing to clip without parameters)
         grads = _clip_grad_norm(g, params, grads, float(h["clip_grad_norm"]))
     updates: list[str] = []
@@ -90,9 +99,9 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
     if kind in ("adam", "adamw"):
         step = _state(g, g.fresh_name("optimizer.step"), g[lr], shape=(), dtype="i64")
         updates.append(_update(g, g.fresh_name("optimizer.step_increment"), "step_increment",
-                               [step], {}, g[lr]))
+                               [step], {}, g[lr], next(filter(None, gates), None)))
         step = updates[-1]  # updates read the incremented counter (t = 1 on the first step)
-    for p, gp in zip(params, grads, strict=True):
+    for p, gp, gate in zip(params, grads, gates, strict=True):
         name = g.fresh_name(f"{p.name}.update")
         if kind == "sgd":
             ins = [p.name, gp, lr]
@@ -102,14 +111,14 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
                      "weight_decay": h["weight_decay"]}
             if h["nesterov"] and not h["momentum"]:
                 raise NetdslError("sgd: nesterov momentum needs momentum > 0")
-            updates.append(_update(g, name, "sgd_update", ins, attrs, p))
+            updates.append(_update(g, name, "sgd_update", ins, attrs, p, gate))
         else:
             m = _state(g, g.fresh_name(f"{p.name}.exp_avg"), p)
             v = _state(g, g.fresh_name(f"{p.name}.exp_avg_sq"), p)
             attrs = {"beta1": h["beta1"], "beta2": h["beta2"], "eps": h["eps"],
                      "weight_decay": h["weight_decay"], "decoupled": kind == "adamw"}
             updates.append(_update(g, name, "adam_update", [p.name, gp, lr, m, v, step],
-                                   attrs, p))
+                                   attrs, p, gate))
     g.outputs["updates"] = updates
     g.meta["optimizer"] = {"kind": kind, **h}
     return g  # (verified by run_pipeline)
@@ -118,41 +127,14 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
 def _clip_grad_norm(g: Graph, params: list[Node], grads: list[str],
                     max_norm: float) -> list[str]:
     """The gradients scaled by min(1, max_norm / (their global 2-norm + 1e-6)), as
-    torch.nn.utils.clip_grad_norm_ scales them before the step: per device the squares of
-    the gradients it owns summed (`grad_sumsq`; each parameter, or shard of one, is owned
-    by the first device that holds it: a split's replicas hold the same summed gradient
-    by now), the devices' sums added by an all_reduce over them (a scalar), then per
+    torch.nn.utils.clip_grad_norm_ scales them before the step: the squares of every
+    gradient summed over the devices (`per_device_total` of `grad_sumsq`), then per
     device the factor (`clip_factor`) and a `mul` per gradient (each original freed as
     its scaled copy is made: one gradient more at a time)."""
     by_device: dict[int | None, list[tuple[Node, str]]] = {}
-    owned: dict[int | None, list[str]] = {}
-    owners: set[str] = set()
     for p, gp in zip(params, grads, strict=True):
         by_device.setdefault(p.device, []).append((p, gp))
-        key = replica_key(p)
-        if key not in owners:
-            owners.add(key)
-            owned.setdefault(p.device, []).append(gp)
-    dtype = g[grads[0]].type.dtype
-    partial: dict[int | None, str] = {}
-    for d, pg in by_device.items():
-        at = "" if d is None else f"@d{d}"
-        name = partial[d] = g.fresh_name(f"optimizer.grad_sumsq{at}")
-        if owned.get(d):
-            g.add(make_node(g, name, "grad_sumsq", owned[d], {}, like=pg[0][0],
-                            meta={"phase": "optimizer"}))
-        else:  # every parameter here is owned by another device
-            g.add(make_node(g, name, "fill", [], {"shape": (), "value": 0.0, "dtype": dtype},
-                            like=pg[0][0], meta={"phase": "optimizer"}))
-    total = partial
-    if len(by_device) > 1:  # (a split: every device holds parameters)
-        group = tuple(sorted(by_device))
-        names = [g.fresh_name(f"optimizer.grad_sumsq.all_reduce@d{d}") for d in group]
-        for j, (d, name) in enumerate(zip(group, names, strict=True)):
-            g.add(make_node(g, name, "all_reduce", [partial[x] for x in group],
-                            {"group": group, "index": j}, like=by_device[d][0][0],
-                            meta={"phase": "optimizer", "members": tuple(names)}))
-        total = dict(zip(group, names, strict=True))
+    total = per_device_total(g, params, grads, "grad_sumsq", "optimizer.grad_sumsq")
     scaled: dict[str, str] = {}
     for d, pg in by_device.items():
         factor = g.fresh_name(f"optimizer.clip_factor{'' if d is None else f'@d{d}'}")
@@ -164,6 +146,43 @@ def _clip_grad_norm(g: Graph, params: list[Node], grads: list[str],
                             meta={"phase": "optimizer", "clip_of": gp}))
             scaled[gp] = name
     return [scaled[gp] for gp in grads]
+
+
+def per_device_total(g: Graph, params: list[Node], grads: list[str], op: str,
+                     base: str) -> dict[int | None, str]:
+    """A scalar over every gradient, on each device that holds parameters: per device
+    `op` (a sum: `grad_sumsq`, `found_inf`) of the gradients it owns (each parameter, or
+    shard of one, is owned by the first device that holds it: a split's replicas hold
+    the same summed gradient by now; a device that owns none has a 0), the devices'
+    values added by an all_reduce over them. Returns {device: the node holding it}."""
+    by_device: dict[int | None, Node] = {}
+    owned: dict[int | None, list[str]] = {}
+    owners: set[str] = set()
+    for p, gp in zip(params, grads, strict=True):
+        by_device.setdefault(p.device, p)
+        key = replica_key(p)
+        if key not in owners:
+            owners.add(key)
+            owned.setdefault(p.device, []).append(gp)
+    partial: dict[int | None, str] = {}
+    for d, p in by_device.items():
+        at = "" if d is None else f"@d{d}"
+        name = partial[d] = g.fresh_name(f"{base}{at}")
+        if owned.get(d):
+            g.add(make_node(g, name, op, owned[d], {}, like=p, meta={"phase": "optimizer"}))
+        else:  # every parameter here is owned by another device
+            dtype = registry.OPS[op].shape([g[x].type for x in grads[:1]], {}).dtype
+            g.add(make_node(g, name, "fill", [], {"shape": (), "value": 0.0, "dtype": dtype},
+                            like=p, meta={"phase": "optimizer"}))
+    if len(by_device) == 1:
+        return partial
+    group = tuple(sorted(by_device))  # (a split: every device holds parameters)
+    names = [g.fresh_name(f"{base}.all_reduce@d{d}") for d in group]
+    for j, (d, name) in enumerate(zip(group, names, strict=True)):
+        g.add(make_node(g, name, "all_reduce", [partial[x] for x in group],
+                        {"group": group, "index": j}, like=by_device[d],
+                        meta={"phase": "optimizer", "members": tuple(names)}))
+    return dict(zip(group, names, strict=True))
 
 
 @register_pass("group_updates")
@@ -187,7 +206,8 @@ def group_updates(g: Graph) -> Graph:
         by_key: dict[tuple, list[Node]] = {}
         for n in run:
             key = (n.op, tuple(sorted(n.attrs.items())), tuple(n.inputs[i] for i in
-                   GROUP_SHARED[n.op]), len(n.inputs), n.type.dtype, n.device)
+                   GROUP_SHARED[n.op]), len(n.inputs), n.type.dtype, n.device,
+                   n.meta.get("gate"))
             by_key.setdefault(key, []).append(n)
         for members in by_key.values():
             if len(members) > 1:
@@ -217,7 +237,9 @@ def group_updates(g: Graph) -> Graph:
         node = make_node(g, name, group_op(first.op), shared + own,
                          {**first.attrs, "arity": len(first.inputs) - len(shared),
                           "grad_rows": tuple(rows) if max(rows) >= 0 else ()},
-                         like=first, meta={"phase": "optimizer", "members": len(members)})
+                         like=first, meta={"phase": "optimizer", "members": len(members),
+                                           **({"gate": first.meta["gate"]}
+                                              if "gate" in first.meta else {})})
         nodes.append(g.add(node))
         made.update((m.name, name) for m in members)
     g.nodes = nodes

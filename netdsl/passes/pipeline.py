@@ -28,7 +28,13 @@ from netdsl.errors import NetdslError
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.ir.verify import check_structure
-from netdsl.passes import autodiff, device, fuse, optimizer  # noqa: F401  (they register)
+from netdsl.passes import (  # noqa: F401  (they register)
+    autodiff,
+    device,
+    fuse,
+    optimizer,
+    precision,
+)
 from netdsl.passes.registry import PASSES, Pass, register_pass
 
 __all__ = ["DUMP_ENV", "PASSES", "Pass", "Step", "VERIFY_ENV", "register_pass",

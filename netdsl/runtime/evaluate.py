@@ -16,6 +16,7 @@ from pathlib import Path
 from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import STATE_OPS, Graph
+from netdsl.ir.precision import kernels_of_backend
 from netdsl.memory.plan import make_plan, value_bytes
 from netdsl.runtime import checkpoint
 from netdsl.runtime.data import accuracy, batches, load_dataset
@@ -30,12 +31,12 @@ SPLITS = ("test", "train")
 
 def eval_pass(base: Executor, forward: Graph, input_names: list[str], samples, batch: int,
               acc: tuple[str, str, int] | None, execs: dict[int, Executor],
-              progress=None) -> dict:
+              progress=None, precision: str = "f32") -> dict:
     """The loss (rows-weighted mean over the batches, where `forward` has one) and the
     accuracy (where `acc`, from `step.graphs.loss_labels`) of `forward` over `samples` (a Split
     or DrawnSplit), in batches of `batch`, on `base`'s state. `execs` keeps an executor
     per batch size across calls (the last batch may be short); `progress(done, total)`
-    is told after each batch."""
+    is told after each batch. `precision`: the forward graph's mixed precision."""
     total = -(-len(samples) // batch)
     logits = acc[0] if acc else None
     roles = eval_roles(forward, logits)
@@ -46,7 +47,7 @@ def eval_pass(base: Executor, forward: Graph, input_names: list[str], samples, b
             progress(k, total)
         n = len(arrays[0])
         if n not in execs:
-            execs[n] = base.with_graph(eval_graph(forward, n, logits))
+            execs[n] = base.with_graph(_graph(forward, n, logits, precision, be))
         feeds = {x: a for x, a in zip(input_names, arrays, strict=True) if a is not None}
         out = execs[n].run(feeds, training=False, roles=roles)
         if "loss" in out:
@@ -66,6 +67,11 @@ def eval_pass(base: Executor, forward: Graph, input_names: list[str], samples, b
     return rec
 
 
+def _graph(forward: Graph, batch: int, logits: str | None, precision: str, backend) -> Graph:
+    """The evaluation graph at `precision`, with the conversions of `backend`'s device."""
+    return eval_graph(forward, batch, logits, precision, kernels_of_backend(backend))
+
+
 @dataclass
 class EvalResult:
     network: str
@@ -80,6 +86,7 @@ class EvalResult:
     images_per_s: float
     loss: float | None = None
     accuracy: float | None = None
+    precision: str = "f32"
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -88,14 +95,15 @@ class EvalResult:
 def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Path, *,
                         batch: int | None = None, split: str = "test",
                         samples: int | None = None, backend="numpy", dtype: str = "f32",
-                        progress=None) -> EvalResult:
+                        progress=None, precision: str | None = None) -> EvalResult:
     """Evaluate unbound `forward` with the state of the checkpoint in `where` (a folder or
     its checkpoint.npz) on the `split` samples of the file's data (`cfg.data`; all of
     them, or the first `samples`; of synthetic data one batch), in batches of `batch`
-    (default the file's). `backend`:
+    (default the file's), at mixed `precision` (default the file's). `backend`:
     a name or a backend object (runtime.options.backend_for)."""
     from netdsl.backends import get_backend
     cfg = cfg or TrainConfig()
+    precision = precision or cfg.precision
     if split not in SPLITS:
         raise NetdslError(f"--data must be test or train, not {split!r}")
     if samples is not None and samples < 1:
@@ -120,17 +128,20 @@ def evaluate_checkpoint(forward: Graph, cfg: TrainConfig | None, where: str | Pa
     chosen = chosen.head(limit)
     batch = min(batch, limit)
     be = get_backend(backend) if isinstance(backend, str) else backend
-    base = Executor(eval_graph(forward, batch, None), be, dtype, cfg.seed)
+    if precision != "f32":
+        be.check_precision(precision)
+    base = Executor(_graph(forward, batch, None, precision, be), be, dtype, cfg.seed)
     checkpoint.check_holds(path, header, forward.name,
                            {k: s for k, (s, _) in base.state_spec().items()})
     base.load_state_dict(arrays, strict=False)
     start = time.perf_counter()
-    rec = eval_pass(base, forward, data.input_names, chosen, batch, acc, {}, progress)
+    rec = eval_pass(base, forward, data.input_names, chosen, batch, acc, {}, progress,
+                    precision)
     seconds = time.perf_counter() - start
     step = header.get("step") if header.get("kind") != "weights" else None
     return EvalResult(forward.name, path, step, split, limit, batch, be.name, dtype,
                       seconds, limit / seconds if seconds > 0 else 0.0, rec.get("loss"),
-                      rec.get("accuracy"))
+                      rec.get("accuracy"), precision)
 
 
 class RunEvaluator:
@@ -141,8 +152,9 @@ class RunEvaluator:
 
     def __init__(self, executor: Executor, forward: Graph, data, batch: int, labels,
                  samples: int | None, state: RunState, rank: int = 0,
-                 distributed: bool = False, seed: int = 0):
+                 distributed: bool = False, seed: int = 0, precision: str = "f32"):
         self.executor, self.forward, self.data, self.batch = executor, forward, data, batch
+        self.precision = precision
         self.labels, self.samples, self.state = labels, samples, state
         self.rank, self.distributed, self.seed = rank, distributed, seed
         shares = not distributed and executor.holds_state_whole()
@@ -166,7 +178,7 @@ class RunEvaluator:
             return {}
         test = self.data.test.head(limit)
         out = eval_pass(self.base, self.forward, self.data.input_names, test, self.batch,
-                        self.labels, self.execs, progress)
+                        self.labels, self.execs, progress, self.precision)
         return {"step": step, "eval_samples": limit, **{f"test_{k}": v for k, v in out.items()}}
 
     def _join(self, warnings: list[str]) -> bool:
@@ -179,9 +191,9 @@ class RunEvaluator:
         if self.refused:
             return False
         if self.base is None and self.rank == 0:  # (before the others send)
-            self.base = Executor(eval_graph(self.forward, self.batch, None),
-                                 self.executor.backend,
-                                 self.executor.dtype, self.seed)
+            self.base = Executor(_graph(self.forward, self.batch, None, self.precision,
+                                        self.executor.backend),
+                                 self.executor.backend, self.executor.dtype, self.seed)
         items = self.state.items()
         if items is None:
             return False
@@ -196,7 +208,7 @@ class RunEvaluator:
         why = ""
         if self.rank == 0:
             dtype = self.executor.dtype
-            g = eval_graph(self.forward, self.batch, None)
+            g = _graph(self.forward, self.batch, None, self.precision, self.executor.backend)
             plan = make_plan(g, eval_roles(g, None), dtype)
             # the eval executor's state and forward pass, and the entry on its way in
             need = plan.peak_bytes + max((value_bytes(n.type, dtype) for n in g.nodes

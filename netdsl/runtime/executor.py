@@ -36,8 +36,9 @@ from netdsl.errors import CheckpointError, NetdslError, NonFinite
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
+from netdsl.ir.precision import converted, kernels_of_backend
 from netdsl.ir.printer import node_line
-from netdsl.ir.types import FLOAT_DTYPES, NUMPY_DTYPE, TensorType
+from netdsl.ir.types import REDUCED_DTYPES, RUN_FLOATS, TensorType, numpy_dtype
 from netdsl.memory.liveness import RUN_ONLY_ROLES, kept
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
 from netdsl.parallel.fanout import cores
@@ -49,6 +50,10 @@ from netdsl.sizes import format_bytes
 # output roles a training step computes that an evaluation (training=False) leaves out
 TRAINING_ONLY_ROLES = ("grads", "updates", "state_updates", "comm")
 _STATE, _INPUT, _OP = "state", "input", "op"  # the kinds of node the run loop tells apart
+# ... and, under mixed precision, an op whose 2-byte values are converted around its kernel
+# (netdsl.ir.precision), an update the f16 loss scale's flag may skip (meta "gate"), and
+# the flag (read back as it is made: the updates it gates do not read it as an input)
+_CONVERT, _GATED, _FLAG = "convert", "gated", "flag"
 
 
 @dataclass
@@ -91,8 +96,15 @@ class KernelContext:
         return self.backend.rng((self.seed, self.step, key))
 
     def dtype_of(self, ir_dtype: str) -> str:
-        """The array dtype for an IR dtype: floats run at the executor's dtype."""
-        return self.float_dtype if ir_dtype in FLOAT_DTYPES else NUMPY_DTYPE[ir_dtype]
+        """The array dtype for an IR dtype: f32 and f64 run at the executor's dtype; bf16
+        and f16 (mixed precision) are their own."""
+        return array_dtype(ir_dtype, self.float_dtype)
+
+
+def array_dtype(ir_dtype: str, float_dtype: str) -> str:
+    """The array dtype of an IR value when f32 and f64 values run at `float_dtype` (a NumPy
+    name); a 2-byte float, an integer or a bool is its own."""
+    return float_dtype if ir_dtype in RUN_FLOATS else numpy_dtype(ir_dtype)
 
 
 def init_value(node: Node, dtype: str, seed: int, key: str | None = None) -> np.ndarray:
@@ -181,11 +193,13 @@ class Executor:
         if fused is not None and hasattr(fused, "load"):
             # the fused kernels (Numba) this graph's ops call load now, in this dtype, not
             # inside a measured step; a first run compiles them
-            fused.load(sorted(groups), (NUMPY_DTYPE[dtype],))
+            fused.load(sorted(groups), (numpy_dtype(dtype),))
+            if any(n.type.dtype == "bf16" for n in graph.nodes):  # (loops that read bf16)
+                fused.load(sorted(groups), (numpy_dtype("bf16"),))
         if any(n.attrs.get("target") == "gpu" for n in graph.nodes):
             getattr(self.backend, "cudnn", None)  # cuDNN too (loaded and checked once)
         self.dtype = dtype
-        self.np_dtype = NUMPY_DTYPE[dtype]
+        self.np_dtype = numpy_dtype(dtype)
         self.seed = seed
         self.check_numerics = check_numerics
         # split graphs: the devices' communication, in this process unless told otherwise
@@ -203,6 +217,10 @@ class Executor:
         # before any later node (the optimizer's updates) runs: see NonFinite
         self.stop_if_nonfinite: set[str] = set()
         self._scratch: dict[str, Any] = {}
+        self._conversions: dict[str, tuple[tuple[int, ...], bool]] = {}  # (see _call_mixed)
+        # the last run's f16 loss-scale flags (netdsl.passes.precision): {flag node: whether
+        # it was set, so that the updates it gates were skipped}
+        self.gates: dict[str, bool] = {}
         self.bytes_by_device: dict[int, int] = {}
         self.peak_by_device: dict[int, int] = {}
         self.state: dict[str, Any] = {} if state is None else state
@@ -263,7 +281,7 @@ class Executor:
         self.bytes_by_device[dev] -= nbytes
 
     def _dtype_for(self, ir_dtype: str) -> str:
-        return self.np_dtype if ir_dtype in FLOAT_DTYPES else NUMPY_DTYPE[ir_dtype]
+        return array_dtype(ir_dtype, self.np_dtype)
 
     # -- planning ----------------------------------------------------------------------------
     def plan(self, roles: tuple[str, ...]) -> MemoryPlan:
@@ -310,6 +328,7 @@ class Executor:
             step = self.step
         if training:
             self.step = step + 1
+        self.gates = {}
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
                             seed=self.seed, step=step, comm=self.comm, capturing=capturing)
         slots = self._slots(roles, plan) if self.arena else None
@@ -332,8 +351,11 @@ class Executor:
                             ctx.out = slots.get(name)
                         if kind is _OP:
                             v = call(n, [values[i] for i in ins], ctx)
-                        else:
+                        elif kind is _INPUT:
                             v = inputs[name] if inputs is not None else feed(n, feeds)
+                        else:
+                            v = self._call_mixed(kind, n, [values[i] for i in ins], ctx,
+                                                 values)
                         if nb is not None:
                             if v.nbytes != nb:
                                 raise NetdslError(
@@ -370,14 +392,56 @@ class Executor:
         if key not in self._plans:
             g = self.graph
             prog = []
+            device = kernels_of_backend(self.backend)
+            flags = {g[x].meta["gate"] for x in plan.order if "gate" in g[x].meta}
             for name, frees in zip(plan.order, plan.frees, strict=True):
                 n = g[name]
                 kind = _STATE if n.op in STATE_OPS else _INPUT if n.op == "input" else _OP
+                if kind is _OP and name in flags:
+                    kind = _FLAG
+                elif kind is _OP and "gate" in n.meta:
+                    kind = _GATED
+                elif kind is _OP and (n.type.dtype in REDUCED_DTYPES
+                                      or converted(g, n, device) != ((), False)):
+                    kind = _CONVERT
+                    self._conversions[name] = converted(g, n, device)
                 nb = plan.sizes.get(name) if kind is not _STATE else None
                 where = None if nb is None or plan.space[name] == HOST else self._dev(n)
                 prog.append((name, n, kind, tuple(n.inputs), nb, where, tuple(frees)))
             self._plans[key] = prog
         return self._plans[key]
+
+    def _call_mixed(self, kind: str, n: Node, inputs: list, ctx: KernelContext, values):
+        """A node the run loop's plain call does not run: the f16 loss scale's flag, read
+        back; an update skipped where it is set (its value is the unchanged parameter it
+        would have written); or a kernel given f32 copies of its 2-byte inputs, whose result is
+        converted to the node's type (into its planned slot where it has one). A kernel
+        that reads 2-byte values itself gets them as they are; where it computed in f32
+        after all (a fallback its fused loops did not take), its result is converted too.
+        An f16 value that overflows becomes inf, which the loss scale's check is for."""
+        if kind is _FLAG:
+            v = self._call(n, inputs, ctx)
+            self.gates[n.name] = float(self.backend.to_host(v)) > 0
+            return v
+        if kind is _GATED:
+            if self.gates[n.meta["gate"]]:
+                return values[n.inputs[registry.OPS[n.op].view_of]]
+            return self._call(n, inputs, ctx)
+        ins, out = self._conversions[n.name]
+        for k in ins:
+            inputs[k] = inputs[k].astype(self.np_dtype)
+        slot = ctx.out
+        if out:  # (the kernel's f32 result cannot be written into a 2-byte slot)
+            ctx.out = None
+        v = self._call(n, inputs, ctx)
+        want = self._dtype_for(n.type.dtype)
+        if v.dtype == want:
+            return v
+        with np.errstate(over="ignore"):
+            if slot is not None:
+                self.xp.copyto(slot, v, casting="unsafe")
+                return slot
+            return v.astype(want)
 
     def _workspaces(self, roles: tuple[str, ...], plan: MemoryPlan) -> dict[int, int]:
         if len(self._devices) == 1:  # one device: the plan's one region

@@ -69,6 +69,9 @@ class StepReplay:
             return "a split step (several devices)"
         for name in ex.plan(roles).order:
             op = registry.OPS[ex.graph[name].op]
+            if "gate" in ex.graph[name].meta:
+                return (f"%{name} is skipped on a step whose gradients overflowed (the f16 "
+                        "loss scale reads its flag back)")
             if op.random:
                 return f"%{name} draws random numbers (a replay would repeat them)"
             if op.layer_type == "transfer":

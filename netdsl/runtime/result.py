@@ -41,6 +41,10 @@ class RunResult:
     resumed_from: int | None = None
     # the signal that stopped the run after its step ("SIGINT", "SIGTERM"; see runtime.stop)
     interrupted: str | None = None
+    precision: str = "f32"  # mixed precision: bf16 or f16 (netdsl.passes.precision)
+    # f16: {"scale": the loss scale the next step would use, "skipped_steps": steps
+    # skipped for inf or NaN gradients} (netdsl.runtime.loss_scale); None otherwise
+    loss_scale: dict | None = None
     note: str | None = None
     warnings: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -74,3 +78,4 @@ def interrupted_note(signal_name: str | None, step: int, total: int,
 
 def device_name(be) -> str:
     return "cpu" if be.name == "numpy" else f"cuda:{be.device}"
+

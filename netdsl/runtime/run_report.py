@@ -59,6 +59,7 @@ def finished(tr, run: Progress, meter, final_eval: dict, interrupted) -> RunResu
         data_wait_s=statistics.fmean(run.waits) if run.waits else 0.0,
         skipped_samples=len(skipped),
         resumed_from=tr.resumed_from, losses=run.losses, interrupted=interrupted,
+        precision=tr.cfg.precision, loss_scale=tr.scale.summary(),
         note=interrupted_note(interrupted, tr.step, tr.total, tr.opts.checkpoint),
         warnings=list(tr.warnings) + replay_warnings(tr.executor) + skipped_warning(skipped))
 
@@ -72,6 +73,7 @@ def nothing_to_do(tr) -> RunResult:
         device=device_name(be), batch=tr.batch,
         planned_peak_bytes=tr.planned_peak_bytes(), profile=tr.built.profile.name,
         budget_bytes=tr.budget, step_time_s=0.0, resumed_from=tr.resumed_from,
+        precision=tr.cfg.precision, loss_scale=tr.scale.summary(),
         note=f"the checkpoint is at step {tr.step}, already at or past the "
              f"{tr.total} steps asked for; nothing to train (raise --steps to go on)",
         warnings=list(tr.warnings))

@@ -29,6 +29,7 @@ from netdsl.runtime.data.feed import open_loader, rows_read, write_classes
 from netdsl.runtime.data.samples import DataError
 from netdsl.runtime.evaluate import RunEvaluator
 from netdsl.runtime.executor import Executor, NonFinite
+from netdsl.runtime.loss_scale import StepScale
 from netdsl.runtime.options import RunOptions, backend_for, check_options, preflight
 from netdsl.runtime.result import Callback, RunResult, device_name
 from netdsl.runtime.run_log import open_log
@@ -75,6 +76,7 @@ class Trainer:
         if not self.built.fits:
             raise self.built.refusal(self._phase)
         self.train_graph, self.full_graph = self.built.graph, self.built.full_graph
+        self.scale = StepScale(self.train_graph)  # f16's loss scale (else it does nothing)
         self.split, self.ROLES, self.acc = self.built.split, self.built.roles, self.built.labels
         self.budget = self.built.budget_bytes
         self.executor = self._executor(backend, comm)
@@ -88,7 +90,7 @@ class Trainer:
         self.state = RunState(self.executor, forward, opts.checkpoint, opts.distributed)
         self.evaluator = RunEvaluator(self.executor, forward, self.data, self.batch, self.acc,
                                       opts.eval_samples, self.state, self.rank,
-                                      opts.distributed, self.cfg.seed)
+                                      opts.distributed, self.cfg.seed, self.cfg.precision)
         if self.rank != 0:
             self.cb = Callback()  # rank 0 reports
         self.stats = summarize(self.built.bound)
@@ -165,13 +167,15 @@ class Trainer:
             write_classes(self.opts.checkpoint, self.data.classes)
         return self.state.save({"network": self.forward.name, "step": self.step,
                                 "loader": self.loader.state(), "seed": self.cfg.seed,
-                                "config": json.loads(self.cfg.model_dump_json())})
+                                "config": json.loads(self.cfg.model_dump_json()),
+                                **self.scale.header()})
 
     def restore(self) -> None:
         header = self.state.restore()
         if header is not None:
             self.step = int(header["step"])
             self.loader.restore(header["loader"])
+            self.scale.restore(header)
             self.resumed_from = self.step
 
     def evaluate(self) -> dict:
@@ -256,6 +260,7 @@ class Trainer:
         lr = lr_at(self.cfg.schedule, self.cfg.optimizer.lr, self.step, self.total)
         feeds = self.feeds(self.loader.device_batch or arrays)
         feeds["lr"] = np.dtype(NUMPY_DTYPE[self.opts.dtype]).type(lr)  # (the run's dtype)
+        self.scale.feed(feeds)
         be = self.executor.backend
         t0 = time.perf_counter()
         try:
@@ -275,6 +280,7 @@ class Trainer:
         rec = {"step": self.step, "loss": loss, "lr": lr, "images_per_s": self.batch / dt,
                "step_time_s": dt, "data_wait_s": self.loader.wait_s,
                "epoch": self.loader.epoch}
+        self.scale.after(out, rec, self.executor)
         run.waits.append(self.loader.wait_s)
         if self.acc and "logits" in out:
             labels = arrays[self.data.input_names.index(self.acc[1])]
@@ -313,4 +319,4 @@ class Trainer:
                 "planned_peak_bytes": self.planned_peak_bytes(), "dataset": self.data.name,
                 "train_samples": len(self.data.train), "budget_bytes": self.budget,
                 "memory_plan": self.built.plan_summary(), "split": self.split,
-                "profile": self.built.profile.name}
+                "profile": self.built.profile.name, "precision": self.cfg.precision}

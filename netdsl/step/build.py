@@ -206,7 +206,8 @@ def _split(step: Step, world: World | None, say, progress) -> None:
                     gather=_gather(labels), plan=budget is not None,
                     mem_strategy=req.strategy, float_dtype=req.dtype,
                     outputs={"logits": [labels[0]]} if labels else None,
-                    over_mpi=req.over_mpi, share=share, jobs=req.jobs, progress=progress)
+                    over_mpi=req.over_mpi, share=share, jobs=req.jobs, progress=progress,
+                    precision=req.precision)
     best = chosen.best
     if chosen.note:
         step.warnings.append(chosen.note)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph, Node
+from netdsl.ir.precision import kernels_of
 from netdsl.parallel.split import SplitSpec, split_step
 from netdsl.passes.fuse import fuse_options
 from netdsl.passes.pipeline import run_pipeline
@@ -20,7 +21,7 @@ from netdsl.passes.pipeline import run_pipeline
 # what a training step computes; a split or a projection adds its own roles
 TRAINING_ROLES = ("loss", "output", "updates")
 # the roles a storage plan keeps to the end of the step, in this order
-_KEPT_ROLES = (*TRAINING_ROLES, "logits", "state_updates", "comm")
+_KEPT_ROLES = (*TRAINING_ROLES, "logits", "found_inf", "state_updates", "comm")
 
 
 def require_loss(forward: Graph) -> None:
@@ -31,14 +32,19 @@ def require_loss(forward: Graph) -> None:
 
 def training_graph(forward: Graph, cfg: TrainConfig, device: str = "cpu") -> Graph:
     """The training step of bound `forward` on one device ("cpu" or "gpu": the fusions
-    and kernel variants of that device; NETDSL_FUSE=0 leaves the graph as written)."""
+    and kernel variants of that device; NETDSL_FUSE=0 leaves the graph as written), at
+    the config's mixed precision (the `precision` pass first; f16 scales its loss)."""
     require_loss(forward)
     opt = cfg.optimizer.model_dump()
     kind = opt.pop("kind")
     fusing = fuse_options(device)
-    return run_pipeline(forward, [("fuse", fusing), "autodiff",
+    scale = ["loss_scale"] if cfg.precision == "f16" else []
+    precise = {"dtype": cfg.precision, "device": kernels_of(device)}
+    return run_pipeline(forward, [("precision", precise),
+                                  ("fuse", fusing), "autodiff",
                                   ("fuse_grads", {"enabled": fusing["enabled"]}),
-                                  "join_slice_grads", ("optimizer", {"kind": kind, **opt}),
+                                  "join_slice_grads", *scale,
+                                  ("optimizer", {"kind": kind, **opt}),
                                   ("device", {"kind": device})])
 
 
@@ -56,15 +62,18 @@ def accumulating_step(forward: Graph, batch: int, cfg: TrainConfig, microbatches
     require_loss(forward)
     return split_step(forward, batch, SplitSpec(microbatches=microbatches,
                                                  schedule=schedule),
-                      cfg.optimizer.model_dump(), gather, device=device)
+                      cfg.optimizer.model_dump(), gather, device=device,
+                      precision=cfg.precision)
 
 
 def split_training_step(forward: Graph, batch: int, spec: SplitSpec, optimizer: dict,
-                        gather: tuple[str, ...] = (), device: str = "cpu") -> Graph:
+                        gather: tuple[str, ...] = (), device: str = "cpu",
+                        precision: str = "f32") -> Graph:
     """The training step of unbound `forward` split as `spec` says (the equivalence gate's
     reference and candidate; `netdsl.parallel.choose` builds the candidates it weighs)."""
     require_loss(forward)
-    return split_step(forward, batch, spec, optimizer, gather, device=device)
+    return split_step(forward, batch, spec, optimizer, gather, device=device,
+                      precision=precision)
 
 
 def accumulation(forward: Graph, microbatches: int | None, schedule: str | None,
@@ -86,12 +95,16 @@ def roles_of(step: Graph) -> tuple[str, ...]:
     return tuple(r for r in _KEPT_ROLES if r in step.outputs)
 
 
-def eval_graph(forward: Graph, batch: int, logits: str | None) -> Graph:
+def eval_graph(forward: Graph, batch: int, logits: str | None, precision: str = "f32",
+               kernels: str = "cpu") -> Graph:
     """The forward graph at `batch` as evaluation runs it, with the loss's logits as an
-    output where accuracy reads them."""
+    output where accuracy reads them, at mixed `precision` (as the step trains it) for
+    `kernels` (netdsl.ir.precision.kernels_of_backend)."""
     g = forward.bind(batch)
     if logits:
         g.outputs["logits"] = [logits]
+    if precision != "f32":
+        g = run_pipeline(g, [("precision", {"dtype": precision, "device": kernels})])
     return g
 
 

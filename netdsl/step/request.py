@@ -20,7 +20,7 @@ from netdsl.config import TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.frontend.train import pydantic_message
 from netdsl.memory.profiles import PROFILES, Profile, get_profile
-from netdsl.options import StepOptions
+from netdsl.options import StepOptions, check_precision
 from netdsl.sizes import parse_size
 
 # GPU names (as the driver reports them) and the built-in profile of each
@@ -49,6 +49,7 @@ class StepRequest:
     profile_given: bool = False  # --profile, rather than the device's own
     device_kind: str = "cpu"  # whose fusions and kernel variants: "cpu" or "gpu"
     dtype: str = "f32"
+    precision: str = "f32"  # mixed precision: "bf16" or "f16" (netdsl.passes.precision)
     budget_bytes: int | None = None  # --mem
     strategy: str = "auto"  # how a step is planned into the budget
     offload_state: bool = False
@@ -80,7 +81,7 @@ def resolve_config(cfg: TrainConfig | None, opts: StepOptions) -> TrainConfig:
     """The file's `train` section (or its defaults) with the options' overrides, checked."""
     cfg = cfg or TrainConfig()
     update: dict[str, Any] = {}
-    for k in ("batch", "seed", "eval_every"):
+    for k in ("batch", "seed", "eval_every", "precision"):
         if getattr(opts, k, None) is not None:
             update[k] = getattr(opts, k)
     if getattr(opts, "steps", None) is not None:
@@ -116,9 +117,13 @@ def request_for(opts: StepOptions, cfg: TrainConfig, backend=None, *, runs: bool
         budget = profile.capacity_bytes
     on_gpu = getattr(backend, "name", "numpy") == "cupy"
     kind = ("gpu" if on_gpu else "cpu") if runs else ("cpu" if profile.unified else "gpu")
+    check_precision(cfg.precision, opts.dtype,
+                    "--precision" if opts.precision else "the train section's precision")
+    if runs and backend is not None and cfg.precision != "f32":
+        backend.check_precision(cfg.precision)
     return replace(StepRequest(
         batch=cfg.batch, profile=profile, profile_given=opts.profile is not None,
-        device_kind=kind, dtype=opts.dtype,
+        device_kind=kind, dtype=opts.dtype, precision=cfg.precision,
         budget_bytes=budget, strategy=opts.strategy, offload_state=opts.offload_state,
         devices=opts.devices, split=opts.split, microbatches=opts.microbatches,
         schedule=opts.schedule, bn=opts.bn,

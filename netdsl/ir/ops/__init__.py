@@ -12,6 +12,7 @@ from netdsl.ir.ops import (  # noqa: F401
     dense,
     elementwise,
     loss,
+    loss_scale,
     norm,
     norm_fused,
     norm_group,

@@ -18,11 +18,14 @@ from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float, scratch_r
 def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: int = 1,
           attrs: tuple[Arg, ...] = (), layer_type: str = "activation", doc: str = "",
           check: Callable | None = None, scratch: tuple[float, float] = (0, 0),
-          window: Callable | None = None) -> None:
+          window: Callable | None = None, precision: str = "follow",
+          output_attrs: tuple[str, ...] = ()) -> None:
     """Register `name` and `name_grad`; `check(x_type, attrs)` may raise ShapeError.
     `scratch`: the temporaries the forward and the backward kernel hold at once besides
     their result, in multiples of the result's float32 bytes (a bool mask is 0.25): their
-    workspace rules (tests/test_plan.py measures them with tracemalloc)."""
+    workspace rules (tests/test_plan.py measures them with tracemalloc). `precision`: the
+    forward op's mixed-precision rule (netdsl.ir.opdef.PRECISIONS); `output_attrs`: the
+    attributes its value may hold as they are (under f16 they must be within its range)."""
     def shape(ins, a):
         need_float(ins[0], name)
         if check is not None:
@@ -33,7 +36,8 @@ def unary(name: str, f: Callable, df: Callable, *, reads: str = "input", flops: 
                    flops=lambda ins, out, a: flops * out.numel(),
                    workspace=scratch_rule(scratch[0]),
                    retains=("inputs",) if reads == "input" else ("output",),
-                   doc=doc or f"element-wise {name}"))
+                   doc=doc or f"element-wise {name}", precision=precision,
+                   extra={"output_attrs": output_attrs} if output_attrs else {}))
     # the backward signature repeats the forward attributes without their defaults
     gattrs = tuple(Arg(x.name, x.kind, x.default, x.choices) for x in attrs)
     register(OpDef(f"{name}_grad", (Arg("dy", "tensor"), Arg("v", "tensor")) + gattrs,

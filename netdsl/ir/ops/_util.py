@@ -104,6 +104,14 @@ def matmul(xp, a, b, out=None, fast=None, accumulate=False, bias=None, residual=
     return y
 
 
+def computable(xp, x):
+    """x as NumPy's reference code computes with it: a bf16 or f16 array (mixed precision)
+    as float32, which einsum and the BLAS take; others as they are. For the fallbacks of
+    the kernels that read 2-byte values themselves (OpDef.reads_reduced), where the fused
+    loops do not take the arrays."""
+    return x.astype(xp.float32) if x.dtype.itemsize == 2 and x.dtype.kind in "fV" else x
+
+
 def fused_kernels(ctx, *arrays, cuda: bool = False):
     """The backend's fused kernels (Numba loops, netdsl.backends.numpy_fused) if they take
     these arrays (float, contiguous), else None: the NumPy reference kernels run. An op

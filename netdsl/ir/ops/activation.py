@@ -11,7 +11,15 @@ reads only the mask. A forward-only graph keeps the fused `dropout` kernel.
 import math
 
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import PROBABILITY, Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import (
+    FUSED_LOOPS,
+    PROBABILITY,
+    Arg,
+    OpDef,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.ops._util import fused_kernels, grad_shape, need_float, scratch_rule
 
 
@@ -56,6 +64,7 @@ def _add_relu_shape(ins, a):
 register(OpDef(
     "add_relu", (Arg("a", "tensor"), Arg("b", "tensor")), _add_relu_shape, "activation",
     flops=_per_elem(2), retains=("output",), extra={"fused_kernels": ("elementwise",)},
+    reads_reduced=FUSED_LOOPS,
     doc="relu(a + b) in one kernel (made by the `fuse` pass from an add of two tensors of "
         "one type read only by a relu: a post-activation residual block's output)"))
 
@@ -94,7 +103,7 @@ register(OpDef("relu_grad", (Arg("dy", "tensor"), Arg("v", "tensor"), Arg("acc",
                _relu_grad_shape, "backward", flops=_per_elem(1), differentiable=False,
                # NumPy's: the mask (and the sum with acc); the fused kernel's: none
                workspace=lambda ins, out, a: int((1.5 if len(ins) > 2 else 0.5) * 4 * out.numel()),
-               extra={"fused_kernels": ("elementwise",)},
+               extra={"fused_kernels": ("elementwise",)}, reads_reduced=FUSED_LOOPS,
                doc="backward of relu: (dy + acc) where the output v is positive, else 0 (acc, "
                    "the other term of a gradient sum, folded in by the fuse_grads pass)"))
 for _name, _k, _extra in (("leaky_relu_grad", 2, (Arg("slope", "float"),)),

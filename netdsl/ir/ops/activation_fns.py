@@ -48,7 +48,7 @@ def _clip_check(x, a):
 unary("clip", lambda xp, x, a: xp.clip(x, *_bounds(a)),
       lambda xp, x, a: _mask((x >= _bounds(a)[0]) & (x <= _bounds(a)[1]), x),
       attrs=(Arg("min", "float", None), Arg("max", "float", None)), check=_clip_check,
-      scratch=(0, 1), window=lambda a: (*_bounds(a), True),
+      scratch=(0, 1), window=lambda a: (*_bounds(a), True), output_attrs=("min", "max"),
       doc="clamp into [min, max] (either bound may be omitted)")
 unary("hardswish", lambda xp, x, a: x * xp.clip(x + 3.0, 0.0, 6.0) * (1.0 / 6.0),
       lambda xp, x, a: xp.where(x < -3.0, 0.0, xp.where(x <= 3.0, x / 3.0 + 0.5, 1.0)),

@@ -6,7 +6,7 @@ shape (`unbroadcast`). Scalar constants in expressions (`x - 1`, `h ** 2`) reach
 operators as a `fill` node of shape () (see netdsl.frontend.tensor_arith).
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import ANY_DEVICE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._unary import unary
 from netdsl.ir.ops._util import broadcast, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
@@ -16,7 +16,7 @@ from netdsl.ir.types import DTYPES, TensorType
 unary("sqrt", lambda xp, x, a: xp.sqrt(x), lambda xp, y, a: 0.5 / y, reads="output",
       scratch=(0, 1), layer_type="elementwise", doc="element-wise square root")
 unary("exp", lambda xp, x, a: xp.exp(x), lambda xp, y, a: y, reads="output",
-      layer_type="elementwise", doc="element-wise e ** x")
+      layer_type="elementwise", doc="element-wise e ** x", precision="f32")
 unary("log", lambda xp, x, a: xp.log(x), lambda xp, x, a: 1.0 / x,
       scratch=(0, 1), layer_type="elementwise", doc="element-wise natural logarithm")
 unary("abs", lambda xp, x, a: xp.abs(x), lambda xp, x, a: xp.sign(x),
@@ -62,7 +62,7 @@ register(OpDef("div", _AB, _binary_float("div"), "elementwise",
                doc="element-wise a / b with NumPy broadcasting"))
 register(OpDef("pow", _AB, _binary_float("pow"), "elementwise",
                flops=lambda ins, out, a: 10 * out.numel(), retains=("inputs", "output"),
-               doc="element-wise a ** b with NumPy broadcasting"))
+               doc="element-wise a ** b with NumPy broadcasting", precision="f32"))
 for _name in ("maximum", "minimum"):
     register(OpDef(_name, _AB, _binary_float(_name), "elementwise",
                    flops=lambda ins, out, a: out.numel(), retains=("inputs",),
@@ -234,6 +234,7 @@ def _cast_shape(ins, a):
 
 register(OpDef("cast", (Arg("x", "tensor"), Arg("dtype", "str", choices=tuple(DTYPES))),
                _cast_shape, "elementwise", flops=lambda ins, out, a: out.numel(),
+               reads_reduced=ANY_DEVICE,
                doc="convert to another element type (gradient flows between float types)"))
 
 

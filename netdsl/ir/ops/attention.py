@@ -65,7 +65,7 @@ register(OpDef("scaled_dot_product_attention",
                retains=("inputs",), extra={"fused_kernels": ("gemm",)},
                doc="softmax(q k^T * scale) v over [..., L, E] queries, [..., S, E] keys and "
                    "[..., S, Ev] values; scale defaults to 1/sqrt(E); causal=true lets query "
-                   "i see keys 0..i"))
+                   "i see keys 0..i", precision="reduced"))
 
 
 def _probs_shape(ins, a):
@@ -78,7 +78,8 @@ register(OpDef("attention_probs", (Arg("q", "tensor"), Arg("k", "tensor")) + _AT
                _probs_shape, "backward",
                flops=lambda ins, out, a: out.numel() * (2 * ins[0].shape[-1] + 5),
                differentiable=False, extra={"fused_kernels": ("gemm",)},
-               doc="softmax(q k^T * scale), masked if causal: recomputed for the backward"))
+               doc="softmax(q k^T * scale), masked if causal: recomputed for the backward",
+               precision="reduced"))
 
 
 def _mask_shape(ins, a):
@@ -94,6 +95,7 @@ def _mask_shape(ins, a):
 # its diagonal), so that --check-numerics does not take the mask for an overflow
 register(OpDef("causal_mask", (Arg("x", "tensor"), Arg("value", "float", -1e9)),
                _mask_shape, "elementwise", flops=lambda ins, out, a: out.numel(),
+               extra={"output_attrs": ("value",)},  # (held as it is: f16 must hold it)
                doc="scores [..., L, S] with entry (i, j) set to `value` where j > i, so a "
                    "following softmax lets query i see keys 0..i"))
 register(OpDef("causal_mask_grad", (Arg("dy", "tensor"),), lambda ins, a: ins[0], "backward",

@@ -131,7 +131,8 @@ register(OpDef(
     retains=("inputs",), extra={"fused_kernels": ("attention",)},
     doc="multi-head attention over packed q/k/v: qkv [N, T, 3D] (q, k, v side by side, each "
         "of `heads` heads) -> [N, T, D], each head's softmax(q k^T * scale) v, heads merged; "
-        "with p (attention_qkv_probs' result) P v; made by the fuse pass on a CPU step"))
+        "with p (attention_qkv_probs' result) P v; made by the fuse pass on a CPU step",
+        precision="reduced"))
 register(OpDef(
     "attention_qkv_probs", (Arg("qkv", "tensor"),) + _QKV,
     lambda ins, a: _probs_type(_qkv(ins[0], a, "attention_qkv_probs"), a["heads"]), "matmul",
@@ -139,7 +140,7 @@ register(OpDef(
     workspace=lambda ins, out, a: _scratch(ins[0], a, 0.25),  # the rows' max and sum
     retains=("inputs", "output"), extra={"fused_kernels": ("attention",)},
     doc="each head's softmax(q k^T * scale) [N, heads, T, T] of packed q/k/v [N, T, 3D], "
-        "kept for attention_qkv(qkv, p) and its backward"))
+        "kept for attention_qkv(qkv, p) and its backward", precision="reduced"))
 register(OpDef(
     "attention_qkv_grad",
     (Arg("dy", "tensor"), Arg("qkv", "tensor"), Arg("p", "tensor", None)) + _QKV,

@@ -23,7 +23,7 @@ transpose of all_reduce is all_reduce, of all_gather reduce_scatter, and back.
 from __future__ import annotations
 
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import ANY_DEVICE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import norm_axis
 from netdsl.ir.types import TensorType
 
@@ -41,9 +41,9 @@ def _no_flops(ins, out, a):
 
 
 _P2P = (Arg("x", "tensor"), Arg("peer", "int"), Arg("tag", "int", 0))
-register(OpDef("send", _P2P, _same, "transfer", flops=_no_flops,
+register(OpDef("send", _P2P, _same, "transfer", flops=_no_flops, reads_reduced=ANY_DEVICE,
                doc="send a value to device `peer` (the value is the message buffer)"))
-register(OpDef("recv", _P2P, _same, "transfer", flops=_no_flops,
+register(OpDef("recv", _P2P, _same, "transfer", flops=_no_flops, reads_reduced=ANY_DEVICE,
                doc="receive the value a `send` on device `peer` sent"))
 
 
@@ -83,7 +83,7 @@ _GROUP = (Arg("xs", "tensors"), Arg("group", "ints"), Arg("index", "int"))
 register(OpDef("all_reduce", _GROUP, _all_reduce_shape, "transfer", flops=_no_flops,
                doc="sum over a group of devices; every member gets the sum"))
 register(OpDef("all_gather", _GROUP + (Arg("axis", "axis", 0),), _all_gather_shape,
-               "transfer", flops=_no_flops,
+               "transfer", flops=_no_flops, reads_reduced=ANY_DEVICE,
                doc="concatenate the members' values along `axis`; every member gets it"))
 register(OpDef("reduce_scatter", _GROUP + (Arg("axis", "axis", 0), Arg("sizes", "ints")),
                _reduce_scatter_shape, "transfer", flops=_no_flops,

@@ -10,7 +10,9 @@ import functools
 
 from netdsl.errors import ShapeError
 from netdsl.ir.opdef import (
+    GPU_LIBRARIES,
     NON_NEGATIVE,
+    OPS,
     POSITIVE,
     Arg,
     OpDef,
@@ -316,7 +318,7 @@ register(OpDef(
     retains=("inputs", "weight"),
     doc="2-d convolution over NCHW input; weight [out, in/groups, kh, kw]; padding an int, "
         "(ph, pw), (top, left, bottom, right), \"same\" or \"valid\"",
-    extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
+    extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}, precision="reduced"))
 
 
 # -- backward operators -----------------------------------------------------------------------
@@ -335,14 +337,16 @@ register(OpDef("conv2d_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"
                flops=lambda ins, out, a: conv2d_flops([out], ins[0], a),
                workspace=_workspace("grad_input"),
                doc="dx of conv2d: GEMM of dy with the weight, then col2im; `shape` is x's",
-               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
+               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True},
+               precision="reduced"))
 register(OpDef("conv2d_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                       Arg("shape", "shape")) + _GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: conv2d_flops([ins[1]], ins[0], a),
                workspace=_workspace("grad_weight"),
                doc="dW of conv2d: GEMM of dy with im2col(x); `shape` is the weight's",
-               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True}))
+               extra={"spatial": 2, "fused_kernels": kernel_groups, "gpu_variant": True},
+               precision="reduced"))
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -805,3 +809,7 @@ def conv2d_rule(n, b, gy):
     if len(n.inputs) > 2:
         out.append(b.emit("sum_except", [gy], {"axis": 1}, tag="bias"))
     return out
+
+# on a GPU, cuBLAS and cuDNN read and write f16 themselves (mixed precision)
+for _name in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+    OPS[_name].reads_reduced = GPU_LIBRARIES

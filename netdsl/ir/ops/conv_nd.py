@@ -113,19 +113,19 @@ for _op, _d in (("conv1d", 1), ("conv3d", 3)):
                    _conv_shape(_op, _d), "conv", _conv_params(_d, _op), _conv_flops(_d, _op),
                    retains=("inputs", "weight"),
                    doc=f"{_d}-d convolution over {_what}; padding as conv2d's",
-                   extra={"spatial": _d}))
+                   extra={"spatial": _d}, precision="reduced"))
     register(OpDef(f"{_op}_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor"),
                                          Arg("shape", "shape")) + _sig("ints"),
                    _to_shape, "backward", differentiable=False,
                    flops=lambda ins, out, a, _d=_d, _op=_op: _conv_flops(_d, _op)(
                        [out], ins[0], a),
-                   doc=f"dx of {_op}", extra={"spatial": _d}))
+                   doc=f"dx of {_op}", extra={"spatial": _d}, precision="reduced"))
     register(OpDef(f"{_op}_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor"),
                                           Arg("shape", "shape")) + _sig("ints"),
                    _to_shape, "backward", differentiable=False,
                    flops=lambda ins, out, a, _d=_d, _op=_op: _conv_flops(_d, _op)(
                        [ins[1]], ins[0], a),
-                   doc=f"dW of {_op}", extra={"spatial": _d}))
+                   doc=f"dW of {_op}", extra={"spatial": _d}, precision="reduced"))
 
 
 # -- conv1d: conv2d over a height of 1 -----------------------------------------------------
@@ -328,19 +328,21 @@ register(OpDef("conv_transpose2d",
                _ct_shape, "conv", _ct_params, _ct_flops, _ct_workspace("forward"),
                retains=("inputs", "weight"),
                doc="transposed 2-d convolution (the adjoint of conv2d); weight [in, "
-                   "out/groups, kh, kw]; output_padding adds to one side of the output"))
+                   "out/groups, kh, kw]; output_padding adds to one side of the output",
+                   precision="reduced"))
 register(OpDef("conv_transpose2d_grad_input",
                (Arg("dy", "tensor"), Arg("weight", "tensor"), Arg("shape", "shape")) + _CT_GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _ct_flops([out], ins[0], a),
                workspace=_ct_workspace("grad_input"),
-               doc="dx of conv_transpose2d: a conv2d of dy"))
+               doc="dx of conv_transpose2d: a conv2d of dy", precision="reduced"))
 register(OpDef("conv_transpose2d_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("shape", "shape")) + _CT_GEOM,
                _to_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: _ct_flops([ins[1]], ins[0], a),
                workspace=_ct_workspace("grad_weight"),
-               doc="dW of conv_transpose2d: conv2d's weight gradient with x and dy exchanged"))
+               doc="dW of conv_transpose2d: conv2d's weight gradient with x and dy exchanged",
+               precision="reduced"))
 
 
 # Transposed convolution goes through the "full" output: the adjoint of an unpadded conv2d,

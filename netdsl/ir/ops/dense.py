@@ -1,6 +1,16 @@
 """Dense algebra: linear layers, batched matrix products, embeddings."""
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
+from netdsl.ir.opdef import (
+    GPU_LIBRARIES,
+    OPS,
+    POSITIVE,
+    Arg,
+    OpDef,
+    ParamSpec,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.ops._util import broadcast, fused_kernels, matmul, need_float
 from netdsl.ir.ops.elementwise import unbroadcast
 from netdsl.ir.ops.shape_ops import checked_indices, scatter_add_rows
@@ -37,7 +47,7 @@ register(OpDef(
     "linear", LINEAR_ARGS, linear_shape, "linear", linear_params, linear_flops,
     retains=("inputs", "weight"),
     doc="y = x W^T + b over the last dimension; weight [out, in]",
-    extra={"fused_kernels": ("gemm",)}))
+    extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 def _matmul_shape(ins, a):
@@ -58,7 +68,7 @@ register(OpDef(
     "matmul", (Arg("a", "tensor"), Arg("b", "tensor")), _matmul_shape, "matmul",
     flops=lambda ins, out, a: 2 * out.numel() * ins[0].shape[-1], retains=("inputs",),
     doc="batched matrix product with NumPy broadcasting of the leading dimensions",
-    extra={"fused_kernels": ("gemm",)}))
+    extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 def _emb_shape(ins, a):
@@ -94,12 +104,12 @@ def _lin_gw_shape(ins, a):
 register(OpDef("linear_grad_input", (Arg("dy", "tensor"), Arg("weight", "tensor")),
                _lin_gi_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: 2 * out.numel() * ins[1].shape[0],
-               doc="dx = dy W", extra={"fused_kernels": ("gemm",)}))
+               doc="dx = dy W", extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 register(OpDef("linear_grad_weight", (Arg("dy", "tensor"), Arg("x", "tensor")),
                _lin_gw_shape, "backward", differentiable=False,
                flops=lambda ins, out, a: 2 * ins[0].numel() * ins[1].shape[-1],
                doc="dW = dy^T x, summed over all leading dimensions",
-               extra={"fused_kernels": ("gemm",)}))
+               extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 def _emb_grad_shape(ins, a):
@@ -197,3 +207,7 @@ def _matmul_rule(n, b, gy):
 def _embedding_rule(n, b, gy):
     return [None, b.emit("embedding_grad", [gy, n.inputs[0]], {"num": n.attrs["num"]},
                          tag="weight")]
+
+# on a GPU, cuBLAS and cuDNN read and write f16 themselves (mixed precision)
+for _name in ("linear", "matmul", "linear_grad_input", "linear_grad_weight"):
+    OPS[_name].reads_reduced = GPU_LIBRARIES

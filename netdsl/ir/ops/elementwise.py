@@ -7,7 +7,7 @@ seed d(loss)/d(loss) = 1, and the scalar constants of expressions like `x - 1`).
 from math import prod
 
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import ANY_DEVICE, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops._util import broadcast, fused_kernels, norm_axis
 from netdsl.ir.types import DTYPES, TensorType
 
@@ -64,7 +64,9 @@ register(OpDef("sum_except", (Arg("x", "tensor"), Arg("axis", "axis")), _sum_exc
 register(OpDef("fill", (Arg("shape", "shape"), Arg("value", "float", 0.0),
                         Arg("dtype", "str", "f32", choices=tuple(DTYPES))),
                lambda ins, a: TensorType(tuple(a["shape"]), a["dtype"]), "other",
-               differentiable=False, doc="a constant tensor (the loss seed, zero gradients)"))
+               differentiable=False, reads_reduced=ANY_DEVICE,
+               extra={"output_attrs": ("value",)},  # (held as it is: f16 must hold it)
+               doc="a constant tensor (the loss seed, zero gradients)"))
 
 
 # -- kernels ----------------------------------------------------------------------------------

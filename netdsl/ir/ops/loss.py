@@ -69,12 +69,12 @@ register(OpDef("softmax_cross_entropy",
                workspace=scratch_rule(4, of=0),
                doc="-log softmax(logits)[label] per position, reduced (torch's cross_entropy "
                    "with class weights, ignore_index and label_smoothing)",
-               extra={"fused_kernels": ("loss",)}))
+               extra={"fused_kernels": ("loss",)}, precision="f32"))
 register(OpDef("nll", (Arg("logp", "tensor"), Arg("labels", "tensor")) + _CLASS_ARGS,
                _class_loss_shape("nll"), "loss",
                flops=lambda ins, out, a: 2 * ins[0].numel(), retains=("input1",),
                doc="negative log-likelihood -logp[label] of log-probabilities (torch's "
-                   "nll_loss), reduced"))
+                   "nll_loss), reduced", precision="f32"))
 
 
 def _pair_loss_shape(op):
@@ -101,7 +101,7 @@ for _name, _extra, _doc in (
     register(OpDef(_name, (Arg("pred", "tensor"), Arg("target", "tensor")) + _extra + (_RED,),
                    _pair_loss_shape(_name), "loss",
                    flops=lambda ins, out, a: 4 * ins[0].numel(), retains=("inputs",),
-                   doc=_doc))
+                   doc=_doc, precision="f32"))
     register(OpDef(f"{_name}_grad",
                    (Arg("dy", "tensor"), Arg("pred", "tensor"), Arg("target", "tensor"))
                    + _extra + (_RED, Arg("wrt", "int", 0)),
@@ -114,7 +114,8 @@ register(OpDef("mse", (Arg("pred", "tensor"), Arg("target", "tensor"),
                        Arg("reduction", "str", "mean", choices=_REDUCTIONS)),
                _pair_loss_shape("mse"), "loss",
                flops=lambda ins, out, a: 3 * ins[0].numel(), retains=("inputs",),
-               doc="squared error (pred - target)^2, reduced (the mean by default)"))
+               doc="squared error (pred - target)^2, reduced (the mean by default)",
+               precision="f32"))
 
 
 # -- backward operators -----------------------------------------------------------------------

@@ -11,9 +11,26 @@ per-channel sums of the backward (the weight and bias gradients), and
 import math
 
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import GT0, Arg, OpDef, ParamSpec, Range, grad_rule, kernel, register
-from netdsl.ir.ops._util import fused_kernels, need_float, need_rank, norm_axis, scratch_rule
-from netdsl.ir.types import TensorType
+from netdsl.ir.opdef import (
+    FUSED_LOOPS,
+    GT0,
+    Arg,
+    OpDef,
+    ParamSpec,
+    Range,
+    grad_rule,
+    kernel,
+    register,
+)
+from netdsl.ir.ops._util import (
+    computable,
+    fused_kernels,
+    need_float,
+    need_rank,
+    norm_axis,
+    scratch_rule,
+)
+from netdsl.ir.types import TensorType, accumulate_dtype
 
 
 def _bn_shape(ins, a):
@@ -81,7 +98,7 @@ register(OpDef(
     _bn_shape, "norm", _bn_params, _flops, retains=("inputs", "weight"), writes=_bn_writes,
     # a recompute copy neither reads nor writes the running stats; the kernel uses the
     # backend's fused kernels where it has them (the executor loads them up front)
-    extra={"replay": True, "fused_kernels": ("batchnorm",)},
+    extra={"replay": True, "fused_kernels": ("batchnorm",)}, reads_reduced=FUSED_LOOPS,
     doc="batch normalisation over every dim but 1; running stats in buffers; "
         "zero_init=true starts the scale at 0 (zero_init_residual)"))
 
@@ -100,8 +117,8 @@ def _gi_shape(ins, a):
 
 
 def _gw_shape(ins, a):
-    x = ins[1]  # the weight has the normalised dims
-    return TensorType(tuple(x.shape[a["axis"] % x.rank:]), ins[0].dtype)
+    x = ins[1]  # the weight has the normalised dims; a sum over the rows: f32 for 2 bytes
+    return TensorType(tuple(x.shape[a["axis"] % x.rank:]), accumulate_dtype(ins[0].dtype))
 
 
 # layernorm's backward (batchnorm's is the statistics pass below)
@@ -128,7 +145,8 @@ STAT_ROWS = ("weight", "bias", "mean", "inv")  # rows of batchnorm_grad_stats' r
 def _stats_shape(ins, a):
     dy, x = ins[:2]
     need_rank(x, "batchnorm_grad_stats", (2, 3, 4, 5))
-    return TensorType((len(STAT_ROWS), x.shape[1]), dy.dtype)
+    # sums over the batch, its mean and 1/std: kept in f32 for 2-byte dy and x
+    return TensorType((len(STAT_ROWS), x.shape[1]), accumulate_dtype(dy.dtype))
 
 
 def _stats_workspace(ins, out, a):
@@ -144,7 +162,7 @@ register(OpDef("batchnorm_grad_stats",
                _stats_shape, "backward",
                flops=lambda ins, out, a: (8 if a["relu"] else 7) * ins[1].numel(),
                workspace=_stats_workspace, differentiable=False,
-               extra={"fused_kernels": ("batchnorm",)},
+               extra={"fused_kernels": ("batchnorm",)}, reads_reduced=FUSED_LOOPS,
                doc="batchnorm's backward statistics in one pass, rows: the weight gradient "
                    "sum(dy * x_hat), the bias gradient sum(dy), the batch mean, 1/std; "
                    "relu=true: of batchnorm_relu, dy masked where the output was 0 (or "
@@ -166,6 +184,7 @@ register(OpDef("batchnorm_grad_from_stats",
                workspace=lambda ins, out, a: (
                    4 + (a.get("cap") is not None) if a["relu"] else 0) * out.numel(),
                differentiable=False, extra={"fused_kernels": ("batchnorm",)},
+               reads_reduced=FUSED_LOOPS,
                doc="dx of batchnorm (relu=true: of batchnorm_relu) from "
                    "batchnorm_grad_stats' rows (nothing recomputed); weight and bias "
                    "optional; `acc`, another gradient of x, is added to dx (an `add` of a "
@@ -208,6 +227,7 @@ def _bn_stats(xp, x3, eps, out=None):
     deviations x - mean as a (N, C, P) array the caller may overwrite (`out` if given: the
     node's planned slot, viewed as (N, C, P))."""
     count = x3.shape[0] * x3.shape[2]
+    x3 = computable(xp, x3)
     mean = xp.einsum("ncp->c", x3) / count
     d = xp.subtract(x3, mean[:, None], out=None if out is None else _view3(out))
     var = xp.einsum("ncp,ncp->c", d, d) / count
@@ -226,6 +246,8 @@ def affine_inputs(ins, at):
 
 
 def _affine_or_unit(xp, w, b, c, dtype):
+    # (a bf16 x's unit affine is f32, as its parameters would be: the loops read it so)
+    dtype = xp.float32 if dtype.itemsize == 2 else dtype
     return (xp.ones(c, dtype) if w is None else w), (xp.zeros(c, dtype) if b is None else b)
 
 
@@ -344,14 +366,16 @@ def _bn_grad_stats(xp, ins, a, ctx):
     dy, x = ins[0], ins[1]
     w, b = affine_inputs(ins, 2)
     dy3, x3 = _view3(dy), _view3(x)
-    out = xp.empty((len(STAT_ROWS), x3.shape[1]), dtype=dy3.dtype)
+    # (f32 statistics for 2-byte data: the op's shape rule)
+    out = xp.empty((len(STAT_ROWS), x3.shape[1]),
+                   dtype=xp.float32 if dy3.dtype.itemsize == 2 else dy3.dtype)
     f = fused_kernels(ctx, dy, x, cuda=True)
     if f is not None:
         f.bn_grad_stats(dy3, x3, *_affine_or_unit(xp, w, b, x3.shape[1], x.dtype), a["eps"],
                         a["relu"], _no_cap(a.get("cap")), out, f.threads)
         return out
     mean, inv, _, d = _bn_stats(xp, x3, a["eps"])
-    grad_sums(xp, dy3, d, inv, w, b, a["relu"], a.get("cap"), out)
+    grad_sums(xp, computable(xp, dy3), d, inv, w, b, a["relu"], a.get("cap"), out)
     out[2] = mean
     out[3] = inv
     return out

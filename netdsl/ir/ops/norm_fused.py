@@ -10,7 +10,7 @@ so neither the pre-activation value nor a mask is kept. With the backend's fused
 the forward is one pass over x (statistics per channel while the channel is in cache,
 then y), each backward node one more.
 """
-from netdsl.ir.opdef import GT0, Arg, OpDef, Range, grad_rule, kernel, register
+from netdsl.ir.opdef import FUSED_LOOPS, GT0, Arg, OpDef, Range, grad_rule, kernel, register
 from netdsl.ir.ops.norm import _bn_params, _bn_shape, _bn_writes, bn_forward, bn_rule
 
 register(OpDef(
@@ -21,7 +21,7 @@ register(OpDef(
      Arg("cap", "float", None, range=GT0)),
     _bn_shape, "norm", _bn_params, lambda ins, out, a: 9 * out.numel(),
     retains=("inputs", "weight", "bias"), writes=_bn_writes,
-    extra={"replay": True, "fused_kernels": ("batchnorm",)},
+    extra={"replay": True, "fused_kernels": ("batchnorm",)}, reads_reduced=FUSED_LOOPS,
     doc="relu(batchnorm(x)) in one kernel (made by the `fuse` pass from a batchnorm read "
         "only by a relu), min(relu(batchnorm(x)), cap) with a cap (from relu6: cap=6); "
         "arguments, parameters and buffers as batchnorm's"))

@@ -8,7 +8,7 @@ statistics from x; the ops retain their input and their scale.
 from netdsl.errors import ShapeError
 from netdsl.ir.opdef import GT0, POSITIVE, Arg, OpDef, ParamSpec, grad_rule, kernel, register
 from netdsl.ir.ops._util import need_float, norm_axis
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import TensorType, accumulate_dtype
 
 
 def _group_shape(op):
@@ -92,7 +92,8 @@ register(OpDef("groupnorm_grad_input",
                differentiable=False, doc="dx of groupnorm/instancenorm; weight optional"))
 register(OpDef("groupnorm_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), _GROUPS, Arg("eps", "float", 1e-5)),
-               lambda ins, a: TensorType((ins[1].shape[1],), ins[0].dtype), "backward",
+               lambda ins, a: TensorType((ins[1].shape[1],), accumulate_dtype(ins[0].dtype)),
+               "backward",
                flops=lambda ins, out, a: 6 * ins[0].numel(), differentiable=False,
                doc="d(weight) of groupnorm: per channel, the sum of dy * x_hat"))
 _AX = Arg("axis", "axis", -1)
@@ -104,7 +105,7 @@ register(OpDef("rmsnorm_grad_input",
 register(OpDef("rmsnorm_grad_weight",
                (Arg("dy", "tensor"), Arg("x", "tensor"), Arg("eps", "float", 1e-6), _AX),
                lambda ins, a: TensorType(tuple(ins[1].shape[a["axis"] % ins[1].rank:]),
-                                         ins[0].dtype),
+                                         accumulate_dtype(ins[0].dtype)),
                "backward", flops=lambda ins, out, a: 4 * ins[0].numel(), differentiable=False,
                doc="d(weight) of rmsnorm: the sum of dy * x_hat over the leading dims"))
 

@@ -41,7 +41,7 @@ from netdsl.ir.ops.norm import (
     grad_sums,
     move_running,
 )
-from netdsl.ir.types import TensorType
+from netdsl.ir.types import TensorType, accumulate_dtype
 
 _FUSED = {"internal": True, "fused_kernels": ("batchnorm",)}
 # per-channel statistics: kept by memory plans, never recomputed (netdsl.memory.simulate)
@@ -51,7 +51,8 @@ _BN_ARGS = (Arg("eps", "float", 1e-5, range=GT0), Arg("relu", "bool", False),
 
 
 def _two_rows(x: TensorType) -> TensorType:
-    return TensorType((2, x.shape[1]), x.dtype)
+    # per-channel sums and moments: f32 for 2-byte x (mixed precision)
+    return TensorType((2, x.shape[1]), accumulate_dtype(x.dtype))
 
 
 def _need_stats(op: str, x: TensorType, stats: TensorType, what: str = "stats") -> None:
@@ -115,7 +116,7 @@ register(OpDef(
     (Arg("x", "tensor"), Arg("stats", "tensor"), Arg("weight", "tensor", None),
      Arg("bias", "tensor", None)) + _BN_ARGS,
     _apply_shape, "norm", flops=lambda ins, out, a: (5 + a["relu"]) * out.numel(),
-    retains=("inputs",), extra=_FUSED,
+    retains=("inputs",), extra={**_FUSED, "mixed_floats": True},
     doc="(x - mean) * weight / sqrt(var + eps) + bias (then relu, capped at `cap`) with "
         "stats = bn_combine's rows: a synchronised batchnorm's output; its gradient rule "
         "differentiates through the statistics (see the module docstring)"))

@@ -12,7 +12,7 @@ result, read it back with the residual and wrote the sum; other paths add it aft
 sums are the unfused pair's: the product (plus its bias), then the residual.
 """
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import GPU_LIBRARIES, OPS, Arg, OpDef, grad_rule, kernel, register
 from netdsl.ir.ops import conv, dense
 from netdsl.ir.ops._util import fused_kernels
 
@@ -48,7 +48,8 @@ register(OpDef(
     doc="conv2d(x) + residual in one kernel (made by the `fuse` pass from an add of two "
         "tensors of one type one of which is a conv2d read only by the add); arguments and "
         "parameters as conv2d's",
-    extra={"spatial": 2, "fused_kernels": conv.kernel_groups, "gpu_variant": True}))
+    extra={"spatial": 2, "fused_kernels": conv.kernel_groups, "gpu_variant": True},
+    precision="reduced"))
 
 register(OpDef(
     "linear_add", (dense.LINEAR_ARGS[0], Arg("residual", "tensor")) + dense.LINEAR_ARGS[1:],
@@ -58,7 +59,7 @@ register(OpDef(
     doc="linear(x) + residual in one kernel (made by the `fuse` pass from an add of two "
         "tensors of one type one of which is a linear read only by the add); arguments and "
         "parameters as linear's",
-    extra={"fused_kernels": ("gemm",)}))
+    extra={"fused_kernels": ("gemm",)}, precision="reduced"))
 
 
 @kernel("conv2d_add")
@@ -101,3 +102,7 @@ class _Layer:
 
 grad_rule("conv2d_add")(_rule(conv.conv2d_rule))
 grad_rule("linear_add")(_rule(dense.linear_rule))
+
+# on a GPU, cuBLAS and cuDNN read and write f16 themselves (mixed precision)
+for _name in ("conv2d_add", "linear_add"):
+    OPS[_name].reads_reduced = GPU_LIBRARIES

@@ -43,8 +43,10 @@ for _name, _ret, _doc in (
         ("sum", (), "sum over one axis or a tuple of axes"),
         ("amax", ("inputs", "output"), "maximum over axes (ties share the gradient)"),
         ("amin", ("inputs", "output"), "minimum over axes (ties share the gradient)")):
+    # a sum's result grows with the count (past f16's range): in f32 under mixed precision
     register(OpDef(_name, _SIG, _shape(_name), "reduce",
-                   flops=lambda ins, out, a: ins[0].numel(), retains=_ret, doc=_doc))
+                   flops=lambda ins, out, a: ins[0].numel(), retains=_ret, doc=_doc,
+                   precision="f32" if _name == "sum" else "follow"))
 
 
 # -- backward operators -----------------------------------------------------------------------

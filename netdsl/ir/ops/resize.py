@@ -53,6 +53,7 @@ register(OpDef("pad", (Arg("x", "tensor"), Arg("pads", "ints"),
                        Arg("mode", "str", "constant", choices=_PAD_MODES),
                        Arg("value", "float", 0.0)),
                _pad_shape, "shape", flops=lambda ins, out, a: 0,
+               extra={"output_attrs": ("value",)},  # (held as it is: f16 must hold it)
                doc="pad like torch's F.pad: pads = (left, right) of the last dim, then of "
                    "the dim before ...; mode constant (with value), reflect or replicate"))
 register(OpDef("pad_grad", (Arg("dy", "tensor"), Arg("shape", "shape"), Arg("pads", "ints"),

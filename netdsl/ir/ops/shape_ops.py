@@ -3,7 +3,17 @@ squeeze, unsqueeze, expand, gather."""
 
 
 from netdsl.errors import ShapeError
-from netdsl.ir.opdef import NON_NEGATIVE, POSITIVE, Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import (
+    ANY_DEVICE,
+    NON_NEGATIVE,
+    OPS,
+    POSITIVE,
+    Arg,
+    OpDef,
+    grad_rule,
+    kernel,
+    register,
+)
 from netdsl.ir.ops._util import fused_kernels, norm_axis
 from netdsl.ir.types import Dim, TensorType, mul_dims
 
@@ -473,3 +483,10 @@ def _gather_rule(n, b, gy):
     x, idx = n.inputs
     return [b.emit("gather_grad", [gy, idx], {"shape": b.type(x).shape,
                                               "axis": n.attrs["axis"]}), None]
+
+
+# these move values without computing on them: any element type as it is, so under mixed
+# precision a 2-byte value is not converted to f32 and back around them
+for _name in ("flatten", "reshape", "permute", "transpose", "concat", "slice", "squeeze",
+              "unsqueeze", "expand", "slice_grad"):
+    OPS[_name].reads_reduced = ANY_DEVICE

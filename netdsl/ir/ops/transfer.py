@@ -8,7 +8,7 @@ device's budget. On the NumPy backend the copy is real (a separate buffer, separ
 accounted), so the mechanism runs and is tested without a GPU; on CuPy it goes through
 pinned host memory on a copy stream. For gradients each is the other's transpose.
 """
-from netdsl.ir.opdef import Arg, OpDef, grad_rule, kernel, register
+from netdsl.ir.opdef import ANY_DEVICE, Arg, OpDef, grad_rule, kernel, register
 
 
 def _same(ins, a):
@@ -20,10 +20,10 @@ def _bytes_moved(ins, out, a):
 
 
 register(OpDef("to_host", (Arg("x", "tensor"),), _same, "transfer", flops=_bytes_moved,
-               extra={"space": "host"},
+               extra={"space": "host"}, reads_reduced=ANY_DEVICE,
                doc="copy a device value into host memory (offload)"))
 register(OpDef("to_device", (Arg("x", "tensor"),), _same, "transfer", flops=_bytes_moved,
-               doc="copy a host value back onto the device (prefetch)"))
+               reads_reduced=ANY_DEVICE, doc="copy a host value back onto the device (prefetch)"))
 
 
 def _dst(ins, a):
@@ -37,7 +37,7 @@ def _dst(ins, a):
 register(OpDef("to_host_into", (Arg("dst", "tensor"), Arg("src", "tensor"),
                                 Arg("after", "tensor")), _dst, "transfer",
                flops=_bytes_moved, writes=(0,), view_of=0, differentiable=False,
-               extra={"space": "host"},
+               extra={"space": "host"}, reads_reduced=ANY_DEVICE,
                doc="copy a device value into existing host storage (state write-back)"))
 
 

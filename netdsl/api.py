@@ -232,7 +232,8 @@ class SplitResult:
                                  "max_peak_bytes": max(d.peak_bytes
                                                        for d in c.report.per_device)}
                                 for c in self.chosen.considered],
-               # not built: more micro-batches of a pipeline that could not win
+               # not built: more micro-batches of a pipeline that could not win (slower, or inexact
+               # where an exact split fits)
                "skipped": [spec.describe() for spec in self.chosen.skipped],
                # cannot be made, with why
                "unavailable": list(self.chosen.unavailable)}

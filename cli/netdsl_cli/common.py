@@ -155,3 +155,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on 
 
 # graphs kept alive to the end of the process (`check` on big files: see app.main)
 LARGE: list = []
+
+
+def keep_to_exit(obj) -> None:
+    """Keep `obj` (a checked network, a built step) alive to the end of the process, and
+    every object alive now out of the cyclic collector's walks: a full collection walks
+    a deep network's millions of objects again, and freeing them one by one takes longer
+    than the process's exit (app.main). The compile path makes no cycles worth
+    collecting (netdsl.ir.bulk)."""
+    import gc
+    gc.freeze()
+    LARGE.append(obj)

@@ -1,7 +1,6 @@
 """`netdsl check`, `show` and `graph`: a network checked, summarised, printed."""
 from __future__ import annotations
 
-import gc
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -14,13 +13,13 @@ from rich.text import Text
 from netdsl.errors import NetdslError
 from netdsl_cli.common import (
     EXIT_USER,
-    LARGE,
     FileArg,
     JsonOpt,
     app,
     console,
     default_batch,
     guard,
+    keep_to_exit,
     load_network,
     lower_bound,
     print_error,
@@ -54,11 +53,7 @@ def check(
                 with gc_paused():
                     net = load_network(f)
                     s = counts(net.lower())  # the symbolic graph: no copy
-                    # ... nor afterwards (a full collection walks the whole graph again),
-                    # and the graph is kept to the end: freeing it object by object took
-                    # longer than the process's exit (see main)
-                    gc.freeze()
-                    LARGE.append(net)
+                    keep_to_exit(net)  # ... nor afterwards
             except NetdslError as e:
                 failed = True
                 if json_output:

@@ -23,6 +23,7 @@ from netdsl_cli.common import (
     console,
     fraction_bar,
     guard,
+    keep_to_exit,
     load_network,
     print_json,
     warn,
@@ -65,14 +66,17 @@ def plan(
     """Plan a training step into a memory budget: what to keep, recompute or offload
     (default budget: the profile's memory)."""
     from netdsl.api import plan_step
+    from netdsl.ir.bulk import gc_paused
 
-    with guard(json_output):
+    # (the whole command builds and drops whole steps, and exits: netdsl.ir.bulk)
+    with guard(json_output), gc_paused():
         net = load_network(file)
         args = dict(mem=mem, batch=batch, profile=profile, strategy=strategy,
                     offload_state=offload_state, microbatches=microbatches, backend=backend,
                     precision=precision)
         with fraction_bar("plan", json_output) as progress:
             step = plan_step(net, progress=progress, **args)
+        keep_to_exit(step)
         res, b, micro = step.memory_plan, step.request.batch, step.microbatches
         prec = step.request.precision
         if not json_output:

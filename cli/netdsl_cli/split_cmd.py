@@ -18,6 +18,7 @@ from netdsl_cli.common import (
     console,
     fraction_bar,
     guard,
+    keep_to_exit,
     load_network,
     print_json,
     warn,
@@ -69,8 +70,10 @@ def split(
     """Split a training step across devices: per-device work, memory and communication."""
     from netdsl.api import split as split_api
     from netdsl.config import ParallelConfig
+    from netdsl.ir.bulk import gc_paused
 
-    with guard(json_output):
+    # (the whole command builds and drops whole steps, and exits: netdsl.ir.bulk)
+    with guard(json_output), gc_paused():
         net = load_network(file)
         n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
@@ -79,6 +82,7 @@ def split(
                   precision=precision)
         with fraction_bar("split", json_output) as progress:
             res = split_api(net, progress=progress, **kw)
+        keep_to_exit(res)
         if plot is not None:
             from netdsl.parallel.predict import get_interconnect, simulate
             from netdsl.tooling.schedule_plot import plot_schedule
@@ -158,8 +162,9 @@ def _print(res) -> None:
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
     if res.chosen.skipped:
-        out.print("not built (more micro-batches of a pipeline already slower than a split "
-                  "that fits): " + "; ".join(s.describe() for s in res.chosen.skipped))
+        out.print("not built (more micro-batches of a pipeline, already slower than a split "
+                  "that fits or changing the numbers where an exact split fits): "
+                  + "; ".join(s.describe() for s in res.chosen.skipped))
     g = res.gate
     if g is not None:
         verdict = "equal" if g.ok else "DIFFERENT"

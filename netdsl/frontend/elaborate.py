@@ -19,6 +19,7 @@ from netdsl.frontend.builtins import builtins
 from netdsl.frontend.expressions import Expressions
 from netdsl.frontend.frames import Fail, Frame, Return, poison_assigned
 from netdsl.frontend.modules import ModuleEnv
+from netdsl.frontend.repeats import same_copies, worth_cutting
 from netdsl.frontend.train import pydantic_message
 from netdsl.frontend.values import (
     POISON,
@@ -44,9 +45,14 @@ MAX_BLOCK_DEPTH = 64
 
 
 class Elaborator(Expressions, ArgumentBinding):
+    # cut long repeats whose copies are all alike (netdsl.frontend.repeats), and build the
+    # graph again in full only where the check finds no error
+    errors_first = True
+
     def __init__(self, module: ModuleEnv, net: ast.NetworkDef, diagnostics: list | None = None):
         self.module = module
         self.net = net
+        self.cut_repeats = 0
         self.g = Graph(net.name)
         self.diags: list[Diagnostic] = diagnostics if diagnostics is not None else []
         self._seen_diags: set = set()
@@ -68,6 +74,14 @@ class Elaborator(Expressions, ArgumentBinding):
 
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:
+        g = self._run()  # (raises the diagnostics it found)
+        if self.cut_repeats:  # no error: the graph is every copy of every repeat
+            again = type(self)(self.module, self.net)
+            again.errors_first = False
+            return again.run()
+        return g
+
+    def _run(self) -> Graph:
         frame = Frame({}, self.module, None)
         try:
             self.anns = [check_annotations(self.net.annotations, self, "network")]
@@ -246,13 +260,7 @@ class Elaborator(Expressions, ArgumentBinding):
             except Fail:
                 poison_assigned(st.body, frame)  # no cascade of "`h` is not defined"
                 raise
-            before = len(self.diags)
-            for i in range(n):
-                if st.var:
-                    frame.locals[st.var] = i
-                self.body(st.body, frame)
-                if len(self.diags) > before:  # the body failed: one report is enough
-                    break
+            self._repeat(st, n, frame)
         elif isinstance(st, ast.If):
             try:
                 c = self.expr(st.test, frame)
@@ -275,6 +283,26 @@ class Elaborator(Expressions, ArgumentBinding):
             raise self.error(f"`{kw}` may only appear at the top level of a network", st.loc)
         else:  # pragma: no cover
             raise self.error(f"unsupported statement {type(st).__name__}", st.loc)
+
+    def _repeat(self, st: ast.Repeat, n: int, frame: Frame):
+        """`n` copies of the body; with `errors_first`, a long repeat without an index is
+        cut after two copies where the rest would repeat them (`repeats.same_copies`)."""
+        before = len(self.diags)
+        cut = self.errors_first and st.var is None and n > 2
+        names, starts = [dict(frame.locals)], [len(self.g.nodes)]
+        for i in range(n):
+            if st.var:
+                frame.locals[st.var] = i
+            self.body(st.body, frame)
+            if len(self.diags) > before:  # the body failed: one report is enough
+                break
+            if cut and i < 2:
+                names.append(dict(frame.locals))
+                starts.append(len(self.g.nodes))
+                if i == 1 and worth_cutting(starts[1] - starts[0], n) and same_copies(
+                        self.g, tuple(names), tuple(starts)):
+                    self.cut_repeats += 1
+                    break
 
     def body(self, stmts, frame: Frame):
         for s in stmts:

@@ -13,7 +13,9 @@
   read past an update.
 
 `Graph.verify()` calls `verify`, which takes the graph as it is (this module does not
-import netdsl.ir.graph, which imports it).
+import netdsl.ir.graph, which imports it). `check_structure` is the first group alone
+(names, order, ops, sources, outputs): the cheap check the pass pipeline makes between
+passes, whose last pass is followed by the whole `verify`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,34 @@ from netdsl.ir.node import SOURCE_OPS
 
 class IRError(AssertionError):
     """A broken IR invariant: a bug in a pass, never a user error."""
+
+
+def check_structure(g) -> None:
+    """The graph's structure alone (module doc): unique names, inputs defined before
+    use, registered ops, sources without inputs, outputs that exist."""
+    ops = registry.load_all()
+    seen: set[str] = set()
+    for n in g.nodes:
+        name, inputs = n.name, n.inputs
+        if name in seen:
+            raise IRError(f"duplicate node name %{name}")
+        if n.op not in ops:
+            raise IRError(f"%{name}: unknown op {n.op!r}")
+        if inputs:
+            if n.op in SOURCE_OPS:
+                raise IRError(f"%{name}: a {n.op} node takes no inputs")
+            for i in inputs:
+                if i not in seen:
+                    raise IRError(f"%{name} reads %{i}, which is not defined before it")
+        seen.add(name)
+    _check_outputs(g, seen)
+
+
+def _check_outputs(g, defined) -> None:
+    for role, names in g.outputs.items():
+        for name in names:
+            if name not in defined:
+                raise IRError(f"output {role} names %{name}, which does not exist")
 
 
 def verify(g, *, recheck_shapes: bool = True) -> None:
@@ -72,10 +102,7 @@ def verify(g, *, recheck_shapes: bool = True) -> None:
         if op.writes:
             for j in op.written_inputs(n):
                 clobbered[root.get(inputs[j], inputs[j])] = (k, name)
-    for role, names in g.outputs.items():
-        for name in names:
-            if name not in pos:
-                raise IRError(f"output {role} names %{name}, which does not exist")
+    _check_outputs(g, pos)
     for name in g.outputs.get("loss", []):
         t = nodes[pos[name]].type
         if t.shape != ():

@@ -175,7 +175,13 @@ def chain_plan(us: list[Unit], limit: int, grain: int
     """The fastest plan (module doc) whose modelled backward-pass bytes stay within
     `limit` at every segment: segments (first unit, last unit, mode), or None when no
     plan fits. Stored bytes are counted in steps of `grain` bytes, rounded up; the least
-    time for each (units done, stored bytes) is a NumPy row."""
+    time for each (units done, stored bytes) is a NumPy row.
+
+    Row k (k units done) is made from the rows before it, as they offer their entries:
+    first the segments recomputing units i..k-1 for i < k - 1 (the kept cut of unit k - 1
+    adds the same bytes to each, so they are one block of rows and its least entry per
+    column, the earliest row among equals), then keeping unit k - 1, part-keeping it and
+    recomputing it alone; an offer replaces an entry only where it is strictly less."""
     m = len(us)
     if not m or limit <= 0:
         return None
@@ -184,29 +190,30 @@ def chain_plan(us: list[Unit], limit: int, grain: int
     best[0, 0] = 0.0
     came = np.full((m + 1, q + 1), -1, dtype=np.int32)  # the unit the segment began at
     modes = np.zeros((m + 1, q + 1), dtype=np.int8)  # ... and its mode
-    for i in range(m):
-        row = best[i]
-        finite = np.flatnonzero(np.isfinite(row))
+    rt = np.zeros(m)  # rt[i]: the time of recomputing units i..k-1, summed from i
+    reach = np.zeros(m, dtype=np.int64)  # one past each row's last finite entry
+    first = 0  # the first unit a recomputed segment ending at unit k - 1 may begin at
+    for k in range(1, m + 1):
+        i = k - 1
+        finite = np.flatnonzero(np.isfinite(best[i]))
         if not len(finite):
             return None
-        reach = finite[-1] + 1
+        reach[i] = finite[-1] + 1
         u = us[i]
+        rt[first:k] += u.time
+        first, tops = _sources(us, first, k, limit, grain)
+        shift = _up(u.cut_bytes, grain)
+        if first < i:  # (entries past a row's reach are infinite: offered or not, the same)
+            _offer_block(best, came, modes, k, first,
+                         np.minimum(np.array(tops[:-1]) + 1, reach[first:i]), shift,
+                         rt[first:i] - u.cut_time)
         top = (limit - u.held - u.temp) // grain
-        _relax(best, came, modes, i, i + 1, row, reach, top, _up(u.held, grain), 0.0, KEPT)
+        _relax(best, came, modes, i, k, top, _up(u.held, grain), 0.0, KEPT)
         if u.cheap:
-            _relax(best, came, modes, i, i + 1, row, reach, top, _up(u.part_bytes, grain),
-                   u.part_time, PART)
-        held = temp = 0
-        rt = 0.0
-        for j in range(i, m):  # recompute units i..j, keep j's cut
-            held += us[j].held
-            temp = max(temp, us[j].temp)
-            rt += us[j].time
-            top = (limit - held - temp) // grain
-            if top < 0:
-                break
-            _relax(best, came, modes, i, j + 1, row, reach, top,
-                   _up(us[j].cut_bytes, grain), rt - us[j].cut_time, RECOMPUTED)
+            _relax(best, came, modes, i, k, top, _up(u.part_bytes, grain), u.part_time,
+                   PART)
+        if first <= i:
+            _relax(best, came, modes, i, k, tops[-1], shift, rt[i] - u.cut_time, RECOMPUTED)
     if not np.isfinite(best[m]).any():
         return None
     s = int(np.argmin(best[m]))
@@ -222,20 +229,86 @@ def chain_plan(us: list[Unit], limit: int, grain: int
     return plan[::-1]
 
 
-def _relax(best, came, modes, i: int, k: int, row, reach: int, top: int, shift: int,
-           cost: float, mode: int) -> None:
+def _sources(us: list[Unit], first: int, k: int, limit: int, grain: int
+             ) -> tuple[int, list[int]]:
+    """The units i >= `first` a recomputed segment i..k-1 may begin at (its bytes within
+    `limit`: fewer units only hold fewer), from the first, and for each the most stored
+    grains before it (ascending)."""
+    tops: list[int] = []
+    held = temp = 0
+    for i in range(k - 1, first - 1, -1):
+        held += us[i].held
+        temp = max(temp, us[i].temp)
+        top = (limit - held - temp) // grain
+        if top < 0:
+            return i + 1, tops[::-1]
+        tops.append(top)
+    return first, tops[::-1]
+
+
+def chain_fits(us: list[Unit], limit: int, grain: int) -> bool:
+    """Whether `chain_plan(us, limit, grain)` finds a plan, without its times: a row's
+    finite entries are the stored bytes some plan reaches it with, and every offer takes
+    a row's entries up to a bound, so a row has some exactly when the least of the row it
+    comes from is within the bound; the least stored bytes of each row decide it."""
+    m = len(us)
+    if not m or limit <= 0:
+        return False
+    width = limit // grain + 1
+    least = [width] * (m + 1)  # (width: none)
+    least[0] = 0
+    first = 0
+    for k in range(1, m + 1):
+        i = k - 1
+        if least[i] >= width:
+            return False
+        u = us[i]
+        first, tops = _sources(us, first, k, limit, grain)
+        top = (limit - u.held - u.temp) // grain
+        offers = [(least[j], t, _up(u.cut_bytes, grain)) for j, t in enumerate(tops, first)]
+        offers.append((least[i], top, _up(u.held, grain)))
+        if u.cheap:
+            offers.append((least[i], top, _up(u.part_bytes, grain)))
+        for s, t, shift in offers:
+            if s <= t and s + shift < min(width, least[k]):
+                least[k] = s + shift
+    return least[m] < width
+
+
+def _relax(best, came, modes, i: int, k: int, top: int, shift: int, cost: float,
+           mode: int) -> None:
     """Offer row i's entries with stored bytes <= top, stored + shift after the segment,
     to row k at `cost` more."""
-    n = min(top + 1, reach, best.shape[1] - shift)
+    n = min(top + 1, best.shape[1] - shift)
     if n <= 0:
         return
-    cand = row[:n] + cost
+    cand = best[i, :n] + cost
     tgt = best[k, shift:shift + n]
     better = cand < tgt
     if better.any():
         tgt[better] = cand[better]
         came[k, shift:shift + n][better] = i
         modes[k, shift:shift + n][better] = mode
+
+
+def _offer_block(best, came, modes, k: int, first: int, counts, shift: int, costs) -> None:
+    """Offer the first `counts` entries of rows first.. (one a recomputed segment ending
+    at unit k - 1, `costs` theirs) to row k, as `_relax` would one after another: per
+    column the least, of equals the earliest row."""
+    n = min(int(counts.max()), best.shape[1] - shift)
+    if n <= 0:
+        return
+    block = best[first:first + len(counts), :n] + costs[:, None]
+    cols = np.arange(n)
+    block[cols[None, :] >= counts[:, None]] = np.inf
+    at = np.argmin(block, axis=0)
+    least = block[at, cols]
+    tgt = best[k, shift:shift + n]
+    better = least < tgt
+    if better.any():
+        tgt[better] = least[better]
+        came[k, shift:shift + n][better] = first + at[better]
+        modes[k, shift:shift + n][better] = RECOMPUTED
 
 
 def _up(b: int, grain: int) -> int:

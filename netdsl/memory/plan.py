@@ -131,14 +131,34 @@ def workspace_bytes(g: Graph, n: Node, float_dtype: str = "f32",
     its 2-byte values the executor converts around the kernel on `device`
     (`netdsl.ir.precision.conversion_device(g)`, which the caller asks once)."""
     op = registry.OPS[n.op]
-    if n.is_source:
+    if n.is_source or op.workspace is registry.OpDef.workspace:  # (no rule: none)
         return 0
-    ins = [g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))]]
-    w = int(op.workspace(ins, n.type, n.attrs))
+    ins = tuple(g[i].type for i in n.inputs[:op.n_tensor_inputs(len(n.inputs))])
+    # a deep network asks the same rule of the same types and attributes many times
+    key = (n.op, ins, n.type, _attrs_key(n.attrs))
+    w = _WORKSPACES.get(key)
+    if w is None:
+        if len(_WORKSPACES) >= _MAX_WORKSPACES:  # (a long-lived process: the LSP server)
+            _WORKSPACES.clear()
+        w = _WORKSPACES[key] = int(op.workspace(list(ins), n.type, n.attrs))
     w = w * ITEMSIZE[float_dtype] // 4 if float_dtype != "f32" else w  # rules count f32
     if device is not None:
         w += conversion_bytes(g, n, device, ITEMSIZE[float_dtype])
     return w
+
+
+_WORKSPACES: dict[tuple, int] = {}
+_MAX_WORKSPACES = 1 << 16
+
+
+def _attrs_key(attrs: dict) -> tuple:
+    """A hashable key of `attrs` that tells values apart by type too (True and 1)."""
+    try:
+        key = tuple((k, type(v), v) for k, v in attrs.items())
+        hash(key)
+        return key
+    except TypeError:  # (an unhashable attribute: a key no other node has)
+        return (object(),)
 
 
 @dataclass

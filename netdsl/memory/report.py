@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from netdsl.ir import registry
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.stats import OpItem, group_tree
 from netdsl.memory.search import PlanResult
 from netdsl.memory.simulate import DECISIONS, FWD, KEEP
@@ -24,6 +25,7 @@ class DecisionRow:
                                   for t, c in sorted(self.by_type.items())}}
 
 
+@gc_paused()  # (tabulates the whole step: netdsl.ir.bulk)
 def decision_rows(res: PlanResult, depth: int = 2) -> list[DecisionRow]:
     """Rows of the decision table: top-level blocks, then `depth - 1` levels inside."""
     prep = res.prep

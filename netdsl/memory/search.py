@@ -49,6 +49,7 @@ from netdsl.ir import registry
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.memory.checkpoint import (
+    chain_fits,
     chain_plan,
     cut_points,
     decisions_of,
@@ -56,8 +57,8 @@ from netdsl.memory.checkpoint import (
     model_peak,
     units,
 )
-from netdsl.memory.cost import Costs
 from netdsl.memory.devices import per_device, shortest_prefixes
+from netdsl.memory.plan import MemoryPlan
 from netdsl.memory.profiles import Profile, get_profile
 from netdsl.memory.simulate import (
     BWD,
@@ -115,6 +116,8 @@ class PlanResult:
     state_offloaded: int = 0  # optimizer-state buffers kept in the host pool
     state_buffers: int = 0  # optimizer-state buffers in all
     verified_peak_bytes: int | None = None  # make_plan of the rewritten step (api.plan)
+    # ... that storage plan itself, of a step on one device (the run follows it)
+    storage: MemoryPlan | None = field(default=None, repr=False)
     # what a run holds besides the plan, within the budget (plan.unplanned_bytes)
     outside_plan_bytes: int = 0
     verify_s: float | None = None
@@ -131,9 +134,10 @@ class PlanResult:
 class Planner:
     def __init__(self, g: Graph, profile: Profile, float_dtype: str, prefetch: int,
                  overrides: dict[str, str] | None, offload_state: bool = False,
-                 roles: tuple[str, ...] = ROLES, reserves: dict[int, int] | None = None):
-        self.prep = prepare(g, roles, float_dtype=float_dtype)
-        self.costs = Costs(self.prep, profile, float_dtype)
+                 roles: tuple[str, ...] = ROLES, reserves: dict[int, int] | None = None,
+                 prep: Prepared | None = None):
+        self.prep = prep or prepare(g, roles, float_dtype=float_dtype)
+        self.costs = self.prep.costs(profile, float_dtype)
         self.profile = profile
         self.prefetch = prefetch
         self.ops = registry.load_all()
@@ -347,11 +351,13 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
                 overrides: dict[str, str] | None = None, prefetch: int | None = None,
                 progress=None, offload_state: bool = False,
                 roles: tuple[str, ...] = ROLES,
-                reserves: dict[int, int] | None = None) -> PlanResult:
+                reserves: dict[int, int] | None = None,
+                prep: Prepared | None = None) -> PlanResult:
     """Plan bound training-step graph `g` into `budget_bytes` (module doc); a split step
     into `budget_bytes` per device, each device's plan into the budget less its
     `reserves` entry (what its process holds besides its plan: `plan_and_apply`).
-    `roles`: the outputs the step computes.
+    `roles`: the outputs the step computes; `prep`: `prepare(g, roles, float_dtype)`,
+    where the caller has it (searches of one step share it).
 
     `overrides` maps forward value names to decisions, as `@keep`/`@recompute`/`@offload`
     do in the source; `prefetch` is how many nodes ahead of its reader a `to_device` copy
@@ -367,16 +373,17 @@ def plan_memory(g: Graph, budget_bytes: int | str, profile: Profile | str = "k40
     if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
                                  or prefetch < 1):
         raise PlanError(f"prefetch must be a positive number of nodes, got {prefetch!r}")
+    prep = prep or prepare(g, roles, float_dtype=float_dtype)
     if prefetch is None and not profile.unified and strategy in ("auto", "offload-all"):
         res = plan_memory(g, budget, profile, strategy, float_dtype, overrides,
-                          DEFAULT_PREFETCH, progress, offload_state, roles, reserves)
+                          DEFAULT_PREFETCH, progress, offload_state, roles, reserves, prep)
         if not res.feasible:
             res = plan_memory(g, budget, profile, strategy, float_dtype, overrides, 1,
-                              progress, offload_state, roles, reserves)
+                              progress, offload_state, roles, reserves, prep)
         res.plan_s = time.perf_counter() - t0
         return res
     pl = Planner(g, profile, float_dtype, prefetch or 1, overrides, offload_state, roles,
-                 reserves)
+                 reserves, prep)
     tick = progress or (lambda f: None)
     base_sim, base_t, _ = pl.evaluate({})
     options = _options(pl, strategy, budget, pl.peak(base_sim) <= budget, tick)
@@ -432,7 +439,8 @@ def _result(pl: Planner, strategy: str, budget: int,
     min_peak = min(o[1] for o in options)
     named = {prep.names[p]: d for p, d in sorted(dec.items())}
     counts = Counter(dec.values())
-    state_off = [p for p in dec if p in set(prep.opt_state)]
+    opt_state = set(prep.opt_state)
+    state_off = [p for p in dec if p in opt_state]
     counts[OFFLOAD] -= len(state_off)
     counts[KEEP] = len(pl.cand) - sum(1 for p in dec if p in pl.cand_set)
     by_type = _by_layer_type(pl, dec)
@@ -502,10 +510,13 @@ def plan_and_apply(step: Graph, mem: int | str, profile: Profile | str = "k40-12
     else:
         outside = unplanned_bytes(step, float_dtype) if profile.unified else 0
 
+    prep = prepare(step, roles, float_dtype=float_dtype)  # (every search's)
+
     def search(target: int) -> PlanResult:
         res = plan_memory(step, max(target, 1), profile, strategy, float_dtype,
                           prefetch=prefetch, progress=progress,
-                          offload_state=offload_state, roles=roles, reserves=reserves)
+                          offload_state=offload_state, roles=roles, reserves=reserves,
+                          prep=prep)
         return _judged(res, budget, outside, reserves)
 
     target = budget if split else budget - outside
@@ -574,7 +585,7 @@ def _check(step: Graph, res: PlanResult, roles: tuple[str, ...], float_dtype: st
         res.outside_plan_bytes = max(own.values(), default=0)
         peak = max(peaks.values())
     else:
-        mp = make_plan(g, roles, float_dtype, pack_arena=arena)
+        mp = res.storage = make_plan(g, roles, float_dtype, pack_arena=arena)
         if res.profile.unified:
             res.outside_plan_bytes = unplanned_bytes(g, float_dtype)
         peak = (mp.arena_peak_bytes if arena else mp.peak_bytes) + res.outside_plan_bytes
@@ -672,11 +683,11 @@ def _chain_plans(pl: Planner, budget: int, consider) -> bool:
         # doubling, then bisection (the dynamic program is quick at small limits)
         lo = max(u.held + u.temp for u in us) - 1
         hi = lo + 1
-        while chain_plan(us, hi, grain) is None:
+        while not chain_fits(us, hi, grain):
             lo, hi = hi, 2 * hi
         while hi - lo > max(grain, hi // 256):
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if chain_plan(us, mid, grain) is not None else (mid, hi)
+            lo, hi = (lo, mid) if chain_fits(us, mid, grain) else (mid, hi)
         # references from the floor to three times its limit (or keeping everything)
         top = min(3 * hi, sum(u.held for u in us) + max(u.temp for u in us))
         groups[d] = (us, grain, fixed, hi, top)

@@ -98,7 +98,9 @@ def apply_decisions(g: Graph, decisions: dict[str, str], *, eager_updates: bool 
     state = [k for k, v in decisions.items() if v == "offload" and is_optimizer_state(g[k])]
     if state:
         _stream_state(g, state, prefetch)
-    g.verify()
+    # the order and the effects: the shapes are the verified step's (clones copy its
+    # nodes' types, the copies' come from their shape rules as they are made)
+    g.verify(recheck_shapes=False)
     return g
 
 

@@ -25,7 +25,8 @@ statistics); one that normalises batchnorm over micro-batches, or over each devi
 rows alone, computes other numbers. Where `prefer_exact` (auto, with neither
 --microbatches nor --bn local asked for), every exact candidate that fits ranks before
 every inexact one (`rank`), so an inexact split is chosen only where no exact one fits,
-planned or not.
+planned or not. Once one fits, the rounds build no big inexact candidate (`outclassed`:
+none could win, whatever its time; `choose.OUTCLASSED_MIN_WORK`) and list it as skipped.
 
 The functions read the candidates' figures (`Choice`, or a string saying why one
 cannot be made) by their place in the list of specs; building and predicting them is
@@ -210,13 +211,23 @@ def beats(c: Choice, best: Choice | None) -> bool:
     return best is None or rank(c) < rank(best)
 
 
-def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
-                                                            Choice | None]:
+def outclassed(k: int, inexact: frozenset[int], best: Choice | None) -> bool:
+    """Whether candidate `k` cannot win before it is built: it ranks with the inexact
+    splits (`inexact`: the places of those left out so) and `best`, which fits, with the
+    exact ones."""
+    return k in inexact and best is not None and best.ranks_exact
+
+
+def rounds(families: list[list[int]], found: dict,
+           inexact: frozenset[int] = frozenset()) -> tuple[set[int], list[int],
+                                                           Choice | None]:
     """One process's way through the candidates, on the figures `found` so far: each
     round every family's next candidate (its first, then more micro-batches while
-    `past_its_best` does not stop it), the best (the fastest that fits, visited in spec
-    order) after each. Returns (the candidates taken so far, the next round's candidates
-    that have no figures yet, [] when it is done, and the best so far)."""
+    `past_its_best` does not stop it and it is not `outclassed`: `inexact` are the places
+    of the candidates that rank with the inexact splits, which in a family are its counts
+    from the first of them on), the best (the fastest that fits, visited in spec order)
+    after each. Returns (the candidates taken so far, the next round's candidates that have
+    no figures yet, [] when it is done, and the best so far)."""
     depth = [0] * len(families)
     going = list(range(len(families)))
     taken: set[int] = set()
@@ -234,20 +245,22 @@ def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
             fam = families[f]
             if depth[f] < len(fam) and not past_its_best(
                     found, [fam[depth[f] - 1], fam[depth[f] - 2]] if depth[f] > 1 else [],
-                    best):
+                    best) and not outclassed(fam[depth[f]], inexact, best):
                 going.append(f)
     return taken, [], best
 
 
 def ahead(families: list[list[int]], found: dict, now: list[int], work: list[float],
-          width: int) -> list[int]:
+          width: int, inexact: frozenset[int] = frozenset()) -> list[int]:
     """The counts `width` ranks build ahead of round `now`: each of its families' next
     count, all of a family's where they cost less than the rest of the round (they run
-    beside it rather than after it), more where ranks would be idle."""
+    beside it rather than after it), more where ranks would be idle. Where the round has
+    an exact candidate, none of the `inexact` ones (likely `outclassed` once it fits)."""
     total = sum(work[k] for k in now)
     out, rests = [], []
+    hold = inexact if any(k not in inexact for k in now) else frozenset()
     for fam in (fam for fam in families if any(k in now for k in fam)):
-        rest = [k for k in fam if k not in found and k not in now]
+        rest = [k for k in fam if k not in found and k not in now and k not in hold]
         if sum(work[k] for k in rest) <= total - sum(work[k] for k in fam if k in now):
             out += rest
         elif rest:

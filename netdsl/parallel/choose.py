@@ -57,6 +57,10 @@ from netdsl.sizes import format_bytes
 # holds (`_process_bytes`)
 FANOUT_MIN_WORK = 1000
 MAX_AUTO_JOBS = 8
+# An inexact candidate that cannot win (an exact split fits: `candidates.outclassed`) is
+# still built, for the table of what auto considered, where it makes fewer forward node
+# copies than this (resnet164's pipeline of four micro-batches makes about 5,500)
+OUTCLASSED_MIN_WORK = 10_000
 # What a process that builds candidates holds at most (resident): the interpreter, and
 # about 5 kB a forward node for each copy of the network in the largest candidate (a
 # pipeline's micro-batches, data or spatial parts, tensor shards). Fitted to measurements
@@ -72,7 +76,8 @@ class Chosen:
     single: Graph
     considered: list[Choice] = field(default_factory=list)
     # candidates not built: more micro-batches of a pipeline already slower than a split
-    # that fits (`candidates.past_its_best`)
+    # that fits (`candidates.past_its_best`), or inexact where an exact split fits
+    # (`candidates.outclassed`)
     skipped: list[SplitSpec] = field(default_factory=list)
     # candidates that cannot be made, each "spec: why" (with a layer pinned by @device(k),
     # every scheme but a pipeline)
@@ -262,8 +267,11 @@ class _Run:
 
     def build(self, spec: SplitSpec) -> Graph:
         r = self.request
+        # the shape rules are checked on the chosen step alone (`fetch_chosen`): a
+        # candidate's verify checks its structure, its metadata and its effects
         g = split_step(r.fwd, r.batch, spec, r.optimizer, r.gather, profile=r.profile,
-                       device=self.device, precision=r.precision)
+                       device=self.device, precision=r.precision,
+                       recheck_shapes=False)
         g.outputs.update(r.outputs or {})
         return mark_over_mpi(g) if r.over_mpi else g
 
@@ -280,6 +288,18 @@ class _Run:
         same = exact(spec, has_batch_statistics(r.fwd))
         return Choice(spec, g, rep, _fits(rep, self.cap), exact=same,
                       ranks_exact=same or not r.prefer_exact)
+
+    def ranked_inexact(self) -> frozenset[int]:
+        """The places of the candidates that rank with the inexact splits (`evaluate`'s
+        `ranks_exact`, known before they are built) and that `rounds` leaves out once an
+        exact split fits: those that make OUTCLASSED_MIN_WORK forward node copies or
+        more (smaller ones are built for the table of what was considered)."""
+        r = self.request
+        if not r.prefer_exact:
+            return frozenset()
+        stats, n = has_batch_statistics(r.fwd), len(r.fwd.nodes)
+        return frozenset(k for k, spec in enumerate(self.specs)
+                         if not exact(spec, stats) and n * _copies(spec) >= OUTCLASSED_MIN_WORK)
 
     def keep_if_best(self, c: Choice) -> None:
         """Make `c` the best if it fits and is faster; only the best keeps its graph."""
@@ -302,15 +322,16 @@ class _Run:
         figures by the candidates' places)."""
         work = [work_of(spec) for spec in self.specs]
         fams = families(self.specs)
+        inexact = self.ranked_inexact()
         found: dict[int, Choice | str] = {}
         while True:
-            taken, now, self.best = rounds(fams, found)
+            taken, now, self.best = rounds(fams, found, inexact)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
                 return taken, found
             if self.width > 1:
-                now += ahead(fams, found, now, work, self.width)
+                now += ahead(fams, found, now, work, self.width, inexact)
             found.update(self._round(now, work, len(found)))
 
     def _round(self, now: list[int], work: list[float], done: int) -> dict[int, Choice | str]:
@@ -366,6 +387,8 @@ class _Run:
         if best.graph is None and (share is None or share.needs_step):
             g = self.local.get(best.spec)
             best.graph = g if g is not None else _rebuild(self.build(best.spec), best.memory)
+        if best.graph is not None:  # (every shape rule once, on the step chosen)
+            best.graph.verify()
 
 
 def _no_fit(considered: list[Choice], errors: list[str], devices: int,
@@ -434,7 +457,7 @@ def _plan(g: Graph, cap: int, single_step: float, profile: Profile, link: Interc
     without its search state, the planned step's report), or (None, the plan, None)."""
     from netdsl.parallel.memplan import plan_split
     planned, res = plan_split(g, cap, profile, float_dtype, strategy)
-    res = replace(res, prep=None, sim=None, baseline_sim=None)  # (sent between ranks)
+    res = replace(res, prep=None, sim=None, baseline_sim=None, storage=None)  # (sent)
     if planned is None:
         return None, res, None
     return planned, res, report(planned, single_step, profile, link, float_dtype)[0]

@@ -268,14 +268,16 @@ def running_stats_once(g: Graph, copies: dict[str, list[str]]) -> None:
 def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                gather: tuple[str, ...] = (), stage_of: dict[str, int] | None = None,
                profile: Profile | None = None, device: str = "cpu",
-               precision: str = "f32") -> Graph:
+               recheck_shapes: bool = True, precision: str = "f32") -> Graph:
     """The split training step: split forward, autodiff, gradient all-reduce, optimizer,
     then the structural check. `profile` prices nodes for balancing pipeline stages.
     Data and pipeline splits fuse as the single-device step on `device` ("cpu" or
     "gpu") does (`_fusing`), and every split's kernels take that device's variants (the
     `device` pass: a GPU's convolutions as columns and one batched GEMM). `precision`
     ("bf16", "f16"): the forward graph is made mixed-precision first, and f16's
-    gradients are scaled (netdsl.passes.precision)."""
+    gradients are scaled (netdsl.passes.precision). `recheck_shapes` False: the final
+    verify leaves out the shape rules (a candidate of `choose`, which verifies wholly the
+    one it chooses)."""
     if precision != "f32":
         if spec.tensor > 1 or spec.spatial > 1:
             raise SplitError(f"--precision {precision} does not combine with a "
@@ -283,16 +285,16 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                              "the step casts); use a data or pipeline split, or f32")
         fwd = run_pipeline(fwd, [("precision", {"dtype": precision,
                                                 "device": kernels_of(device)})],
-                           recheck_shapes=False)
+                           verify="structure")
     fusing = _fusing(fwd, spec, device)
     if fusing is not None:
-        fwd = run_pipeline(fwd, [("fuse", fusing)], recheck_shapes=False)
+        fwd = run_pipeline(fwd, [("fuse", fusing)], verify="structure")
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
     scale = ["loss_scale"] if precision == "f16" else []
     g = run_pipeline(g, ["autodiff", "sync_gradients", *scale,
-                         ("optimizer", {"kind": kind, **opt})], recheck_shapes=False)
+                         ("optimizer", {"kind": kind, **opt})], verify="structure")
     if spec.schedule not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
     g = order_micro_batches(defer_results(g), spec.schedule)
@@ -305,7 +307,7 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
         g = for_device(g, device)
     # one verify for the reorderings, fusions and marks, every shape rule once (the shape
     # rules are most of a verify's time on a large step)
-    g = g.verify()
+    g = g.verify(recheck_shapes=recheck_shapes)
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g

@@ -59,15 +59,17 @@ def attention_into_qkv(g: Graph, only) -> Graph:
 
 def _rebuilt(g: Graph, dropped: set[str], remake: dict) -> Graph:
     """A copy of g without the `dropped` nodes, each node named in `remake` replaced in its
-    place by what remake[name](the copy so far, the node) appends to the copy (so a node
-    made there may read one made just before it)."""
+    place by what remake[name](the copy so far, the node) adds to the copy (so a node
+    made there may read one made just before it). Nodes are added with `Graph.add`, which
+    keeps the copy's name index: an append to its node list would drop it, and each node
+    made would index the whole copy again."""
     out = g.copy()
     out.nodes = []
     for n in g.nodes:
         if n.name in remake:
             remake[n.name](out, n)
         elif n.name not in dropped:
-            out.nodes.append(n)
+            out.add(n)
     return out
 
 
@@ -81,12 +83,12 @@ def _add_fused(g: Graph, n: Node, qkv: str, attrs: dict, nodes: list[Node]) -> N
     inputs = [qkv]
     if t <= KEEP_PROBS_UP_TO * hd:
         probs = next((x for x in nodes if x.op == "softmax"), core)
-        g.nodes.append(make_node(g, probs.name, "attention_qkv_probs", [qkv], attrs,
-                                 like=probs, meta=dict(meta)))
+        g.add(make_node(g, probs.name, "attention_qkv_probs", [qkv], attrs, like=probs,
+                        meta=dict(meta)))
         inputs.append(probs.name)
     f = make_node(g, n.name, "attention_qkv", inputs, attrs, like=core, meta=meta)
     f.annotations = dict(n.annotations)
-    g.nodes.append(f)
+    g.add(f)
 
 
 def join_attention_grads(g: Graph, only) -> Graph:
@@ -115,8 +117,8 @@ def join_attention_grads(g: Graph, only) -> Graph:
         return g
     def joined_grad(out, n):
         ins, attrs, names = joined[n.name]
-        out.nodes.append(make_node(out, n.name, "attention_qkv_grad", ins, attrs, like=n,
-                                   meta={**n.meta, "fused": names + (n.name,)}))
+        out.add(make_node(out, n.name, "attention_qkv_grad", ins, attrs, like=n,
+                          meta={**n.meta, "fused": names + (n.name,)}))
     dropped = {x for _, _, names in joined.values() for x in names}
     return _rebuilt(g, dropped, dict.fromkeys(joined, joined_grad))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from netdsl.ir.printer import node_line
 from netdsl.ir.types import REDUCED_DTYPES, RUN_FLOATS, TensorType, numpy_dtype
 from netdsl.memory.liveness import RUN_ONLY_ROLES, kept
 from netdsl.memory.plan import HOST, MemoryPlan, device_workspaces, make_plan, space_of
+from netdsl.parallel.fanout import cores
 from netdsl.runtime.comm import Communicator, InProcess
 from netdsl.runtime.replay import StepReplay, wanted
 from netdsl.runtime.state_parts import StateParts
@@ -143,6 +145,20 @@ def init_value(node: Node, dtype: str, seed: int, key: str | None = None) -> np.
     return v.astype(dtype, copy=False)
 
 
+def in_parallel(fn, items: list) -> list:
+    """`fn(item)` of each item, on the host's cores at once (NumPy's generators and
+    ufuncs release the interpreter's lock while they fill arrays). The initial state of a
+    deep network is gigabytes of draws, each tensor from its own generator, so the values
+    are those drawn one after another."""
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(cores(), MAX_INIT_THREADS)) as pool:
+        return list(pool.map(fn, items))
+
+
+MAX_INIT_THREADS = 8
+
+
 def _where(n: Node) -> str:
     return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
 
@@ -209,11 +225,12 @@ class Executor:
         self.peak_by_device: dict[int, int] = {}
         self.state: dict[str, Any] = {} if state is None else state
         on_host = {n.name for n in graph.nodes if n.op in STATE_OPS and space_of(n) == HOST}
-        for n in graph.nodes:
-            if n.op in STATE_OPS and n.name not in self.state:
-                v = self.backend.asarray(self._init(n, seed))
-                # optimizer state the plan streams from the host lives there between steps
-                self.state[n.name] = self.backend.copy_to_host(v) if n.name in on_host else v
+        fresh = [n for n in graph.nodes if n.op in STATE_OPS and n.name not in self.state]
+        for n, v in zip(fresh, in_parallel(lambda n: self._init(n, seed), fresh)):
+            # (a new host array: on the CPU it is the state itself, not copied again)
+            v = v if self.xp is np else self.backend.asarray(v)
+            # optimizer state the plan streams from the host lives there between steps
+            self.state[n.name] = self.backend.copy_to_host(v) if n.name in on_host else v
         self._state_dev = {n.name: self._dev(n) for n in graph.nodes
                            if n.op in STATE_OPS and n.name not in on_host}
         for name, dev in self._state_dev.items():

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from netdsl.config import ParallelConfig, TrainConfig
 from netdsl.errors import NetdslError
+from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
 from netdsl.ir.serialize import fingerprint
 from netdsl.memory.plan import MemoryPlan, device_peaks, make_plan
@@ -135,6 +136,7 @@ class Step:
         return infeasible_error(self.memory_plan, fits_with(fitting))
 
 
+@gc_paused()  # (builds, plans and drops whole steps: netdsl.ir.bulk)
 def build_step(forward: Graph, cfg: TrainConfig, req: StepRequest, *,
                world: World | None = None, phase: Callable[[str], None] | None = None,
                progress: Callable[[float], None] | None = None) -> Step:
@@ -158,7 +160,7 @@ def build_step(forward: Graph, cfg: TrainConfig, req: StepRequest, *,
         step.split = SplitSpec(microbatches=micro, schedule=order).describe()
         step.microbatches = micro
     else:
-        step.graph = training_graph(step.graph, cfg, req.device_kind).verify()
+        step.graph = training_graph(step.graph, cfg, req.device_kind)  # (verified)
     if labels:  # the loss's own logits, for accuracy
         step.graph.outputs["logits"] = [labels[0]]
     _choose_budget(step)
@@ -232,7 +234,9 @@ def _choose_budget(step: Step) -> None:
         return
     if not req.runs:
         return
-    grouped = run_pipeline(step.graph, ["group_updates"], recheck_shapes=False)
+    # (its nodes were verified or typed by their shape rules: order and effects checked)
+    grouped = run_pipeline(step.graph, ["group_updates"], verify="structure")
+    grouped.verify(recheck_shapes=False)
     mem = None
     if not req.split_devices:
         mem, step.as_written, warning = budget_to_fit(grouped, req)
@@ -254,6 +258,7 @@ def _plan(step: Step, progress) -> None:
         prefetch=req.prefetch, progress=progress, verify=req.verify_plan)
     if planned is not None:
         step.graph = planned
+        step._storage = step.memory_plan.storage  # (the check's, made for this run)
 
 
 def microbatches_to_fit(step: Step, phase=None) -> int | None:

@@ -27,6 +27,8 @@ class Entry:
 class Recorder(Elaborator):
     """The elaborator, noting for each name and call in the source what it evaluated to."""
 
+    errors_first = False  # (every copy of a repeat noted, as the hover counts say)
+
     def __init__(self, module: ModuleEnv, net: ast.NetworkDef, index: dict):
         super().__init__(module, net)
         self.index = index

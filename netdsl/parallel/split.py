@@ -36,6 +36,7 @@ from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import NORMS, defer_running_stats, sync_batchnorms
+from netdsl.parallel.zero import STAGES as SHARD_STAGES
 from netdsl.passes.device import for_device
 from netdsl.passes.fuse import fuse_grads, fuse_options, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
@@ -54,6 +55,7 @@ class SplitSpec:
     tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
     schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
     spatial: int = 1  # strips of the image height (alone)
+    shard: int = 0  # ZeRO stage of the data replicas' state (0: replicated; `zero.py`)
 
     @property
     def devices(self) -> int:
@@ -74,7 +76,7 @@ class SplitSpec:
     def describe(self) -> str:
         parts = []
         if self.data > 1:
-            parts.append(f"data={self.data}")
+            parts.append(f"data={self.data}" + (f", shard={self.shard}" if self.shard else ""))
         if self.pipeline > 1:
             parts.append(f"pipeline={self.pipeline}, microbatches={self.microbatches}"
                          + (", 1f1b" if self.schedule == "1f1b" else ""))
@@ -278,8 +280,13 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
-    g = run_pipeline(g, ["autodiff", "sync_gradients", ("optimizer", {"kind": kind, **opt})],
+    sync = ["sync_gradients"] if not spec.shard else [("shard_gradients",
+                                                       {"stage": _shardable(spec)})]
+    g = run_pipeline(g, ["autodiff", *sync, ("optimizer", {"kind": kind, **opt}),
+                         *(["gather_parameters"] if spec.shard else [])],
                      recheck_shapes=False)
+    if spec.shard:
+        g.meta["split"]["shard"] = spec.shard
     if spec.schedule not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
     g = order_micro_batches(defer_results(g), spec.schedule)
@@ -296,6 +303,20 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g
+
+
+def _shardable(spec: SplitSpec) -> int:
+    """The ZeRO stage of `spec`, which shards the state of data replicas only."""
+    if spec.shard not in SHARD_STAGES:
+        raise SplitError(f"shard must be {', '.join(map(str, SHARD_STAGES))}, not "
+                         f"{spec.shard}")
+    if spec.data < 2 or spec.devices != spec.data:
+        raise SplitError(f"shard={spec.shard} shards the state of data-parallel replicas; "
+                         f"{spec.describe()} has "
+                         + ("no data split" if spec.data < 2 else
+                            "other splits besides (pipeline, tensor or spatial), which it "
+                            "does not combine with yet"))
+    return spec.shard
 
 
 def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:

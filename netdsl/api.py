@@ -223,7 +223,10 @@ class SplitResult:
                                  "predicted_speedup": c.report.predicted_speedup,
                                  "bubble": c.report.bubble,
                                  "max_peak_bytes": max(d.peak_bytes
-                                                       for d in c.report.per_device)}
+                                                       for d in c.report.per_device),
+                                 # auto's shard stages tried before, which did not fit
+                                 "sharded_from": [{"spec": s, "max_peak_bytes": b}
+                                                  for s, b in c.sharded_from]}
                                 for c in self.chosen.considered],
                # not built: more micro-batches of a pipeline that could not win
                "skipped": [spec.describe() for spec in self.chosen.skipped],
@@ -249,7 +252,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           profile: str | None = None, interconnect: str = "pcie3", bn: str = "sync",
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None, mpi: bool = False,
-          jobs: int | None = None, backend: str = "numpy") -> SplitResult:
+          jobs: int | None = None, backend: str = "numpy",
+          shard: int | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto), for a device
@@ -263,7 +267,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     from netdsl.options import StepOptions
     opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
                        split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
-                       interconnect=interconnect, jobs=jobs, backend=backend)
+                       interconnect=interconnect, jobs=jobs, backend=backend, shard=shard)
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen

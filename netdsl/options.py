@@ -20,6 +20,7 @@ DTYPES = ("f32", "f64")
 MEMORY_STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
 SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 SCHEDULES = ("gpipe", "1f1b")
+SHARD_STAGES = (0, 1, 2)  # ZeRO's stages built: none, optimizer state, and gradients
 BN_MODES = ("sync", "local")
 INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
 BAD_IMAGES = ("stop", "skip")
@@ -88,6 +89,10 @@ class StepOptions:
     schedule: str | None = option(
         None, "the micro-batches' order: gpipe or 1f1b (default: the file's, else 1f1b where "
         "auto chooses and gradients are accumulated, else gpipe)")
+    shard: int | None = option(
+        None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
+        "too; each replica then updates and holds 1/N of it (a data split; default: the "
+        "file's `parallel { }`, else none, or what auto chooses)", min=0)
     bn: str = option(
         "sync", "batchnorm over a split batch: sync (the whole batch's statistics: the "
         "single-device step) or local (each device its own rows', fewer collectives)")
@@ -172,10 +177,28 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
         raise NetdslError("--offload-state with --devices or --distributed is not supported "
                           "yet; a split step is planned by recomputing and offloading "
                           "activations")
+    if opts.shard is not None:
+        _shard_conflicts(opts)
     if isinstance(opts, RunOptions):
         _run_conflicts(opts)
     return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE
             if not used(opts, budgeted)]
+
+
+def _shard_conflicts(opts: StepOptions) -> None:
+    if opts.shard not in SHARD_STAGES:
+        raise NetdslError(f"--shard must be 0 (state replicated), 1 (optimizer state "
+                          f"sharded) or 2 (gradients too), not {opts.shard}")
+    if not opts.shard:
+        return
+    if opts.devices == 1 and not opts.distributed:
+        raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas, "
+                          "but the step runs on one device; give --devices N (or run under "
+                          "mpiexec with --distributed)")
+    if opts.split not in (None, "auto", "data"):
+        raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas "
+                          f"and does not combine with --split {opts.split} yet; give --split "
+                          "data (or leave --split out)")
 
 
 def _run_conflicts(opts: RunOptions) -> None:

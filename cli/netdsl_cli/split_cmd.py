@@ -33,6 +33,7 @@ from netdsl_cli.options import (
     MicrobatchesOpt,
     ProfileOpt,
     ScheduleOpt,
+    ShardOpt,
     SplitOpt,
 )
 
@@ -51,6 +52,7 @@ def split(
     backend: BackendOpt = DEFAULTS.backend,
     interconnect: InterconnectOpt = DEFAULTS.interconnect,
     bn: BnOpt = DEFAULTS.bn,
+    shard: ShardOpt = DEFAULTS.shard,
     schedule: ScheduleOpt = DEFAULTS.schedule,
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
                                          "one batch in float64 and compare every "
@@ -73,7 +75,7 @@ def split(
         n = devices if devices is not None else ParallelConfig(**net.graph.parallel).devices
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
-                  schedule=schedule, mpi=mpi, jobs=jobs, backend=backend)
+                  schedule=schedule, mpi=mpi, jobs=jobs, backend=backend, shard=shard)
         with fraction_bar("split", json_output) as progress:
             res = split_api(net, progress=progress, **kw)
         if plot is not None:
@@ -98,15 +100,16 @@ def _print(res) -> None:
     t = Table(title=f"{best.graph.name} on {rep.devices} device(s): {best.spec.describe()} "
                     f"(batch {res.batch}{', one process a device over MPI' if res.mpi else ''})")
     mem = best.memory.per_device if best.memory is not None else None
-    cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "sends", "collectives",
-            "sent / step"]
+    cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "state", "sends",
+            "collectives", "sent / step"]
     if mem is not None:
         cols += ["recomputed", "offloaded"]
     for col in cols:
         t.add_column(col, justify="right")
     for d in rep.per_device:
         row = [str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
-               format_bytes(d.peak_bytes), str(d.sends), str(d.collectives),
+               format_bytes(d.peak_bytes), format_bytes(d.state_bytes), str(d.sends),
+               str(d.collectives),
                format_bytes(d.comm_bytes)]
         if mem is not None:
             m = mem.get(d.device, {})
@@ -150,6 +153,11 @@ def _print(res) -> None:
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         format_bytes(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)
+    for c in res.chosen.considered:
+        if c.sharded_from:
+            out.print(f"{c.spec.describe()}: auto sharded the replicas' state, since "
+                      + "; ".join(f"{s} needs {format_bytes(b)} on a device"
+                                  for s, b in c.sharded_from))
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
     if res.chosen.skipped:

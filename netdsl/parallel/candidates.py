@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
-from netdsl.parallel.split import SplitSpec
+from netdsl.parallel.split import SHARD_STAGES, SplitSpec
 from netdsl.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -86,10 +86,11 @@ def inexact_note(c: Choice, cap: int) -> str:
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
                declared: dict, bn: str, schedule: str | None = None,
-               has_conv: bool = False) -> list[SplitSpec]:
+               has_conv: bool = False, shard: int | None = None) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
     else the file's `parallel { schedule = ... }`, else GPipe's; `has_conv`: the network
-    has 2-d convolutions, which a spatial split cuts)."""
+    has 2-d convolutions, which a spatial split cuts; `shard`: the data replicas' state
+    sharded so (--shard; None: the file's, else auto's choice))."""
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
                                                      else "gpipe")
@@ -101,7 +102,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             if p == 1 and not (schedule or declared.get("schedule")):
                 sched = "1f1b"  # replicas accumulating micro-batches: each part in turn
             return [SplitSpec(data=d, pipeline=p, tensor=t, spatial=s, bn=bn, schedule=sched,
-                              microbatches=microbatches or declared.get("microbatches", 1))]
+                              microbatches=microbatches or declared.get("microbatches", 1),
+                              shard=declared.get("shard", 0) if shard is None else shard)]
         strategy = "auto"
         sched = schedule or declared.get("schedule") or "1f1b"
     if strategy not in CHOICES:
@@ -111,8 +113,9 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         raise SplitError(f"--devices must be at least 1, not {devices}")
     if strategy in ("tensor", "spatial") and (microbatches or 1) > 1:
         raise SplitError(f"--microbatches {microbatches}: {MICROBATCHES_APPLY}")
-    if strategy == "data":  # micro-batches: each replica accumulates, each part in turn
-        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1,
+    if strategy == "data" or (strategy == "auto" and shard):
+        # micro-batches: each replica accumulates, each part in turn
+        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1, shard=shard or 0,
                           schedule=schedule or declared.get("schedule") or "1f1b")]
     if strategy == "tensor":
         return [SplitSpec(tensor=devices, bn=bn)]
@@ -128,11 +131,11 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             d, p = _hybrid_factors(devices)
         m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
         return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
-    return _auto(devices, batch, microbatches, bn, sched, has_conv)
+    return _auto(devices, batch, microbatches, bn, sched, has_conv, shard)
 
 
 def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: str,
-          has_conv: bool) -> list[SplitSpec]:
+          has_conv: bool, shard: int | None = None) -> list[SplitSpec]:
     """`auto`'s candidates (module docstring)."""
     out = []
     for d in range(1, devices + 1):
@@ -259,6 +262,16 @@ def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool
         return False
     t = last.report.predicted_step_s
     return t > before.report.predicted_step_s and not beats(last, best)
+
+
+def next_shard_stage(spec: SplitSpec, fits: bool, shard: int | None) -> SplitSpec | None:
+    """For `auto`, the data split with its state sharded one stage further, where
+    `spec` (a data split) does not fit each device: state memory (parameters' gradients
+    and optimizer state on every replica) is what sharding divides; None where it fits,
+    where the user fixed the stage (`shard`), or past the last stage."""
+    if fits or shard is not None or spec.data < 2 or spec.devices != spec.data:
+        return None
+    return replace(spec, shard=spec.shard + 1) if spec.shard < SHARD_STAGES[-1] else None
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from netdsl.backends import host_memory
+from netdsl.config import ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
@@ -40,6 +41,7 @@ from netdsl.parallel.candidates import (
     families,
     has_batch_statistics,
     inexact_note,
+    next_shard_stage,
     planning_order,
     prefers_exact,
     rounds,
@@ -76,6 +78,9 @@ class Choice:
     unplanned_peak_bytes: int | None = None  # ... and its largest device peak
     exact: bool = True  # its step computes the single-device step's numbers
     ranks_exact: bool = True  # ranked with the exact splits (`candidates.rank`)
+    # a data split sharded by auto: the stages tried before, which did not fit each
+    # device, as (spec, largest device peak)
+    sharded_from: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +153,19 @@ class Request:
     outputs: dict[str, list[str]] | None = None
     mem_strategy: str = "auto"
     over_mpi: bool = False
+    shard: int | None = None
+
+    @property
+    def shard_stage(self) -> int | None:
+        """The data replicas' sharding as asked (--shard, or the file's), or None: auto's
+        choice (`candidates.next_shard_stage`)."""
+        if self.shard is not None:
+            return self.shard
+        declared = ParallelConfig(**dict(self.fwd.parallel))
+        if self.strategy == "auto" or (self.strategy is None and
+                                       declared.devices != self.devices):
+            return None
+        return declared.shard if self.strategy is None else 0
 
     @property
     def prefer_exact(self) -> bool:
@@ -159,7 +177,7 @@ class Request:
         """The candidates (`candidates.candidates`)."""
         return candidates(self.strategy, self.devices, self.batch, self.microbatches,
                           dict(self.fwd.parallel), self.bn, self.schedule,
-                          any(n.op == "conv2d" for n in self.fwd.nodes))
+                          any(n.op == "conv2d" for n in self.fwd.nodes), self.shard)
 
 
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
@@ -168,7 +186,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            float_dtype: str = "f32", progress=None, schedule: str | None = None,
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
-           share: Share | None = None, jobs: int | None = None) -> Chosen:
+           share: Share | None = None, jobs: int | None = None,
+           shard: int | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
@@ -178,7 +197,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     jobs - 1 workers; None: `_jobs`' default)."""
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
-                                  outputs, mem_strategy, over_mpi),
+                                  outputs, mem_strategy, over_mpi, shard),
                           progress, share, jobs)
 
 
@@ -277,6 +296,24 @@ class _Run:
         return mark_over_mpi(g) if r.over_mpi else g
 
     def evaluate(self, spec: SplitSpec) -> Choice | str:
+        """The candidate built and predicted, or why it cannot be made; a data split that
+        does not fit each device with its state sharded one stage further while it does
+        not (`candidates.next_shard_stage`), the stages tried before named."""
+        c = self._evaluate(spec)
+        tried: list[tuple[str, int]] = []
+        while not isinstance(c, str) and (nxt := next_shard_stage(
+                c.spec, c.fits, self.request.shard_stage)) is not None:
+            further = self._evaluate(nxt)
+            if isinstance(further, str):
+                break
+            tried.append((c.spec.describe(), max(d.peak_bytes for d in c.report.per_device)))
+            c.graph = None
+            c = further
+        if tried:
+            c.sharded_from = tried
+        return c
+
+    def _evaluate(self, spec: SplitSpec) -> Choice | str:
         """The candidate built and predicted, or why it cannot be made."""
         try:
             g = self.build(spec)

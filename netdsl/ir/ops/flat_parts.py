@@ -46,7 +46,7 @@ register(OpDef("flat_piece", (Arg("x", "tensor"), Arg("start", "int", range=NON_
 register(OpDef("assign_flat", (Arg("dst", "tensor"), Arg("src", "tensor"),
                                Arg("start", "int", 0, range=NON_NEGATIVE)),
                _assign_shape, "shape", flops=_moved, differentiable=False, writes=(0,),
-               view_of=0, extra={"internal": True},
+               view_of=0, reads_part=True, extra={"internal": True},
                doc="dst (in place) = src[start:start + dst.size] in dst's shape"))
 
 

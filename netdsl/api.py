@@ -215,6 +215,7 @@ class SplitResult:
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
                "spec": best.spec.describe(), "mpi": self.mpi, "warnings": self.warnings,
                "exact": best.exact, "note": self.chosen.note,
+               "reason": self.chosen.reason,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
                                  "fits": c.fits, "exact": c.exact,
                                  "planned": c.memory is not None
@@ -223,10 +224,7 @@ class SplitResult:
                                  "predicted_speedup": c.report.predicted_speedup,
                                  "bubble": c.report.bubble,
                                  "max_peak_bytes": max(d.peak_bytes
-                                                       for d in c.report.per_device),
-                                 # auto's shard stages tried before, which did not fit
-                                 "sharded_from": [{"spec": s, "max_peak_bytes": b}
-                                                  for s, b in c.sharded_from]}
+                                                       for d in c.report.per_device)}
                                 for c in self.chosen.considered],
                # not built: more micro-batches of a pipeline that could not win
                "skipped": [spec.describe() for spec in self.chosen.skipped],

@@ -176,31 +176,31 @@ def test_accumulating_replicas_shard_too():
     assert r.ok, (r.worst, r.grad_rel, r.state_rel)
 
 
-def test_auto_shards_the_data_split_where_it_does_not_fit():
-    """Where data parallelism's replicas do not fit a device, auto tries it with its state
-    sharded, stage by stage, and names the stages that did not fit; where it fits, it
-    builds no sharded step at all."""
+def test_auto_shards_the_data_split_only_where_it_does_not_fit():
+    """auto weighs the data split with its state sharded at each stage, but takes one
+    only where the replicated data split does not fit a device (`candidates.needless`),
+    and says why; the sharded splits rank as exact."""
     from netdsl.parallel.choose import choose
     net = api.load(NETS["resnet20"])
     kw = dict(batch=16, strategy="auto", devices=4,
               optimizer=net.train.optimizer.model_dump(), profile=CPU, link=SHM, jobs=1)
     free = choose(net.graph, **kw)
-    assert free.best.spec == SplitSpec(data=4, schedule="1f1b")
-    assert all(not c.spec.shard and not c.sharded_from for c in free.considered)
-    data = max(d.peak_bytes for d in free.best.report.per_device)
-    tight = choose(net.graph, **dict(kw, mem=data - 1))
-    sharded = next(c for c in tight.considered if c.spec.data == 4)
-    assert sharded.spec.shard >= 1 and sharded.fits
-    assert sharded.sharded_from[0] == ("data=4, 1f1b" if False else "data=4", data)
-    assert tight.best is sharded  # the fastest that fits: data parallelism, sharded
+    assert free.best.spec == SplitSpec(data=4, schedule="1f1b") and free.reason is None
+    sharded = {c.spec.shard: c for c in free.considered if c.spec.data == 4}
+    assert set(sharded) == {0, 1, 2} and all(c.exact and c.fits for c in sharded.values())
+    peaks = {s: max(d.peak_bytes for d in c.report.per_device) for s, c in sharded.items()}
+    assert peaks[2] <= peaks[1] < peaks[0]
+    tight = choose(net.graph, **dict(kw, mem=peaks[0] - 1))
+    assert tight.best.spec.data == 4 and tight.best.spec.shard >= 1 and tight.best.exact
+    assert tight.reason.startswith(f"auto sharded the replicas' state (ZeRO stage "
+                                   f"{tight.best.spec.shard}): data=4 needs ")
+    assert f"({peaks[0]:,} bytes) on a device, more than" in tight.reason
     out = runner.invoke(app, ["split", str(NETS["resnet20"]), "--devices", "4", "--batch",
                               "16", "--profile", "cpu", "--interconnect", "shm", "--jobs",
-                              "1", "--mem", str(data - 1), "--json"])
+                              "1", "--mem", str(peaks[0] - 1), "--json"])
     assert out.exit_code == 0, out.output
     j = json.loads(out.output)
-    assert j["spec"].startswith("data=4, shard=") and j["shard"] >= 1
-    row = next(a for a in j["alternatives"] if a["spec"] == j["spec"])
-    assert row["sharded_from"][0]["max_peak_bytes"] == data
+    assert j["spec"].startswith("data=4, shard=") and j["reason"] == tight.reason
     assert all(d["optimizer_state_bytes"] * 4 <= d["state_bytes"] for d in j["per_device"])
 
 

@@ -153,11 +153,8 @@ def _print(res) -> None:
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         format_bytes(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)
-    for c in res.chosen.considered:
-        if c.sharded_from:
-            out.print(f"{c.spec.describe()}: auto sharded the replicas' state, since "
-                      + "; ".join(f"{s} needs {format_bytes(b)} on a device"
-                                  for s, b in c.sharded_from))
+    if res.chosen.reason:
+        out.print(res.chosen.reason)
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
     if res.chosen.skipped:

@@ -146,6 +146,10 @@ def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: st
             if d * m <= batch:
                 out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn,
                                      schedule=sched))
+    if devices > 1 and devices <= batch and shard is None:
+        # the replicas' state sharded: chosen where the data split does not fit (`needless`)
+        out.extend(SplitSpec(data=devices, bn=bn, schedule=sched, shard=s)
+                   for s in SHARD_STAGES)
     if devices > 1:
         out.append(SplitSpec(tensor=devices, bn=bn))
         out.extend(SplitSpec(data=d, tensor=devices // d, bn=bn)
@@ -217,7 +221,9 @@ def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
         if any(k not in found for k in now):
             return taken, [k for k in now if k not in found], best
         taken.update(now)
-        best = min((c for k in sorted(taken) if not isinstance(c := found[k], str) and c.fits),
+        done = [found[k] for k in sorted(taken)]
+        best = min((c for c in done if not isinstance(c, str) and c.fits
+                    and not needless(c, done)),
                    key=rank, default=None)  # (the first of equals)
         stopped, going = going, []
         for f in stopped:
@@ -264,14 +270,28 @@ def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool
     return t > before.report.predicted_step_s and not beats(last, best)
 
 
-def next_shard_stage(spec: SplitSpec, fits: bool, shard: int | None) -> SplitSpec | None:
-    """For `auto`, the data split with its state sharded one stage further, where
-    `spec` (a data split) does not fit each device: state memory (parameters' gradients
-    and optimizer state on every replica) is what sharding divides; None where it fits,
-    where the user fixed the stage (`shard`), or past the last stage."""
-    if fits or shard is not None or spec.data < 2 or spec.devices != spec.data:
+def needless(c: Choice, choices) -> bool:
+    """Whether `c` shards a data split's state where a lower stage of it (among `choices`,
+    Choices or strings) fits each device: auto shards only where the replicated state is
+    what stops the data split fitting (sharding divides the state, and adds the pieces'
+    copies and the gathered buckets to the step)."""
+    if not c.spec.shard:
+        return False
+    lower = {replace(c.spec, shard=s) for s in range(c.spec.shard)}
+    return any(not isinstance(o, str) and o.fits and o.spec in lower for o in choices)
+
+
+def shard_reason(best: Choice, considered: list[Choice], cap: int) -> str | None:
+    """Why auto sharded the data split it chose: what the replicated one needs."""
+    if not best.spec.shard:
         return None
-    return replace(spec, shard=spec.shard + 1) if spec.shard < SHARD_STAGES[-1] else None
+    plain = next((c for c in considered if c.spec == replace(best.spec, shard=0)), None)
+    if plain is None:
+        return None
+    need = max(d.peak_bytes + d.outside_plan_bytes for d in plain.report.per_device)
+    return (f"auto sharded the replicas' state (ZeRO stage {best.spec.shard}): "
+            f"{plain.spec.describe()} needs {format_bytes(need)} ({need:,} bytes) on a "
+            f"device, more than its {format_bytes(cap)} ({cap:,} bytes)")
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from netdsl.backends import host_memory
-from netdsl.config import ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.bulk import gc_paused
 from netdsl.ir.graph import Graph
@@ -41,10 +40,11 @@ from netdsl.parallel.candidates import (
     families,
     has_batch_statistics,
     inexact_note,
-    next_shard_stage,
+    needless,
     planning_order,
     prefers_exact,
     rounds,
+    shard_reason,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -78,9 +78,6 @@ class Choice:
     unplanned_peak_bytes: int | None = None  # ... and its largest device peak
     exact: bool = True  # its step computes the single-device step's numbers
     ranks_exact: bool = True  # ranked with the exact splits (`candidates.rank`)
-    # a data split sharded by auto: the stages tried before, which did not fit each
-    # device, as (spec, largest device peak)
-    sharded_from: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +93,8 @@ class Chosen:
     unavailable: list[str] = field(default_factory=list)
     # said first where auto chose a split that changes the numbers (none exact fits)
     note: str | None = None
+    # why auto sharded the data split it chose (`candidates.shard_reason`)
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,18 +153,6 @@ class Request:
     mem_strategy: str = "auto"
     over_mpi: bool = False
     shard: int | None = None
-
-    @property
-    def shard_stage(self) -> int | None:
-        """The data replicas' sharding as asked (--shard, or the file's), or None: auto's
-        choice (`candidates.next_shard_stage`)."""
-        if self.shard is not None:
-            return self.shard
-        declared = ParallelConfig(**dict(self.fwd.parallel))
-        if self.strategy == "auto" or (self.strategy is None and
-                                       declared.devices != self.devices):
-            return None
-        return declared.shard if self.strategy is None else 0
 
     @property
     def prefer_exact(self) -> bool:
@@ -237,7 +224,8 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     skipped = [specs[k] for k in range(len(specs)) if k not in taken]
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
-    return Chosen(run.best, run.single, considered, skipped, errors, note)
+    return Chosen(run.best, run.single, considered, skipped, errors, note,
+                  shard_reason(run.best, considered, run.cap))
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:
@@ -296,24 +284,6 @@ class _Run:
         return mark_over_mpi(g) if r.over_mpi else g
 
     def evaluate(self, spec: SplitSpec) -> Choice | str:
-        """The candidate built and predicted, or why it cannot be made; a data split that
-        does not fit each device with its state sharded one stage further while it does
-        not (`candidates.next_shard_stage`), the stages tried before named."""
-        c = self._evaluate(spec)
-        tried: list[tuple[str, int]] = []
-        while not isinstance(c, str) and (nxt := next_shard_stage(
-                c.spec, c.fits, self.request.shard_stage)) is not None:
-            further = self._evaluate(nxt)
-            if isinstance(further, str):
-                break
-            tried.append((c.spec.describe(), max(d.peak_bytes for d in c.report.per_device)))
-            c.graph = None
-            c = further
-        if tried:
-            c.sharded_from = tried
-        return c
-
-    def _evaluate(self, spec: SplitSpec) -> Choice | str:
         """The candidate built and predicted, or why it cannot be made."""
         try:
             g = self.build(spec)
@@ -327,9 +297,10 @@ class _Run:
         return Choice(spec, g, rep, _fits(rep, self.cap), exact=same,
                       ranks_exact=same or not r.prefer_exact)
 
-    def keep_if_best(self, c: Choice) -> None:
-        """Make `c` the best if it fits and is faster; only the best keeps its graph."""
-        if c.fits and beats(c, self.best):
+    def keep_if_best(self, c: Choice, others: list = ()) -> None:
+        """Make `c` the best if it fits and is faster (and is not a needless shard stage
+        of a data split among `others`); only the best keeps its graph."""
+        if c.fits and beats(c, self.best) and not needless(c, others):
             if self.best is not None:
                 self.best.graph = None
             self.local.clear()
@@ -370,7 +341,8 @@ class _Run:
             got[k] = c = self.evaluate(specs[k])
             if not isinstance(c, str) and not (self.request.plan and not c.fits
                                                and len(specs) == 1):
-                self.keep_if_best(c)  # (a lone candidate that does not fit is planned from it)
+                # (a lone candidate that does not fit is planned from it)
+                self.keep_if_best(c, list(got.values()))
         if share:  # every rank's figures, on every rank
             got = share.merged({k: c if isinstance(c, str) else replace(c, graph=None)
                                 for k, c in got.items()})

@@ -98,7 +98,7 @@ def step_times(net: str, ranks: int, batch: int, steps: int, rounds: int) -> dic
 
 
 def mb(x: int) -> str:
-    return f"{x / 1e6:.1f}"
+    return f"{x / 1e6:.2f}"
 
 
 def main() -> None:

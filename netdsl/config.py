@@ -243,8 +243,9 @@ class ParallelConfig(_Strict):
     # a pipeline's order; None: the scheme's own (GPipe for a declared pipeline, 1F1B for
     # micro-batches accumulated and for `auto`)
     schedule: Literal["gpipe", "1f1b"] | None = None
-    # the data replicas' state sharded (ZeRO): 1 optimizer state, 2 and gradients
-    shard: Literal[0, 1, 2] = 0
+    # the data replicas' state sharded (ZeRO): 1 optimizer state, 2 and gradients, 3 and
+    # parameters
+    shard: Literal[0, 1, 2, 3] = 0
 
     @property
     def devices(self) -> int:

@@ -20,7 +20,7 @@ DTYPES = ("f32", "f64")
 MEMORY_STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
 SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 SCHEDULES = ("gpipe", "1f1b")
-SHARD_STAGES = (0, 1, 2)  # ZeRO's stages built: none, optimizer state, and gradients
+SHARD_STAGES = (0, 1, 2, 3)  # ZeRO's: none, optimizer state, and gradients, and parameters
 BN_MODES = ("sync", "local")
 INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
 BAD_IMAGES = ("stop", "skip")
@@ -91,8 +91,9 @@ class StepOptions:
         "auto chooses and gradients are accumulated, else gpipe)")
     shard: int | None = option(
         None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
-        "too; each replica then updates and holds 1/N of it (a data split; default: the "
-        "file's `parallel { }`, else none, or what auto chooses)", min=0)
+        "too, 3 the parameters too (gathered layer by layer); each replica then updates and "
+        "holds 1/N of it (a data split; default: the file's `parallel { }`, else none, or "
+        "what auto chooses)", min=0)
     bn: str = option(
         "sync", "batchnorm over a split batch: sync (the whole batch's statistics: the "
         "single-device step) or local (each device its own rows', fewer collectives)")
@@ -188,7 +189,8 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
 def _shard_conflicts(opts: StepOptions) -> None:
     if opts.shard not in SHARD_STAGES:
         raise NetdslError(f"--shard must be 0 (state replicated), 1 (optimizer state "
-                          f"sharded) or 2 (gradients too), not {opts.shard}")
+                          f"sharded), 2 (gradients too) or 3 (parameters too), not "
+                          f"{opts.shard}")
     if not opts.shard:
         return
     if opts.devices == 1 and not opts.distributed:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" pass)
+import netdsl.parallel.zero  # noqa: F401  (registers the sharded state's passes)
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
@@ -36,12 +37,13 @@ from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import NORMS, defer_running_stats, sync_batchnorms
-from netdsl.parallel.zero import STAGES as SHARD_STAGES
+from netdsl.parallel.zero_params import shard_parameters
 from netdsl.passes.device import for_device
 from netdsl.passes.fuse import fuse_grads, fuse_options, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
 
 STRATEGIES = ("data", "pipeline", "hybrid", "tensor", "spatial", "none")
+SHARD_STAGES = (1, 2, 3)  # ZeRO's: optimizer state, and gradients, and parameters
 
 
 @dataclass(frozen=True)
@@ -280,10 +282,13 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
-    sync = ["sync_gradients"] if not spec.shard else [("shard_gradients",
-                                                       {"stage": _shardable(spec)})]
+    stage = _shardable(spec) if spec.shard else 0
+    if stage == 3:  # the parameters sharded, each unit gathered for its layers
+        g = shard_parameters(g)
+    sync = {0: ["sync_gradients"], 3: ["gather_for_backward"]}.get(
+        stage, [("shard_gradients", {"stage": stage})])
     g = run_pipeline(g, ["autodiff", *sync, ("optimizer", {"kind": kind, **opt}),
-                         *(["gather_parameters"] if spec.shard else [])],
+                         *(["gather_parameters"] if stage in (1, 2) else [])],
                      recheck_shapes=False)
     if spec.shard:
         g.meta["split"]["shard"] = spec.shard

@@ -1,4 +1,4 @@
-"""Sharded data parallelism (ZeRO stages 1 and 2) over MPI: per-rank memory against the
+"""Sharded data parallelism (ZeRO stages 1 to 3) over MPI: per-rank memory against the
 plan, and the step time against plain data parallelism (issue 47).
 
 Memory (`--ranks 4`, ResNet-50 by default): `mpiexec -n 4` ranks each build the data=4
@@ -70,7 +70,7 @@ def memory(net: str, ranks: int, batch: int) -> list[dict]:
     rows = []
     script = Path(tempfile.mkdtemp()) / "rank.py"
     script.write_text(RANK)
-    for shard in (0, 1, 2):
+    for shard in (0, 1, 2, 3):
         out = Path(tempfile.mkdtemp())
         cmd = [MPIEXEC, "-n", str(ranks), sys.executable, str(script), net, str(shard),
                str(batch), str(out)]
@@ -83,7 +83,7 @@ def memory(net: str, ranks: int, batch: int) -> list[dict]:
 
 
 def step_times(net: str, ranks: int, batch: int, steps: int, rounds: int) -> dict:
-    times: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    times: dict[int, list[float]] = {0: [], 1: [], 2: [], 3: []}
     for _ in range(rounds):
         for shard in times:
             cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "netdsl_cli", "run", net,

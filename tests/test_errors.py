@@ -185,7 +185,7 @@ CASES = [
      "shard applies to data-parallel replicas alone (data = 2 or more, without pipeline", 4,
      40),
     ("parallel-shard-stage", net("parallel { data = 2; shard = 4 }\noutput x"),
-     "invalid parallel declaration: `shard` must be 0, 1 or 2, not 4", 4, 26),
+     "invalid parallel declaration: `shard` must be 0, 1, 2 or 3, not 4", 4, 26),
     ("parallel-twice", net("parallel { data = 2 }\nparallel { data = 2 }\noutput x"),
      "a network has one `parallel` declaration", 5, 5),
     # -- train ---------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Sharded data parallelism (ZeRO stages 1 and 2, netdsl.parallel.zero): the float64 gate
-against one device, each replica's 1/N of the optimizer state, the bytes the collectives
-move against plain data parallelism's, gradients freed at their bucket in stage 2,
-checkpoints in the single-device layout across shard counts, `auto` sharding where data
-parallelism does not fit, and the errors for what it does not combine with."""
+"""Sharded data parallelism (ZeRO stages 1 to 3, netdsl.parallel.zero and zero_params): the
+float64 gate against one device, each replica's 1/N of the optimizer state (and of the
+parameters, stage 3), the bytes the collectives move against plain data parallelism's,
+gradients freed at their bucket in stage 2, stage 3's units gathered one ahead and again
+for the backward, checkpoints in the single-device layout across shard counts, `auto`
+sharding where data parallelism does not fit, and the errors for what it does not
+combine with."""
 from __future__ import annotations
 
 import json
@@ -29,18 +31,28 @@ CPU, SHM = get_profile("cpu"), get_interconnect("shm")
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-@pytest.mark.parametrize("shard", [1, 2])
+@pytest.mark.parametrize("shard", [1, 2, 3])
 @pytest.mark.parametrize("name", ["resnet20", "transformer"])
 def test_sharded_step_equals_single_device_step(name, shard, devices):
     """Loss, every gradient piece, and every parameter and optimizer state entry after the
     update (joined from the replicas' pieces) agree with one device to 1e-9 in float64
     (SGD with momentum on ResNet-20, AdamW on the transformer); the collectives move
-    what plain data parallelism's all-reduce moves."""
+    what plain data parallelism's all-reduce moves (2 (N - 1) x the parameters' bytes
+    in all), and stage 3 a second all-gather more: (N - 1) x the bytes of the units
+    whose backward reads their parameters (not an embedding's or a lone bias's)."""
     net, opt, feeds = setup(name)
-    r = verify_split(net.graph, BATCH, SplitSpec(data=devices, shard=shard), opt, feeds)
+    spec = SplitSpec(data=devices, shard=shard)
+    g = split_step(net.graph, BATCH, spec, opt)
+    r = verify_split(net.graph, BATCH, spec, opt, feeds, split=g)
     assert r.ok, (r.worst, r.loss_rel, r.grad_rel, r.state_rel, r.first_divergence)
     plain = verify_split(net.graph, BATCH, SplitSpec(data=devices), opt, feeds)
-    assert sum(r.comm_bytes.values()) == sum(plain.comm_bytes.values())
+    again = sum(n.type.numel() for n in g.nodes if n.op == "all_gather"
+                and n.attrs["index"] == 0 and n.meta.get("phase") == "backward"
+                and n.name.startswith("unit"))
+    params = sum(p.type.numel() for p in net.graph.params())
+    assert (shard < 3 and again == 0) or 0.8 * params <= again < params
+    extra = (devices - 1) * again * 8  # float64
+    assert sum(r.comm_bytes.values()) == sum(plain.comm_bytes.values()) + extra
 
 
 def _optimizer_state(g) -> dict[int, int]:
@@ -128,7 +140,8 @@ def test_checkpoints_resume_on_another_shard_count_exactly(tmp_path):
         spec = single.state_spec()
         moments = [k for k in spec if k.endswith(("exp_avg", "exp_avg_sq"))]
         assert moments and all(saved[f"state/{k}"].shape == spec[k][0] for k in moments)
-    runs = ([], ["--devices", "2", "--shard", "2"], ["--devices", "4", "--split", "data"])
+    runs = ([], ["--devices", "2", "--shard", "2"], ["--devices", "4", "--split", "data"],
+            ["--devices", "2", "--shard", "3"])
     for k, extra in enumerate(runs):
         again = tmp_path / f"ck{k}"
         again.mkdir()
@@ -187,9 +200,9 @@ def test_auto_shards_the_data_split_only_where_it_does_not_fit():
     free = choose(net.graph, **kw)
     assert free.best.spec == SplitSpec(data=4, schedule="1f1b") and free.reason is None
     sharded = {c.spec.shard: c for c in free.considered if c.spec.data == 4}
-    assert set(sharded) == {0, 1, 2} and all(c.exact and c.fits for c in sharded.values())
+    assert set(sharded) == {0, 1, 2, 3} and all(c.exact and c.fits for c in sharded.values())
     peaks = {s: max(d.peak_bytes for d in c.report.per_device) for s, c in sharded.items()}
-    assert peaks[2] <= peaks[1] < peaks[0]
+    assert peaks[3] < peaks[2] <= peaks[1] < peaks[0]
     tight = choose(net.graph, **dict(kw, mem=peaks[0] - 1))
     assert tight.best.spec.data == 4 and tight.best.spec.shard >= 1 and tight.best.exact
     assert tight.reason.startswith(f"auto sharded the replicas' state (ZeRO stage "
@@ -208,7 +221,7 @@ def test_auto_shards_the_data_split_only_where_it_does_not_fit():
     (RunOptions(shard=1), "the step runs on one device"),
     (RunOptions(shard=2, devices=2, split="pipeline"), "does not combine with --split "
                                                         "pipeline"),
-    (RunOptions(shard=3, devices=2), "--shard must be 0"),
+    (RunOptions(shard=4, devices=2), "--shard must be 0"),
 ])
 def test_shard_options_that_cannot_mean_what_was_asked(opts, phrase):
     with pytest.raises(NetdslError, match=phrase):
@@ -243,3 +256,39 @@ def test_predicted_bytes_equal_the_counted_bytes():
         2 * 3 * buckets * 8 + sends
     # each device's own share: the parts are even to one element
     assert all(abs(predicted[d] - r.comm_bytes[d]) <= 8 * 4 for d in predicted)
+
+
+def test_stage_3_gathers_each_unit_one_ahead_and_again_for_the_backward():
+    """Each replica holds 1/N of every parameter (pieces of axis FLAT); each unit (a
+    layer's parameters) is all-gathered before the previous unit's layer runs, no
+    backward node reads the forward's gathered parameters (each unit is gathered again,
+    in the backward phase, before its layer's backward, where that reads them), and the
+    planned peak falls below stage 2's."""
+    net, opt, _ = setup("transformer")
+    g = split_step(net.graph, BATCH, SplitSpec(data=4, shard=3), opt)
+    params = [n for n in g.nodes if n.op == "param"]
+    assert params and all(Shard.of(n).axis == FLAT for n in params)
+    held: dict[int, int] = {}
+    for n in params:
+        held[n.device] = held.get(n.device, 0) + n.type.numel()
+    whole = sum(p.type.numel() for p in net.graph.params())
+    units = g.meta["zero"]["buckets"]
+    assert sum(held.values()) == whole and max(held.values()) - whole / 4 <= len(units)
+    pos = {n.name: k for k, n in enumerate(g.nodes)}
+    gathers = [n for n in g.nodes if n.op == "all_gather" and n.attrs["index"] == 0
+               and ".all_gather" in n.name and n.name.startswith("unit")]
+    forward = [n for n in gathers if n.meta.get("phase") is None]
+    backward = [n for n in gathers if n.meta.get("phase") == "backward"]
+    # (a unit whose backward does not read it, an embedding's, is not gathered again)
+    assert len(forward) == len(units) and 0.8 * len(units) <= len(backward) < len(units)
+    wholes = {w for u in units for per in u["whole"] for w in per}
+    readers = {w: [r for r in g.nodes if w in r.inputs] for w in wholes}
+    assert all(r.meta.get("phase") != "backward" for rs in readers.values() for r in rs)
+    layers = sorted(min(pos[r.name] for w in per for r in readers[w])
+                    for u in units for per in u["whole"][:1])
+    starts = sorted(pos[n.name] for n in forward)
+    assert all(s < layer for s, layer in zip(starts[1:], layers, strict=False))
+    peaks = {s: max(device_peaks(x, make_plan(x, ("loss", "updates"))).values())
+             for s in (2, 3) for x in [split_step(net.graph, BATCH, SplitSpec(data=4, shard=s),
+                                                  opt)]}
+    assert peaks[3] < peaks[2]

@@ -17,8 +17,8 @@ Two rewrites of the data split's training graph, around the optimizer pass (in p
   does); stage 2 reduces each bucket as soon as its last gradient is made, and the full
   gradients die there (the memory plan sees it: only the reduced ranges live on).
 - `gather_parameters` (after the optimizer): each replica joins its updated pieces of a
-  bucket (its range), an *all-gather* gives every replica the whole updated bucket, and
-  `assign_flat` writes each parameter back in place.
+  bucket (its range: `pack_flat`), an *all-gather* gives every replica the whole updated
+  bucket, and one `assign_flat` writes each parameter of it back in place.
 
 The step computes the unsharded step's numbers: every element is updated once, by the
 same rule, from the same summed gradient. A reduce-scatter and an all-gather of a bucket
@@ -29,10 +29,12 @@ state pieces are joined by range (`runtime.state_parts`), and loaded by range.
 from __future__ import annotations
 
 from netdsl.errors import SplitError
+from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
 from netdsl.ir.placement import FLAT, canonical, copy_name, even_parts
 from netdsl.ir.rewrite import make_node, splice
 from netdsl.parallel.gradsync import BUCKET_BYTES, adder, flatten_bucket, plan_buckets
+from netdsl.passes.optimizer import group_updates
 from netdsl.passes.registry import register_pass
 
 STAGES = (1, 2)  # optimizer state sharded; and gradients
@@ -145,27 +147,34 @@ def _pieces(g: Graph, b: int, bucket, params, shards: list[str], grads: list[str
 @register_pass("gather_parameters")
 def gather_parameters(g: Graph) -> Graph:
     """After the optimizer: every replica's updated pieces of a bucket joined, all-gathered,
-    and written back into each parameter replica (module docstring)."""
-    layout = g.meta["zero"]["buckets"]
-    update_of = {g[u].inputs[0]: u for u in g.outputs["updates"]
-                 if g[u].inputs and g[u].inputs[0] in g}
+    and written back into each parameter replica (module docstring). The pieces' updates
+    are grouped first (`group_updates`: one node a replica and kind, as a step that runs
+    has them), which the joins name as the writers they follow."""
+    g = group_updates(g)
+    writer = {}
+    for u in g.outputs["updates"]:
+        n = g[u]
+        for i in registry.get(n.op).written_inputs(n):
+            writer[n.inputs[i]] = u
     written = []
-    for b, bucket in enumerate(layout):
+    for b, bucket in enumerate(g.meta["zero"]["buckets"]):
         devices = tuple(bucket["devices"])
         joined = []
         for j, dev in enumerate(devices):
-            ups = [update_of[x] for x in bucket["pieces"][j]]
-            joined.append(ups[0] if len(ups) == 1 else _add(
-                g, f"param_bucket{b}@d{dev}", "concat", ups, {"axis": 0}, g[ups[0]], dev))
+            pieces = bucket["pieces"][j]
+            after = list(dict.fromkeys(writer[x] for x in pieces))
+            joined.append(_add(g, f"param_bucket{b}@d{dev}", "pack_flat", pieces + after,
+                               {"count": len(pieces)}, g[pieces[0]], dev))
         names = [g.fresh_name(f"param_bucket{b}.all_gather@d{dev}") for dev in devices]
         for j, (dev, name) in enumerate(zip(devices, names, strict=True)):
             g.add(make_node(g, name, "all_gather", joined,
                             {"group": devices, "index": j, "axis": 0}, like=g[joined[j]],
                             device=dev, meta={"phase": "optimizer", "members": tuple(names)}))
         for j, dev in enumerate(devices):
-            for p, off in zip(bucket["params"][j], bucket["offsets"], strict=True):
-                written.append(_add(g, f"{canonical(p)}.gathered@d{dev}", "assign_flat",
-                                    [p, names[j]], {"start": off}, g[p], dev))
+            params = bucket["params"][j]
+            written.append(_add(g, f"param_bucket{b}.written@d{dev}", "assign_flat",
+                                [*params, names[j]], {"starts": tuple(bucket["offsets"])},
+                                g[params[0]], dev))
     g.outputs["updates"] = list(g.outputs["updates"]) + written
     return g
 

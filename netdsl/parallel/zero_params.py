@@ -62,7 +62,7 @@ def shard_parameters(g: Graph) -> Graph:
         made, whole = _gather(g, f"unit{k}", params, "forward", pieces=True)
         for p, w in whole.items():
             for r in readers.get(p, ()):
-                g[r].inputs = [w if i == p else i for i in g[r].inputs]
+                g[r].inputs = tuple(w if i == p else i for i in g[r].inputs)
         before.setdefault(anchor, []).extend(made)
         layout.append({"params": units[unit], "devices": [p.device for p in params[0][1]],
                        "whole": [[whole[p.name] for p in ps] for _, ps in params]})
@@ -104,7 +104,7 @@ def gather_for_backward(g: Graph) -> Graph:
         for per in unit["whole"]:
             for w in per:
                 for r in readers.get(w, ()):
-                    g[r].inputs = [whole[w] if x == w else x for x in g[r].inputs]
+                    g[r].inputs = tuple(whole[w] if x == w else x for x in g[r].inputs)
         before.setdefault(anchor, []).extend(made)
     drop = {n.name for ns in before.values() for n in ns}
     g.nodes = [n for n in g.nodes if n.name not in drop]

@@ -39,7 +39,7 @@ def test_sharded_step_equals_single_device_step(name, shard, devices):
     (SGD with momentum on ResNet-20, AdamW on the transformer); the collectives move
     what plain data parallelism's all-reduce moves (2 (N - 1) x the parameters' bytes
     in all), and stage 3 a second all-gather more: (N - 1) x the bytes of the units
-    whose backward reads their parameters (not an embedding's or a lone bias's)."""
+    whose backward reads their parameters (not an embedding's, nor a first convolution's)."""
     net, opt, feeds = setup(name)
     spec = SplitSpec(data=devices, shard=shard)
     g = split_step(net.graph, BATCH, spec, opt)

@@ -15,7 +15,7 @@ pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 
-@pytest.mark.parametrize("shard", [1, 2])
+@pytest.mark.parametrize("shard", [1, 2, 3])
 def test_two_sharded_ranks_give_the_losses_of_one_process(tmp_path, shard):
     """float64: the losses of one device to rounding, and bit for bit those of the same
     sharded split in one process; rank 0's checkpoint (whole entries) resumed in one
@@ -73,10 +73,11 @@ opt = sum(n.type.nbytes() for n in g.nodes if n.attrs.get("role") == "optimizer_
 def test_each_sharded_rank_holds_its_share_and_stays_within_its_plan(tmp_path):
     """Per rank, tracemalloc's count of the state an executor of its step allocates is
     the state its plan holds (with the executor's tables); the optimizer state that
-    sharding removed from each rank, measured so, is half of it (two ranks); and each
-    rank's peak over a step is within its plan and its process's reserve."""
+    stage 1 removed from each rank, measured so, is half of it (two ranks), and stage 3
+    half of the parameters too; and each rank's peak over a step is within its plan and
+    its process's reserve."""
     got = {}
-    for shard in (0, 1):
+    for shard in (0, 1, 3):
         out = tmp_path / str(shard)
         out.mkdir()
         two_ranks(tmp_path, STATE, str(ROOT / "examples" / "resnet20-cifar.net"), str(shard),
@@ -87,12 +88,16 @@ def test_each_sharded_rank_holds_its_share_and_stays_within_its_plan(tmp_path):
             # (and the executor's own tables: about 70 kB here)
             assert 0 <= d["state_measured"] - d["state_planned"] <= 150_000, d
             assert d["measured"] <= d["planned"] + d["reserve"], (shard, d)
-    for plain, sharded in zip(got[0], got[1], strict=True):
+    for plain, sharded, full in zip(got[0], got[1], got[3], strict=True):
         saved = plain["state_measured"] - sharded["state_measured"]
         # (the executors' own tables differ a little too: the sharded step has fewer nodes)
         assert saved == pytest.approx(plain["optimizer_state"] / 2, rel=0.05)
         assert sharded["optimizer_state"] == pytest.approx(plain["optimizer_state"] / 2,
                                                            abs=16)
+        # stage 3: the parameters too (the batchnorms' running statistics stay whole)
+        params = plain["state_planned"] - plain["optimizer_state"]
+        saved = plain["state_measured"] - full["state_measured"]
+        assert saved == pytest.approx((plain["optimizer_state"] + params) / 2, rel=0.05)
 
 
 def test_a_sharded_run_is_refused_where_the_split_cannot_shard():

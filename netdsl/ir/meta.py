@@ -170,9 +170,11 @@ GRAPH_META: dict[str, MetaKey] = _table(
             "replica updates (sharded state)",
             set_by=("parallel.zero",), read_by=("passes.optimizer", "runtime.gate")),
     MetaKey("zero", dict,
-            "sharded data parallelism: its stage and each bucket's replicas, offsets, "
-            "parameters and pieces",
-            set_by=("parallel.zero",), read_by=("parallel.zero",)),
+            "sharded data parallelism: its stage and (stages 1-2) each bucket's replicas, "
+            "offsets, parameters and pieces, or (stage 3) each unit's parameters, replicas "
+            "and gathered values",
+            set_by=("parallel.zero", "parallel.zero_params"),
+            read_by=("parallel.zero", "parallel.zero_params")),
     MetaKey("memory_decisions", dict,
             '{value: "recompute" | "offload"}: what the memory plan did',
             set_by=("memory.strategies",)),

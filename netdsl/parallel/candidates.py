@@ -205,8 +205,8 @@ def beats(c: Choice, best: Choice | None) -> bool:
     return best is None or rank(c) < rank(best)
 
 
-def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
-                                                            Choice | None]:
+def rounds(families: list[list[int]], found: dict,
+           planning: bool = False) -> tuple[set[int], list[int], Choice | None]:
     """One process's way through the candidates, on the figures `found` so far: each
     round every family's next candidate (its first, then more micro-batches while
     `past_its_best` does not stop it), the best (the fastest that fits, visited in spec
@@ -223,7 +223,7 @@ def rounds(families: list[list[int]], found: dict) -> tuple[set[int], list[int],
         taken.update(now)
         done = [found[k] for k in sorted(taken)]
         best = min((c for c in done if not isinstance(c, str) and c.fits
-                    and not needless(c, done)),
+                    and not needless(c, done, planning)),
                    key=rank, default=None)  # (the first of equals)
         stopped, going = going, []
         for f in stopped:
@@ -270,15 +270,18 @@ def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool
     return t > before.report.predicted_step_s and not beats(last, best)
 
 
-def needless(c: Choice, choices) -> bool:
+def needless(c: Choice, choices, planning: bool = False) -> bool:
     """Whether `c` shards a data split's state where a lower stage of it (among `choices`,
-    Choices or strings) fits each device: auto shards only where the replicated state is
-    what stops the data split fitting (sharding divides the state, and adds the pieces'
-    copies and the gathered buckets to the step)."""
+    Choices or strings) fits each device, or (`planning`: with --mem) might fit once
+    planned (it is not planned yet): auto shards only where the replicated state is what
+    stops the data split fitting, which recomputing and offloading activations cannot
+    change (sharding divides the state, and adds the pieces and gathered buckets to the
+    step)."""
     if not c.spec.shard:
         return False
     lower = {replace(c.spec, shard=s) for s in range(c.spec.shard)}
-    return any(not isinstance(o, str) and o.fits and o.spec in lower for o in choices)
+    return any(not isinstance(o, str) and o.spec in lower
+               and (o.fits or (planning and o.memory is None)) for o in choices)
 
 
 def shard_reason(best: Choice, considered: list[Choice], cap: int) -> str | None:

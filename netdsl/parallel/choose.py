@@ -300,7 +300,7 @@ class _Run:
     def keep_if_best(self, c: Choice, others: list = ()) -> None:
         """Make `c` the best if it fits and is faster (and is not a needless shard stage
         of a data split among `others`); only the best keeps its graph."""
-        if c.fits and beats(c, self.best) and not needless(c, others):
+        if c.fits and beats(c, self.best) and not needless(c, others, self.request.plan):
             if self.best is not None:
                 self.best.graph = None
             self.local.clear()
@@ -321,7 +321,7 @@ class _Run:
         fams = families(self.specs)
         found: dict[int, Choice | str] = {}
         while True:
-            taken, now, self.best = rounds(fams, found)
+            taken, now, self.best = rounds(fams, found, self.request.plan)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
@@ -353,10 +353,27 @@ class _Run:
         it would still beat the fastest that fits (so the choice is the fastest planned or
         unplanned step that fits, in the fewest plans); shared out, a wave of one a rank at
         a time, a plan taken only where it would have been made alone."""
+        self._plan_in_turn([c for c in planning_order(considered) if not c.spec.shard],
+                           considered)
+        # the data split's shard stages where it did not fit even planned
+        sharded = [c for c in considered if c.spec.shard and not needless(c, considered, True)]
+        for c in sharded:
+            if c.fits:
+                self.keep_if_best(c, considered)
+        self._plan_in_turn(sorted(planning_order(sharded), key=lambda c: c.spec.shard),
+                           considered)
+
+    def _plan_in_turn(self, queue: list[Choice], considered: list[Choice]) -> None:
+        """`plan_unfitting` of the candidates `queue`, in its order: a shard stage once the
+        stages below it are planned and do not fit (`candidates.needless`)."""
         r, req = self.share.rank if self.share else 0, self.request
-        queue = planning_order(considered)
-        while queue := [c for c in queue if beats(c, self.best)]:
-            wave, queue = queue[:self.width], queue[self.width:]
+        while True:
+            queue = [c for c in queue if beats(c, self.best)]
+            ready = [c for c in queue if not needless(c, considered, True)]
+            if not ready:
+                return
+            wave = ready[:self.width]
+            queue = [c for c in queue if all(c is not w for w in wave)]
             ours = wave[r] if r < len(wave) else None
             g, res, rep = (None, None, None) if ours is None else _plan(
                 ours.graph if ours.graph is not None else self.build(ours.spec), self.cap,
@@ -367,7 +384,7 @@ class _Run:
             for j, c in enumerate(wave):
                 if beats(c, self.best):
                     _take_plan(c, *plans[j], self.cap, g if j == r else None)
-                    self.keep_if_best(c)
+                    self.keep_if_best(c, considered)
 
     def fetch_chosen(self) -> None:
         """The chosen step's graph: from the rank that built it where only rank 0 needs

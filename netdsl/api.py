@@ -222,6 +222,7 @@ class SplitResult:
         out = {"network": best.graph.name, "batch": self.batch, **best.report.to_json(),
                "spec": best.spec.describe(), "mpi": self.mpi, "warnings": self.warnings,
                "exact": best.exact, "note": self.chosen.note, "precision": self.precision,
+               "reason": self.chosen.reason,
                "alternatives": [{"spec": c.spec.describe(), "strategy": c.spec.name,
                                  "fits": c.fits, "exact": c.exact,
                                  "planned": c.memory is not None
@@ -258,7 +259,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None, mpi: bool = False,
           jobs: int | None = None, backend: str = "numpy",
-          precision: str | None = None) -> SplitResult:
+          precision: str | None = None, shard: int | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto), for a device
@@ -274,7 +275,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
                        split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
                        interconnect=interconnect, jobs=jobs, backend=backend,
-                       precision=precision)
+                       precision=precision, shard=shard)
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen

@@ -244,6 +244,8 @@ class TrainConfig(_Strict):
         return self
 
 
+SHARD_APPLIES = ("shard applies to data-parallel replicas alone (data = 2 or more, without "
+                 "pipeline, tensor or spatial splits)")
 MICROBATCHES_APPLY = ("microbatches apply to pipelines, to data-parallel replicas and to one "
                       "device (gradient accumulation), not to tensor or spatial splits")
 
@@ -260,6 +262,9 @@ class ParallelConfig(_Strict):
     # a pipeline's order; None: the scheme's own (GPipe for a declared pipeline, 1F1B for
     # micro-batches accumulated and for `auto`)
     schedule: Literal["gpipe", "1f1b"] | None = None
+    # the data replicas' state sharded (ZeRO): 1 optimizer state, 2 and gradients, 3 and
+    # parameters
+    shard: Literal[0, 1, 2, 3] = 0
 
     @property
     def devices(self) -> int:
@@ -271,4 +276,6 @@ class ParallelConfig(_Strict):
         # on each data-parallel replica)
         if self.microbatches != 1 and self.pipeline == 1 and self.tensor * self.spatial > 1:
             raise ValueError(MICROBATCHES_APPLY)
+        if self.shard and (self.data == 1 or self.devices != self.data):
+            raise ValueError(SHARD_APPLIES)
         return self

@@ -21,6 +21,7 @@ PRECISIONS = ("f32", "bf16", "f16")
 MEMORY_STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
 SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 SCHEDULES = ("gpipe", "1f1b")
+SHARD_STAGES = (0, 1, 2, 3)  # ZeRO's: none, optimizer state, and gradients, and parameters
 BN_MODES = ("sync", "local")
 INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
 BAD_IMAGES = ("stop", "skip")
@@ -93,6 +94,11 @@ class StepOptions:
     schedule: str | None = option(
         None, "the micro-batches' order: gpipe or 1f1b (default: the file's, else 1f1b where "
         "auto chooses and gradients are accumulated, else gpipe)")
+    shard: int | None = option(
+        None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
+        "too, 3 the parameters too (gathered layer by layer); each replica then updates and "
+        "holds 1/N of it (a data split; default: the file's `parallel { }`, else none, or "
+        "what auto chooses)", min=0)
     bn: str = option(
         "sync", "batchnorm over a split batch: sync (the whole batch's statistics: the "
         "single-device step) or local (each device its own rows', fewer collectives)")
@@ -180,10 +186,33 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
         raise NetdslError("--offload-state with --devices or --distributed is not supported "
                           "yet; a split step is planned by recomputing and offloading "
                           "activations")
+    if opts.shard is not None:
+        _shard_conflicts(opts)
     if isinstance(opts, RunOptions):
         _run_conflicts(opts)
     return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE
             if not used(opts, budgeted)]
+
+
+def _shard_conflicts(opts: StepOptions) -> None:
+    if opts.shard not in SHARD_STAGES:
+        raise NetdslError(f"--shard must be 0 (state replicated), 1 (optimizer state "
+                          f"sharded), 2 (gradients too) or 3 (parameters too), not "
+                          f"{opts.shard}")
+    if not opts.shard:
+        return
+    if opts.devices == 1 and not opts.distributed:
+        raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas, "
+                          "but the step runs on one device; give --devices N (or run under "
+                          "mpiexec with --distributed)")
+    if opts.split not in (None, "auto", "data"):
+        raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas "
+                          f"and does not combine with --split {opts.split} yet; give --split "
+                          "data (or leave --split out)")
+    if opts.precision not in (None, "f32"):
+        raise NetdslError(f"--shard {opts.shard} does not combine with --precision "
+                          f"{opts.precision} yet (the sharded update and gathers are built "
+                          "for f32 steps); train sharded in f32, or leave --shard out")
 
 
 def _run_conflicts(opts: RunOptions) -> None:

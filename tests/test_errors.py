@@ -179,6 +179,13 @@ CASES = [
     ("parallel-microbatches", net("parallel { tensor = 2; microbatches = 4 }\noutput x"),
      "microbatches apply to pipelines, to data-parallel replicas and to one device "
      "(gradient accumulation), not to tensor or spatial splits", 4, 28),
+    ("parallel-shard-alone", net("parallel { data = 1; shard = 1 }\noutput x"),
+     "invalid parallel declaration: shard applies to data-parallel replicas alone", 4, 26),
+    ("parallel-shard-pipeline", net("parallel { data = 2; pipeline = 2; shard = 2 }\noutput x"),
+     "shard applies to data-parallel replicas alone (data = 2 or more, without pipeline", 4,
+     40),
+    ("parallel-shard-stage", net("parallel { data = 2; shard = 4 }\noutput x"),
+     "invalid parallel declaration: `shard` must be 0, 1, 2 or 3, not 4", 4, 26),
     ("parallel-twice", net("parallel { data = 2 }\nparallel { data = 2 }\noutput x"),
      "a network has one `parallel` declaration", 5, 5),
     # -- train ---------------------------------------------------------------------------

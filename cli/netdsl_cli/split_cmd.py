@@ -35,6 +35,7 @@ from netdsl_cli.options import (
     PrecisionOpt,
     ProfileOpt,
     ScheduleOpt,
+    ShardOpt,
     SplitOpt,
 )
 
@@ -53,6 +54,7 @@ def split(
     backend: BackendOpt = DEFAULTS.backend,
     interconnect: InterconnectOpt = DEFAULTS.interconnect,
     bn: BnOpt = DEFAULTS.bn,
+    shard: ShardOpt = DEFAULTS.shard,
     schedule: ScheduleOpt = DEFAULTS.schedule,
     precision: PrecisionOpt = DEFAULTS.precision,
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
@@ -79,7 +81,7 @@ def split(
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
                   schedule=schedule, mpi=mpi, jobs=jobs, backend=backend,
-                  precision=precision)
+                  precision=precision, shard=shard)
         with fraction_bar("split", json_output) as progress:
             res = split_api(net, progress=progress, **kw)
         keep_to_exit(res)
@@ -107,15 +109,16 @@ def _print(res) -> None:
                     f"{f', {res.precision} mixed precision' if res.precision != 'f32' else ''}"
                     f"{', one process a device over MPI' if res.mpi else ''})")
     mem = best.memory.per_device if best.memory is not None else None
-    cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "sends", "collectives",
-            "sent / step"]
+    cols = ["device", "nodes", "params", "GFLOPs", "peak memory", "state", "sends",
+            "collectives", "sent / step"]
     if mem is not None:
         cols += ["recomputed", "offloaded"]
     for col in cols:
         t.add_column(col, justify="right")
     for d in rep.per_device:
         row = [str(d.device), f"{d.nodes:,}", f"{d.params:,}", f"{d.flops / 1e9:,.2f}",
-               format_bytes(d.peak_bytes), str(d.sends), str(d.collectives),
+               format_bytes(d.peak_bytes), format_bytes(d.state_bytes), str(d.sends),
+               str(d.collectives),
                format_bytes(d.comm_bytes)]
         if mem is not None:
             m = mem.get(d.device, {})
@@ -159,6 +162,8 @@ def _print(res) -> None:
                         f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
                         format_bytes(max(d.peak_bytes for d in c.report.per_device)))
         out.print(alt)
+    if res.chosen.reason:
+        out.print(res.chosen.reason)
     for why in res.chosen.unavailable:
         out.print(f"cannot be made: {why}")
     if res.chosen.skipped:

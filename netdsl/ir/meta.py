@@ -123,14 +123,16 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("shard", tuple,
             "(axis, lo, hi, full shape): a state node holding slice [lo, hi) of the "
             "original along axis (netdsl.ir.placement.Shard)",
-            set_by=("parallel.tensor", "passes.optimizer"),
+            set_by=("parallel.tensor", "parallel.zero", "passes.optimizer"),
             read_by=("ir.placement", "parallel.tensor", "passes.optimizer")),
     MetaKey("tensor_shard", str,
             "a tensor-parallel shard of a layer: the layer's name",
             set_by=("parallel.tensor",), read_by=("runtime.gate",)),
     MetaKey("grad_sync", str,
-            'a node of data parallelism\'s gradient all-reduce: its bucket ("bucket3")',
-            set_by=("parallel.gradsync",), read_by=("parallel.gradsync",)),
+            'a node of data parallelism\'s gradient all-reduce (or reduce-scatter): its '
+            'bucket ("bucket3")',
+            set_by=("parallel.gradsync", "parallel.zero"),
+            read_by=("parallel.gradsync", "parallel.zero")),
     MetaKey("sync_bn", str,
             "a node of synchronised batchnorm: the batchnorm copy it serves",
             set_by=("parallel.syncbn",), read_by=("parallel.check", "runtime.gate")),
@@ -172,6 +174,16 @@ GRAPH_META: dict[str, MetaKey] = _table(
             "precision step, and the kind of kernels whose conversions of 2-byte values its "
             "plan counts",
             set_by=("passes.precision",), read_by=("ir.precision", "runtime.loss_scale")),
+    MetaKey("update_targets", list,
+            'what each of outputs["grads"] updates: a parameter, or the piece of one a data '
+            "replica updates (sharded state)",
+            set_by=("parallel.zero",), read_by=("passes.optimizer", "runtime.gate")),
+    MetaKey("zero", dict,
+            "sharded data parallelism: its stage and (stages 1-2) each bucket's replicas, "
+            "offsets, parameters and pieces, or (stage 3) each unit's parameters, replicas "
+            "and gathered values",
+            set_by=("parallel.zero", "parallel.zero_params"),
+            read_by=("parallel.zero", "parallel.zero_params")),
     MetaKey("memory_decisions", dict,
             '{value: "recompute" | "offload"}: what the memory plan did',
             set_by=("memory.strategies",)),

@@ -9,7 +9,9 @@ original:
 
 - a *replica* of state (a parameter, a buffer, optimizer state made from one) holds the
   same values on every device; device 0's copy keeps the original name;
-- a *shard* holds a slice of the original along one axis (`meta["shard"]`);
+- a *shard* holds a slice of the original along one axis (`meta["shard"]`), or, for
+  optimizer state sharded over data replicas (`parallel.zero`), a range of the original's
+  elements in order (axis `FLAT`);
 - every other copy (one per device and micro-batch) is an activation of one part of the
   batch (`meta["rows"]`), or, in a spatial split, of one strip of the image height
   (`name@sK@dD`, `meta["hrows"]`).
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
@@ -88,14 +92,24 @@ class ShardSpec:
         return None if s is None else ShardSpec(str(s[0]), int(s[1]))
 
 
+FLAT = -1  # a Shard's axis for a range of the flattened original (ZeRO's state pieces)
+
+
 @dataclass(frozen=True)
 class Shard:
-    """A slice [lo, hi) of a state tensor of shape `full` along `axis`."""
+    """A slice [lo, hi) of a state tensor of shape `full` along `axis`, or (axis FLAT)
+    elements [lo, hi) of it flattened."""
 
     axis: int
     lo: int
     hi: int
     full: tuple[int, ...]
+
+    def take(self, whole):
+        """This shard's part of the whole value (a NumPy array): a copy."""
+        if self.axis == FLAT:
+            return np.asarray(whole).reshape(-1)[self.lo:self.hi].copy()
+        return np.ascontiguousarray(np.take(whole, range(self.lo, self.hi), axis=self.axis))
 
     def to_json(self) -> list:
         return [self.axis, self.lo, self.hi, list(self.full)]

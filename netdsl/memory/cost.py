@@ -79,3 +79,12 @@ class Costs:
 
     def recompute_flops(self, sim: Sim) -> int:
         return sum(self.flops[p] for p in sim.recomputed)
+
+
+def costs_of(prep: Prepared, profile: Profile, float_dtype: str = "f32") -> Costs:
+    """The cost model's times of `prep`'s graph on `profile`, made once for each profile
+    and kept with it (a step's searches and checks share them)."""
+    key = (profile, float_dtype)
+    if key not in prep.costs:
+        prep.costs[key] = Costs(prep, profile, float_dtype)
+    return prep.costs[key]

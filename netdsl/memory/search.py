@@ -57,6 +57,7 @@ from netdsl.memory.checkpoint import (
     model_peak,
     units,
 )
+from netdsl.memory.cost import costs_of
 from netdsl.memory.devices import per_device, shortest_prefixes
 from netdsl.memory.plan import MemoryPlan
 from netdsl.memory.profiles import Profile, get_profile
@@ -137,7 +138,7 @@ class Planner:
                  roles: tuple[str, ...] = ROLES, reserves: dict[int, int] | None = None,
                  prep: Prepared | None = None):
         self.prep = prep or prepare(g, roles, float_dtype=float_dtype)
-        self.costs = self.prep.costs(profile, float_dtype)
+        self.costs = costs_of(self.prep, profile, float_dtype)
         self.profile = profile
         self.prefetch = prefetch
         self.ops = registry.load_all()

@@ -106,19 +106,11 @@ class Prepared:
     # parallel.project): the position holding them -> theirs, and those held to the end
     held: dict[int, list[int]] = field(default_factory=dict)
     held_end: set[int] = field(default_factory=set)
-    _costs: dict = field(default_factory=dict, repr=False)
+    # the cost model's times per (profile, float dtype), made once each (`cost.costs_of`)
+    costs: dict = field(default_factory=dict, repr=False)
 
     def name(self, p: int) -> str:
         return self.names[p]
-
-    def costs(self, profile, float_dtype: str = "f32"):
-        """The cost model's times of this graph on `profile` (`cost.Costs`), made once
-        for each profile."""
-        from netdsl.memory.cost import Costs  # (cost imports this module)
-        key = (profile, float_dtype)
-        if key not in self._costs:
-            self._costs[key] = Costs(self, profile, float_dtype)
-        return self._costs[key]
 
     @cached_property
     def arrays(self) -> sa.Arrays:

@@ -40,7 +40,7 @@ from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
 from netdsl.parallel.predict import SplitReport
-from netdsl.parallel.split import SplitSpec
+from netdsl.parallel.split import SHARD_STAGES, SplitSpec
 from netdsl.sizes import format_bytes
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
@@ -99,10 +99,11 @@ def inexact_note(c: Choice, cap: int) -> str:
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
                declared: dict, bn: str, schedule: str | None = None,
-               has_conv: bool = False) -> list[SplitSpec]:
+               has_conv: bool = False, shard: int | None = None) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
     else the file's `parallel { schedule = ... }`, else GPipe's; `has_conv`: the network
-    has 2-d convolutions, which a spatial split cuts)."""
+    has 2-d convolutions, which a spatial split cuts; `shard`: the data replicas' state
+    sharded so (--shard; None: the file's, else auto's choice))."""
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
                                                      else "gpipe")
@@ -114,7 +115,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             if p == 1 and not (schedule or declared.get("schedule")):
                 sched = "1f1b"  # replicas accumulating micro-batches: each part in turn
             return [SplitSpec(data=d, pipeline=p, tensor=t, spatial=s, bn=bn, schedule=sched,
-                              microbatches=microbatches or declared.get("microbatches", 1))]
+                              microbatches=microbatches or declared.get("microbatches", 1),
+                              shard=declared.get("shard", 0) if shard is None else shard)]
         strategy = "auto"
         sched = schedule or declared.get("schedule") or "1f1b"
     if strategy not in CHOICES:
@@ -124,8 +126,9 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         raise SplitError(f"--devices must be at least 1, not {devices}")
     if strategy in ("tensor", "spatial") and (microbatches or 1) > 1:
         raise SplitError(f"--microbatches {microbatches}: {MICROBATCHES_APPLY}")
-    if strategy == "data":  # micro-batches: each replica accumulates, each part in turn
-        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1,
+    if strategy == "data" or (strategy == "auto" and shard):
+        # micro-batches: each replica accumulates, each part in turn
+        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1, shard=shard or 0,
                           schedule=schedule or declared.get("schedule") or "1f1b")]
     if strategy == "tensor":
         return [SplitSpec(tensor=devices, bn=bn)]
@@ -141,11 +144,11 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
             d, p = _hybrid_factors(devices)
         m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
         return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
-    return _auto(devices, batch, microbatches, bn, sched, has_conv)
+    return _auto(devices, batch, microbatches, bn, sched, has_conv, shard)
 
 
 def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: str,
-          has_conv: bool) -> list[SplitSpec]:
+          has_conv: bool, shard: int | None = None) -> list[SplitSpec]:
     """`auto`'s candidates (module docstring)."""
     out = []
     for d in range(1, devices + 1):
@@ -156,6 +159,10 @@ def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: st
             if d * m <= batch:
                 out.append(SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn,
                                      schedule=sched))
+    if devices > 1 and devices <= batch and shard is None:
+        # the replicas' state sharded: chosen where the data split does not fit (`needless`)
+        out.extend(SplitSpec(data=devices, bn=bn, schedule=sched, shard=s)
+                   for s in SHARD_STAGES)
     if devices > 1:
         out.append(SplitSpec(tensor=devices, bn=bn))
         out.extend(SplitSpec(data=d, tensor=devices // d, bn=bn)
@@ -218,7 +225,7 @@ def outclassed(k: int, inexact: frozenset[int], best: Choice | None) -> bool:
     return k in inexact and best is not None and best.ranks_exact
 
 
-def rounds(families: list[list[int]], found: dict,
+def rounds(families: list[list[int]], found: dict, planning: bool = False,
            inexact: frozenset[int] = frozenset()) -> tuple[set[int], list[int],
                                                            Choice | None]:
     """One process's way through the candidates, on the figures `found` so far: each
@@ -237,7 +244,9 @@ def rounds(families: list[list[int]], found: dict,
         if any(k not in found for k in now):
             return taken, [k for k in now if k not in found], best
         taken.update(now)
-        best = min((c for k in sorted(taken) if not isinstance(c := found[k], str) and c.fits),
+        done = [found[k] for k in sorted(taken)]
+        best = min((c for c in done if not isinstance(c, str) and c.fits
+                    and not needless(c, done, planning)),
                    key=rank, default=None)  # (the first of equals)
         stopped, going = going, []
         for f in stopped:
@@ -284,6 +293,33 @@ def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool
         return False
     t = last.report.predicted_step_s
     return t > before.report.predicted_step_s and not beats(last, best)
+
+
+def needless(c: Choice, choices, planning: bool = False) -> bool:
+    """Whether `c` shards a data split's state where a lower stage of it (among `choices`,
+    Choices or strings) fits each device, or (`planning`: with --mem) might fit once
+    planned (it is not planned yet): auto shards only where the replicated state is what
+    stops the data split fitting, which recomputing and offloading activations cannot
+    change (sharding divides the state, and adds the pieces and gathered buckets to the
+    step)."""
+    if not c.spec.shard:
+        return False
+    lower = {replace(c.spec, shard=s) for s in range(c.spec.shard)}
+    return any(not isinstance(o, str) and o.spec in lower
+               and (o.fits or (planning and o.memory is None)) for o in choices)
+
+
+def shard_reason(best: Choice, considered: list[Choice], cap: int) -> str | None:
+    """Why auto sharded the data split it chose: what the replicated one needs."""
+    if not best.spec.shard:
+        return None
+    plain = next((c for c in considered if c.spec == replace(best.spec, shard=0)), None)
+    if plain is None:
+        return None
+    need = max(d.peak_bytes + d.outside_plan_bytes for d in plain.report.per_device)
+    return (f"auto sharded the replicas' state (ZeRO stage {best.spec.shard}): "
+            f"{plain.spec.describe()} needs {format_bytes(need)} ({need:,} bytes) on a "
+            f"device, more than its {format_bytes(cap)} ({cap:,} bytes)")
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

@@ -41,9 +41,11 @@ from netdsl.parallel.candidates import (
     families,
     has_batch_statistics,
     inexact_note,
+    needless,
     planning_order,
     prefers_exact,
     rounds,
+    shard_reason,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -84,6 +86,8 @@ class Chosen:
     unavailable: list[str] = field(default_factory=list)
     # said first where auto chose a split that changes the numbers (none exact fits)
     note: str | None = None
+    # why auto sharded the data split it chose (`candidates.shard_reason`)
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class Request:
     mem_strategy: str = "auto"
     over_mpi: bool = False
     precision: str = "f32"
+    shard: int | None = None
 
     @property
     def prefer_exact(self) -> bool:
@@ -153,7 +158,7 @@ class Request:
         """The candidates (`candidates.candidates`)."""
         return candidates(self.strategy, self.devices, self.batch, self.microbatches,
                           dict(self.fwd.parallel), self.bn, self.schedule,
-                          any(n.op == "conv2d" for n in self.fwd.nodes))
+                          any(n.op == "conv2d" for n in self.fwd.nodes), self.shard)
 
 
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
@@ -163,7 +168,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
            share: Share | None = None, jobs: int | None = None,
-           precision: str = "f32") -> Chosen:
+           precision: str = "f32", shard: int | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
@@ -173,7 +178,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     jobs - 1 workers; None: `_jobs`' default); `precision`: the steps' mixed precision."""
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
-                                  outputs, mem_strategy, over_mpi, precision),
+                                  outputs, mem_strategy, over_mpi, precision, shard),
                           progress, share, jobs)
 
 
@@ -213,7 +218,8 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     skipped = [specs[k] for k in range(len(specs)) if k not in taken]
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
-    return Chosen(run.best, run.single, considered, skipped, errors, note)
+    return Chosen(run.best, run.single, considered, skipped, errors, note,
+                  shard_reason(run.best, considered, run.cap))
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:
@@ -301,9 +307,10 @@ class _Run:
         return frozenset(k for k, spec in enumerate(self.specs)
                          if not exact(spec, stats) and n * _copies(spec) >= OUTCLASSED_MIN_WORK)
 
-    def keep_if_best(self, c: Choice) -> None:
-        """Make `c` the best if it fits and is faster; only the best keeps its graph."""
-        if c.fits and beats(c, self.best):
+    def keep_if_best(self, c: Choice, others: list = ()) -> None:
+        """Make `c` the best if it fits and is faster (and is not a needless shard stage
+        of a data split among `others`); only the best keeps its graph."""
+        if c.fits and beats(c, self.best) and not needless(c, others, self.request.plan):
             if self.best is not None:
                 self.best.graph = None
             self.local.clear()
@@ -325,7 +332,7 @@ class _Run:
         inexact = self.ranked_inexact()
         found: dict[int, Choice | str] = {}
         while True:
-            taken, now, self.best = rounds(fams, found, inexact)
+            taken, now, self.best = rounds(fams, found, self.request.plan, inexact)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
@@ -345,7 +352,8 @@ class _Run:
             got[k] = c = self.evaluate(specs[k])
             if not isinstance(c, str) and not (self.request.plan and not c.fits
                                                and len(specs) == 1):
-                self.keep_if_best(c)  # (a lone candidate that does not fit is planned from it)
+                # (a lone candidate that does not fit is planned from it)
+                self.keep_if_best(c, list(got.values()))
         if share:  # every rank's figures, on every rank
             got = share.merged({k: c if isinstance(c, str) else replace(c, graph=None)
                                 for k, c in got.items()})
@@ -356,10 +364,27 @@ class _Run:
         it would still beat the fastest that fits (so the choice is the fastest planned or
         unplanned step that fits, in the fewest plans); shared out, a wave of one a rank at
         a time, a plan taken only where it would have been made alone."""
+        self._plan_in_turn([c for c in planning_order(considered) if not c.spec.shard],
+                           considered)
+        # the data split's shard stages where it did not fit even planned
+        sharded = [c for c in considered if c.spec.shard and not needless(c, considered, True)]
+        for c in sharded:
+            if c.fits:
+                self.keep_if_best(c, considered)
+        self._plan_in_turn(sorted(planning_order(sharded), key=lambda c: c.spec.shard),
+                           considered)
+
+    def _plan_in_turn(self, queue: list[Choice], considered: list[Choice]) -> None:
+        """`plan_unfitting` of the candidates `queue`, in its order: a shard stage once the
+        stages below it are planned and do not fit (`candidates.needless`)."""
         r, req = self.share.rank if self.share else 0, self.request
-        queue = planning_order(considered)
-        while queue := [c for c in queue if beats(c, self.best)]:
-            wave, queue = queue[:self.width], queue[self.width:]
+        while True:
+            queue = [c for c in queue if beats(c, self.best)]
+            ready = [c for c in queue if not needless(c, considered, True)]
+            if not ready:
+                return
+            wave = ready[:self.width]
+            queue = [c for c in queue if all(c is not w for w in wave)]
             ours = wave[r] if r < len(wave) else None
             g, res, rep = (None, None, None) if ours is None else _plan(
                 ours.graph if ours.graph is not None else self.build(ours.spec), self.cap,
@@ -370,7 +395,7 @@ class _Run:
             for j, c in enumerate(wave):
                 if beats(c, self.best):
                     _take_plan(c, *plans[j], self.cap, g if j == r else None)
-                    self.keep_if_best(c)
+                    self.keep_if_best(c, considered)
 
     def fetch_chosen(self) -> None:
         """The chosen step's graph: from the rank that built it where only rank 0 needs

@@ -25,6 +25,28 @@ def sync_gradients(g: Graph, bucket_bytes: int = BUCKET_BYTES) -> Graph:
     of about `bucket_bytes` per device (gradients flattened and joined, so a network of
     thousands of small parameters makes a few hundred collectives, not thousands; 0: one
     collective per parameter), each right after its last gradient is made."""
+    params, grads, pos, buckets = plan_buckets(g, bucket_bytes)
+    after: dict[str, list[Node]] = {}
+    grad_of = dict(g.meta.get("grad_of", {}))
+    for b, bucket in enumerate(buckets):
+        anchor = max((grads[k] for _, _, idx, _ in bucket for k in idx), key=lambda x: pos[x])
+        new = _reduce_bucket(g, b, bucket, params, grads, grad_of)
+        after.setdefault(anchor, []).extend(new)
+    g.nodes = [n for n in g.nodes if n.meta.get("grad_sync") is None]
+    splice(g, after=after)
+    g.outputs["grads"] = grads
+    g.meta["grad_of"] = grad_of
+    return g
+
+
+Bucket = list[tuple]  # (position of its last gradient, replica key, params' indices, devices)
+
+
+def plan_buckets(g: Graph, bucket_bytes: int = BUCKET_BYTES):
+    """(params, grads, positions, buckets): the parameters, their gradients (in the order
+    of `outputs["grads"]`), every node's position, and the buckets of replicated
+    parameters, each a list of (position of the last copy's gradient, replica key,
+    indices of its copies, their devices), in the order backward completes them."""
     params = [n for n in g.nodes if n.op == "param"]
     grads = list(g.outputs["grads"])
     groups: dict[str, list[int]] = {}
@@ -51,17 +73,7 @@ def sync_gradients(g: Graph, bucket_bytes: int = BUCKET_BYTES) -> Graph:
             size = 0
         buckets[-1].append(item)
         size += nbytes
-    after: dict[str, list[Node]] = {}
-    grad_of = dict(g.meta.get("grad_of", {}))
-    for b, bucket in enumerate(buckets):
-        anchor = max((grads[k] for _, _, idx, _ in bucket for k in idx), key=lambda x: pos[x])
-        new = _reduce_bucket(g, b, bucket, params, grads, grad_of)
-        after.setdefault(anchor, []).extend(new)
-    g.nodes = [n for n in g.nodes if n.meta.get("grad_sync") is None]
-    splice(g, after=after)
-    g.outputs["grads"] = grads
-    g.meta["grad_of"] = grad_of
-    return g
+    return params, grads, pos, buckets
 
 
 def _reduce_bucket(g: Graph, b: int, bucket: list[tuple], params, grads, grad_of) -> list[Node]:
@@ -70,21 +82,8 @@ def _reduce_bucket(g: Graph, b: int, bucket: list[tuple], params, grads, grad_of
     parameter its slice in its shape. `grads` and `grad_of` are updated."""
     devices = bucket[0][3]
     made: list[Node] = []
-
-    def add(name, op, ins, attrs, like, device, **meta):
-        m = make_node(g, g.fresh_name(name), op, ins, attrs, like=like, device=device,
-                      meta={"phase": "backward", "grad_sync": f"bucket{b}", **meta})
-        g.add(m)
-        made.append(m)
-        return m.name
-
-    joined = []
-    for j, dev in enumerate(devices):
-        flats = [add(f"{key}.grad.flat@d{dev}", "reshape", [grads[idx[j]]], {"shape": (-1,)},
-                     g[grads[idx[j]]], dev) for _, key, idx, _ in bucket]
-        joined.append(flats[0] if len(flats) == 1 else add(
-            f"grad_bucket{b}@d{dev}", "concat", flats, {"axis": 0}, g[grads[bucket[0][2][j]]],
-            dev))
+    add = adder(g, made, {"phase": "backward", "grad_sync": f"bucket{b}"})
+    joined = flatten_bucket(g, b, bucket, grads, add)
     names = [g.fresh_name(f"grad_bucket{b}.all_reduce@d{dev}") for dev in devices]
     for j, (dev, name) in enumerate(zip(devices, names, strict=True)):
         m = make_node(g, name, "all_reduce", joined, {"group": devices, "index": j},
@@ -109,3 +108,28 @@ def _reduce_bucket(g: Graph, b: int, bucket: list[tuple], params, grads, grad_of
             grads[k] = whole
             grad_of[whole] = p.name
     return made
+
+
+def adder(g: Graph, made: list[Node], base_meta: dict):
+    """add(name, op, inputs, attrs, like, device, **meta) -> a fresh node's name, the node
+    added to `g` and to `made`, its meta `base_meta` and `meta`."""
+    def add(name, op, ins, attrs, like, device, **meta):
+        m = make_node(g, g.fresh_name(name), op, ins, attrs, like=like, device=device,
+                      meta={**base_meta, **meta})
+        g.add(m)
+        made.append(m)
+        return m.name
+    return add
+
+
+def flatten_bucket(g: Graph, b: int, bucket: Bucket, grads: list[str], add) -> list[str]:
+    """Per device of the bucket, its gradients flattened and joined in the bucket's order
+    (the collective's input)."""
+    joined = []
+    for j, dev in enumerate(bucket[0][3]):
+        flats = [add(f"{key}.grad.flat@d{dev}", "reshape", [grads[idx[j]]], {"shape": (-1,)},
+                     g[grads[idx[j]]], dev) for _, key, idx, _ in bucket]
+        joined.append(flats[0] if len(flats) == 1 else add(
+            f"grad_bucket{b}@d{dev}", "concat", flats, {"axis": 0}, g[grads[bucket[0][2][j]]],
+            dev))
+    return joined

@@ -72,6 +72,10 @@ class DeviceReport:
     # run as a process of its own (over MPI), what it holds besides its plan in unified
     # memory: its inputs, its interpreter objects (`plan.process_reserves`)
     outside_plan_bytes: int = 0
+    # what it holds from step to step: parameters, buffers and optimizer state, and of
+    # that the optimizer state (a sharded data split: 1/N of the replicas')
+    state_bytes: int = 0
+    optimizer_state_bytes: int = 0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -213,8 +217,9 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
     peaks = device_peaks(g, plan)
     reserves = process_reserves(g, float_dtype) if profile.unified else {}
     step, busy, timeline, flops = simulate(g, profile, link, float_dtype, plan.order)
-    # per device: nodes, parameters, bytes sent, sends, collectives (one pass: 700k nodes)
-    count = {d: [0, 0, 0, 0, 0] for d in devices_of(g)}
+    # per device: nodes, parameters, bytes sent, sends, collectives, state bytes, optimizer
+    # state bytes (one pass: 700k nodes)
+    count = {d: [0, 0, 0, 0, 0, 0, 0] for d in devices_of(g)}
     for n in g.nodes:
         c = count.get(n.device or 0)
         if c is None:  # (unplaced nodes count on device 0 where it is used)
@@ -223,13 +228,18 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
         o = n.op
         if o == "param":
             c[1] += n.type.numel()
+        if o in STATE_OPS:
+            nbytes = value_bytes(n.type, float_dtype)
+            c[5] += nbytes
+            if n.attrs.get("role") == "optimizer_state":
+                c[6] += nbytes
         elif o == "send" or o in COLLECTIVES:
             mine = g[n.inputs[0] if o == "send" else n.inputs[n.attrs["index"]]]
             c[2] += comm_bytes(n, value_bytes(mine.type, float_dtype))
             c[3 if o == "send" else 4] += 1
     per = [DeviceReport(d, nodes, params, flops.get(d, 0), peaks.get(d, 0), sent, sends,
-                        colls, busy.get(d, 0.0), reserves.get(d, 0))
-           for d, (nodes, params, sent, sends, colls) in count.items()]
+                        colls, busy.get(d, 0.0), reserves.get(d, 0), state, opt_state)
+           for d, (nodes, params, sent, sends, colls, state, opt_state) in count.items()]
     lower = sum(d.comm_bytes for d in per)
     split = g.meta.get("split", {})
     k, m = split.get("pipeline", 1), split.get("microbatches", 1)
@@ -240,5 +250,5 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
                       ideal, lower, profile.name, link.name,
                       {k_: v for k_, v in split.items() if k_ in ("data", "pipeline",
                                                                    "microbatches", "bn",
-                                                                   "stages")})
+                                                                   "stages", "shard")})
     return rep, timeline

@@ -15,6 +15,8 @@ with its communication, comes from the gradient rules):
 - **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels.
 - **spatial** (`spatial=S`, `spatial.py`): the image height split into S strips, with halo
   exchange for convolutions and pooling; the head runs on device 0.
+- **shard** (`shard=1|2|3`, with data replicas alone): ZeRO's sharded state, the optimizer
+  state (1), and the gradients (2, `zero.py`), and the parameters (3, `zero_params.py`).
 
 After autodiff, the gradients of replicated parameters are all-reduced
 (`gradsync.sync_gradients`), then the optimizer adds each device's updates. `check.check`
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" pass)
+import netdsl.parallel.zero  # noqa: F401  (registers the sharded state's passes)
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
@@ -37,11 +40,13 @@ from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
 from netdsl.parallel.syncbn import NORMS, defer_running_stats, sync_batchnorms
+from netdsl.parallel.zero_params import shard_parameters
 from netdsl.passes.device import for_device
 from netdsl.passes.fuse import fuse_grads, fuse_options, join_slice_grads
 from netdsl.passes.pipeline import run_pipeline
 
 STRATEGIES = ("data", "pipeline", "hybrid", "tensor", "spatial", "none")
+SHARD_STAGES = (1, 2, 3)  # ZeRO's: optimizer state, and gradients, and parameters
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class SplitSpec:
     tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
     schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
     spatial: int = 1  # strips of the image height (alone)
+    shard: int = 0  # ZeRO stage of the data replicas' state (0: replicated; `zero.py`)
 
     @property
     def devices(self) -> int:
@@ -75,7 +81,7 @@ class SplitSpec:
     def describe(self) -> str:
         parts = []
         if self.data > 1:
-            parts.append(f"data={self.data}")
+            parts.append(f"data={self.data}" + (f", shard={self.shard}" if self.shard else ""))
         if self.pipeline > 1:
             parts.append(f"pipeline={self.pipeline}, microbatches={self.microbatches}"
                          + (", 1f1b" if self.schedule == "1f1b" else ""))
@@ -279,6 +285,10 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     verify leaves out the shape rules (a candidate of `choose`, which verifies wholly the
     one it chooses)."""
     if precision != "f32":
+        if spec.shard:
+            raise SplitError(f"--precision {precision} does not combine with --shard yet "
+                             "(the sharded update and gathers are built for f32 steps); "
+                             "train sharded in f32, or at a precision without --shard")
         if spec.tensor > 1 or spec.spatial > 1:
             raise SplitError(f"--precision {precision} does not combine with a "
                              f"{spec.name} split yet (it cuts the layers whose weights "
@@ -292,9 +302,17 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g = split_forward(fwd, batch, spec, gather, stage_of, profile)
     opt = dict(optimizer)
     kind = opt.pop("kind")
+    stage = _shardable(spec) if spec.shard else 0
+    if stage == 3:  # the parameters sharded, each unit gathered for its layers
+        g = shard_parameters(g)
     scale = ["loss_scale"] if precision == "f16" else []
-    g = run_pipeline(g, ["autodiff", "sync_gradients", *scale,
-                         ("optimizer", {"kind": kind, **opt})], verify="structure")
+    sync = {0: ["sync_gradients", *scale], 3: ["gather_for_backward"]}.get(
+        stage, [("shard_gradients", {"stage": stage})])
+    g = run_pipeline(g, ["autodiff", *sync, ("optimizer", {"kind": kind, **opt}),
+                         *(["gather_parameters"] if stage in (1, 2) else [])],
+                     verify="structure")
+    if spec.shard:
+        g.meta["split"]["shard"] = spec.shard
     if spec.schedule not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
     g = order_micro_batches(defer_results(g), spec.schedule)
@@ -311,6 +329,20 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g
+
+
+def _shardable(spec: SplitSpec) -> int:
+    """The ZeRO stage of `spec`, which shards the state of data replicas only."""
+    if spec.shard not in SHARD_STAGES:
+        raise SplitError(f"shard must be {', '.join(map(str, SHARD_STAGES))}, not "
+                         f"{spec.shard}")
+    if spec.data < 2 or spec.devices != spec.data:
+        raise SplitError(f"shard={spec.shard} shards the state of data-parallel replicas; "
+                         f"{spec.describe()} has "
+                         + ("no data split" if spec.data < 2 else
+                            "other splits besides (pipeline, tensor or spatial), which it "
+                            "does not combine with yet"))
+    return spec.shard
 
 
 def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:

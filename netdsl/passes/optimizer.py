@@ -89,7 +89,11 @@ def add_optimizer(g: Graph, kind: str = "sgd", **hyper) -> Graph:
     g.add(make_source(lr, "input", TensorType((), "f32"),
                       {"shape": (), "dtype": "f32", "default": float(h["lr"]), "role": "lr"},
                       meta={"phase": "optimizer"}))
-    params = [n for n in g.nodes if n.op == "param"]
+    # what each gradient updates: its parameter, or (sharded state, `parallel.zero`) the
+    # piece of it that this replica updates
+    targets = g.meta.get("update_targets")
+    params = ([g[x] for x in targets] if targets is not None
+              else [n for n in g.nodes if n.op == "param"])
     grads = list(g.outputs["grads"])
     gates = _gates(g, grads)
     if h["clip_grad_norm"] is not None and params:  # (nothing to clip without parameters)

@@ -253,7 +253,7 @@ class Executor:
             return init_value(n, dtype, seed, key=canonical(n.name))
         full = init_value(n.copy(type=TensorType(shard.full, n.type.dtype)), dtype, seed,
                           key=canonical(n.name))
-        return np.ascontiguousarray(np.take(full, range(shard.lo, shard.hi), axis=shard.axis))
+        return shard.take(full)
 
     # -- accounting --------------------------------------------------------------------------
     @property
@@ -640,8 +640,7 @@ class Executor:
                                       f"the graph expects {spec[k][0]}")
             for x in self.layout[k]:  # every replica, or each shard its slice
                 sh = Shard.of(self.graph[x])
-                part = np.asarray(v) if sh is None else np.take(
-                    np.asarray(v), range(sh.lo, sh.hi), axis=sh.axis)
+                part = np.asarray(v) if sh is None else sh.take(v)
                 cur = self.state[x]
                 if isinstance(cur, np.ndarray):  # NumPy's, or state in (pinned) host memory
                     cur[...] = np.asarray(part, dtype=cur.dtype)

@@ -84,7 +84,7 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     loss1, loss2 = float(o1["loss"][0]), float(o2["loss"][0])
     g1 = dict(zip([canonical(p.name) for p in single.params()], o1["grads"], strict=True))
     worst, grad_rel = "", 0.0
-    for p, gv in zip(split.params(), o2["grads"], strict=True):
+    for p, gv in zip(updated(split), o2["grads"], strict=True):
         r = rel(gv, _slice_of(p, g1[canonical(p.name)]))
         if r > grad_rel:
             worst, grad_rel = f"gradient of {p.name}", r
@@ -105,12 +105,17 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     return result
 
 
+def updated(g: Graph) -> list:
+    """What each of the step's gradients is of: its parameters, or the pieces of them
+    each replica updates (sharded state, `meta["update_targets"]`)."""
+    targets = g.meta.get("update_targets")
+    return g.params() if targets is None else [g[x] for x in targets]
+
+
 def _slice_of(p, full):
     """The part of a single-device value that split parameter `p` holds (a shard's rows)."""
     sh = Shard.of(p)
-    if sh is None:
-        return full
-    return np.take(full, range(sh.lo, sh.hi), axis=sh.axis)
+    return full if sh is None else sh.take(full)
 
 
 def _copies(g: Graph) -> dict[str, list]:

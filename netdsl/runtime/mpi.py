@@ -204,30 +204,50 @@ class MPIComm(Communicator):
         return x.shape[:ax] + (size,) + x.shape[ax + 1:]
 
     def _all_gather(self, node, x):
-        """Each rank passes on the part it got last step (comm._ring_all_gather)."""
+        """Each rank passes on the part it got last step (comm._ring_all_gather), each
+        received into its place in the result (no part held twice)."""
         me, p, right, left = self._ring(node)
         ax = node.attrs["axis"] % x.ndim
         sizes = node.meta["part_sizes"]
-        have = {me: np.ascontiguousarray(x)}
+        cuts = np.cumsum((0,) + tuple(sizes))
+        out = np.empty(self._part_shape(x, ax, int(cuts[-1])), x.dtype)
+
+        def part(k):
+            at = [slice(None)] * x.ndim
+            at[ax] = slice(int(cuts[k]), int(cuts[k + 1]))
+            return out[tuple(at)]
+        part(me)[...] = x
         for s in range(p - 1):
             k, want = (me - s) % p, (me - s - 1) % p
-            got = self._exchange(have[k], right, left, self._part_shape(x, ax, sizes[want]),
-                                 x.dtype, f"gathering %{node.name}")
-            have[want] = got
-        return self._value(np.concatenate([have[k] for k in range(p)], axis=ax))
+            into = part(want)
+            got = self._exchange(np.ascontiguousarray(part(k)), right, left, into.shape,
+                                 x.dtype, f"gathering %{node.name}",
+                                 into if into.flags.c_contiguous else None)
+            if got is not into:
+                into[...] = got
+        return self._value(out)
 
     def _reduce_scatter(self, node, x):
-        """Running sums passed round the ring (comm._ring_reduce_scatter)."""
+        """Running sums passed round the ring (comm._ring_reduce_scatter): at step s this
+        rank sends its running sum of part (me - s - 1) and adds its own rows of part
+        (me - s - 2) to the sum it receives, so it holds two parts at a time."""
         me, p, right, left = self._ring(node)
         ax = node.attrs["axis"] % x.ndim
         cuts = np.cumsum((0,) + tuple(node.attrs["sizes"]))
-        acc = [np.ascontiguousarray(np.take(x, range(cuts[k], cuts[k + 1]), axis=ax))
-               for k in range(p)]
+
+        def mine(k):  # (a view: np.take would build an index array of 8 bytes an element)
+            at = [slice(None)] * x.ndim
+            at[ax] = slice(int(cuts[k]), int(cuts[k + 1]))
+            return x[tuple(at)]
+        acc = np.ascontiguousarray(mine((me - 1) % p))
         for s in range(p - 1):
-            k, want = (me - s - 1) % p, (me - s - 2) % p
-            acc[want] += self._exchange(acc[k], right, left, acc[want].shape, x.dtype,
-                                        f"reduce-scattering %{node.name}")
-        return self._value(acc[me])
+            want = (me - s - 2) % p
+            got = self._exchange(acc, right, left, self._part_shape(
+                x, ax, int(cuts[want + 1] - cuts[want])), x.dtype,
+                f"reduce-scattering %{node.name}")
+            got += mine(want)
+            acc = got
+        return self._value(acc)
 
     # -- the state, on rank 0 ------------------------------------------------------------
     def gather_state(self, held: dict[str, StateParts],
@@ -264,8 +284,9 @@ class MPIComm(Communicator):
                 got.append((r, a))
             yield key, (got[0][1] if sp.axis is None else sp.join(got))
 
-    def _exchange(self, out: np.ndarray, right: int, left: int, shape, dtype, what: str):
-        got = np.empty(shape, dtype)
+    def _exchange(self, out: np.ndarray, right: int, left: int, shape, dtype, what: str,
+                  into: np.ndarray | None = None):
+        got = np.empty(shape, dtype) if into is None else into
         rreq = self.c.Irecv(got, source=left, tag=COLLECTIVE_TAG)
         sreq = self.c.Isend(out, dest=right, tag=COLLECTIVE_TAG)
         self._count(self.rank, out.nbytes)

@@ -58,6 +58,7 @@ class StepRequest:
     microbatches: int | None = None  # None: the file's
     schedule: str | None = None
     bn: str = "sync"
+    shard: int | None = None  # None: the file's, else none (or auto's choice)
     interconnect: str = "shm"
     over_mpi: bool = False  # one process a device: MPI holds each message until received
     jobs: int | None = None
@@ -126,7 +127,7 @@ def request_for(opts: StepOptions, cfg: TrainConfig, backend=None, *, runs: bool
         device_kind=kind, dtype=opts.dtype, precision=cfg.precision,
         budget_bytes=budget, strategy=opts.strategy, offload_state=opts.offload_state,
         devices=opts.devices, split=opts.split, microbatches=opts.microbatches,
-        schedule=opts.schedule, bn=opts.bn,
+        schedule=opts.schedule, bn=opts.bn, shard=opts.shard,
         interconnect="shm" if runs else opts.interconnect, over_mpi=opts.distributed,
         jobs=opts.jobs, runs=runs), **overrides)
 

@@ -11,6 +11,7 @@ from netdsl.ir.ops import (  # noqa: F401
     conv_nd,
     dense,
     elementwise,
+    flat_parts,
     loss,
     loss_scale,
     norm,

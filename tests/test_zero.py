@@ -230,6 +230,7 @@ def test_auto_shards_the_data_split_only_where_it_does_not_fit():
     (RunOptions(shard=2, devices=2, split="pipeline"), "does not combine with --split "
                                                         "pipeline"),
     (RunOptions(shard=4, devices=2), "--shard must be 0"),
+    (RunOptions(shard=1, devices=2, precision="bf16"), "does not combine with --precision"),
 ])
 def test_shard_options_that_cannot_mean_what_was_asked(opts, phrase):
     with pytest.raises(NetdslError, match=phrase):
@@ -240,6 +241,8 @@ def test_shard_with_another_split_is_a_split_error():
     net, opt, _ = setup("resnet20")
     with pytest.raises(SplitError, match="does not combine with yet|no data split"):
         split_step(net.graph, BATCH, SplitSpec(pipeline=2, shard=1), opt)
+    with pytest.raises(SplitError, match="f16 does not combine with --shard"):
+        split_step(net.graph, BATCH, SplitSpec(data=2, shard=1), opt, precision="f16")
     out = runner.invoke(app, ["run", str(NETS["resnet20"]), "--devices", "2", "--split",
                               "tensor", "--shard", "1", "--steps", "1"])
     assert out.exit_code != 0 and "Traceback" not in out.output

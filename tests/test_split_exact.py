@@ -97,9 +97,9 @@ def test_run_on_two_devices_computes_the_one_device_numbers():
 
 def test_a_slice_costs_the_part_it_reads():
     """A data split's gradient bucket is all-reduced whole and sliced back into each
-    parameter's gradient: priced as reading the whole bucket per slice, the split was
-    predicted slower than one device (the choice then fell on pipelines of micro-batches);
-    a slice reads only what it outputs."""
+    parameter's gradient: priced as reading the whole bucket per slice, the split would be
+    predicted slower than one device and auto would take pipelines of micro-batches
+    instead; a slice reads only what it outputs."""
     from netdsl.ir import registry
     ops = registry.load_all()
     assert ops["slice"].moved_bytes(10, [1000]) == 20

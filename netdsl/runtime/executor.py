@@ -145,6 +145,9 @@ def init_value(node: Node, dtype: str, seed: int, key: str | None = None) -> np.
     return v.astype(dtype, copy=False)
 
 
+MAX_INIT_THREADS = 8  # the most threads that draw the initial state at once
+
+
 def in_parallel(fn, items: list) -> list:
     """`fn(item)` of each item, on the host's cores at once (NumPy's generators and
     ufuncs release the interpreter's lock while they fill arrays). The initial state of a
@@ -154,9 +157,6 @@ def in_parallel(fn, items: list) -> list:
         return [fn(x) for x in items]
     with ThreadPoolExecutor(min(cores(), MAX_INIT_THREADS)) as pool:
         return list(pool.map(fn, items))
-
-
-MAX_INIT_THREADS = 8
 
 
 def _where(n: Node) -> str:

@@ -144,11 +144,24 @@ class Shards(_Strict):
     shuffle_buffer: int = Field(1000, ge=1, le=INT_MAX)
 
 
-Dataset = Annotated[Synthetic | Digits | Npz | Images | Arrays | Shards,
+class HF(_Strict):
+    """A Hugging Face dataset saved with `save_to_disk` (memory-mapped Arrow, the `hf`
+    extra): `split` picks one of a DatasetDict's; `image` and `label` name the columns
+    (by default the first Image or array feature, and the first ClassLabel)."""
+
+    kind: Literal["hf"] = "hf"
+    path: str
+    split: str | None = None
+    image: str | None = None
+    label: str | None = None
+    test_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+Dataset = Annotated[Synthetic | Digits | Npz | Images | Arrays | Shards | HF,
                     Field(discriminator="kind")]
 # the data sets whose path fields name files, relative to the .net file that names them
 DATA_PATHS = {"npz": ("path",), "images": ("path",), "arrays": ("x", "y"),
-              "shards": ("path",)}
+              "shards": ("path",), "hf": ("path",)}
 
 
 class RandomResizedCrop(_Strict):
@@ -204,7 +217,7 @@ Transform = Annotated[RandomResizedCrop | RandomCrop | Flip | Resize | CenterCro
 
 # calls of the train section that take positional arguments, in this order
 POSITIONAL = {"npz": ("path",), "images": ("path",), "arrays": ("x", "y"),
-              "shards": ("path",), "random_resized_crop": ("size",),
+              "shards": ("path",), "hf": ("path",), "random_resized_crop": ("size",),
               "random_crop": ("size",), "resize": ("size",), "center_crop": ("size",),
               "normalize": ("mean", "std")}
 

@@ -56,7 +56,7 @@ def pydantic_message(err: dict, field: str, describe=_show_input) -> str:
 
 # the kinds Pydantic names in an error's path: left out of the field named to the user
 _KINDS = {"sgd", "adam", "adamw", "step", "cosine", "constant", "synthetic", "digits", "npz",
-          "images", "arrays", "shards", "random_resized_crop", "random_crop", "flip",
+          "images", "arrays", "shards", "hf", "random_resized_crop", "random_crop", "flip",
           "resize", "center_crop", "normalize"}
 
 

@@ -1,20 +1,21 @@
 """Data sets read from disk sample by sample: `images(dir)`, `arrays(x, y)`,
-`shards(pattern)`, each a `SampleSplit` per split, checked against the network's inputs
+`shards(pattern)`, `hf(dir)`, each a `SampleSplit` per split, checked against the network's inputs
 before any step (labels in range, sample shapes after the transforms)."""
 from __future__ import annotations
 
 import numpy as np
 
-from netdsl.config import Arrays, Images, Shards, TrainConfig
+from netdsl.config import HF, Arrays, Images, Shards, TrainConfig
 from netdsl.errors import NetdslError
 from netdsl.ir.graph import Graph
 from netdsl.ir.types import NUMPY_DTYPE
+from netdsl.runtime.data.arrow import ArrowDataset
 from netdsl.runtime.data.samples import InputSpec, SampleSplit
 from netdsl.runtime.data.sources import ArrayFiles, ImageFolder, Source, TarShards
 from netdsl.runtime.data.transforms import Pipeline
 from netdsl.step.graphs import loss_labels
 
-KINDS = ("images", "arrays", "shards")
+KINDS = ("images", "arrays", "shards", "hf")
 
 
 def open_source(cfg) -> Source:
@@ -22,6 +23,8 @@ def open_source(cfg) -> Source:
         return ImageFolder(cfg.path)
     if isinstance(cfg, Arrays):
         return ArrayFiles(cfg.x, cfg.y)
+    if isinstance(cfg, HF):
+        return ArrowDataset(cfg.path, cfg.split, cfg.image, cfg.label)
     return TarShards(cfg.path)
 
 

@@ -115,6 +115,18 @@ class CupyBackend:
                                            cupy.cuda.runtime.getDevice, cupy.asarray,
                                            cupy.asnumpy)
 
+    def nccl(self):
+        """CuPy's NCCL bindings (`cupy.cuda.nccl`, used by netdsl.runtime.nccl); a
+        DeviceError that says why where NCCL's library does not load."""
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:
+            raise DeviceError(f"CuPy's NCCL bindings do not import ({e})") from None
+        if not getattr(nccl, "available", False):
+            raise DeviceError("NCCL's library does not load: pip install nvidia-nccl-cu12 "
+                              "(in netdsl[gpu])")
+        return nccl
+
     def check_precision(self, precision: str) -> None:
         """f16 runs on every CUDA GPU CuPy supports. bf16 needs arrays of ml_dtypes'
         bfloat16 on the device, which CuPy releases before 14 do not have: refused there,

@@ -35,6 +35,7 @@ from netdsl.backends import Backend, get_backend
 from netdsl.errors import CheckpointError, NetdslError, NonFinite
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.ops.comm import COLLECTIVES
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.precision import converted, kernels_of_backend
 from netdsl.ir.printer import node_line
@@ -54,6 +55,7 @@ _STATE, _INPUT, _OP = "state", "input", "op"  # the kinds of node the run loop t
 # (netdsl.ir.precision), an update the f16 loss scale's flag may skip (meta "gate"), and
 # the flag (read back as it is made: the updates it gates do not read it as an input)
 _CONVERT, _GATED, _FLAG = "convert", "gated", "flag"
+_AFTER_COMM = "after comm"  # reads a collective's result that may still be in flight
 
 
 @dataclass
@@ -218,6 +220,7 @@ class Executor:
         self.stop_if_nonfinite: set[str] = set()
         self._scratch: dict[str, Any] = {}
         self._conversions: dict[str, tuple[tuple[int, ...], bool]] = {}  # (see _call_mixed)
+        self._after_comm: dict[str, tuple[str, tuple[str, ...]]] = {}  # (see _call_mixed)
         # the last run's f16 loss-scale flags (netdsl.passes.precision): {flag node: whether
         # it was set, so that the updates it gates were skipped}
         self.gates: dict[str, bool] = {}
@@ -405,6 +408,10 @@ class Executor:
                                       or converted(g, n, device) != ((), False)):
                     kind = _CONVERT
                     self._conversions[name] = converted(g, n, device)
+                reads = [i for i in n.inputs if g[i].op in COLLECTIVES]
+                if self.comm.deferred and reads and kind is not _STATE:
+                    self._after_comm[name] = (kind, tuple(reads))
+                    kind = _AFTER_COMM
                 nb = plan.sizes.get(name) if kind is not _STATE else None
                 where = None if nb is None or plan.space[name] == HOST else self._dev(n)
                 prog.append((name, n, kind, tuple(n.inputs), nb, where, tuple(frees)))
@@ -415,10 +422,17 @@ class Executor:
         """A node the run loop's plain call does not run: the f16 loss scale's flag, read
         back; an update skipped where it is set (its value is the unchanged parameter it
         would have written); or a kernel given f32 copies of its 2-byte inputs, whose result is
-        converted to the node's type (into its planned slot where it has one). A kernel
+        converted to the node's type (into its planned slot where it has one); or a node
+        that reads a collective still in flight, once the communicator has ordered it after
+        that collective (Communicator.wait_for). A kernel
         that reads 2-byte values itself gets them as they are; where it computed in f32
         after all (a fallback its fused loops did not take), its result is converted too.
         An f16 value that overflows becomes inf, which the loss scale's check is for."""
+        if kind is _AFTER_COMM:
+            kind, reads = self._after_comm[n.name]
+            self.comm.wait_for(reads)
+            if kind is _OP:
+                return self._call(n, inputs, ctx)
         if kind is _FLAG:
             v = self._call(n, inputs, ctx)
             self.gates[n.name] = float(self.backend.to_host(v)) > 0

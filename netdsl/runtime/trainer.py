@@ -67,7 +67,8 @@ class Trainer:
         self.rank, world, comm = 0, None, None
         if opts.distributed:
             from netdsl.runtime.mpi import join
-            world, comm = join(opts.devices, backend)
+            world, comm, note = join(opts.devices, backend)
+            self.warnings += [note] if note else []
             self.rank, self.opts = world.rank, replace(opts, devices=world.size)
         request = request_for(self.opts, self.cfg, backend, runs=True,
                               free_bytes=room.available_bytes(backend))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from netdsl.config import env_switch
 
-ENV = "NETDSL_CUDNN"  # 0: never use cuDNN
+ENV = "NETDSL_CUDNN"  # frontend, ctypes or off (0): netdsl.backends.cudnn_frontend.mode
 LIBRARY_ENV = "NETDSL_CUDNN_LIBRARY"  # a libcudnn to load instead of searching
 
 # cudnn_graph.h / cudnn_cnn.h constants (stable since cuDNN 7)

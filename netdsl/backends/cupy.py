@@ -6,7 +6,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from netdsl.backends import cudnn
+from netdsl.backends import cudnn, cudnn_frontend
 from netdsl.backends.cupy_fused import CudaKernels
 from netdsl.config import env_switch
 from netdsl.errors import DeviceError, NoSuchGpu
@@ -110,10 +110,10 @@ class CupyBackend:
     def _load_cudnn(self) -> tuple[cudnn.Convolutions | None, str]:
         cupy = self.xp
         with self._dev:
-            return cudnn.open_convolutions(cupy, lambda a: a.data.ptr,
-                                           lambda: cupy.cuda.get_current_stream().ptr,
-                                           cupy.cuda.runtime.getDevice, cupy.asarray,
-                                           cupy.asnumpy)
+            return cudnn_frontend.open_chosen(cupy, lambda a: a.data.ptr,
+                                              lambda: cupy.cuda.get_current_stream().ptr,
+                                              cupy.cuda.runtime.getDevice, cupy.asarray,
+                                              cupy.asnumpy)
 
     def nccl(self):
         """CuPy's NCCL bindings (`cupy.cuda.nccl`, used by netdsl.runtime.nccl); a

@@ -129,6 +129,24 @@ def test_random_draws_and_failed_captures_run_as_before(monkeypatch):
     assert "sync in capture" in ex.replay.reasons[(ROLES, True)]
 
 
+def test_each_node_that_cannot_be_recorded_is_named_with_its_source_line(monkeypatch):
+    from test_strategies import DROPOUT_NET
+
+    import netdsl
+    from netdsl.runtime.run_memory import replay_warnings
+    g = add_optimizer(autodiff(netdsl.loads(DROPOUT_NET, file="drop.net").lower(4)), "adam",
+                      lr=1e-2)
+    ex, _ = recorded(g, monkeypatch)
+    ex.run(example_feeds(g), roles=ROLES)
+    why = ex.replay.reasons[(ROLES, True)]
+    masks = [n for n in g.nodes if n.op == "dropout_mask"]
+    assert len(masks) == 2 and all(n.loc is not None for n in masks)
+    assert why == (", ".join(f"%{n.name} (dropout_mask at {n.loc})" for n in masks)
+                   + ": each draws random numbers (a replay would repeat them)")
+    assert replay_warnings(ex) == ["NETDSL_CUDA_GRAPH: training runs were not recorded as a "
+                                   f"CUDA graph: {why}"]
+
+
 def test_a_nonfinite_replayed_loss_stops_the_run(monkeypatch):
     g = step_graph()
     ex, _ = recorded(g, monkeypatch)

@@ -19,7 +19,8 @@ What replays differently, so the caller knows (docs/training.md):
   maxpool's NaN test; a loss without ignored labels takes the general path), and a
   non-finite loss is noticed after the whole step, its updates included;
 - runs that cannot be recorded run as before, and `reasons` says why: random draws
-  (dropout: a replay would repeat the masks), host transfers (offload), a split step,
+  (dropout: a replay would repeat the masks), host transfers (offload), updates the f16
+  loss scale may skip - each such node named with its source line - a split step,
   check_numerics, or a capture that failed (its error).
 """
 from __future__ import annotations
@@ -32,6 +33,10 @@ from netdsl.errors import NonFinite
 from netdsl.ir import registry
 
 GRAPH_ENV = "NETDSL_CUDA_GRAPH"
+_WHY = {"gate": ("is skipped on a step whose gradients overflowed (the f16 loss scale reads "
+                 "its flag back)"),
+        "random": "draws random numbers (a replay would repeat them)",
+        "transfer": "moves values between memories ({})"}
 _WARM = object()  # a kind run once, to be recorded on its next run
 
 
@@ -67,16 +72,18 @@ class StepReplay:
             return "check_numerics reads every value back"
         if len(ex._devices) > 1:
             return "a split step (several devices)"
+        found: dict[tuple, list[str]] = {}  # why -> the nodes, each with its source line
         for name in ex.plan(roles).order:
-            op = registry.OPS[ex.graph[name].op]
-            if "gate" in ex.graph[name].meta:
-                return (f"%{name} is skipped on a step whose gradients overflowed (the f16 "
-                        "loss scale reads its flag back)")
-            if op.random:
-                return f"%{name} draws random numbers (a replay would repeat them)"
-            if op.layer_type == "transfer":
-                return f"%{name} moves values between memories ({op.name})"
-        return None
+            n = ex.graph[name]
+            op = registry.OPS[n.op]
+            why = (("gate", "") if "gate" in n.meta else ("random", "") if op.random
+                   else ("transfer", op.name) if op.layer_type == "transfer" else None)
+            if why is not None:
+                at = f" at {n.loc}" if n.loc is not None else ""
+                found.setdefault(why, []).append(f"%{name} ({n.op}{at})")
+        return "; ".join(f"{', '.join(names)}: {'each ' if len(names) > 1 else ''}"
+                         f"{_WHY[kind].format(detail)}"
+                         for (kind, detail), names in found.items()) or None
 
     def run(self, feeds: dict, training: bool, roles: tuple[str, ...], step: int | None):
         ex = self.ex

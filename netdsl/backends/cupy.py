@@ -6,7 +6,8 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from netdsl.backends import cudnn, cudnn_frontend
+from netdsl.backends import counter_rng, cudnn, cudnn_frontend
+from netdsl.backends.counter_rng import DeviceRNG
 from netdsl.backends.cupy_fused import CudaKernels
 from netdsl.config import env_switch
 from netdsl.errors import DeviceError, NoSuchGpu
@@ -155,6 +156,15 @@ class CupyBackend:
     def rng(self, key) -> CupyRNG:
         with self._dev:
             return CupyRNG(self.xp, key)
+
+    def device_rng(self, seed: int, key: int, step) -> DeviceRNG:
+        """A node's draws as a function of (seed, key, the step in the device array `step`):
+        netdsl.backends.counter_rng, one kernel a draw, which a recorded step replays with
+        each replay's step."""
+        if getattr(self, "_uniform", None) is None:
+            self._uniform = self.xp.ElementwiseKernel(**counter_rng.KERNEL)
+        with self._dev:
+            return DeviceRNG(self.xp, self._uniform, seed, key, step)
 
     def synchronize(self) -> None:
         self._dev.synchronize()

@@ -78,6 +78,9 @@ class KernelContext:
     # a device value back to the host, so kernels skip such checks (they ran on the
     # first, unrecorded run)
     capturing: bool = False
+    # a one-element device array holding `step`, where the backend draws on the device
+    # (`device_rng`): a recorded step reads it when replayed, so each replay draws anew
+    step_buffer: Any = None
 
     def into(self, ufunc, *args):
         """`ufunc(*args)`, written into the node's planned slot when it has one."""
@@ -95,6 +98,8 @@ class KernelContext:
         the step and the node's `rng_key` (its name unless a rewrite copied it), so a
         recomputed copy draws exactly what the original drew."""
         key = zlib.crc32(str(node.meta.get("rng_key", node.name)).encode())
+        if self.step_buffer is not None:
+            return self.backend.device_rng(self.seed, key, self.step_buffer)
         return self.backend.rng((self.seed, self.step, key))
 
     def dtype_of(self, ir_dtype: str) -> str:
@@ -221,6 +226,7 @@ class Executor:
         self._scratch: dict[str, Any] = {}
         self._conversions: dict[str, tuple[tuple[int, ...], bool]] = {}  # (see _call_mixed)
         self._after_comm: dict[str, tuple[str, tuple[str, ...]]] = {}  # (see _call_mixed)
+        self._step_buffer = None  # (see write_step)
         # the last run's f16 loss-scale flags (netdsl.passes.precision): {flag node: whether
         # it was set, so that the updates it gates were skipped}
         self.gates: dict[str, bool] = {}
@@ -332,8 +338,11 @@ class Executor:
         if training:
             self.step = step + 1
         self.gates = {}
+        if not capturing:  # (a recording reads the buffer: replay.py writes it)
+            self.write_step(step)
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
-                            seed=self.seed, step=step, comm=self.comm, capturing=capturing)
+                            seed=self.seed, step=step, comm=self.comm, capturing=capturing,
+                            step_buffer=self._step_buffer)
         slots = self._slots(roles, plan) if self.arena else None
         values: dict[str, Any] = {}
         held: dict[str, tuple] = {}  # (bytes, where) each live value adds to the count
@@ -384,6 +393,13 @@ class Executor:
                 give(*h)
             for d, w in spaces.items():
                 self._free(d, w)
+
+    def write_step(self, step: int) -> None:
+        """Put `step` in the device buffer random draws read (backends with `device_rng`)."""
+        if self._step_buffer is None and hasattr(self.backend, "device_rng"):
+            self._step_buffer = self.backend.asarray(np.zeros(1, np.int64))
+        if self._step_buffer is not None:
+            self._step_buffer.fill(step)
 
     def _program(self, roles: tuple[str, ...], plan: MemoryPlan) -> list[tuple]:
         """The plan as the run loop reads it, made once per roles: per node run, (name,

@@ -89,7 +89,7 @@ def describe(kind: str, dtype: str, shapes, geom, groups: int) -> ConvGraph:
                      (ro, t[o], _row_major(t[o])), (ph, pw), (ph, pw), (sh, sw), (dh, dw))
 
 
-class FrontendConvolutions:
+class FrontendConvolutions(ctypes_path.ConvolutionCalls):
     """cuDNN's convolutions on `xp`'s arrays through the frontend module `cudnn` (the
     package, or a stand-in in the tests): `pointer(a)` an array's address, `stream()` the
     current stream's. Methods as Convolutions': None where cuDNN takes no plan within
@@ -148,30 +148,14 @@ class FrontendConvolutions:
         shape = desc.output[1]
         if out is None or tuple(out.shape) != shape or not out.flags.c_contiguous:
             out = xp.empty(shape, dtype)
+        if kind == DATA:  # (ConvolutionCalls gives (w, dy); the graph reads dy first)
+            a, b = b, a
         a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
         ws = xp.empty(ws_bytes, xp.uint8) if ws_bytes else None  # (from CuPy's pool)
         self.cudnn.set_stream(self.handle, self._stream())
         g.execute({ins[0]: self._ptr(a), ins[1]: self._ptr(b), out_t: self._ptr(out)},
                   self._ptr(ws) if ws is not None else None, handle=self.handle)
         return out
-
-    def forward(self, x, w, geom, groups, out=None, limit=0):
-        kh, kw, sh, sw, ph, pw, dh, dw = geom
-        n, _, h, wd = x.shape
-        y = (n, w.shape[0], (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
-             (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
-        return self._run(FORWARD, str(x.dtype), (tuple(x.shape), tuple(w.shape), y), geom,
-                         groups, x, w, out, limit)
-
-    def grad_input(self, dy, w, x_shape, geom, groups, out=None, limit=0):
-        return self._run(DATA, str(dy.dtype), (tuple(x_shape), tuple(w.shape),
-                                               tuple(dy.shape)), geom, groups, dy, w, out,
-                         limit)
-
-    def grad_weight(self, dy, x, w_shape, geom, groups, limit=0):
-        return self._run(FILTER, str(dy.dtype), (tuple(x.shape), tuple(w_shape),
-                                                 tuple(dy.shape)), geom, groups, x, dy, None,
-                         limit)
 
 
 def open_frontend(xp, pointer, stream, to_device, to_host, module=None):

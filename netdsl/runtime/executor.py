@@ -438,12 +438,12 @@ class Executor:
         """A node the run loop's plain call does not run: the f16 loss scale's flag, read
         back; an update skipped where it is set (its value is the unchanged parameter it
         would have written); or a kernel given f32 copies of its 2-byte inputs, whose result is
-        converted to the node's type (into its planned slot where it has one); or a node
-        that reads a collective still in flight, once the communicator has ordered it after
-        that collective (Communicator.wait_for). A kernel
+        converted to the node's type (into its planned slot where it has one). A kernel
         that reads 2-byte values itself gets them as they are; where it computed in f32
         after all (a fallback its fused loops did not take), its result is converted too.
-        An f16 value that overflows becomes inf, which the loss scale's check is for."""
+        An f16 value that overflows becomes inf, which the loss scale's check is for.
+        A node that reads a collective still in flight (a deferred communicator's) is first
+        ordered after it (Communicator.wait_for), then run as its own kind says."""
         if kind is _AFTER_COMM:
             kind, reads = self._after_comm[n.name]
             self.comm.wait_for(reads)

@@ -9,6 +9,8 @@ cupy_backends/cuda/libs/nccl.pyx, as its compiled module's embedded signatures g
                intptr_t stream)
     .reduceScatter(intptr_t sendbuf, intptr_t recvbuf, size_t recvcount, int datatype,
                    int op, intptr_t stream)
+    .commSplit(int color, int key, NcclConfig config=None) -> NcclCommunicator, or None
+               where color is -1 (collective over the parent's ranks; NCCL 2.18.1 and up)
 
 Every argument is checked for its type as Cython's conversion would (an int, not a float
 or an array; a bool is refused here although Cython takes it, since none is meant). The
@@ -62,6 +64,7 @@ class _Fabric:
         self.ndev = ndev
         self.queued: list[list[tuple]] = [[] for _ in range(ndev)]
         self.done = 0  # collectives run so far
+        self.splits: list[dict[int, tuple]] = []  # per commSplit: rank -> (color, key)
         self.turn = threading.Condition()
 
     def post(self, rank: int, call: tuple) -> None:
@@ -80,6 +83,25 @@ class _Fabric:
                 self.turn.notify_all()
             if not self.turn.wait_for(lambda: self.done >= k, timeout=10):
                 raise TimeoutError(f"rank {rank}: the other ranks never queued {call[0]}")
+
+    def split(self, rank: int, color: int, key: int):
+        """commSplit: once every rank has called its k-th, each color's ranks share a new
+        fabric, ranked by key; (the new fabric, this rank's place) or None for color -1."""
+        with self.turn:
+            k = sum(rank in s for s in self.splits)
+            if k == len(self.splits):
+                self.splits.append({})
+            self.splits[k][rank] = (color, key)
+            self.turn.notify_all()
+            if not self.turn.wait_for(lambda: len(self.splits[k]) == self.ndev, timeout=10):
+                raise TimeoutError(f"rank {rank}: the other ranks never called commSplit")
+            if color == -1:
+                return None
+            same = sorted((kk, r) for r, (c, kk) in self.splits[k].items() if c == color)
+            subs = getattr(self, "_subs", {})
+            self._subs = subs
+            fabric = subs.setdefault((k, color), _Fabric(len(same)))
+            return fabric, [r for _, r in same].index(rank)
 
     def _allReduce(self, calls):
         _, _, _, count, dt, *_ = calls[0]
@@ -110,6 +132,16 @@ class NcclCommunicator:
             raise ValueError(f"rank {rank} of a communicator of {ndev}")
         self.fabric = _FABRICS.setdefault(commId, _Fabric(ndev))
         self._rank, self.calls = rank, []
+
+    def commSplit(self, color, key, config=None):
+        _int("color", color, -1)
+        _int("key", key)
+        got = self.fabric.split(self._rank, color, key)
+        if got is None:
+            return None
+        sub = object.__new__(NcclCommunicator)
+        sub.fabric, (sub._rank, sub.calls) = got[0], (got[1], [])
+        return sub
 
     def rank_id(self) -> int:
         return self._rank

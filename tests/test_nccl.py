@@ -154,6 +154,42 @@ def test_nccl_runs_whole_world_groups_of_its_dtypes_and_mpi_the_rest():
     assert not sub.runs(member("all_reduce", 2, 0), f32)  # two ranks of three
 
 
+def test_groups_of_some_ranks_get_communicators_of_their_own():
+    """Four ranks, two pairs (a tensor split inside a data split): each pair all-reduces
+    on its own communicator, made by commSplit on every rank."""
+    world = ranks(4)
+    pairs = [(0, 1), (2, 3)]
+    xs = [np.full((3,), 10.0 ** r) for r in range(4)]
+
+    def rank(r):
+        col = world[r][0]
+        col.split(pairs)
+        g = pairs[r // 2]
+        node = SimpleNamespace(name="ar", op="all_reduce", meta={},
+                               attrs={"group": g, "index": g.index(r)})
+        assert col.runs(node, xs[r])
+        return col.run(node, xs[r])
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(rank, range(4)))
+    for r, out in enumerate(outs):
+        np.testing.assert_array_equal(out, xs[r - r % 2] + xs[r - r % 2 + 1])
+        assert world[r][2][r] == xs[r].nbytes  # 2(p-1)/p of the value, p = 2
+    assert set(world[0][0].comms) == {(0, 1, 2, 3), (0, 1)}
+
+
+def test_prepare_splits_the_groups_every_rank_has_in_rank_order(monkeypatch):
+    pytest.importorskip("mpi4py")
+    from netdsl.runtime.nccl import NcclComm
+    comm = object.__new__(NcclComm)
+    mine = comm_graph()  # (two devices: its groups are (0, 1), this rank's view)
+    others = [[(0, 1, 2, 3)], [(2, 3)], [(3, 2)], [(1,)]]
+    comm.c = SimpleNamespace(Get_size=lambda: 4, allgather=lambda g: [g] + others)
+    split = []
+    comm.nccl = SimpleNamespace(split=split.append)
+    comm.prepare(mine)
+    assert split == [[(0, 1), (2, 3)]]  # not the world, one rank, or out of rank order
+
+
 def test_the_stand_in_checks_the_real_signatures():
     nc = fake.NcclCommunicator(1, fake.get_unique_id(), 0)
     a = np.zeros(4, np.float32)
@@ -165,6 +201,9 @@ def test_the_stand_in_checks_the_real_signatures():
         nc.reduceScatter(a.ctypes.data, a.ctypes.data, 4, fake.NCCL_FLOAT32, 0)
     with pytest.raises(TypeError):  # the id as CuPy 14 gives it: 128 bytes
         fake.NcclCommunicator(1, tuple(range(128)), 0)
+    with pytest.raises(TypeError):  # commSplit(color, key): ints
+        nc.commSplit(0, 0.5)
+    assert nc.commSplit(-1, 0) is None  # (one rank: its split is done at once)
 
 
 class Backend:

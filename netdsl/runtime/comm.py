@@ -48,6 +48,9 @@ class Communicator:
     def wait_for(self, names) -> None:
         """Order what runs next after the communication that computed `names`."""
 
+    def prepare(self, graph) -> None:
+        """Set up for the collectives of `graph`, this process's step (every rank at once)."""
+
     def finish_step(self) -> None:
         """Wait for what is still in flight (sends); called at the end of every run."""
 

@@ -4,20 +4,22 @@
 
 Each rank holds the GPU numbered as its place among the ranks on its machine
 (`runtime.options.gpu_of`). Rank 0 makes NCCL's unique id, MPI broadcasts it, and every
-rank joins one communicator of all of them. A collective whose group is every rank in rank
-order runs on NCCL, on a stream of its own: that stream waits for an event recorded on the
-compute stream when the collective is reached, and the compute stream waits for the
-collective's event only at the first node that reads its result (the executor calls
+rank joins one communicator of all of them; once the ranks have built their steps, one
+more for each group of some of them that a collective is over (NCCL's commSplit, in
+`prepare`). A collective over every rank, or over such a group in rank order, runs on
+NCCL, on a stream of its own: that stream waits for an event recorded on the compute
+stream when the collective is reached, and the compute stream waits for the collective's
+event only at the first node that reads its result (the executor calls
 `Communicator.wait_for`), so the compute queued in between overlaps it. Every buffer the
 collective reads or writes is allocated on the compute stream before that event and held
 until the compute stream has waited, so CuPy's pool cannot hand one out while NCCL works
 on it; distributed steps run without an arena, so no planned slot is reused under it.
 
-What stays on host MPI (`MPIComm`, which this class extends): a collective over a part of
-the ranks (a communicator per group would have to be made by every rank at once), a dtype
-NCCL has no code for, and `send`/`recv`. NCCL pairs point-to-point messages by their order
-between two ranks, and a send holds its stream until the peer receives; the graph pairs
-them by tag, and a pipeline's ranks may post them in another order, which MPI's tagged,
+What stays on host MPI (`MPIComm`, which this class extends): a collective whose group is
+not in rank order (NCCL would concatenate its parts in another order), a dtype NCCL has no
+code for, and `send`/`recv`. NCCL pairs point-to-point messages by their order between
+two ranks, and a send holds its stream until the peer receives; the graph pairs them by
+tag, and a pipeline's ranks may post them in another order, which MPI's tagged,
 non-blocking sends tolerate.
 
 Bytes: a collective counts what a ring moves for the buffers handed to NCCL (all-reduce
@@ -30,9 +32,11 @@ import math
 
 from netdsl.config import env_switch
 from netdsl.errors import DeviceError
+from netdsl.ir.ops.comm import COLLECTIVES
 from netdsl.runtime.mpi import MPIComm, allgather
 
 ENV = "NETDSL_NCCL"  # 0: collectives through host MPI even where NCCL loads
+NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR: commSplit's color for a rank outside the new group
 
 # numpy dtype name -> the name of NCCL's code in cupy.cuda.nccl (nccl.h's ncclDataType_t)
 _DTYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
@@ -82,6 +86,15 @@ class NcclComm(MPIComm):
                                     cuda.Stream(non_blocking=True), cuda.get_current_stream,
                                     self._count)
 
+    def prepare(self, graph) -> None:
+        """A communicator for each group of some of the ranks (in rank order) that any
+        rank's step has a collective over; collective: every rank calls it once, after it
+        built its step, before the first."""
+        world = tuple(range(self.c.Get_size()))
+        mine = sorted({tuple(n.attrs["group"]) for n in graph.nodes if n.op in COLLECTIVES})
+        self.nccl.split(sorted({g for part in self.c.allgather(mine) for g in part
+                                if g != world and len(g) > 1 and list(g) == sorted(g)}))
+
     def collective(self, node, inputs):
         if self.nccl.runs(node, inputs[0]):
             return self.nccl.run(node, inputs[0])
@@ -97,31 +110,42 @@ class NcclComm(MPIComm):
 
 class NcclCollectives:
     """The NCCL half of NcclComm, apart from MPI so that tests run it over a stand-in
-    `nccl` module: `nc` the NcclCommunicator of `size` ranks, `xp` the array module, `ptr`
-    an array's device address, `stream` NCCL's stream, `current()` the compute stream,
-    `count(rank, nbytes)` the byte counter."""
+    `nccl` module: `nc` the NcclCommunicator of all `size` ranks, `xp` the array module,
+    `ptr` an array's device address, `stream` NCCL's stream, `current()` the compute
+    stream, `count(rank, nbytes)` the byte counter."""
 
     def __init__(self, nccl, nc, rank: int, size: int, xp, ptr, stream, current, count):
-        self.nc, self.rank, self.size, self.xp = nc, rank, size, xp
+        self.nc, self.rank, self.xp = nc, rank, xp
         self.ptr, self.stream, self.current, self._count = ptr, stream, current, count
         self.codes = {k: getattr(nccl, v) for k, v in _DTYPES.items() if hasattr(nccl, v)}
         self.sum = nccl.NCCL_SUM
+        # group (ranks in rank order) -> its communicator: every rank's, and `split`'s
+        self.comms: dict[tuple[int, ...], object] = {tuple(range(size)): nc}
         self._inflight: dict[str, tuple] = {}  # node -> (done event, buffers held)
 
+    def split(self, groups) -> None:
+        """A communicator for each of `groups` (of two ranks or more, in rank order): every
+        rank calls this with the same groups in the same order (NCCL's commSplit is
+        collective), and keeps those it is a member of."""
+        for g in groups:
+            sub = self.nc.commSplit(0 if self.rank in g else NOCOLOR, self.rank)
+            if self.rank in g:
+                self.comms[tuple(g)] = sub
+
     def runs(self, node, x) -> bool:
-        """Whether NCCL runs this collective: a group of every rank in rank order, and a
-        dtype NCCL has a code for."""
-        return (tuple(node.attrs["group"]) == tuple(range(self.size))
-                and str(x.dtype) in self.codes)
+        """Whether NCCL runs this collective: a group with a communicator (every rank, or
+        one `split` made) and a dtype NCCL has a code for."""
+        return tuple(node.attrs["group"]) in self.comms and str(x.dtype) in self.codes
 
     def run(self, node, x):
         """Queue the collective on NCCL's stream after what the compute stream has queued;
         its result, which the compute stream must wait for (wait_for) before reading it."""
         x = self.xp.ascontiguousarray(x)
+        nc, p = self.comms[tuple(node.attrs["group"])], len(node.attrs["group"])
         if node.op == "all_reduce":
-            shape, buffers, queue = x.shape, (), lambda out: self._all_reduce(x, out)
+            shape, buffers, queue = x.shape, (), lambda out: self._all_reduce(nc, p, x, out)
         else:
-            shape, buffers, queue = self._parts(node, x)
+            shape, buffers, queue = self._parts(nc, node, x)
         out = self.xp.empty(shape, x.dtype)  # (on the compute stream, before its event)
         self.stream.wait_event(self.current().record())
         with self.stream:
@@ -129,53 +153,49 @@ class NcclCollectives:
         self._inflight[node.name] = (self.stream.record(), [x, out, *buffers])
         return out
 
-    def _all_reduce(self, x, out) -> None:
-        self.nc.allReduce(self.ptr(x), self.ptr(out), x.size, self.codes[str(x.dtype)],
-                          self.sum, self.stream.ptr)
-        self._count(self.rank, 2 * (self.size - 1) * x.nbytes // self.size)
+    def _all_reduce(self, nc, p: int, x, out) -> None:
+        nc.allReduce(self.ptr(x), self.ptr(out), x.size, self.codes[str(x.dtype)], self.sum,
+                     self.stream.ptr)
+        self._count(self.rank, 2 * (p - 1) * x.nbytes // p)
 
-    def _parts(self, node, x):
+    def _parts(self, nc, node, x):
         """(result shape, staging buffers, the calls that fill the result) for all_gather
         and reduce_scatter. NCCL takes equal parts laid end to end: parts along another
         axis than the first, or of unequal sizes, are staged at the front, each padded to
         the largest (the padding's sums are never read)."""
-        xp, p = self.xp, self.size
+        xp, p, me = self.xp, len(node.attrs["group"]), node.attrs["index"]
         ax = node.attrs["axis"] % x.ndim
         gather = node.op == "all_gather"
         sizes = tuple(node.meta["part_sizes"] if gather else node.attrs["sizes"])
         m, rest = max(sizes), x.shape[:ax] + x.shape[ax + 1:]
         cuts = [sum(sizes[:k]) for k in range(p + 1)]
-        mine = sizes[self.rank]
-        shape = x.shape[:ax] + ((cuts[-1] if gather else mine),) + x.shape[ax + 1:]
-        call = self._gather if gather else self._scatter
+        shape = x.shape[:ax] + ((cuts[-1] if gather else sizes[me]),) + x.shape[ax + 1:]
         count = m * math.prod(rest)
+
+        def call(send, recv):
+            code, s = self.codes[str(x.dtype)], self.stream.ptr
+            if gather:
+                nc.allGather(self.ptr(send), self.ptr(recv), count, code, s)
+            else:
+                nc.reduceScatter(self.ptr(send), self.ptr(recv), count, code, self.sum, s)
+            self._count(self.rank, (p - 1) * count * x.dtype.itemsize)
         if ax == 0 and min(sizes) == m:  # laid out as NCCL takes them: no staging
-            return shape, (), lambda out: call(x, out, count)
+            return shape, (), lambda out: call(x, out)
         send = xp.empty(((1 if gather else p) * m,) + rest, x.dtype)
         recv = xp.empty(((p if gather else 1) * m,) + rest, x.dtype)
 
         def queue(out):
             front, into = xp.moveaxis(x, ax, 0), xp.moveaxis(out, ax, 0)
-            for k in ((self.rank,) if gather else range(p)):
+            for k in ((me,) if gather else range(p)):
                 j = 0 if gather else k
                 xp.copyto(send[j * m:j * m + sizes[k]],
                           front if gather else front[cuts[k]:cuts[k + 1]])
-            call(send, recv, count)
-            for k in (range(p) if gather else (self.rank,)):
+            call(send, recv)
+            for k in (range(p) if gather else (me,)):
                 j = k if gather else 0
                 xp.copyto(into[cuts[k]:cuts[k + 1]] if gather else into,
                           recv[j * m:j * m + sizes[k]])
         return shape, (send, recv), queue
-
-    def _gather(self, send, recv, count: int) -> None:
-        self.nc.allGather(self.ptr(send), self.ptr(recv), count, self.codes[str(send.dtype)],
-                          self.stream.ptr)
-        self._count(self.rank, (self.size - 1) * count * send.dtype.itemsize)
-
-    def _scatter(self, send, recv, count: int) -> None:
-        self.nc.reduceScatter(self.ptr(send), self.ptr(recv), count,
-                              self.codes[str(send.dtype)], self.sum, self.stream.ptr)
-        self._count(self.rank, (self.size - 1) * count * send.dtype.itemsize)
 
     def wait_for(self, names) -> None:
         """The compute stream waits for the collectives that computed `names` (those still

@@ -81,6 +81,8 @@ class Trainer:
         self.split, self.ROLES, self.acc = self.built.split, self.built.roles, self.built.labels
         self.budget = self.built.budget_bytes
         self.executor = self._executor(backend, comm)
+        if comm is not None:  # (NCCL's communicators for the step's groups: runtime.nccl)
+            comm.prepare(self.train_graph)
         self._refuse_what_cannot_fit(backend, comm)
         self._fed = self._fed_inputs()
         self.loader.only(self._fed, rows_read(self.train_graph, self.data.input_names[0],

@@ -181,6 +181,7 @@ def test_prepare_splits_the_groups_every_rank_has_in_rank_order(monkeypatch):
     pytest.importorskip("mpi4py")
     from netdsl.runtime.nccl import NcclComm
     comm = object.__new__(NcclComm)
+    comm.rank = 0
     mine = comm_graph()  # (two devices: its groups are (0, 1), this rank's view)
     others = [[(0, 1, 2, 3)], [(2, 3)], [(3, 2)], [(1,)]]
     comm.c = SimpleNamespace(Get_size=lambda: 4, allgather=lambda g: [g] + others)
@@ -243,6 +244,21 @@ def test_every_rank_with_nccl_joins_one_communicator(monkeypatch):
     assert note is None and comm.deferred and len(made) == 1
     size, uid, rank = made[0]
     assert (size, rank) == (1, 0) and isinstance(uid, bytes) and len(uid) == 128
+
+
+def test_a_failed_nccl_set_up_is_an_error_that_names_the_rank_and_the_way_out(monkeypatch):
+    pytest.importorskip("mpi4py")
+    from netdsl.errors import CommError
+
+    def refuse(*a):
+        raise RuntimeError("NCCL_ERROR_SYSTEM_ERROR: unhandled system error")
+    monkeypatch.setattr(fake, "NcclCommunicator", refuse)
+    with pytest.raises(CommError) as e:
+        communicator(Backend(), gather=lambda why: [why])
+    assert e.value.message == (
+        "rank 0: NCCL failed joining the communicator of all ranks (RuntimeError: "
+        "NCCL_ERROR_SYSTEM_ERROR: unhandled system error); NETDSL_NCCL=0 runs the "
+        "collectives through host MPI instead")
 
 
 class Deferred(InProcess):

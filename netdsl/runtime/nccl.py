@@ -29,9 +29,10 @@ size): `comm_bytes`'s figure, with the padding of unequal parts included.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 from netdsl.config import env_switch
-from netdsl.errors import DeviceError
+from netdsl.errors import CommError, DeviceError, NetdslError
 from netdsl.ir.ops.comm import COLLECTIVES
 from netdsl.runtime.mpi import MPIComm, allgather
 
@@ -71,6 +72,18 @@ def communicator(backend, gather=allgather) -> tuple[MPIComm, str | None]:
     return NcclComm(backend, nccl), None
 
 
+@contextmanager
+def _said(rank: int, what: str):
+    """NCCL's own error (NcclError) as a CommError that says what failed and the way out."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, NetdslError):
+            raise
+        raise CommError(f"rank {rank}: NCCL failed {what} ({type(e).__name__}: {e}); "
+                        f"{ENV}=0 runs the collectives through host MPI instead") from None
+
+
 class NcclComm(MPIComm):
     """MPI for what NCCL does not run (see the module docstring), NCCL for the rest."""
 
@@ -80,11 +93,12 @@ class NcclComm(MPIComm):
         super().__init__(backend, timeout)
         size = self.c.Get_size()
         uid = self.c.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
+        with _said(self.rank, "joining the communicator of all ranks"):
+            nc = nccl.NcclCommunicator(size, uid, self.rank)
         cuda = backend.xp.cuda
-        self.nccl = NcclCollectives(nccl, nccl.NcclCommunicator(size, uid, self.rank),
-                                    self.rank, size, backend.xp, lambda a: a.data.ptr,
-                                    cuda.Stream(non_blocking=True), cuda.get_current_stream,
-                                    self._count)
+        self.nccl = NcclCollectives(nccl, nc, self.rank, size, backend.xp,
+                                    lambda a: a.data.ptr, cuda.Stream(non_blocking=True),
+                                    cuda.get_current_stream, self._count)
 
     def prepare(self, graph) -> None:
         """A communicator for each group of some of the ranks (in rank order) that any
@@ -92,8 +106,10 @@ class NcclComm(MPIComm):
         built its step, before the first."""
         world = tuple(range(self.c.Get_size()))
         mine = sorted({tuple(n.attrs["group"]) for n in graph.nodes if n.op in COLLECTIVES})
-        self.nccl.split(sorted({g for part in self.c.allgather(mine) for g in part
-                                if g != world and len(g) > 1 and list(g) == sorted(g)}))
+        groups = sorted({g for part in self.c.allgather(mine) for g in part
+                         if g != world and len(g) > 1 and list(g) == sorted(g)})
+        with _said(self.rank, f"making the communicators of groups {groups}"):
+            self.nccl.split(groups)
 
     def collective(self, node, inputs):
         if self.nccl.runs(node, inputs[0]):

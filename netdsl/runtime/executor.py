@@ -226,7 +226,10 @@ class Executor:
         self._scratch: dict[str, Any] = {}
         self._conversions: dict[str, tuple[tuple[int, ...], bool]] = {}  # (see _call_mixed)
         self._after_comm: dict[str, tuple[str, tuple[str, ...]]] = {}  # (see _call_mixed)
-        self._step_buffer = None  # (see write_step)
+        # the step random draws read on a backend that draws on the device (write_step)
+        self._step_buffer = (self.backend.asarray(np.zeros(1, np.int64))
+                             if hasattr(self.backend, "device_rng")
+                             and any(registry.OPS[n.op].random for n in graph.nodes) else None)
         # the last run's f16 loss-scale flags (netdsl.passes.precision): {flag node: whether
         # it was set, so that the updates it gates were skipped}
         self.gates: dict[str, bool] = {}
@@ -395,9 +398,8 @@ class Executor:
                 self._free(d, w)
 
     def write_step(self, step: int) -> None:
-        """Put `step` in the device buffer random draws read (backends with `device_rng`)."""
-        if self._step_buffer is None and hasattr(self.backend, "device_rng"):
-            self._step_buffer = self.backend.asarray(np.zeros(1, np.int64))
+        """Put `step` in the device buffer random draws read (a backend with `device_rng`
+        and a graph that draws)."""
         if self._step_buffer is not None:
             self._step_buffer.fill(step)
 

@@ -18,6 +18,7 @@ from _fake_cudnn import (
     last_stream,
     need_library,
 )
+from _fake_cudnn_frontend import convolutions as frontend_convolutions
 
 from netdsl.backends import cudnn
 from netdsl.backends.numpy import NumpyBackend
@@ -29,6 +30,7 @@ from netdsl.runtime.trainer import Trainer
 from netdsl.step.graphs import training_graph
 
 registry.load_all()
+PATHS = {"ctypes": convolutions, "frontend": frontend_convolutions}  # (the same interface)
 
 def test_the_library_loads_and_says_its_version():
     lib = cudnn.load(["/nonexistent/libcudnn.so.9", need_library()])
@@ -51,10 +53,11 @@ def test_the_search_looks_in_the_env_var_then_the_wheels(monkeypatch, tmp_path):
     assert found[0] == str(lib / "libcudnn.so.9") and found[-1] == "libcudnn.so"
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape,o,a", GEOMETRIES, ids=range(len(GEOMETRIES)))
-def test_the_three_convolutions_match_netdsls_kernels(shape, o, a, dtype):
-    dnn = convolutions()
+def test_the_three_convolutions_match_netdsls_kernels(shape, o, a, dtype, path):
+    dnn = PATHS[path]()
     a = conv_attrs(o, a)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(dtype)
@@ -163,8 +166,9 @@ network dnn_paths {
 """
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
-def test_a_gpu_step_on_cudnn_gives_the_columns_paths_numbers(dtype, monkeypatch):
+def test_a_gpu_step_on_cudnn_gives_the_columns_paths_numbers(dtype, path, monkeypatch):
     """A training step whose convolutions the `device` pass marked for a GPU, with cuDNN
     (the stand-in) and without (the columns' path), in the arena of its storage plan (a
     result of the wrong size, or a workspace outside its rule, would stop it): the same
@@ -178,7 +182,7 @@ def test_a_gpu_step_on_cudnn_gives_the_columns_paths_numbers(dtype, monkeypatch)
     for use in (False, True):
         be = NumpyBackend()
         if use:
-            dnn = convolutions()
+            dnn = PATHS[path]()
             for name in ("forward", "grad_input", "grad_weight"):
                 def spy(*args, _f=getattr(dnn, name), _n=name, **kw):
                     out = _f(*args, **kw)

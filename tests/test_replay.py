@@ -129,6 +129,69 @@ def test_random_draws_and_failed_captures_run_as_before(monkeypatch):
     assert "sync in capture" in ex.replay.reasons[(ROLES, True)]
 
 
+def test_each_node_that_cannot_be_recorded_is_named_with_its_source_line(monkeypatch):
+    from test_strategies import DROPOUT_NET
+
+    import netdsl
+    from netdsl.runtime.run_memory import replay_warnings
+    g = add_optimizer(autodiff(netdsl.loads(DROPOUT_NET, file="drop.net").lower(4)), "adam",
+                      lr=1e-2)
+    ex, _ = recorded(g, monkeypatch)
+    ex.run(example_feeds(g), roles=ROLES)
+    why = ex.replay.reasons[(ROLES, True)]
+    masks = [n for n in g.nodes if n.op == "dropout_mask"]
+    assert len(masks) == 2 and all(n.loc is not None for n in masks)
+    assert why == (", ".join(f"%{n.name} (dropout_mask at {n.loc})" for n in masks)
+                   + ": each draws random numbers (a replay would repeat them)")
+    assert replay_warnings(ex) == ["NETDSL_CUDA_GRAPH: training runs were not recorded as a "
+                                   f"CUDA graph: {why}"]
+
+
+class DeviceDraws(NumpyBackend):
+    """NumPy drawing as the CuPy backend does: from the step in a device buffer."""
+
+    def device_rng(self, seed, key, step):
+        from netdsl.backends.counter_rng import DeviceRNG
+        return DeviceRNG(np, None, seed, key, step)
+
+
+class RecordingDeviceDraws(DeviceDraws, RecordingNumpy):
+    """A recording whose host numbers are baked in, as a CUDA graph's are: its replays run
+    with the step the recording saw."""
+
+    def capture(self, fn):
+        graph, out = super().capture(fn)
+        baked, launch = self.executor.step, graph.launch
+
+        def replay():
+            now, self.executor.step = self.executor.step, baked
+            try:
+                launch()
+            finally:
+                self.executor.step = now
+        graph.launch = replay
+        return graph, out
+
+
+def test_dropout_is_recorded_and_each_replay_draws_its_own_masks(monkeypatch):
+    from test_strategies import DROPOUT_NET
+
+    import netdsl
+    g = add_optimizer(autodiff(netdsl.loads(DROPOUT_NET, file="drop.net").lower(4)), "adam",
+                      lr=1e-2)
+    feeds = example_feeds(g)
+    ex, be = recorded(g, monkeypatch, RecordingDeviceDraws())
+    plain = Executor(g, DeviceDraws(), dtype="f64", seed=3)
+    assert plain.replay is None
+    losses = []
+    for _ in range(5):
+        a, b = plain.run(feeds, roles=ROLES), ex.run(feeds, roles=ROLES)
+        np.testing.assert_array_equal(b["loss"][0], a["loss"][0])
+        losses.append(float(a["loss"][0]))
+    assert be.captures == 1 and not ex.replay.reasons  # recorded, replayed three times
+    assert len(set(losses)) == 5  # (new masks, and updates, every step)
+
+
 def test_a_nonfinite_replayed_loss_stops_the_run(monkeypatch):
     g = step_graph()
     ex, _ = recorded(g, monkeypatch)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from netdsl.config import env_switch
 
-ENV = "NETDSL_CUDNN"  # 0: never use cuDNN
+ENV = "NETDSL_CUDNN"  # frontend, ctypes or off (0): netdsl.backends.cudnn_frontend.mode
 LIBRARY_ENV = "NETDSL_CUDNN_LIBRARY"  # a libcudnn to load instead of searching
 
 # cudnn_graph.h / cudnn_cnn.h constants (stable since cuDNN 7)
@@ -268,7 +268,35 @@ class Geometry:
         return None
 
 
-class Convolutions:
+class ConvolutionCalls:
+    """The three convolutions of a training step as conv2d's kernels call them, over a
+    path's `_run(kind, dtype, (x, w, y shapes), geom, groups, a, b, out, limit)`: a and b
+    the forward's (x, w), the data gradient's (w, dy), the filter gradient's (x, dy)."""
+
+    def forward(self, x, w, geom, groups, out=None, limit=0):
+        """y = conv2d(x, w) (cross-correlation), geom = (kh, kw, sh, sw, ph, pw, dh, dw)."""
+        kh, kw, sh, sw, ph, pw, dh, dw = geom
+        n, _, h, wd = x.shape
+        ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        wo = (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        y = (n, w.shape[0], ho, wo)
+        return self._run(FORWARD, str(x.dtype), (tuple(x.shape), tuple(w.shape), y), geom,
+                         groups, x, w, out, limit)
+
+    def grad_input(self, dy, w, x_shape, geom, groups, out=None, limit=0):
+        """dx of conv2d for an input of `x_shape`."""
+        return self._run(DATA, str(dy.dtype), (tuple(x_shape), tuple(w.shape),
+                                               tuple(dy.shape)), geom, groups, w, dy, out,
+                         limit)
+
+    def grad_weight(self, dy, x, w_shape, geom, groups, limit=0):
+        """dw of conv2d for a weight of `w_shape`."""
+        return self._run(FILTER, str(dy.dtype), (tuple(x.shape), tuple(w_shape),
+                                                 tuple(dy.shape)), geom, groups, x, dy, None,
+                         limit)
+
+
+class Convolutions(ConvolutionCalls):
     """cuDNN's convolutions on arrays of one array module: `xp` (CuPy, or NumPy in the
     tests), `pointer(a)` an array's address, `stream()` the current stream, `device()`
     the current device. Each method returns None where cuDNN does not take the
@@ -323,29 +351,6 @@ class Convolutions:
                       c_void_p(self._ptr(ws) if ws is not None else None), ws_bytes,
                       ctypes.byref(beta), dout, c_void_p(self._ptr(out)))
         return out
-
-    def forward(self, x, w, geom, groups, out=None, limit=0):
-        """y = conv2d(x, w) (cross-correlation), geom = (kh, kw, sh, sw, ph, pw, dh, dw)."""
-        kh, kw, sh, sw, ph, pw, dh, dw = geom
-        n, _, h, wd = x.shape
-        ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-        wo = (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-        y = (n, w.shape[0], ho, wo)
-        return self._run(FORWARD, str(x.dtype), (tuple(x.shape), tuple(w.shape), y), geom,
-                         groups, x, w, out, limit)
-
-    def grad_input(self, dy, w, x_shape, geom, groups, out=None, limit=0):
-        """dx of conv2d for an input of `x_shape`."""
-        return self._run(DATA, str(dy.dtype), (tuple(x_shape), tuple(w.shape),
-                                               tuple(dy.shape)), geom, groups, w, dy, out,
-                         limit)
-
-    def grad_weight(self, dy, x, w_shape, geom, groups, limit=0):
-        """dw of conv2d for a weight of `w_shape`."""
-        return self._run(FILTER, str(dy.dtype), (tuple(x.shape), tuple(w_shape),
-                                                 tuple(dy.shape)), geom, groups, x, dy, None,
-                         limit)
-
 
 # self_check's cases: (x shape, out channels, geometry, groups, required). A plain 3x3
 # convolution must run; a case cuDNN declines (no algorithm in FMA math, say) only leaves

@@ -6,7 +6,8 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from netdsl.backends import cudnn
+from netdsl.backends import counter_rng, cudnn, cudnn_frontend
+from netdsl.backends.counter_rng import DeviceRNG
 from netdsl.backends.cupy_fused import CudaKernels
 from netdsl.config import env_switch
 from netdsl.errors import DeviceError, NoSuchGpu
@@ -110,10 +111,22 @@ class CupyBackend:
     def _load_cudnn(self) -> tuple[cudnn.Convolutions | None, str]:
         cupy = self.xp
         with self._dev:
-            return cudnn.open_convolutions(cupy, lambda a: a.data.ptr,
-                                           lambda: cupy.cuda.get_current_stream().ptr,
-                                           cupy.cuda.runtime.getDevice, cupy.asarray,
-                                           cupy.asnumpy)
+            return cudnn_frontend.open_chosen(cupy, lambda a: a.data.ptr,
+                                              lambda: cupy.cuda.get_current_stream().ptr,
+                                              cupy.cuda.runtime.getDevice, cupy.asarray,
+                                              cupy.asnumpy)
+
+    def nccl(self):
+        """CuPy's NCCL bindings (`cupy.cuda.nccl`, used by netdsl.runtime.nccl); a
+        DeviceError that says why where NCCL's library does not load."""
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:
+            raise DeviceError(f"CuPy's NCCL bindings do not import ({e})") from None
+        if not getattr(nccl, "available", False):
+            raise DeviceError("NCCL's library does not load: pip install nvidia-nccl-cu12 "
+                              "(in netdsl[gpu])")
+        return nccl
 
     def check_precision(self, precision: str) -> None:
         """f16 runs on every CUDA GPU CuPy supports. bf16 needs arrays of ml_dtypes'
@@ -143,6 +156,15 @@ class CupyBackend:
     def rng(self, key) -> CupyRNG:
         with self._dev:
             return CupyRNG(self.xp, key)
+
+    def device_rng(self, seed: int, key: int, step) -> DeviceRNG:
+        """A node's draws as a function of (seed, key, the step in the device array `step`):
+        netdsl.backends.counter_rng, one kernel a draw, which a recorded step replays with
+        each replay's step."""
+        if getattr(self, "_uniform", None) is None:
+            self._uniform = self.xp.ElementwiseKernel(**counter_rng.KERNEL)
+        with self._dev:
+            return DeviceRNG(self.xp, self._uniform, seed, key, step)
 
     def synchronize(self) -> None:
         self._dev.synchronize()

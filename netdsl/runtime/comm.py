@@ -41,6 +41,16 @@ class Communicator:
     def collective(self, node, inputs: list) -> Any:
         raise NotImplementedError
 
+    # whether a result may still be in flight when the kernel returns: the executor then
+    # calls wait_for with a node's inputs before it runs a node that reads one
+    deferred = False
+
+    def wait_for(self, names) -> None:
+        """Order what runs next after the communication that computed `names`."""
+
+    def prepare(self, graph) -> None:
+        """Set up for the collectives of `graph`, this process's step (every rank at once)."""
+
     def finish_step(self) -> None:
         """Wait for what is still in flight (sends); called at the end of every run."""
 

@@ -35,6 +35,7 @@ from netdsl.backends import Backend, get_backend
 from netdsl.errors import CheckpointError, NetdslError, NonFinite
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph, Node
+from netdsl.ir.ops.comm import COLLECTIVES
 from netdsl.ir.placement import Shard, canonical, devices_of, state_layout
 from netdsl.ir.precision import converted, kernels_of_backend
 from netdsl.ir.printer import node_line
@@ -54,6 +55,7 @@ _STATE, _INPUT, _OP = "state", "input", "op"  # the kinds of node the run loop t
 # (netdsl.ir.precision), an update the f16 loss scale's flag may skip (meta "gate"), and
 # the flag (read back as it is made: the updates it gates do not read it as an input)
 _CONVERT, _GATED, _FLAG = "convert", "gated", "flag"
+_AFTER_COMM = "after comm"  # reads a collective's result that may still be in flight
 
 
 @dataclass
@@ -76,6 +78,9 @@ class KernelContext:
     # a device value back to the host, so kernels skip such checks (they ran on the
     # first, unrecorded run)
     capturing: bool = False
+    # a one-element device array holding `step`, where the backend draws on the device
+    # (`device_rng`): a recorded step reads it when replayed, so each replay draws anew
+    step_buffer: Any = None
 
     def into(self, ufunc, *args):
         """`ufunc(*args)`, written into the node's planned slot when it has one."""
@@ -93,6 +98,8 @@ class KernelContext:
         the step and the node's `rng_key` (its name unless a rewrite copied it), so a
         recomputed copy draws exactly what the original drew."""
         key = zlib.crc32(str(node.meta.get("rng_key", node.name)).encode())
+        if self.step_buffer is not None:
+            return self.backend.device_rng(self.seed, key, self.step_buffer)
         return self.backend.rng((self.seed, self.step, key))
 
     def dtype_of(self, ir_dtype: str) -> str:
@@ -218,6 +225,11 @@ class Executor:
         self.stop_if_nonfinite: set[str] = set()
         self._scratch: dict[str, Any] = {}
         self._conversions: dict[str, tuple[tuple[int, ...], bool]] = {}  # (see _call_mixed)
+        self._after_comm: dict[str, tuple[str, tuple[str, ...]]] = {}  # (see _call_mixed)
+        # the step random draws read on a backend that draws on the device (write_step)
+        self._step_buffer = (self.backend.asarray(np.zeros(1, np.int64))
+                             if hasattr(self.backend, "device_rng")
+                             and any(registry.OPS[n.op].random for n in graph.nodes) else None)
         # the last run's f16 loss-scale flags (netdsl.passes.precision): {flag node: whether
         # it was set, so that the updates it gates were skipped}
         self.gates: dict[str, bool] = {}
@@ -329,8 +341,11 @@ class Executor:
         if training:
             self.step = step + 1
         self.gates = {}
+        if not capturing:  # (a recording reads the buffer: replay.py writes it)
+            self.write_step(step)
         ctx = KernelContext(training, self.backend, self.np_dtype, scratch=self._scratch,
-                            seed=self.seed, step=step, comm=self.comm, capturing=capturing)
+                            seed=self.seed, step=step, comm=self.comm, capturing=capturing,
+                            step_buffer=self._step_buffer)
         slots = self._slots(roles, plan) if self.arena else None
         values: dict[str, Any] = {}
         held: dict[str, tuple] = {}  # (bytes, where) each live value adds to the count
@@ -382,6 +397,12 @@ class Executor:
             for d, w in spaces.items():
                 self._free(d, w)
 
+    def write_step(self, step: int) -> None:
+        """Put `step` in the device buffer random draws read (a backend with `device_rng`
+        and a graph that draws)."""
+        if self._step_buffer is not None:
+            self._step_buffer.fill(step)
+
     def _program(self, roles: tuple[str, ...], plan: MemoryPlan) -> list[tuple]:
         """The plan as the run loop reads it, made once per roles: per node run, (name,
         node, kind, input names, planned bytes or None, where its bytes count (a device,
@@ -405,6 +426,10 @@ class Executor:
                                       or converted(g, n, device) != ((), False)):
                     kind = _CONVERT
                     self._conversions[name] = converted(g, n, device)
+                reads = [i for i in n.inputs if g[i].op in COLLECTIVES]
+                if self.comm.deferred and reads and kind is not _STATE:
+                    self._after_comm[name] = (kind, tuple(reads))
+                    kind = _AFTER_COMM
                 nb = plan.sizes.get(name) if kind is not _STATE else None
                 where = None if nb is None or plan.space[name] == HOST else self._dev(n)
                 prog.append((name, n, kind, tuple(n.inputs), nb, where, tuple(frees)))
@@ -418,7 +443,14 @@ class Executor:
         converted to the node's type (into its planned slot where it has one). A kernel
         that reads 2-byte values itself gets them as they are; where it computed in f32
         after all (a fallback its fused loops did not take), its result is converted too.
-        An f16 value that overflows becomes inf, which the loss scale's check is for."""
+        An f16 value that overflows becomes inf, which the loss scale's check is for.
+        A node that reads a collective still in flight (a deferred communicator's) is first
+        ordered after it (Communicator.wait_for), then run as its own kind says."""
+        if kind is _AFTER_COMM:
+            kind, reads = self._after_comm[n.name]
+            self.comm.wait_for(reads)
+            if kind is _OP:
+                return self._call(n, inputs, ctx)
         if kind is _FLAG:
             v = self._call(n, inputs, ctx)
             self.gates[n.name] = float(self.backend.to_host(v)) > 0

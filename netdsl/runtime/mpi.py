@@ -49,9 +49,10 @@ def world() -> tuple[int, int]:
     return c.Get_rank(), c.Get_size()
 
 
-def join(devices: int, backend) -> tuple[World, MPIComm]:
-    """This rank's place among the ranks of `mpiexec`, one device each, and its
-    communicator; refused where there is one rank, or `devices` is not their count."""
+def join(devices: int, backend) -> tuple[World, MPIComm, str | None]:
+    """This rank's place among the ranks of `mpiexec`, one device each, its communicator
+    (NCCL's on GPUs where every rank has it: `runtime.nccl`) and what the run says about
+    it; refused where there is one rank, or `devices` is not their count."""
     rank, size = world()
     if size == 1:  # (a split of one device has no parts to spread)
         raise NetdslError("--distributed runs one process per device under `mpiexec -n N` "
@@ -60,7 +61,8 @@ def join(devices: int, backend) -> tuple[World, MPIComm]:
     if devices not in (1, size):
         raise NetdslError(f"--devices {devices} but mpiexec started {size} ranks; with "
                         "--distributed there is one device per rank")
-    return World(rank, size, allgather), MPIComm(backend)
+    from netdsl.runtime.nccl import communicator  # (it extends MPIComm)
+    return World(rank, size, allgather), *communicator(backend)
 
 
 def world_on_this_machine() -> tuple[int, int]:

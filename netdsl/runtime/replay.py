@@ -18,8 +18,12 @@ What replays differently, so the caller knows (docs/training.md):
 - host-side checks of device values run on the first run only (labels in range,
   maxpool's NaN test; a loss without ignored labels takes the general path), and a
   non-finite loss is noticed after the whole step, its updates included;
+- random draws (dropout) read the step from a device buffer on a backend that has
+  `device_rng` (CuPy's: netdsl.backends.counter_rng), which each replay sets, so every
+  replay draws its own step's masks;
 - runs that cannot be recorded run as before, and `reasons` says why: random draws
-  (dropout: a replay would repeat the masks), host transfers (offload), a split step,
+  from a host generator (a replay would repeat the masks), host transfers (offload), updates the f16
+  loss scale may skip - each such node named with its source line - a split step,
   check_numerics, or a capture that failed (its error).
 """
 from __future__ import annotations
@@ -32,6 +36,10 @@ from netdsl.errors import NonFinite
 from netdsl.ir import registry
 
 GRAPH_ENV = "NETDSL_CUDA_GRAPH"
+_WHY = {"gate": ("is skipped on a step whose gradients overflowed (the f16 loss scale reads "
+                 "its flag back)"),
+        "random": "draws random numbers (a replay would repeat them)",
+        "transfer": "moves values between memories ({})"}
 _WARM = object()  # a kind run once, to be recorded on its next run
 
 
@@ -67,16 +75,20 @@ class StepReplay:
             return "check_numerics reads every value back"
         if len(ex._devices) > 1:
             return "a split step (several devices)"
+        on_device = hasattr(ex.backend, "device_rng")  # (draws keyed by a device step)
+        found: dict[tuple, list[str]] = {}  # why -> the nodes, each with its source line
         for name in ex.plan(roles).order:
-            op = registry.OPS[ex.graph[name].op]
-            if "gate" in ex.graph[name].meta:
-                return (f"%{name} is skipped on a step whose gradients overflowed (the f16 "
-                        "loss scale reads its flag back)")
-            if op.random:
-                return f"%{name} draws random numbers (a replay would repeat them)"
-            if op.layer_type == "transfer":
-                return f"%{name} moves values between memories ({op.name})"
-        return None
+            n = ex.graph[name]
+            op = registry.OPS[n.op]
+            why = (("gate", "") if "gate" in n.meta
+                   else ("random", "") if op.random and not on_device
+                   else ("transfer", op.name) if op.layer_type == "transfer" else None)
+            if why is not None:
+                at = f" at {n.loc}" if n.loc is not None else ""
+                found.setdefault(why, []).append(f"%{name} ({n.op}{at})")
+        return "; ".join(f"{', '.join(names)}: {'each ' if len(names) > 1 else ''}"
+                         f"{_WHY[kind].format(detail)}"
+                         for (kind, detail), names in found.items()) or None
 
     def run(self, feeds: dict, training: bool, roles: tuple[str, ...], step: int | None):
         ex = self.ex
@@ -95,6 +107,7 @@ class StepReplay:
         ex = self.ex
         inputs = {name: ex._feed(ex.graph[name], feeds) for name in ex.plan(roles).order
                   if ex.graph[name].op == "input"}
+        ex.write_step(ex.step if step is None else step)  # (before: the capture reads it)
         try:
             graph, outputs = ex.backend.capture(
                 lambda: ex._run(feeds, training, roles, step, inputs=inputs, capturing=True))
@@ -114,8 +127,10 @@ class StepReplay:
         ex = self.ex
         for name, buf in rec.inputs.items():
             ex.xp.copyto(buf, ex._feed(ex.graph[name], feeds))
+        at = ex.step if step is None else step
+        ex.write_step(at)  # the random draws' step, read by the recorded kernels
         if training:
-            ex.step = (ex.step if step is None else step) + 1
+            ex.step = at + 1
         ex.backend.replay(rec.graph)
         self._check(rec.outputs)
         return {r: list(v) for r, v in rec.outputs.items()}

@@ -67,7 +67,8 @@ class Trainer:
         self.rank, world, comm = 0, None, None
         if opts.distributed:
             from netdsl.runtime.mpi import join
-            world, comm = join(opts.devices, backend)
+            world, comm, note = join(opts.devices, backend)
+            self.warnings += [note] if note else []
             self.rank, self.opts = world.rank, replace(opts, devices=world.size)
         request = request_for(self.opts, self.cfg, backend, runs=True,
                               free_bytes=room.available_bytes(backend))
@@ -80,6 +81,8 @@ class Trainer:
         self.split, self.ROLES, self.acc = self.built.split, self.built.roles, self.built.labels
         self.budget = self.built.budget_bytes
         self.executor = self._executor(backend, comm)
+        if comm is not None:  # (NCCL's communicators for the step's groups: runtime.nccl)
+            comm.prepare(self.train_graph)
         self._refuse_what_cannot_fit(backend, comm)
         self._fed = self._fed_inputs()
         self.loader.only(self._fed, rows_read(self.train_graph, self.data.input_names[0],

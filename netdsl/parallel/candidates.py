@@ -26,7 +26,9 @@ rows alone, computes other numbers. Where `prefer_exact` (auto, with neither
 --microbatches nor --bn local asked for), every exact candidate that fits ranks before
 every inexact one (`rank`), so an inexact split is chosen only where no exact one fits,
 planned or not. Once one fits, the rounds build no big inexact candidate (`outclassed`:
-none could win, whatever its time; `choose.OUTCLASSED_MIN_WORK`) and list it as skipped.
+none could win, whatever its time; `choose.OUTCLASSED_MIN_WORK`) and list it as skipped;
+`choose` builds and plans the exact candidates before any big inexact one (`deferred`), so
+that one fitting only planned leaves them out too.
 
 The functions read the candidates' figures (`Choice`, or a string saying why one
 cannot be made) by their place in the list of specs; building and predicting them is
@@ -218,23 +220,26 @@ def beats(c: Choice, best: Choice | None) -> bool:
     return best is None or rank(c) < rank(best)
 
 
-def outclassed(k: int, inexact: frozenset[int], best: Choice | None) -> bool:
+def outclassed(k: int, inexact: frozenset[int], best: Choice | None,
+               deferred: bool = False) -> bool:
     """Whether candidate `k` cannot win before it is built: it ranks with the inexact
     splits (`inexact`: the places of those left out so) and `best`, which fits, with the
-    exact ones."""
-    return k in inexact and best is not None and best.ranks_exact
+    exact ones; `deferred`: not built yet whatever the best, while the exact candidates
+    are built and planned first (`choose`)."""
+    return k in inexact and (deferred or (best is not None and best.ranks_exact))
 
 
 def rounds(families: list[list[int]], found: dict, planning: bool = False,
-           inexact: frozenset[int] = frozenset()) -> tuple[set[int], list[int],
-                                                           Choice | None]:
+           inexact: frozenset[int] = frozenset(),
+           deferred: bool = False) -> tuple[set[int], list[int], Choice | None]:
     """One process's way through the candidates, on the figures `found` so far: each
     round every family's next candidate (its first, then more micro-batches while
     `past_its_best` does not stop it and it is not `outclassed`: `inexact` are the places
     of the candidates that rank with the inexact splits, which in a family are its counts
-    from the first of them on), the best (the fastest that fits, visited in spec order)
-    after each. Returns (the candidates taken so far, the next round's candidates that have
-    no figures yet, [] when it is done, and the best so far)."""
+    from the first of them on; `deferred`: none of them yet), the best (the fastest that
+    fits, visited in spec order) after each. Returns (the candidates taken so far, the
+    next round's candidates that have no figures yet, [] when it is done, and the best
+    so far)."""
     depth = [0] * len(families)
     going = list(range(len(families)))
     taken: set[int] = set()
@@ -254,7 +259,7 @@ def rounds(families: list[list[int]], found: dict, planning: bool = False,
             fam = families[f]
             if depth[f] < len(fam) and not past_its_best(
                     found, [fam[depth[f] - 1], fam[depth[f] - 2]] if depth[f] > 1 else [],
-                    best) and not outclassed(fam[depth[f]], inexact, best):
+                    best) and not outclassed(fam[depth[f]], inexact, best, deferred):
                 going.append(f)
     return taken, [], best
 

@@ -207,11 +207,18 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
             progress) -> Chosen:
     """This process's part of the choice among `specs`, with the ranks of `share`."""
     run = _Run.start(request, specs, _agreed(share, specs), progress)
-    taken, found = run.predict()
-    considered = [c for k in sorted(taken) if not isinstance(c := found[k], str)]
-    errors = [c for k in sorted(taken) if isinstance(c := found[k], str)]
+    inexact = run.ranked_inexact()
+    # the exact candidates built (and planned) first: where one fits, no big inexact one
+    # could win, and none is built (`candidates.outclassed`)
+    taken, found = run.predict(inexact, deferred=bool(inexact))
     if request.plan:
-        run.plan_unfitting(considered)
+        run.plan_unfitting(_considered(taken, found), exact_only=bool(inexact))
+    if inexact and not (run.best is not None and run.best.ranks_exact):
+        taken, found = run.predict(inexact, found=found)
+        if request.plan:
+            run.plan_unfitting(_considered(taken, found))
+    considered = _considered(taken, found)
+    errors = [c for k in sorted(taken) if isinstance(c := found[k], str)]
     run.fetch_chosen()
     if run.best is None:
         raise _no_fit(considered, errors, request.devices, run.cap)
@@ -220,6 +227,11 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
                   shard_reason(run.best, considered, run.cap))
+
+
+def _considered(taken: set[int], found: dict[int, Choice | str]) -> list[Choice]:
+    """The candidates taken that were made, in the specs' order."""
+    return [c for k in sorted(taken) if not isinstance(c := found[k], str)]
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:
@@ -320,19 +332,21 @@ class _Run:
         elif c is not self.best:
             c.graph = None
 
-    def predict(self) -> tuple[set[int], dict[int, Choice | str]]:
-        """Every rank's figures, round by round as `candidates.rounds` goes through them;
-        several ranks also build the next count of each of a round's families ahead
-        (`candidates.ahead`: figures that `rounds` drops where it stops before them, so
-        the choice, the figures and the skipped counts are those of one process). Between
-        rounds the best is the best by `rounds`. Returns (the candidates taken, the
-        figures by the candidates' places)."""
+    def predict(self, inexact: frozenset[int], deferred: bool = False,
+                found: dict[int, Choice | str] | None = None,
+                ) -> tuple[set[int], dict[int, Choice | str]]:
+        """Every rank's figures, round by round as `candidates.rounds` goes through them
+        (`inexact`: `ranked_inexact`; `deferred`: none of them built; `found`: the figures
+        so far); several ranks also build the next count of each of a round's families
+        ahead (`candidates.ahead`: figures that `rounds` drops where it stops before them,
+        so the choice, the figures and the skipped counts are those of one process).
+        Between rounds the best is the best by `rounds`. Returns (the candidates taken,
+        the figures by the candidates' places)."""
         work = [work_of(spec) for spec in self.specs]
         fams = families(self.specs)
-        inexact = self.ranked_inexact()
-        found: dict[int, Choice | str] = {}
+        found = {} if found is None else found
         while True:
-            taken, now, self.best = rounds(fams, found, self.request.plan, inexact)
+            taken, now, self.best = rounds(fams, found, self.request.plan, inexact, deferred)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
@@ -359,20 +373,22 @@ class _Run:
                                 for k, c in got.items()})
         return got
 
-    def plan_unfitting(self, considered: list[Choice]) -> None:
+    def plan_unfitting(self, considered: list[Choice], exact_only: bool = False) -> None:
         """Plan the candidates that do not fit in `candidates.planning_order`, each only if
         it would still beat the fastest that fits (so the choice is the fastest planned or
-        unplanned step that fits, in the fewest plans); shared out, a wave of one a rank at
-        a time, a plan taken only where it would have been made alone."""
-        self._plan_in_turn([c for c in planning_order(considered) if not c.spec.shard],
+        unplanned step that fits, in the fewest plans), and none twice (`exact_only`: the
+        candidates that rank with the exact splits alone); shared out, a wave of one a rank
+        at a time, a plan taken only where it would have been made alone."""
+        self._plan_in_turn([c for c in planning_order(considered) if not c.spec.shard
+                            and c.memory is None and (c.ranks_exact or not exact_only)],
                            considered)
         # the data split's shard stages where it did not fit even planned
         sharded = [c for c in considered if c.spec.shard and not needless(c, considered, True)]
         for c in sharded:
             if c.fits:
                 self.keep_if_best(c, considered)
-        self._plan_in_turn(sorted(planning_order(sharded), key=lambda c: c.spec.shard),
-                           considered)
+        self._plan_in_turn(sorted((c for c in planning_order(sharded) if c.memory is None),
+                                  key=lambda c: c.spec.shard), considered)
 
     def _plan_in_turn(self, queue: list[Choice], considered: list[Choice]) -> None:
         """`plan_unfitting` of the candidates `queue`, in its order: a shard stage once the

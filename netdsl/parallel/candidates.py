@@ -230,15 +230,16 @@ def outclassed(k: int, inexact: frozenset[int], best: Choice | None,
 
 
 def held_back(specs: list[SplitSpec]) -> frozenset[int]:
-    """The candidates `choose` builds only once the others are built and planned: the
-    shard stages of a data split among `specs`, `needless` where it fits."""
+    """The candidates `choose` (with --mem) builds only once the others are built and
+    planned, where the data split does not fit unplanned: the shard stages of a data split
+    among `specs`, `needless` where it fits planned."""
     return frozenset(k for k, spec in enumerate(specs)
                      if spec.shard and replace(spec, shard=0) in specs)
 
 
 def shards_needless(specs: list[SplitSpec], found: dict) -> frozenset[int]:
-    """The shard stages whose plain data split fits (planned, where it was): `needless`
-    before they are built."""
+    """The shard stages whose plain data split fits (planned, where it was), known
+    `needless` before they are built."""
     fits = {c.spec for c in found.values() if not isinstance(c, str) and c.fits}
     return frozenset(k for k, spec in enumerate(specs)
                      if spec.shard and replace(spec, shard=0) in fits)

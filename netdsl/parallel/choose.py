@@ -210,18 +210,21 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     """This process's part of the choice among `specs`, with the ranks of `share`."""
     run = _Run.start(request, specs, _agreed(share, specs), progress)
     inexact = run.ranked_inexact()
-    # the others built and planned first: a shard stage is built only where its data
-    # split does not fit even planned (`candidates.needless`), a big inexact candidate only
-    # where no exact split fits (`candidates.outclassed`)
-    held, deferred = held_back(specs), bool(inexact)
+    # where the data split does not fit unplanned, its shard stages are built only once it
+    # is planned and does not fit (`candidates.needless`); a big inexact candidate only
+    # where no exact split fits, planned or not (`candidates.outclassed`)
+    held = held_back(specs) if request.plan else frozenset()
+    deferred = bool(inexact)
     taken, found = run.predict(inexact, deferred, held)
+    if held and shards_needless(specs, found):  # (built for the table, as ever)
+        held = frozenset()
+        taken, found = run.predict(inexact, deferred, held, found)
     if request.plan:
         run.plan_unfitting(_considered(taken, found), exact_only=deferred)
-    if shards := held - shards_needless(specs, found):
-        held -= shards
+    if held and not shards_needless(specs, found):
+        held = frozenset()
         taken, found = run.predict(inexact, deferred, held, found)
-        if request.plan:
-            run.plan_unfitting(_considered(taken, found), exact_only=deferred)
+        run.plan_unfitting(_considered(taken, found), exact_only=deferred)
     if (deferred or held) and not (run.best is not None and run.best.ranks_exact):
         taken, found = run.predict(inexact, False, frozenset(), found)
         if request.plan:

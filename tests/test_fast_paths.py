@@ -202,6 +202,49 @@ def test_auto_without_outclassed_candidates_chooses_as_with_them(monkeypatch, na
     assert not any(c.exact for c in whole.considered if c.spec in left_out)
 
 
+@pytest.mark.parametrize("mem,planned_exact", [(1_100_000, True), (1_000_000, False)],
+                         ids=["exact-fits-planned", "no-exact-fits"])
+def test_auto_plans_the_exact_splits_before_building_inexact_ones(monkeypatch, mem,
+                                                                 planned_exact):
+    """Under --mem the exact candidates are built and planned before any big inexact one
+    or shard stage (`candidates.held_back`): where the data split fits only once planned
+    (1.1 MB a device), the inexact ones and its shard stages are left out and listed as
+    skipped; where no exact split fits (1.0 MB), they are built and planned after, and
+    every candidate's figures are those of building all of them at once. The choice is
+    the same either way, and no candidate is planned twice."""
+    from netdsl.memory.profiles import get_profile
+    from netdsl.parallel import candidates as cand
+    from netdsl.parallel import choose as choose_mod
+    from netdsl.parallel.choose import choose
+    from netdsl.parallel.predict import get_interconnect
+    net = load("digits-cnn.net")
+    kw = dict(batch=32, strategy="auto", devices=4, mem=mem, plan=True,
+              optimizer=(net.train or TrainConfig()).optimizer.model_dump(),
+              profile=get_profile("k40-12gb"), link=get_interconnect("shm"), jobs=1)
+    monkeypatch.setattr(choose_mod, "OUTCLASSED_MIN_WORK", 0)  # (small networks too)
+    plans, real_plan = [], choose_mod._plan
+    monkeypatch.setattr(choose_mod, "_plan",
+                        lambda g, *a, **k: plans.append(g.meta["split"]) or real_plan(g, *a, **k))
+    fast = choose(net.graph, **kw)
+    fast_plans = list(plans)
+    monkeypatch.setattr(cand, "outclassed", lambda *a: False)
+    monkeypatch.setattr(choose_mod, "held_back", lambda *a: frozenset())
+    whole = choose(net.graph, **kw)
+    assert _choice_figures(fast) == _choice_figures(whole)
+    assert fast.best.exact == planned_exact and fast.best.memory is not None
+    assert len(fast_plans) == sum(c.memory is not None for c in fast.considered)
+    figures = {c.spec: (c.report.to_json(), c.fits) for c in whole.considered}
+    assert all(figures[c.spec] == (c.report.to_json(), c.fits) for c in fast.considered)
+    left_out = set(figures) - {c.spec for c in fast.considered}
+    if planned_exact:  # the inexact candidates, and the shard stages of the data split
+        assert left_out and left_out <= set(fast.skipped)
+        assert not any(c.exact and not c.spec.shard for c in whole.considered
+                       if c.spec in left_out)
+        assert {c.spec.shard for c in whole.considered if c.spec in left_out} > {0}
+    else:
+        assert not left_out and fast.skipped == whole.skipped
+
+
 # -- rewrites that index the graph once -------------------------------------------------------
 def test_joining_attention_gradients_indexes_the_step_a_few_times(monkeypatch):
     """fuse_grads joins each micro-batch's attention backward nodes into one

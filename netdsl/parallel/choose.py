@@ -40,12 +40,14 @@ from netdsl.parallel.candidates import (
     exact,
     families,
     has_batch_statistics,
+    held_back,
     inexact_note,
     needless,
     planning_order,
     prefers_exact,
     rounds,
     shard_reason,
+    shards_needless,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -207,11 +209,28 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
             progress) -> Chosen:
     """This process's part of the choice among `specs`, with the ranks of `share`."""
     run = _Run.start(request, specs, _agreed(share, specs), progress)
-    taken, found = run.predict()
-    considered = [c for k in sorted(taken) if not isinstance(c := found[k], str)]
-    errors = [c for k in sorted(taken) if isinstance(c := found[k], str)]
+    inexact = run.ranked_inexact()
+    # where the data split does not fit unplanned, its shard stages are built only once it
+    # is planned and does not fit (`candidates.needless`); a big inexact candidate only
+    # where no exact split fits, planned or not (`candidates.outclassed`)
+    held = held_back(specs) if request.plan else frozenset()
+    deferred = bool(inexact)
+    taken, found = run.predict(inexact, deferred, held)
+    if held and shards_needless(specs, found):  # (built for the table, as ever)
+        held = frozenset()
+        taken, found = run.predict(inexact, deferred, held, found)
     if request.plan:
-        run.plan_unfitting(considered)
+        run.plan_unfitting(_considered(taken, found), exact_only=deferred)
+    if held and not shards_needless(specs, found):
+        held = frozenset()
+        taken, found = run.predict(inexact, deferred, held, found)
+        run.plan_unfitting(_considered(taken, found), exact_only=deferred)
+    if (deferred or held) and not (run.best is not None and run.best.ranks_exact):
+        taken, found = run.predict(inexact, False, frozenset(), found)
+        if request.plan:
+            run.plan_unfitting(_considered(taken, found))
+    considered = _considered(taken, found)
+    errors = [c for k in sorted(taken) if isinstance(c := found[k], str)]
     run.fetch_chosen()
     if run.best is None:
         raise _no_fit(considered, errors, request.devices, run.cap)
@@ -220,6 +239,11 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
                   shard_reason(run.best, considered, run.cap))
+
+
+def _considered(taken: set[int], found: dict[int, Choice | str]) -> list[Choice]:
+    """The candidates taken that were made, in the specs' order."""
+    return [c for k in sorted(taken) if not isinstance(c := found[k], str)]
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:
@@ -320,25 +344,31 @@ class _Run:
         elif c is not self.best:
             c.graph = None
 
-    def predict(self) -> tuple[set[int], dict[int, Choice | str]]:
-        """Every rank's figures, round by round as `candidates.rounds` goes through them;
-        several ranks also build the next count of each of a round's families ahead
-        (`candidates.ahead`: figures that `rounds` drops where it stops before them, so
-        the choice, the figures and the skipped counts are those of one process). Between
-        rounds the best is the best by `rounds`. Returns (the candidates taken, the
-        figures by the candidates' places)."""
+    def predict(self, inexact: frozenset[int], deferred: bool = False,
+                held: frozenset[int] = frozenset(),
+                found: dict[int, Choice | str] | None = None,
+                ) -> tuple[set[int], dict[int, Choice | str]]:
+        """Every rank's figures, round by round as `candidates.rounds` goes through them
+        (`inexact`: `ranked_inexact`, `deferred`: none of them built; `held`: candidates
+        not built; `found`: the figures so far); several ranks also build the next count
+        of each of a round's families ahead (`candidates.ahead`: figures that `rounds`
+        drops where it stops before them, so the choice, the figures and the skipped counts
+        are those of one process).
+        Between rounds the best is the best by `rounds`. Returns (the candidates taken,
+        the figures by the candidates' places)."""
         work = [work_of(spec) for spec in self.specs]
         fams = families(self.specs)
-        inexact = self.ranked_inexact()
-        found: dict[int, Choice | str] = {}
+        found = {} if found is None else found
         while True:
-            taken, now, self.best = rounds(fams, found, self.request.plan, inexact)
+            taken, now, self.best = rounds(fams, found, self.request.plan, inexact,
+                                           deferred, held)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
                 return taken, found
             if self.width > 1:
-                now += ahead(fams, found, now, work, self.width, inexact)
+                now += ahead(fams, found, now, work, self.width, inexact,
+                             held | inexact if deferred else held)
             found.update(self._round(now, work, len(found)))
 
     def _round(self, now: list[int], work: list[float], done: int) -> dict[int, Choice | str]:
@@ -359,20 +389,22 @@ class _Run:
                                 for k, c in got.items()})
         return got
 
-    def plan_unfitting(self, considered: list[Choice]) -> None:
+    def plan_unfitting(self, considered: list[Choice], exact_only: bool = False) -> None:
         """Plan the candidates that do not fit in `candidates.planning_order`, each only if
         it would still beat the fastest that fits (so the choice is the fastest planned or
-        unplanned step that fits, in the fewest plans); shared out, a wave of one a rank at
-        a time, a plan taken only where it would have been made alone."""
-        self._plan_in_turn([c for c in planning_order(considered) if not c.spec.shard],
+        unplanned step that fits, in the fewest plans), and none twice (`exact_only`: the
+        candidates that rank with the exact splits alone); shared out, a wave of one a rank
+        at a time, a plan taken only where it would have been made alone."""
+        self._plan_in_turn([c for c in planning_order(considered) if not c.spec.shard
+                            and c.memory is None and (c.ranks_exact or not exact_only)],
                            considered)
         # the data split's shard stages where it did not fit even planned
         sharded = [c for c in considered if c.spec.shard and not needless(c, considered, True)]
         for c in sharded:
             if c.fits:
                 self.keep_if_best(c, considered)
-        self._plan_in_turn(sorted(planning_order(sharded), key=lambda c: c.spec.shard),
-                           considered)
+        self._plan_in_turn(sorted((c for c in planning_order(sharded) if c.memory is None),
+                                  key=lambda c: c.spec.shard), considered)
 
     def _plan_in_turn(self, queue: list[Choice], considered: list[Choice]) -> None:
         """`plan_unfitting` of the candidates `queue`, in its order: a shard stage once the

@@ -22,6 +22,7 @@ from netdsl.options import RunOptions, conflicts
 from netdsl.parallel.predict import get_interconnect, report, step_time
 from netdsl.parallel.split import SplitSpec, split_forward, split_step
 from netdsl.passes.pipeline import run_pipeline
+from netdsl.runtime.data import Loader, make_dataset
 from netdsl.runtime.executor import Executor
 from netdsl.runtime.gate import verify_split
 from netdsl_cli.app import app
@@ -303,3 +304,54 @@ def test_stage_3_gathers_each_unit_one_ahead_and_again_for_the_backward():
              for s in (2, 3) for x in [split_step(net.graph, BATCH, SplitSpec(data=4, shard=s),
                                                   opt)]}
     assert peaks[3] < peaks[2]
+
+
+def _alive_at_once(g, device: int) -> int:
+    """The most gathered unit elements alive at once on `device`: each unit's all-gather
+    output lives until the last reader of the parameters cut out of it."""
+    order = [n.name for n in g.nodes]
+    pos = {name: k for k, name in enumerate(order)}
+    readers: dict[str, list[str]] = {}
+    for n in g.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n.name)
+    spans = []
+    for n in g.nodes:
+        if n.op == "all_gather" and n.device == device and n.name.startswith("unit"):
+            last, todo = pos[n.name], [n.name]
+            while todo:  # through the slices and reshapes that cut the parameters out
+                for r in readers.get(todo.pop(), ()):
+                    last = max(last, pos[r])
+                    if g[r].op in ("slice", "reshape"):
+                        todo.append(r)
+            spans.append((pos[n.name], last, n.type.numel()))
+    return max(sum(s for a, z, s in spans if a <= k <= z) for k, _, _ in spans)
+
+
+def test_shard_unit_makes_each_block_instance_one_unit():
+    """`@shard_unit` on a statement in a `repeat` makes each copy's parameters one unit
+    (a whole decoder layer gathered by one all-gather), the float64 gate passes with
+    those units at 2 and 4 replicas, and the gathered elements alive at once follow the
+    unit: at least a whole layer and at most two units with `@shard_unit`, less than one
+    layer with the default per-layer units (gpt-tiny, the same network unannotated)."""
+    units_net, tiny = api.load(ROOT / "tests" / "nets" / "gpt-units.net"), \
+        api.load(ROOT / "examples" / "gpt-tiny.net")
+    layer = sum(p.type.numel() for p in tiny.graph.params() if ".decoder_layer." in p.name
+                and ".decoder_layer[" not in p.name)
+    assert layer == 49_984
+    opt = units_net.train.optimizer.model_dump()
+    data = make_dataset(units_net.graph, units_net.train.data, 0)
+    feeds = dict(zip(data.input_names, Loader(data.train, BATCH, 0).next(), strict=True))
+    for devices in (2, 4):
+        spec = SplitSpec(data=devices, shard=3)
+        g = split_step(units_net.graph, BATCH, spec, opt)
+        r = verify_split(units_net.graph, BATCH, spec, opt, feeds, split=g)
+        assert r.ok, (r.worst, r.loss_rel, r.grad_rel, r.state_rel, r.first_divergence)
+    sizes = {p.name: p.type.numel() for p in units_net.graph.params()}
+    units = [sum(sizes[k] for k in u["params"]) for u in g.meta["zero"]["buckets"]]
+    assert units.count(layer) == 2 and len(units) == 6  # + embedding, table, norm, head
+    annotated = _alive_at_once(g, 0)
+    assert layer <= annotated <= 2 * max(units)
+    g = split_step(tiny.graph, BATCH, SplitSpec(data=4, shard=3), tiny.train.optimizer
+                   .model_dump())
+    assert len(g.meta["zero"]["buckets"]) > 6 and _alive_at_once(g, 0) < layer

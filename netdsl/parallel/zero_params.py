@@ -5,15 +5,16 @@ Two rewrites of the data split's step:
 - `shard_parameters` (on the split forward graph, before autodiff): the parameters are
   taken a *unit* at a time (a layer: the parameters its forward node reads, in the order
   the forward pass reads them; or, where the file says `@shard_unit`, every parameter
-  made in one evaluation of the annotated statement or block: a block instance). Replica j keeps range j of each unit's parameters
-  flattened and joined (`even_parts` of its length): a piece of each parameter there, a
-  `param` node of its own (`meta["shard"]`, axis `placement.FLAT`). Just before a unit's
-  layer runs (one unit ahead: the gather of unit u + 1 is issued before unit u's layer,
-  FSDP's forward prefetch) every replica joins its pieces, an all-gather makes the whole
-  unit, and each parameter is cut out of it in its shape; the layers read those. Autodiff
-  then turns the all-gather into a reduce-scatter of the unit's gradients (its
-  transpose), so each replica gets the summed gradient of its pieces right after the
-  unit's backward, and the optimizer updates the pieces: state 1/N, no all-gather after.
+  made in one evaluation of the annotated statement or block: a block instance). Replica
+  j keeps range j of each unit's parameters flattened and joined (`even_parts` of its
+  length): a piece of each parameter there, a `param` node of its own (`meta["shard"]`,
+  axis `placement.FLAT`). Just before a unit's layer runs (one unit ahead: the gather of
+  unit u + 1 is issued before unit u's layer, FSDP's forward prefetch) every replica
+  joins its pieces, an all-gather makes the whole unit, and each parameter is cut out of
+  it in its shape; the layers read those. Autodiff then turns the all-gather into a
+  reduce-scatter of the unit's gradients (its transpose), so each replica gets the
+  summed gradient of its pieces right after the unit's backward, and the optimizer
+  updates the pieces: state 1/N, no all-gather after.
 - `gather_for_backward` (after autodiff): the backward pass does not read the forward's
   gathered parameters (which would keep every unit whole through the step); each unit is
   gathered again before its backward (one unit ahead, as FSDP's backward prefetch), so a

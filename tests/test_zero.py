@@ -355,3 +355,37 @@ def test_shard_unit_makes_each_block_instance_one_unit():
     g = split_step(tiny.graph, BATCH, SplitSpec(data=4, shard=3), tiny.train.optimizer
                    .model_dump())
     assert len(g.meta["zero"]["buckets"]) > 6 and _alive_at_once(g, 0) < layer
+
+
+def test_auto_weighs_shards_against_planning_on_time_where_the_state_is_the_peak():
+    """Where the replicated data split's state is most of its peak (gpt-tiny with AdamW,
+    not resnet20 with SGD: `state_bound`), a shard stage that fits as it is competes with
+    the planned splits on predicted step time, and auto takes the fastest exact split
+    that fits, saying whether sharding won and against what (resnet20 keeps planning the
+    data split first: test_auto_shards_the_data_split_only_where_it_does_not_fit)."""
+    from netdsl.parallel.candidates import state_bound
+    from netdsl.parallel.choose import choose
+    tiny, r20 = api.load(ROOT / "examples" / "gpt-tiny.net"), api.load(NETS["resnet20"])
+
+    def chosen(net, **extra):
+        return choose(net.graph, batch=16, strategy="auto", devices=4, profile=CPU, link=SHM,
+                      optimizer=net.train.optimizer.model_dump(), jobs=1, **extra)
+    plain = {n: next(c for c in chosen(net).considered if c.spec.describe() == "data=4")
+             for n, net in (("tiny", tiny), ("r20", r20))}
+    assert state_bound(plain["tiny"]) and not state_bound(plain["r20"])
+    need = max(d.peak_bytes for d in plain["tiny"].report.per_device)
+    for mem in (need * 4 // 5, need * 3 // 4):
+        ch = chosen(tiny, mem=mem, plan=True)
+        fitting = [c for c in ch.considered if c.fits and c.exact]
+        assert ch.best.report.predicted_step_s == min(c.report.predicted_step_s
+                                                      for c in fitting)
+        assert ch.best.spec.shard and ch.reason.startswith(
+            f"auto sharded the replicas' state (ZeRO stage {ch.best.spec.shard}): data=4 "
+            f"needs ")
+        assert "s a step, it beats " in ch.reason
+    # unplanned, with room for stage 3 only: the pipeline is faster, and auto says so
+    ch = chosen(tiny, mem=need * 3 // 4)
+    assert ch.best.spec.pipeline > 1 and not ch.best.spec.shard
+    assert ch.reason.startswith(f"sharded data parallelism does not beat "
+                                f"{ch.best.spec.describe()}: the fastest shard stage "
+                                f"that fits, data=4, shard=3 (")

@@ -219,7 +219,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
-                  shard_reason(run.best, considered, run.cap))
+                  shard_reason(run.best, considered, run.cap, request.plan))
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:

@@ -19,6 +19,7 @@ from netdsl.ir.placement import FLAT, Shard, canonical
 from netdsl.memory.plan import device_peaks, make_plan
 from netdsl.memory.profiles import get_profile
 from netdsl.options import RunOptions, conflicts
+from netdsl.parallel.memplan import plan_split
 from netdsl.parallel.predict import get_interconnect, report, step_time
 from netdsl.parallel.split import SplitSpec, split_forward, split_step
 from netdsl.passes.pipeline import run_pipeline
@@ -389,3 +390,37 @@ def test_auto_weighs_shards_against_planning_on_time_where_the_state_is_the_peak
     assert ch.reason.startswith(f"sharded data parallelism does not beat "
                                 f"{ch.best.spec.describe()}: the fastest shard stage "
                                 f"that fits, data=4, shard=3 (")
+
+
+def test_offload_state_streams_each_devices_pieces_from_its_host():
+    """ZeRO-Offload (`--offload-state` with `--shard` over `--devices`): under a budget no
+    plan of the sharded split fits with its optimizer state on the devices, each device's
+    state pieces live in its host's memory, copied in before their update and written
+    back after it; the planned step passes the float64 gate against one device. The
+    option takes --shard (a split without it, or over MPI, is refused)."""
+    from netdsl.parallel.choose import choose
+    net, opt, feeds = setup("transformer")
+    kw = dict(batch=BATCH, strategy="data", devices=2, optimizer=opt, shard=1, jobs=1,
+              profile=get_profile("k40-12gb"), link=SHM, mem=4_000_000, plan=True,
+              float_dtype="f64")
+    with pytest.raises(SplitError, match="no split onto 2 device"):
+        choose(net.graph, **kw)
+    best = choose(net.graph, **kw, offload_state=True).best
+    g = best.graph
+    hosted = [n for n in g.nodes if n.op == "buffer" and n.meta.get("space") == "host"
+              and n.attrs.get("role") == "optimizer_state"]
+    back = [n for n in g.nodes if n.op == "to_host_into"]
+    assert {n.device for n in hosted} == {0, 1} and len(back) == len(hosted)
+    assert all(Shard.of(n).axis == FLAT for n in hosted)  # (the replicas' pieces)
+    r = verify_split(net.graph, BATCH, best.spec, opt, feeds, split=g)
+    assert r.ok, (r.worst, r.loss_rel, r.grad_rel, r.state_rel, r.first_divergence)
+    # a step counter read by its increment alone (the fused step) is not streamed: the
+    # search once offloaded it with no copy in, and its cost model failed on the read
+    one = split_step(net.graph, BATCH, SplitSpec(), opt)
+    _, res = plan_split(one, 2_265_858, get_profile("k40-12gb"), "f64", offload_state=True)
+    assert res.state_offloaded > 0 and res.decisions.get("optimizer.step") is None
+    assert conflicts(RunOptions(devices=2, shard=1, mem="4MB", offload_state=True)) == []
+    for opts in (RunOptions(devices=2, mem="4MB", offload_state=True),
+                 RunOptions(distributed=True, shard=1, mem="4MB", offload_state=True)):
+        with pytest.raises(NetdslError, match="but for a sharded data split"):
+            conflicts(opts)

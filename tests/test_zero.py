@@ -419,6 +419,15 @@ def test_offload_state_streams_each_devices_pieces_from_its_host():
     one = split_step(net.graph, BATCH, SplitSpec(), opt)
     _, res = plan_split(one, 2_265_858, get_profile("k40-12gb"), "f64", offload_state=True)
     assert res.state_offloaded > 0 and res.decisions.get("optimizer.step") is None
+    args = ["split", str(NETS["transformer"]), "--devices", "2", "--shard", "1", "--batch",
+            "8", "--mem", "2.2MB", "--profile", "k40-12gb", "--jobs", "1", "--json"]
+    assert runner.invoke(app, args).exit_code == 3  # (no plan fits with the state held)
+    out = runner.invoke(app, [*args, "--offload-state"])
+    assert out.exit_code == 0, out.output
+    j = json.loads(out.output)
+    assert j["spec"] == "data=2, shard=1" and all(
+        d["peak_bytes"] <= 2_200_000 and d["offload"] > 0
+        for d in j["memory_plan"]["per_device"].values())
     assert conflicts(RunOptions(devices=2, shard=1, mem="4MB", offload_state=True)) == []
     for opts in (RunOptions(devices=2, mem="4MB", offload_state=True),
                  RunOptions(distributed=True, shard=1, mem="4MB", offload_state=True)):

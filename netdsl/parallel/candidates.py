@@ -347,8 +347,11 @@ def shard_reason(best: Choice, considered: list[Choice], cap: int,
     need = max(d.peak_bytes + d.outside_plan_bytes for d in plain.report.per_device)
     others = [c for c in considered if not c.spec.shard and c.fits
               and c.ranks_exact == best.ranks_exact]
-    versus = f"; predicted {best.report.predicted_step_s:.4g} s a step, it beats " \
-        f"{_timed(min(others, key=rank))}" if others else "; no split that does not shard fits"
+    if others:
+        versus = (f"; predicted {best.report.predicted_step_s:.4g} s a step, it beats "
+                  f"{_timed(min(others, key=rank))}")
+    else:
+        versus = "; no split that does not shard fits"
     if planning and not plain.fits and plain.memory is None:
         versus += (f", and {plain.spec.describe()} planned would take at least its "
                    f"unplanned {plain.report.predicted_step_s:.4g} s")

@@ -117,10 +117,11 @@ def main() -> None:
     if not a.skip_memory:
         rows = memory(a.net, a.ranks, a.batch)
         print(f"{Path(a.net).name}, data={a.ranks}, batch {a.batch}, float32 (MB)")
-        print("shard | rank | planned peak | measured peak | state planned | state measured "
-              "| optimizer state | sent (counted / analytic)")
+        print("shard | rank | planned peak | counted peak | measured peak | state planned "
+              "| state measured | optimizer state | sent (counted / analytic)")
         for r in rows:
-            print(f"{r['shard']} | {r['rank']} | {mb(r['planned'])} | {mb(r['measured'])} | "
+            print(f"{r['shard']} | {r['rank']} | {mb(r['planned'])} | {mb(r['counted'])} | "
+                  f"{mb(r['measured'])} | "
                   f"{mb(r['state_planned'])} | {mb(r['state_measured'])} | "
                   f"{mb(r['optimizer_state'])} | {mb(r['sent'])} / {mb(r['sent_predicted'])}")
         base = {r["rank"]: r for r in rows if r["shard"] == 0}
@@ -130,7 +131,8 @@ def main() -> None:
                 print(f"shard {r['shard']} rank {r['rank']}: optimizer state "
                       f"{r['optimizer_state'] / b['optimizer_state']:.4f} of shard 0's; state "
                       f"measured {r['state_measured'] / b['state_measured']:.4f} of shard "
-                      f"0's; peak measured {r['measured'] / b['measured']:.3f}")
+                      f"0's; peak measured {r['measured'] / b['measured']:.3f}; sent "
+                      f"{r['sent'] / b['sent']:.3f}x shard 0's")
     if not a.skip_time:
         times = step_times(a.time_net, a.time_ranks, a.time_batch, a.steps, a.rounds)
         plain = statistics.median(times[0])

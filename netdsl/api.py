@@ -259,13 +259,15 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None, mpi: bool = False,
           jobs: int | None = None, backend: str = "numpy",
-          precision: str | None = None, shard: int | None = None) -> SplitResult:
+          precision: str | None = None, shard: int | None = None,
+          offload_state: bool = False) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto), for a device
     `profile` (None: the device `backend` runs on); with `verify`, the equivalence gate
     on one batch in float64. With `mem`, a split that does not fit a device is planned
-    per device (recompute, offload: `parallel.memplan`). `mpi`: predict and plan the
+    per device (recompute, offload: `parallel.memplan`; `offload_state`: the optimizer
+    state too, streamed from each device's host through its update). `mpi`: predict and plan the
     split as `run --distributed` runs it, one process per device, whose sends MPI holds
     until the peer has them. `jobs`: processes that build and predict the candidates
     (None: one a core where they are big enough); `precision`: mixed precision (None: the
@@ -275,7 +277,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
                        split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
                        interconnect=interconnect, jobs=jobs, backend=backend,
-                       precision=precision, shard=shard)
+                       precision=precision, shard=shard, offload_state=offload_state)
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen

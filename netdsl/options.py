@@ -80,7 +80,8 @@ class StepOptions:
         "or recompute-all")
     offload_state: bool = option(
         False, "with --mem: the plan may keep optimizer state in host memory, streamed in for "
-        "each update", flags=("--offload-state",))
+        "each update (with --shard over --devices N: each device's pieces, ZeRO-Offload)",
+        flags=("--offload-state",))
     devices: int = option(
         1, "split the step over this many devices (logical devices in this process, or one "
         "MPI rank each with --distributed)", flags=("--devices", "-n"), min=1)
@@ -182,10 +183,14 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
         _choice(opts.precision, PRECISIONS, "--precision")
     check_precision(opts.precision or "f32", opts.dtype)
     _choice(opts.bn, BN_MODES, "--bn")
-    if opts.offload_state and (opts.devices > 1 or opts.distributed):
+    # (ZeRO-Offload: a sharded data split's optimizer state in its hosts' memory, over
+    # --devices in one process; other splits, and MPI ranks, are not verified so)
+    if opts.offload_state and (opts.devices > 1 or opts.distributed) \
+            and not (opts.shard and not opts.distributed):
         raise NetdslError("--offload-state with --devices or --distributed is not supported "
-                          "yet; a split step is planned by recomputing and offloading "
-                          "activations")
+                          "yet, but for a sharded data split (--shard 1|2|3) over --devices N "
+                          "in one process (ZeRO-Offload); other split steps are planned by "
+                          "recomputing and offloading activations")
     if opts.shard is not None:
         _shard_conflicts(opts)
     if isinstance(opts, RunOptions):

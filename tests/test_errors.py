@@ -154,6 +154,8 @@ CASES = [
      "@stage takes no keyword arguments", 4, 12),
     ("annotation-shard", net("@shard(rows, 2)\nh = relu(x)\noutput h"),
      "@shard takes a dimension (batch, channels, height, width, features, heads)", 4, 5),
+    ("annotation-shard-unit", net("@shard_unit(2)\nh = relu(x)\noutput h"),
+     "@shard_unit takes no arguments", 4, 5),
     ("recompute-keep", net("@recompute @keep\nh = relu(x)\noutput h"),
      "@recompute and @keep contradict each other", 4, 5),
     ("annotation-on-network", "@recompute\nnetwork n {\n    input x: f32[N, 4]\n"

@@ -19,9 +19,11 @@ from netdsl.ir.placement import FLAT, Shard, canonical
 from netdsl.memory.plan import device_peaks, make_plan
 from netdsl.memory.profiles import get_profile
 from netdsl.options import RunOptions, conflicts
+from netdsl.parallel.memplan import plan_split
 from netdsl.parallel.predict import get_interconnect, report, step_time
 from netdsl.parallel.split import SplitSpec, split_forward, split_step
 from netdsl.passes.pipeline import run_pipeline
+from netdsl.runtime.data import Loader, make_dataset
 from netdsl.runtime.executor import Executor
 from netdsl.runtime.gate import verify_split
 from netdsl_cli.app import app
@@ -303,3 +305,131 @@ def test_stage_3_gathers_each_unit_one_ahead_and_again_for_the_backward():
              for s in (2, 3) for x in [split_step(net.graph, BATCH, SplitSpec(data=4, shard=s),
                                                   opt)]}
     assert peaks[3] < peaks[2]
+
+
+def _alive_at_once(g, device: int) -> int:
+    """The most gathered unit elements alive at once on `device`: each unit's all-gather
+    output lives until the last reader of the parameters cut out of it."""
+    order = [n.name for n in g.nodes]
+    pos = {name: k for k, name in enumerate(order)}
+    readers: dict[str, list[str]] = {}
+    for n in g.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n.name)
+    spans = []
+    for n in g.nodes:
+        if n.op == "all_gather" and n.device == device and n.name.startswith("unit"):
+            last, todo = pos[n.name], [n.name]
+            while todo:  # through the slices and reshapes that cut the parameters out
+                for r in readers.get(todo.pop(), ()):
+                    last = max(last, pos[r])
+                    if g[r].op in ("slice", "reshape"):
+                        todo.append(r)
+            spans.append((pos[n.name], last, n.type.numel()))
+    return max(sum(s for a, z, s in spans if a <= k <= z) for k, _, _ in spans)
+
+
+def test_shard_unit_makes_each_block_instance_one_unit():
+    """`@shard_unit` on a statement in a `repeat` makes each copy's parameters one unit
+    (a whole decoder layer gathered by one all-gather), the float64 gate passes with
+    those units at 2 and 4 replicas, and the gathered elements alive at once follow the
+    unit: at least a whole layer and at most two units with `@shard_unit`, less than one
+    layer with the default per-layer units (gpt-tiny, the same network unannotated)."""
+    units_net, tiny = api.load(ROOT / "tests" / "nets" / "gpt-units.net"), \
+        api.load(ROOT / "examples" / "gpt-tiny.net")
+    layer = sum(p.type.numel() for p in tiny.graph.params() if ".decoder_layer." in p.name
+                and ".decoder_layer[" not in p.name)
+    assert layer == 49_984
+    opt = units_net.train.optimizer.model_dump()
+    data = make_dataset(units_net.graph, units_net.train.data, 0)
+    feeds = dict(zip(data.input_names, Loader(data.train, BATCH, 0).next(), strict=True))
+    for devices in (2, 4):
+        spec = SplitSpec(data=devices, shard=3)
+        g = split_step(units_net.graph, BATCH, spec, opt)
+        r = verify_split(units_net.graph, BATCH, spec, opt, feeds, split=g)
+        assert r.ok, (r.worst, r.loss_rel, r.grad_rel, r.state_rel, r.first_divergence)
+    sizes = {p.name: p.type.numel() for p in units_net.graph.params()}
+    units = [sum(sizes[k] for k in u["params"]) for u in g.meta["zero"]["buckets"]]
+    assert units.count(layer) == 2 and len(units) == 6  # + embedding, table, norm, head
+    annotated = _alive_at_once(g, 0)
+    assert layer <= annotated <= 2 * max(units)
+    g = split_step(tiny.graph, BATCH, SplitSpec(data=4, shard=3), tiny.train.optimizer
+                   .model_dump())
+    assert len(g.meta["zero"]["buckets"]) > 6 and _alive_at_once(g, 0) < layer
+
+
+def test_auto_weighs_shards_against_planning_on_time_where_the_state_is_the_peak():
+    """Where the replicated data split's state is most of its peak (gpt-tiny with AdamW,
+    not resnet20 with SGD: `state_bound`), a shard stage that fits as it is competes with
+    the planned splits on predicted step time, and auto takes the fastest exact split
+    that fits, saying whether sharding won and against what (resnet20 keeps planning the
+    data split first: test_auto_shards_the_data_split_only_where_it_does_not_fit)."""
+    from netdsl.parallel.candidates import state_bound
+    from netdsl.parallel.choose import choose
+    tiny, r20 = api.load(ROOT / "examples" / "gpt-tiny.net"), api.load(NETS["resnet20"])
+
+    def chosen(net, **extra):
+        return choose(net.graph, batch=16, strategy="auto", devices=4, profile=CPU, link=SHM,
+                      optimizer=net.train.optimizer.model_dump(), jobs=1, **extra)
+    plain = {n: next(c for c in chosen(net).considered if c.spec.describe() == "data=4")
+             for n, net in (("tiny", tiny), ("r20", r20))}
+    assert state_bound(plain["tiny"]) and not state_bound(plain["r20"])
+    need = max(d.peak_bytes for d in plain["tiny"].report.per_device)
+    for mem in (need * 4 // 5, need * 3 // 4):
+        ch = chosen(tiny, mem=mem, plan=True)
+        fitting = [c for c in ch.considered if c.fits and c.exact]
+        assert ch.best.report.predicted_step_s == min(c.report.predicted_step_s
+                                                      for c in fitting)
+        assert ch.best.spec.shard and ch.reason.startswith(
+            f"auto sharded the replicas' state (ZeRO stage {ch.best.spec.shard}): data=4 "
+            f"needs ")
+        assert "s a step, it beats " in ch.reason
+    # unplanned, with room for stage 3 only: the pipeline is faster, and auto says so
+    ch = chosen(tiny, mem=need * 3 // 4)
+    assert ch.best.spec.pipeline > 1 and not ch.best.spec.shard
+    assert ch.reason.startswith(f"sharded data parallelism does not beat "
+                                f"{ch.best.spec.describe()}: the fastest shard stage "
+                                f"that fits, data=4, shard=3 (")
+
+
+def test_offload_state_streams_each_devices_pieces_from_its_host():
+    """ZeRO-Offload (`--offload-state` with `--shard` over `--devices`): under a budget no
+    plan of the sharded split fits with its optimizer state on the devices, each device's
+    state pieces live in its host's memory, copied in before their update and written
+    back after it; the planned step passes the float64 gate against one device. The
+    option takes --shard (a split without it, or over MPI, is refused)."""
+    from netdsl.parallel.choose import choose
+    net, opt, feeds = setup("transformer")
+    kw = dict(batch=BATCH, strategy="data", devices=2, optimizer=opt, shard=1, jobs=1,
+              profile=get_profile("k40-12gb"), link=SHM, mem=4_000_000, plan=True,
+              float_dtype="f64")
+    with pytest.raises(SplitError, match="no split onto 2 device"):
+        choose(net.graph, **kw)
+    best = choose(net.graph, **kw, offload_state=True).best
+    g = best.graph
+    hosted = [n for n in g.nodes if n.op == "buffer" and n.meta.get("space") == "host"
+              and n.attrs.get("role") == "optimizer_state"]
+    back = [n for n in g.nodes if n.op == "to_host_into"]
+    assert {n.device for n in hosted} == {0, 1} and len(back) == len(hosted)
+    assert all(Shard.of(n).axis == FLAT for n in hosted)  # (the replicas' pieces)
+    r = verify_split(net.graph, BATCH, best.spec, opt, feeds, split=g)
+    assert r.ok, (r.worst, r.loss_rel, r.grad_rel, r.state_rel, r.first_divergence)
+    # a step counter read by its increment alone (the fused step) is not streamed: the
+    # search once offloaded it with no copy in, and its cost model failed on the read
+    one = split_step(net.graph, BATCH, SplitSpec(), opt)
+    _, res = plan_split(one, 2_265_858, get_profile("k40-12gb"), "f64", offload_state=True)
+    assert res.state_offloaded > 0 and res.decisions.get("optimizer.step") is None
+    args = ["split", str(NETS["transformer"]), "--devices", "2", "--shard", "1", "--batch",
+            "8", "--mem", "2.2MB", "--profile", "k40-12gb", "--jobs", "1", "--json"]
+    assert runner.invoke(app, args).exit_code == 3  # (no plan fits with the state held)
+    out = runner.invoke(app, [*args, "--offload-state"])
+    assert out.exit_code == 0, out.output
+    j = json.loads(out.output)
+    assert j["spec"] == "data=2, shard=1" and all(
+        d["peak_bytes"] <= 2_200_000 and d["offload"] > 0
+        for d in j["memory_plan"]["per_device"].values())
+    assert conflicts(RunOptions(devices=2, shard=1, mem="4MB", offload_state=True)) == []
+    for opts in (RunOptions(devices=2, mem="4MB", offload_state=True),
+                 RunOptions(distributed=True, shard=1, mem="4MB", offload_state=True)):
+        with pytest.raises(NetdslError, match="but for a sharded data split"):
+            conflicts(opts)

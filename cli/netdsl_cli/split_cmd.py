@@ -32,6 +32,7 @@ from netdsl_cli.options import (
     JobsOpt,
     MemOpt,
     MicrobatchesOpt,
+    OffloadStateOpt,
     PrecisionOpt,
     ProfileOpt,
     ScheduleOpt,
@@ -50,6 +51,7 @@ def split(
     batch: BatchOpt = DEFAULTS.batch,
     microbatches: MicrobatchesOpt = DEFAULTS.microbatches,
     mem: MemOpt = DEFAULTS.mem,
+    offload_state: OffloadStateOpt = DEFAULTS.offload_state,
     profile: ProfileOpt = DEFAULTS.profile,
     backend: BackendOpt = DEFAULTS.backend,
     interconnect: InterconnectOpt = DEFAULTS.interconnect,
@@ -81,7 +83,7 @@ def split(
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
                   schedule=schedule, mpi=mpi, jobs=jobs, backend=backend,
-                  precision=precision, shard=shard)
+                  precision=precision, shard=shard, offload_state=offload_state)
         with fraction_bar("split", json_output) as progress:
             res = split_api(net, progress=progress, **kw)
         keep_to_exit(res)

@@ -1,8 +1,11 @@
 """Annotations: which exist, what arguments they take, and where they may appear.
 
 Memory hints (@recompute, @offload, @keep) and placement (@stage(k), @device(k),
-@shard(dim, ways), @replicate) are carried into node annotations; later passes give them
-meaning. Here they are only validated.
+@shard(dim, ways), @replicate, @shard_unit) are carried into node annotations; later
+passes give them meaning. Here they are only validated. `@shard_unit` (on a statement or
+a block) makes each evaluation of what it annotates one unit of ZeRO stage 3's parameter
+gathers; its value is that evaluation's number, so each block instance (each copy of a
+`repeat`) is a unit of its own, and the innermost annotation wins.
 """
 from __future__ import annotations
 
@@ -45,9 +48,13 @@ def check_annotations(anns, el, where: str, frame=None) -> dict:
                 raise el.error(f"@shard takes a dimension ({', '.join(SHARD_DIMS)}) and a "
                                "positive number of ways, e.g. @shard(channels, 2)", a.loc)
             out[a.name] = (vals[0], vals[1])
+        elif a.name == "shard_unit":
+            if vals:
+                raise el.error("@shard_unit takes no arguments", a.loc)
+            out[a.name] = el.new_shard_unit()
         else:
             known = ", ".join("@" + k for k in MEMORY_HINTS + ("stage", "device", "shard",
-                                                                  "replicate"))
+                                                                  "replicate", "shard_unit"))
             raise el.error(f"unknown annotation @{a.name} (known: {known})", a.loc)
     hints = [h for h in MEMORY_HINTS if h in out]
     if len(hints) > 1:

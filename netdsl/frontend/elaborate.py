@@ -61,6 +61,7 @@ class Elaborator(Expressions, ArgumentBinding):
         self.counters: list[dict[str, int]] = [{}]
         self.anns: list[dict] = [{}]
         self.parallel: dict = {}
+        self.shard_units = 0
         self.builtins = builtins(self)
         registry.load_all()
 
@@ -71,6 +72,11 @@ class Elaborator(Expressions, ArgumentBinding):
             self._seen_diags.add(key)
             self.diags.append(Diagnostic(message, loc, tuple(self.stack), list(notes)))
         return Fail()
+
+    def new_shard_unit(self) -> int:
+        """The number of one evaluation of a `@shard_unit` (frontend/annotations.py)."""
+        self.shard_units += 1
+        return self.shard_units
 
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:

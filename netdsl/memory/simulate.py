@@ -141,12 +141,20 @@ def prepare(g: Graph, roles: tuple[str, ...] = ROLES, float_dtype: str = "f32",
             read_bwd.update(ins)
     cands = [k for k in range(len(names)) if v.phase[k] == FWD and k in read_bwd
              and k not in wanted and v.bytes[k] > 0 and k not in summary]
-    opt_state = [k for k in range(len(names)) if v.phase[k] == STATE and k in read_bwd
-                 and order[k].attrs.get("role") == "optimizer_state"]
     first_late, first_bwd, late_node = _backward_marks(order, v.phase, v.inputs)
     early, updates, written, root = _optimizer_order(g, order, v.inputs, ops)
     if not eager_updates:
         early, updates = [], []
+    readers: dict[int, list[int]] = {}
+    for k, ins in enumerate(v.inputs):
+        for i in ins:
+            readers.setdefault(i, []).append(k)
+    # only state its one update reads is streamed through it (rule 5 of
+    # `strategies.apply_decisions`): a step counter, read by its increment (and by every
+    # update, unfused), stays on the device
+    streamable = {k for u in updates for k in v.inputs[u] if readers[k] == [u]}
+    opt_state = [k for k in range(len(names)) if v.phase[k] == STATE and k in read_bwd
+                 and order[k].attrs.get("role") == "optimizer_state" and k in streamable]
     held, held_end = _held(order, pos)
     return Prepared(g, names, pos, v.bytes, v.inputs, v.phase, wanted, v.state, v.workspace,
                     cands, v.ops, v.full, opt_state, first_late, first_bwd, early, late_node,
@@ -338,13 +346,13 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     if prep.updates:
         kind, pos = sa.eager(prep.arrays, kind, pos, renamed)
     if any(off[p] for p in prep.opt_state):
+        before = len(offloaded)
         seq = _stream_state(prep, list(zip(kind.tolist(), pos.tolist())), off, prefetch,
                             offloaded)
         kind = np.asarray([k for k, _ in seq], np.int8)
         pos = np.asarray([p for _, p in seq], np.int64)
-        for p in prep.opt_state:
-            if off[p]:
-                renamed[p] = 2  # the update reads the copy brought in for it
+        for p in offloaded[before:]:  # (state no update reads is not streamed)
+            renamed[p] = 2  # the update reads the copy brought in for it
     sim = _count(prep, kind, pos, sa.reads(prep.arrays, kind, pos, renamed, prep.held),
                  offloaded, cloned)
     if by_kind:

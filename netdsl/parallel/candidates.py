@@ -245,6 +245,15 @@ def shards_needless(specs: list[SplitSpec], found: dict) -> frozenset[int]:
                      if spec.shard and replace(spec, shard=0) in fits)
 
 
+def shards_compete(specs: list[SplitSpec], found: dict) -> bool:
+    """Whether a data split among `found` whose shard stages are in `specs` does not fit
+    and is `state_bound`: its shard stages then compete with it on time, planned or not
+    (`needless`), so they are built before planning, not held back."""
+    held = {replace(spec, shard=0) for spec in specs if spec.shard}
+    return any(not isinstance(c, str) and c.spec in held and not c.fits and state_bound(c)
+               for c in found.values())
+
+
 def rounds(families: list[list[int]], found: dict, planning: bool = False,
            inexact: frozenset[int] = frozenset(), deferred: bool = False,
            held: frozenset[int] = frozenset()) -> tuple[set[int], list[int], Choice | None]:
@@ -321,29 +330,73 @@ def past_its_best(found: dict, last_two: list[int], best: Choice | None) -> bool
 
 def needless(c: Choice, choices, planning: bool = False) -> bool:
     """Whether `c` shards a data split's state where a lower stage of it (among `choices`,
-    Choices or strings) fits each device, or (`planning`: with --mem) might fit once
-    planned (it is not planned yet): auto shards only where the replicated state is what
-    stops the data split fitting, which recomputing and offloading activations cannot
-    change (sharding divides the state, and adds the pieces and gathered buckets to the
-    step)."""
+    Choices or strings) fits each device as it is, or (`planning`: with --mem) fits or
+    might fit once planned (it is not planned yet): auto shards only where the replicated
+    state is what stops the data split fitting, which recomputing and offloading
+    activations cannot change (sharding divides the state, and adds the pieces and
+    gathered buckets to the step). Where that state is most of the replicated split's
+    peak (`state_bound`), only a lower stage that fits as it is makes `c` needless: the
+    rest, planned or not, compare on their predicted step times (`rank`)."""
     if not c.spec.shard:
         return False
-    lower = {replace(c.spec, shard=s) for s in range(c.spec.shard)}
-    return any(not isinstance(o, str) and o.spec in lower
-               and (o.fits or (planning and o.memory is None)) for o in choices)
+    lower = [o for o in choices if not isinstance(o, str)
+             and o.spec in {replace(c.spec, shard=s) for s in range(c.spec.shard)}]
+    if any(o.fits and o.memory is None for o in lower):
+        return True
+    plain = next((o for o in lower if not o.spec.shard), None)
+    if plain is not None and state_bound(plain):
+        return False
+    return any(o.fits or (planning and o.memory is None) for o in lower)
 
 
-def shard_reason(best: Choice, considered: list[Choice], cap: int) -> str | None:
-    """Why auto sharded the data split it chose: what the replicated one needs."""
+def state_bound(plain: Choice) -> bool:
+    """Whether the replicated data split's state is most of its peak: on its fullest
+    device, its weights (counted twice: once more for their gradients) and optimizer state
+    are more than half of what it needs, unplanned. Sharding is then the remedy for what
+    stops it fitting, and planning the activations only another."""
+    d = max(plain.report.per_device, key=lambda d: d.peak_bytes)
+    peak = plain.unplanned_peak_bytes or d.peak_bytes  # (planned: the peak it had before)
+    return 2 * (2 * d.state_bytes - d.optimizer_state_bytes) > peak
+
+
+def shard_reason(best: Choice, considered: list[Choice], cap: int,
+                 planning: bool = False) -> str | None:
+    """Whether sharded data parallelism beats the other choices, where auto weighed it
+    (a shard stage that was not `needless`): why it sharded the data split it chose
+    (what the replicated one needs) and against what it won, or what the fastest shard
+    stage that fits lost to (`planning`: with --mem)."""
+    sharded = [c for c in considered if c.spec.shard and c.fits
+               and c.ranks_exact == best.ranks_exact and not needless(c, considered, planning)]
     if not best.spec.shard:
-        return None
+        if not sharded:
+            return None
+        c = min(sharded, key=rank)
+        return (f"sharded data parallelism does not beat {best.spec.describe()}: the "
+                f"fastest shard stage that fits, {_timed(c)}, is slower than its "
+                f"{best.report.predicted_step_s:.4g} s")
     plain = next((c for c in considered if c.spec == replace(best.spec, shard=0)), None)
     if plain is None:
         return None
     need = max(d.peak_bytes + d.outside_plan_bytes for d in plain.report.per_device)
+    others = [c for c in considered if not c.spec.shard and c.fits
+              and c.ranks_exact == best.ranks_exact]
+    if others:
+        versus = (f"; predicted {best.report.predicted_step_s:.4g} s a step, it beats "
+                  f"{_timed(min(others, key=rank))}")
+    else:
+        versus = "; no split that does not shard fits"
+    if planning and not plain.fits and plain.memory is None:
+        versus += (f", and {plain.spec.describe()} planned would take at least its "
+                   f"unplanned {plain.report.predicted_step_s:.4g} s")
     return (f"auto sharded the replicas' state (ZeRO stage {best.spec.shard}): "
             f"{plain.spec.describe()} needs {format_bytes(need)} ({need:,} bytes) on a "
-            f"device, more than its {format_bytes(cap)} ({cap:,} bytes)")
+            f"device, more than its {format_bytes(cap)} ({cap:,} bytes){versus}")
+
+
+def _timed(c: Choice) -> str:
+    """A candidate and its predicted step, for `shard_reason`."""
+    how = ", planned" if c.memory is not None else ""
+    return f"{c.spec.describe()}{how} ({c.report.predicted_step_s:.4g} s)"
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

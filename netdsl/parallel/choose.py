@@ -47,6 +47,7 @@ from netdsl.parallel.candidates import (
     prefers_exact,
     rounds,
     shard_reason,
+    shards_compete,
     shards_needless,
     work_of,
 )
@@ -149,6 +150,7 @@ class Request:
     over_mpi: bool = False
     precision: str = "f32"
     shard: int | None = None
+    offload_state: bool = False  # plans may stream optimizer state from the hosts
 
     @property
     def prefer_exact(self) -> bool:
@@ -170,17 +172,20 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
            share: Share | None = None, jobs: int | None = None,
-           precision: str = "f32", shard: int | None = None) -> Chosen:
+           precision: str = "f32", shard: int | None = None,
+           offload_state: bool = False) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
     (`project.mark_over_mpi`: predicted and planned so); `share`: ranks that share the
     candidates out (`Share`; the choice and the chosen step are the ones each would have
     made alone); `jobs`: without `share`, the processes that share them so (this one and
-    jobs - 1 workers; None: `_jobs`' default); `precision`: the steps' mixed precision."""
+    jobs - 1 workers; None: `_jobs`' default); `precision`: the steps' mixed precision;
+    `offload_state`: plans may keep optimizer state in the hosts' memory."""
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
-                                  outputs, mem_strategy, over_mpi, precision, shard),
+                                  outputs, mem_strategy, over_mpi, precision, shard,
+                                  offload_state),
                           progress, share, jobs)
 
 
@@ -216,7 +221,8 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     held = held_back(specs) if request.plan else frozenset()
     deferred = bool(inexact)
     taken, found = run.predict(inexact, deferred, held)
-    if held and shards_needless(specs, found):  # (built for the table, as ever)
+    if held and (shards_needless(specs, found) or shards_compete(specs, found)):
+        # (built for the table, as ever; or to compete on time with the planned split)
         held = frozenset()
         taken, found = run.predict(inexact, deferred, held, found)
     if request.plan:
@@ -238,7 +244,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
-                  shard_reason(run.best, considered, run.cap))
+                  shard_reason(run.best, considered, run.cap, request.plan))
 
 
 def _considered(taken: set[int], found: dict[int, Choice | str]) -> list[Choice]:
@@ -420,7 +426,8 @@ class _Run:
             ours = wave[r] if r < len(wave) else None
             g, res, rep = (None, None, None) if ours is None else _plan(
                 ours.graph if ours.graph is not None else self.build(ours.spec), self.cap,
-                self.single_step, req.profile, req.link, req.float_dtype, req.mem_strategy)
+                self.single_step, req.profile, req.link, req.float_dtype, req.mem_strategy,
+                req.offload_state)
             plans = {} if ours is None else {r: (res, rep)}
             if self.share:
                 plans = self.share.merged(plans)
@@ -509,11 +516,12 @@ def _fits(rep: SplitReport, cap: int) -> bool:
 
 
 def _plan(g: Graph, cap: int, single_step: float, profile: Profile, link: Interconnect,
-          float_dtype: str, strategy: str = "auto") -> tuple:
+          float_dtype: str, strategy: str = "auto", offload_state: bool = False) -> tuple:
     """Candidate step `g` planned per device into `cap` bytes: (the planned step, the plan
     without its search state, the planned step's report), or (None, the plan, None)."""
     from netdsl.parallel.memplan import plan_split
-    planned, res = plan_split(g, cap, profile, float_dtype, strategy)
+    planned, res = plan_split(g, cap, profile, float_dtype, strategy,
+                              offload_state=offload_state)
     res = replace(res, prep=None, sim=None, baseline_sim=None, storage=None)  # (sent)
     if planned is None:
         return None, res, None

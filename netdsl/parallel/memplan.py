@@ -14,11 +14,15 @@ from netdsl.parallel.predict import _roles
 
 
 def plan_split(g: Graph, budget: int, profile: Profile, float_dtype: str = "f32",
-               strategy: str = "auto", progress=None) -> tuple[Graph | None, PlanResult]:
+               strategy: str = "auto", progress=None,
+               offload_state: bool = False) -> tuple[Graph | None, PlanResult]:
     """(the planned split step, the plan), or (None, the plan) when no plan fits every
-    device into `budget` bytes (`plan.worst_device` names the one that does not)."""
+    device into `budget` bytes (`plan.worst_device` names the one that does not).
+    `offload_state`: each device's optimizer state (a sharded data split: its pieces')
+    may live in its host's memory, streamed in for its update and out after it."""
     planned, res = plan_and_apply(g, budget, profile, strategy, float_dtype,
-                                  roles=_roles(g), progress=progress)
+                                  roles=_roles(g), progress=progress,
+                                  offload_state=offload_state)
     if planned is not None:
         planned.meta["split"] = dict(g.meta.get("split", {}))
     return planned, res

@@ -4,15 +4,17 @@ Two rewrites of the data split's step:
 
 - `shard_parameters` (on the split forward graph, before autodiff): the parameters are
   taken a *unit* at a time (a layer: the parameters its forward node reads, in the order
-  the forward pass reads them). Replica j keeps range j of each unit's parameters
-  flattened and joined (`even_parts` of its length): a piece of each parameter there, a
-  `param` node of its own (`meta["shard"]`, axis `placement.FLAT`). Just before a unit's
-  layer runs (one unit ahead: the gather of unit u + 1 is issued before unit u's layer,
-  FSDP's forward prefetch) every replica joins its pieces, an all-gather makes the whole
-  unit, and each parameter is cut out of it in its shape; the layers read those. Autodiff
-  then turns the all-gather into a reduce-scatter of the unit's gradients (its
-  transpose), so each replica gets the summed gradient of its pieces right after the
-  unit's backward, and the optimizer updates the pieces: state 1/N, no all-gather after.
+  the forward pass reads them; or, where the file says `@shard_unit`, every parameter
+  made in one evaluation of the annotated statement or block: a block instance). Replica
+  j keeps range j of each unit's parameters flattened and joined (`even_parts` of its
+  length): a piece of each parameter there, a `param` node of its own (`meta["shard"]`,
+  axis `placement.FLAT`). Just before a unit's layer runs (one unit ahead: the gather of
+  unit u + 1 is issued before unit u's layer, FSDP's forward prefetch) every replica
+  joins its pieces, an all-gather makes the whole unit, and each parameter is cut out of
+  it in its shape; the layers read those. Autodiff then turns the all-gather into a
+  reduce-scatter of the unit's gradients (its transpose), so each replica gets the
+  summed gradient of its pieces right after the unit's backward, and the optimizer
+  updates the pieces: state 1/N, no all-gather after.
 - `gather_for_backward` (after autodiff): the backward pass does not read the forward's
   gathered parameters (which would keep every unit whole through the step); each unit is
   gathered again before its backward (one unit ahead, as FSDP's backward prefetch), so a
@@ -50,7 +52,7 @@ def shard_parameters(g: Graph) -> Graph:
             raise SplitError(f"shard=3 shards parameters over data replicas; "
                              f"%{ps[0].name} is not replicated")
         at = min(pos[r] for p in ps for r in readers.get(p.name, ()))
-        unit = g.nodes[min(pos[r] for r in readers.get(ps[0].name, ()))].name
+        unit = _unit(ps[0], g.nodes[min(pos[r] for r in readers.get(ps[0].name, ()))])
         units.setdefault(unit, []).append(key)
         first[unit] = min(first.get(unit, at), at)
     order = sorted(units, key=lambda u: first[u])
@@ -74,6 +76,13 @@ def shard_parameters(g: Graph) -> Graph:
     g.nodes = pieces + g.nodes  # (sources first, as every graph has them)
     g.meta["zero"] = {"stage": 3, "buckets": layout}
     return g
+
+
+def _unit(param: Node, reader: Node) -> str:
+    """The unit a parameter belongs to: its `@shard_unit` instance, else its first
+    reader's layer."""
+    k = param.annotations.get("shard_unit")
+    return reader.name if k is None else f"@shard_unit({k})"
 
 
 @register_pass("gather_for_backward")

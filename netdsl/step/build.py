@@ -208,7 +208,7 @@ def _split(step: Step, world: World | None, say, progress) -> None:
                     mem_strategy=req.strategy, float_dtype=req.dtype,
                     outputs={"logits": [labels[0]]} if labels else None,
                     over_mpi=req.over_mpi, share=share, jobs=req.jobs, progress=progress,
-                    precision=req.precision)
+                    precision=req.precision, offload_state=req.offload_state)
     best = chosen.best
     if chosen.note:
         step.warnings.append(chosen.note)

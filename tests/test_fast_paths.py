@@ -206,12 +206,11 @@ def test_auto_without_outclassed_candidates_chooses_as_with_them(monkeypatch, na
                          ids=["exact-fits-planned", "no-exact-fits"])
 def test_auto_plans_the_exact_splits_before_building_inexact_ones(monkeypatch, mem,
                                                                  planned_exact):
-    """Under --mem the exact candidates are built and planned before any big inexact one
-    or shard stage (`candidates.held_back`): where the data split fits only once planned
-    (1.1 MB a device), the inexact ones and its shard stages are left out and listed as
-    skipped; where no exact split fits (1.0 MB), they are built and planned after, and
-    every candidate's figures are those of building all of them at once. The choice is
-    the same either way, and no candidate is planned twice."""
+    """Under --mem the exact candidates are built and planned before any big inexact one:
+    where an exact split fits only once planned (1.1 MB a device), the inexact ones are
+    left out and listed as skipped; where none does (1.0 MB), they are built and planned
+    after, and every candidate's figures are those of building all of them at once. The
+    choice is the same either way, and no candidate is planned twice."""
     from netdsl.memory.profiles import get_profile
     from netdsl.parallel import candidates as cand
     from netdsl.parallel import choose as choose_mod
@@ -228,7 +227,6 @@ def test_auto_plans_the_exact_splits_before_building_inexact_ones(monkeypatch, m
     fast = choose(net.graph, **kw)
     fast_plans = list(plans)
     monkeypatch.setattr(cand, "outclassed", lambda *a: False)
-    monkeypatch.setattr(choose_mod, "held_back", lambda *a: frozenset())
     whole = choose(net.graph, **kw)
     assert _choice_figures(fast) == _choice_figures(whole)
     assert fast.best.exact == planned_exact and fast.best.memory is not None
@@ -236,11 +234,9 @@ def test_auto_plans_the_exact_splits_before_building_inexact_ones(monkeypatch, m
     figures = {c.spec: (c.report.to_json(), c.fits) for c in whole.considered}
     assert all(figures[c.spec] == (c.report.to_json(), c.fits) for c in fast.considered)
     left_out = set(figures) - {c.spec for c in fast.considered}
-    if planned_exact:  # the inexact candidates, and the shard stages of the data split
+    if planned_exact:
         assert left_out and left_out <= set(fast.skipped)
-        assert not any(c.exact and not c.spec.shard for c in whole.considered
-                       if c.spec in left_out)
-        assert {c.spec.shard for c in whole.considered if c.spec in left_out} > {0}
+        assert not any(c.exact for c in whole.considered if c.spec in left_out)
     else:
         assert not left_out and fast.skipped == whole.skipped
 

@@ -27,8 +27,8 @@ rows alone, computes other numbers. Where `prefer_exact` (auto, with neither
 every inexact one (`rank`), so an inexact split is chosen only where no exact one fits,
 planned or not. Once one fits, the rounds build no big inexact candidate (`outclassed`:
 none could win, whatever its time; `choose.OUTCLASSED_MIN_WORK`) and list it as skipped;
-`choose` builds and plans the exact candidates before any big inexact one or shard stage
-(`held_back`), so that one fitting only planned leaves them out too.
+`choose` builds and plans the exact candidates before any big inexact one (`deferred`), so
+that one fitting only planned leaves them out too.
 
 The functions read the candidates' figures (`Choice`, or a string saying why one
 cannot be made) by their place in the list of specs; building and predicting them is
@@ -224,49 +224,24 @@ def outclassed(k: int, inexact: frozenset[int], best: Choice | None,
                deferred: bool = False) -> bool:
     """Whether candidate `k` cannot win before it is built: it ranks with the inexact
     splits (`inexact`: the places of those left out so) and `best`, which fits, with the
-    exact ones; `deferred`: none of them is built yet, whatever the best (`choose` builds
-    and plans the exact candidates first)."""
+    exact ones; `deferred`: not built yet whatever the best, while the exact candidates
+    are built and planned first (`choose`)."""
     return k in inexact and (deferred or (best is not None and best.ranks_exact))
 
 
-def held_back(specs: list[SplitSpec]) -> frozenset[int]:
-    """The candidates `choose` (with --mem) builds only once the others are built and
-    planned, where the data split does not fit unplanned: the shard stages of a data split
-    among `specs`, `needless` where it fits planned."""
-    return frozenset(k for k, spec in enumerate(specs)
-                     if spec.shard and replace(spec, shard=0) in specs)
-
-
-def shards_needless(specs: list[SplitSpec], found: dict) -> frozenset[int]:
-    """The shard stages whose plain data split fits (planned, where it was), known
-    `needless` before they are built."""
-    fits = {c.spec for c in found.values() if not isinstance(c, str) and c.fits}
-    return frozenset(k for k, spec in enumerate(specs)
-                     if spec.shard and replace(spec, shard=0) in fits)
-
-
-def shards_compete(specs: list[SplitSpec], found: dict) -> bool:
-    """Whether a data split among `found` whose shard stages are in `specs` does not fit
-    and is `state_bound`: its shard stages then compete with it on time, planned or not
-    (`needless`), so they are built before planning, not held back."""
-    held = {replace(spec, shard=0) for spec in specs if spec.shard}
-    return any(not isinstance(c, str) and c.spec in held and not c.fits and state_bound(c)
-               for c in found.values())
-
-
 def rounds(families: list[list[int]], found: dict, planning: bool = False,
-           inexact: frozenset[int] = frozenset(), deferred: bool = False,
-           held: frozenset[int] = frozenset()) -> tuple[set[int], list[int], Choice | None]:
+           inexact: frozenset[int] = frozenset(),
+           deferred: bool = False) -> tuple[set[int], list[int], Choice | None]:
     """One process's way through the candidates, on the figures `found` so far: each
     round every family's next candidate (its first, then more micro-batches while
     `past_its_best` does not stop it and it is not `outclassed`: `inexact` are the places
     of the candidates that rank with the inexact splits, which in a family are its counts
     from the first of them on; `deferred`: none of them yet), the best (the fastest that
-    fits, visited in spec order) after each, leaving out those `held` (`held_back`).
-    Returns (the candidates taken so far, the next round's candidates that have no
-    figures yet, [] when it is done, and the best so far)."""
+    fits, visited in spec order) after each. Returns (the candidates taken so far, the
+    next round's candidates that have no figures yet, [] when it is done, and the best
+    so far)."""
     depth = [0] * len(families)
-    going = [f for f, fam in enumerate(families) if fam[0] not in held]
+    going = list(range(len(families)))
     taken: set[int] = set()
     best = None
     while going:
@@ -284,23 +259,22 @@ def rounds(families: list[list[int]], found: dict, planning: bool = False,
             fam = families[f]
             if depth[f] < len(fam) and not past_its_best(
                     found, [fam[depth[f] - 1], fam[depth[f] - 2]] if depth[f] > 1 else [],
-                    best) and not outclassed(fam[depth[f]], inexact, best, deferred) \
-                    and fam[depth[f]] not in held:
+                    best) and not outclassed(fam[depth[f]], inexact, best, deferred):
                 going.append(f)
     return taken, [], best
 
 
 def ahead(families: list[list[int]], found: dict, now: list[int], work: list[float],
           width: int, inexact: frozenset[int] = frozenset(),
-          held: frozenset[int] = frozenset()) -> list[int]:
+          deferred: bool = False) -> list[int]:
     """The counts `width` ranks build ahead of round `now`: each of its families' next
     count, all of a family's where they cost less than the rest of the round (they run
     beside it rather than after it), more where ranks would be idle. Where the round has
-    an exact candidate, none of the `inexact` ones (likely `outclassed` once it fits);
-    none `held` (`rounds`)."""
+    an exact candidate, or they are `deferred` (`rounds`), none of the `inexact` ones
+    (likely `outclassed` once it fits)."""
     total = sum(work[k] for k in now)
     out, rests = [], []
-    hold = held | (inexact if any(k not in inexact for k in now) else frozenset())
+    hold = inexact if deferred or any(k not in inexact for k in now) else frozenset()
     for fam in (fam for fam in families if any(k in now for k in fam)):
         rest = [k for k in fam if k not in found and k not in now and k not in hold]
         if sum(work[k] for k in rest) <= total - sum(work[k] for k in fam if k in now):

@@ -40,15 +40,12 @@ from netdsl.parallel.candidates import (
     exact,
     families,
     has_batch_statistics,
-    held_back,
     inexact_note,
     needless,
     planning_order,
     prefers_exact,
     rounds,
     shard_reason,
-    shards_compete,
-    shards_needless,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -215,24 +212,13 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     """This process's part of the choice among `specs`, with the ranks of `share`."""
     run = _Run.start(request, specs, _agreed(share, specs), progress)
     inexact = run.ranked_inexact()
-    # where the data split does not fit unplanned, its shard stages are built only once it
-    # is planned and does not fit (`candidates.needless`); a big inexact candidate only
-    # where no exact split fits, planned or not (`candidates.outclassed`)
-    held = held_back(specs) if request.plan else frozenset()
-    deferred = bool(inexact)
-    taken, found = run.predict(inexact, deferred, held)
-    if held and (shards_needless(specs, found) or shards_compete(specs, found)):
-        # (built for the table, as ever; or to compete on time with the planned split)
-        held = frozenset()
-        taken, found = run.predict(inexact, deferred, held, found)
+    # the exact candidates built (and planned) first: where one fits, no big inexact one
+    # could win, and none is built (`candidates.outclassed`)
+    taken, found = run.predict(inexact, deferred=bool(inexact))
     if request.plan:
-        run.plan_unfitting(_considered(taken, found), exact_only=deferred)
-    if held and not shards_needless(specs, found):
-        held = frozenset()
-        taken, found = run.predict(inexact, deferred, held, found)
-        run.plan_unfitting(_considered(taken, found), exact_only=deferred)
-    if (deferred or held) and not (run.best is not None and run.best.ranks_exact):
-        taken, found = run.predict(inexact, False, frozenset(), found)
+        run.plan_unfitting(_considered(taken, found), exact_only=bool(inexact))
+    if inexact and not (run.best is not None and run.best.ranks_exact):
+        taken, found = run.predict(inexact, found=found)
         if request.plan:
             run.plan_unfitting(_considered(taken, found))
     considered = _considered(taken, found)
@@ -351,30 +337,26 @@ class _Run:
             c.graph = None
 
     def predict(self, inexact: frozenset[int], deferred: bool = False,
-                held: frozenset[int] = frozenset(),
                 found: dict[int, Choice | str] | None = None,
                 ) -> tuple[set[int], dict[int, Choice | str]]:
         """Every rank's figures, round by round as `candidates.rounds` goes through them
-        (`inexact`: `ranked_inexact`, `deferred`: none of them built; `held`: candidates
-        not built; `found`: the figures so far); several ranks also build the next count
-        of each of a round's families ahead (`candidates.ahead`: figures that `rounds`
-        drops where it stops before them, so the choice, the figures and the skipped counts
-        are those of one process).
+        (`inexact`: `ranked_inexact`; `deferred`: none of them built; `found`: the figures
+        so far); several ranks also build the next count of each of a round's families
+        ahead (`candidates.ahead`: figures that `rounds` drops where it stops before them,
+        so the choice, the figures and the skipped counts are those of one process).
         Between rounds the best is the best by `rounds`. Returns (the candidates taken,
         the figures by the candidates' places)."""
         work = [work_of(spec) for spec in self.specs]
         fams = families(self.specs)
         found = {} if found is None else found
         while True:
-            taken, now, self.best = rounds(fams, found, self.request.plan, inexact,
-                                           deferred, held)
+            taken, now, self.best = rounds(fams, found, self.request.plan, inexact, deferred)
             for spec in [x for x in self.local if self.best is None or x != self.best.spec]:
                 del self.local[spec]
             if not now:
                 return taken, found
             if self.width > 1:
-                now += ahead(fams, found, now, work, self.width, inexact,
-                             held | inexact if deferred else held)
+                now += ahead(fams, found, now, work, self.width, inexact, deferred)
             found.update(self._round(now, work, len(found)))
 
     def _round(self, now: list[int], work: list[float], done: int) -> dict[int, Choice | str]:

@@ -24,6 +24,10 @@ PARAMS = {
     "squeezenet1_1.net": 1_235_496,       # torchvision squeezenet1_1
     "unet-small.net": 482_466,            # the sum in the example's header
     "gpt-tiny.net": 110_400,              # 4,096 + 2,048 + 2 x 49,984 + 128 + 4,160
+    # 6,291,456 + 49,152 + 12 x 7,087,872 + 1,536 + 6,299,648
+    "gpt-100m.net": 97_696_256,
+    # 16,777,216 + 2,097,152 + 20 x 50,358,272 + 4,096 + 16,785,408
+    "gpt-1b.net": 1_042_829_312,
 }
 
 CONVS = {

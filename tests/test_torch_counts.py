@@ -210,6 +210,8 @@ CASES = [
     ("squeezenet1_1.net", squeezenet1_1),
     ("unet-small.net", UNetSmall),
     ("gpt-tiny.net", GptTiny),
+    ("gpt-100m.net", lambda: GptTiny(vocab=8192, t=64, d=768, heads=12, layers=12)),
+    ("gpt-1b.net", lambda: GptTiny(vocab=8192, t=1024, d=2048, heads=16, layers=20)),
 ]
 
 

@@ -358,6 +358,7 @@ def test_shard_unit_makes_each_block_instance_one_unit():
     assert len(g.meta["zero"]["buckets"]) > 6 and _alive_at_once(g, 0) < layer
 
 
+@pytest.mark.slow
 def test_auto_weighs_shards_against_planning_on_time_where_the_state_is_the_peak():
     """Where the replicated data split's state is most of its peak (gpt-tiny with AdamW,
     not resnet20 with SGD: `state_bound`), a shard stage that fits as it is competes with
@@ -392,6 +393,7 @@ def test_auto_weighs_shards_against_planning_on_time_where_the_state_is_the_peak
                                 f"that fits, data=4, shard=3 (")
 
 
+@pytest.mark.slow
 def test_offload_state_streams_each_devices_pieces_from_its_host():
     """ZeRO-Offload (`--offload-state` with `--shard` over `--devices`): under a budget no
     plan of the sharded split fits with its optimizer state on the devices, each device's

@@ -346,13 +346,13 @@ def simulate(prep: Prepared, decisions: dict[int, str] | None = None,
     if prep.updates:
         kind, pos = sa.eager(prep.arrays, kind, pos, renamed)
     if any(off[p] for p in prep.opt_state):
-        before = len(offloaded)
         seq = _stream_state(prep, list(zip(kind.tolist(), pos.tolist())), off, prefetch,
                             offloaded)
         kind = np.asarray([k for k, _ in seq], np.int8)
         pos = np.asarray([p for _, p in seq], np.int64)
-        for p in offloaded[before:]:  # (state no update reads is not streamed)
-            renamed[p] = 2  # the update reads the copy brought in for it
+        for p in prep.opt_state:
+            if off[p]:
+                renamed[p] = 2  # the update reads the copy brought in for it
     sim = _count(prep, kind, pos, sa.reads(prep.arrays, kind, pos, renamed, prep.held),
                  offloaded, cloned)
     if by_kind:

@@ -259,7 +259,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           verify: bool = False, seed: int = 0, progress=None,
           schedule: str | None = None, mpi: bool = False,
           jobs: int | None = None, backend: str = "numpy",
-          precision: str | None = None, shard: int | None = None) -> SplitResult:
+          precision: str | None = None, shard: int | None = None,
+          virtual_stages: int | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto), for a device
@@ -275,7 +276,7 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
                        split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
                        interconnect=interconnect, jobs=jobs, backend=backend,
-                       precision=precision, shard=shard)
+                       precision=precision, shard=shard, virtual_stages=virtual_stages)
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen

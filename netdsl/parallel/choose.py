@@ -45,6 +45,7 @@ from netdsl.parallel.candidates import (
     planning_order,
     prefers_exact,
     rounds,
+    schedule_reason,
     shard_reason,
     work_of,
 )
@@ -86,7 +87,8 @@ class Chosen:
     unavailable: list[str] = field(default_factory=list)
     # said first where auto chose a split that changes the numbers (none exact fits)
     note: str | None = None
-    # why auto sharded the data split it chose (`candidates.shard_reason`)
+    # why auto sharded the data split it chose (`candidates.shard_reason`), or ordered
+    # its pipeline so (`candidates.schedule_reason`)
     reason: str | None = None
 
 
@@ -147,6 +149,7 @@ class Request:
     over_mpi: bool = False
     precision: str = "f32"
     shard: int | None = None
+    virtual_stages: int | None = None
 
     @property
     def prefer_exact(self) -> bool:
@@ -158,7 +161,8 @@ class Request:
         """The candidates (`candidates.candidates`)."""
         return candidates(self.strategy, self.devices, self.batch, self.microbatches,
                           dict(self.fwd.parallel), self.bn, self.schedule,
-                          any(n.op == "conv2d" for n in self.fwd.nodes), self.shard)
+                          any(n.op == "conv2d" for n in self.fwd.nodes), self.shard,
+                          self.virtual_stages)
 
 
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
@@ -168,7 +172,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            plan: bool = False, outputs: dict[str, list[str]] | None = None,
            mem_strategy: str = "auto", over_mpi: bool = False,
            share: Share | None = None, jobs: int | None = None,
-           precision: str = "f32", shard: int | None = None) -> Chosen:
+           precision: str = "f32", shard: int | None = None,
+           virtual_stages: int | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
@@ -178,7 +183,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     jobs - 1 workers; None: `_jobs`' default); `precision`: the steps' mixed precision."""
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
-                                  outputs, mem_strategy, over_mpi, precision, shard),
+                                  outputs, mem_strategy, over_mpi, precision, shard,
+                                  virtual_stages),
                           progress, share, jobs)
 
 
@@ -219,7 +225,8 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
-                  shard_reason(run.best, considered, run.cap))
+                  shard_reason(run.best, considered, run.cap)
+                  or schedule_reason(run.best, considered))
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:

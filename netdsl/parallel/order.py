@@ -106,7 +106,7 @@ def mark_backward_parts(g: Graph) -> None:
         n.meta["backward_part"] = part[n.name]
 
 
-def _chunks(g: Graph, stages: int, readers: dict[str, list[str]]) -> dict[str, int]:
+def chunks_of(g: Graph, stages: int, readers: dict[str, list[str]]) -> dict[str, int]:
     """The model chunk of every placed node: its stage (device % stages) without virtual
     stages; with them a forward copy's `chunk`, a backward node's forward node's on the
     same device, else (a recv, a send, a gradient sum) the chunk of a reader on its
@@ -149,7 +149,7 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
     timed = stages > 1 and (schedule == "zb-h1" or virtual > 1)
     if timed:
         start = timeline(schedule, stages, micro, virtual).start
-        chunk = _chunks(g, stages, readers)
+        chunk = chunks_of(g, stages, readers)
     else:
         tasks = {s: _tasks(s, stages, micro, schedule) for s in range(stages)}
     inf = float("inf")
@@ -176,6 +176,10 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
             constant.add(n.name)
             key[n.name] = -1
     _sum_in_schedule_order(g, key, readers)
+    if timed:  # a send as soon as its value is made, not after the work of its time
+        for n in g.nodes:
+            if n.op == "send" and n.name not in key and n.inputs[0] in key:
+                key[n.name] = key[n.inputs[0]]
     for n in reversed(g.nodes):  # unkeyed nodes: their earliest reader's priority
         if n.name not in key:
             key[n.name] = min((key[r] for r in readers[n.name]), default=inf)

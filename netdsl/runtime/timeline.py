@@ -11,8 +11,8 @@ checked. Over MPI each rank runs its own nodes in the same order, so the replay 
 timeline of a run whose transfers take the time their copies took here.
 
 The bubble is measured over the pipeline's work, the forward and backward nodes (not the
-optimizer's updates after the flush, nor the results made whole on device 0 after it): 1 - busy / (devices x span),
-span from the first such node's start to the last one's end.
+optimizer's updates after the flush, nor the results made whole on device 0 after it):
+1 - busy / (devices x span), span from the first such node's start to the last one's end.
 """
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from test_split import setup
 from netdsl import api
 from netdsl.errors import NetdslError, SplitError
 from netdsl.options import StepOptions, conflicts
-from netdsl.parallel.candidates import candidates
 from netdsl.parallel.order import chunks_of
 from netdsl.parallel.schedules import formula_bubble, interleaved, one_f_one_b, timeline, zb_h1
 from netdsl.parallel.split import SplitSpec, split_step
@@ -191,11 +190,21 @@ def test_parallel_declaration_takes_virtual_stages_with_located_errors(tmp_path)
         api.load(bad)
 
 
-def test_auto_weighs_the_new_schedules_of_each_pipeline():
-    specs = candidates("auto", 2, 16, None, {}, "sync")
-    pipes = [s for s in specs if s.pipeline == 2 and s.microbatches == 4]
-    assert {(s.schedule, s.virtual_stages) for s in pipes} == {
-        ("1f1b", 1), ("zb-h1", 1), ("1f1b", 2)}
-    # a schedule asked for is kept
-    assert {s.schedule for s in candidates("auto", 2, 16, None, {}, "sync", "gpipe")
-            if s.pipeline > 1} == {"gpipe"}
+def test_auto_weighs_the_other_orders_of_the_pipeline_it_chose_and_says_why():
+    """Layers pinned to devices leave auto pipelines alone (interleaving refuses pins):
+    it weighs ZB-H1 against the 1F1B it chose, by the predicted step, and says so."""
+    from netdsl.memory.profiles import get_profile
+    from netdsl.parallel.choose import choose
+    from netdsl.parallel.predict import get_interconnect
+    net = api.load(CHAIN)
+    g = net.graph.copy()
+    for k, n in enumerate(n for n in g.nodes if n.op == "linear"):
+        n.annotations["device"] = k // 2
+    kw = dict(optimizer=net.train.optimizer.model_dump(), profile=get_profile("cpu"),
+              link=get_interconnect("shm"), jobs=1)
+    chosen = choose(g, 512, "auto", 4, **kw)
+    spec = chosen.best.spec
+    assert spec.pipeline == 4 and spec.schedule == "zb-h1", spec
+    assert re.search(r"ZB-H1 .* bubble \d+\.\d%; against 1F1B .* bubble", chosen.reason)
+    # an order asked for is kept
+    assert choose(g, 512, "auto", 4, schedule="1f1b", **kw).best.spec.schedule == "1f1b"

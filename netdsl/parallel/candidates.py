@@ -106,8 +106,7 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
     else the file's `parallel { schedule = ... }`, else GPipe's; `has_conv`: the network
     has 2-d convolutions, which a spatial split cuts; `shard`: the data replicas' state
     sharded so (--shard; None: the file's, else auto's choice); `virtual`: a pipeline's
-    virtual stages (--virtual-stages; None: the file's, else 1, or for auto also the
-    interleaved and ZB-H1 orders of each pipeline, `_schedules`))."""
+    virtual stages (--virtual-stages; None: the file's, else 1))."""
     v = virtual or declared.get("virtual_stages", 1)
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
@@ -162,21 +161,32 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
                              f"multiple of its stages, and auto has none on {devices} devices "
                              f"at batch {batch}; give --split pipeline with --microbatches")
         return specs
-    return specs if schedule or declared.get("schedule") else _schedules(specs)
+    return specs
 
 
-def _schedules(specs: list[SplitSpec]) -> list[SplitSpec]:
-    """Auto's pipelines also in ZB-H1 order and interleaved over 2 virtual stages (where
-    the micro-batches go in groups of the stages), each after its 1F1B order: the
-    predicted step, whose simulation runs each order, chooses among them."""
-    out = []
-    for s in specs:
-        out.append(s)
-        if s.pipeline > 1 and s.microbatches >= s.pipeline:
-            out.append(replace(s, schedule="zb-h1"))
-            if s.microbatches % s.pipeline == 0:
-                out.append(replace(s, virtual_stages=2))
+def other_orders(spec: SplitSpec, pinned: bool) -> list[SplitSpec]:
+    """The orders auto also weighs for the 1F1B pipeline it chose (`choose`): ZB-H1, and
+    1F1B interleaved over 2 virtual stages where the micro-batches go in groups of the
+    stages and no layer is `pinned` to a stage. Weighed for the chosen pipeline alone: a
+    new order changes its bubble, not which data x pipeline split wins by far."""
+    if spec.pipeline < 2 or spec.schedule != "1f1b" or spec.virtual_stages > 1 \
+            or spec.microbatches < spec.pipeline:
+        return []
+    out = [replace(spec, schedule="zb-h1")]
+    if spec.microbatches % spec.pipeline == 0 and not pinned:
+        out.append(replace(spec, virtual_stages=2))
     return out
+
+
+def weighs_orders(strategy: str | None, declared: dict, devices: int, schedule: str | None,
+                  virtual: int | None) -> bool:
+    """Whether auto weighs other orders for its pipeline: it chose the split (not the
+    file's `parallel { }`), and neither --schedule, --virtual-stages nor the file named
+    an order."""
+    declared_here = strategy is None and ParallelConfig(**declared).devices == devices > 1
+    return (strategy == "auto" or (strategy is None and not declared_here)) and \
+        schedule is None and virtual is None and declared.get("schedule") is None and \
+        declared.get("virtual_stages", 1) == 1
 
 
 def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: str,

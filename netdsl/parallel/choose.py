@@ -42,11 +42,13 @@ from netdsl.parallel.candidates import (
     has_batch_statistics,
     inexact_note,
     needless,
+    other_orders,
     planning_order,
     prefers_exact,
     rounds,
     schedule_reason,
     shard_reason,
+    weighs_orders,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -164,6 +166,14 @@ class Request:
                           any(n.op == "conv2d" for n in self.fwd.nodes), self.shard,
                           self.virtual_stages)
 
+    def orders(self, best: SplitSpec) -> list[SplitSpec]:
+        """The other orders auto weighs for the pipeline it chose (`other_orders`)."""
+        if not weighs_orders(self.strategy, dict(self.fwd.parallel), self.devices,
+                             self.schedule, self.virtual_stages):
+            return []
+        return other_orders(best, any("stage" in n.annotations or "device" in n.annotations
+                                      for n in self.fwd.nodes))
+
 
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
            profile: Profile, link: Interconnect, mem: int | None = None,
@@ -218,6 +228,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     errors = [c for k in sorted(taken) if isinstance(c := found[k], str)]
     if request.plan:
         run.plan_unfitting(considered)
+    orders = run.weigh_orders()
     run.fetch_chosen()
     if run.best is None:
         raise _no_fit(considered, errors, request.devices, run.cap)
@@ -226,7 +237,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
                   shard_reason(run.best, considered, run.cap)
-                  or schedule_reason(run.best, considered))
+                  or schedule_reason(run.best, considered + orders))
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:
@@ -403,6 +414,27 @@ class _Run:
                 if beats(c, self.best):
                     _take_plan(c, *plans[j], self.cap, g if j == r else None)
                     self.keep_if_best(c, considered)
+
+    def weigh_orders(self) -> list[Choice]:
+        """The other orders of the pipeline chosen (`Request.orders`: ZB-H1, interleaved),
+        each built and predicted here (every rank alike) and chosen where it fits and is
+        faster; a planned choice keeps its order (another would need a plan of its own)."""
+        best = self.best
+        if best is None or best.memory is not None:
+            return []
+        out = []
+        for spec in self.request.orders(best.spec):
+            try:
+                g = self.build(spec)
+            except SplitError:  # (a network too short for 2 chunks a stage)
+                continue
+            r = self.request
+            rep, _ = report(g, self.single_step, r.profile, r.link, r.float_dtype)
+            c = Choice(spec, g, rep, _fits(rep, self.cap), exact=best.exact,
+                       ranks_exact=best.ranks_exact)
+            out.append(c)
+            self.keep_if_best(c)
+        return out
 
     def fetch_chosen(self) -> None:
         """The chosen step's graph: from the rank that built it where only rank 0 needs

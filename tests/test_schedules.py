@@ -208,3 +208,22 @@ def test_auto_weighs_the_other_orders_of_the_pipeline_it_chose_and_says_why():
     assert re.search(r"ZB-H1 .* bubble \d+\.\d%; against 1F1B .* bubble", chosen.reason)
     # an order asked for is kept
     assert choose(g, 512, "auto", 4, schedule="1f1b", **kw).best.spec.schedule == "1f1b"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", [["--schedule", "zb-h1"],
+                                   ["--schedule", "1f1b", "--virtual-stages", "2"]],
+                         ids=["zb-h1", "interleaved"])
+def test_two_mpi_ranks_run_the_new_orders_as_one_process_does(tmp_path, order):
+    """Each rank runs its nodes in the schedule's order, its recvs blocking: no rank
+    waits on a message sent later, and the losses are one process's, bit for bit."""
+    pytest.importorskip("mpi4py")
+    from test_mpi import MPIEXEC, losses, netdsl
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec")
+    args = ["--steps", "3", "--split", "pipeline", "--microbatches", "4", *order]
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    a = netdsl(*args, "--devices", "2", "--log", str(one))
+    b = netdsl(*args, "--log", str(two), ranks=2)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert losses(two) == losses(one)

@@ -361,6 +361,11 @@ def _check_virtual(fwd: Graph, spec: SplitSpec) -> None:
             f"multiple of the stages; {spec.describe()} has "
             + ("no pipeline" if p < 2 else f"schedule {spec.schedule}"
                if spec.schedule != "1f1b" else f"{spec.microbatches} micro-batches"))
+    layers = sum(not n.is_source for n in fwd.nodes)
+    if layers < p * v:
+        raise SplitError(f"virtual_stages={v} cuts network `{fwd.name}` into {p} x {v} = "
+                         f"{p * v} chunks, but it has {layers} operators; use at most "
+                         f"{layers // p} virtual stages on {p} stages")
     pinned = next((n for n in fwd.nodes if "stage" in n.annotations
                    or "device" in n.annotations), None)
     if pinned is not None:

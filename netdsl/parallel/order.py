@@ -85,10 +85,7 @@ def mark_backward_parts(g: Graph) -> None:
     which ZB-H1 defers). A node is B when a reader is the backward node of another
     forward node, or a send, or a B node; autodiff's gradient sums are looked through,
     so a weight gradient summed over micro-batches stays W."""
-    readers: dict[str, list] = {n.name: [] for n in g.nodes}
-    for n in g.nodes:
-        for i in n.inputs:
-            readers[i].append(n)
+    readers = g.consumers()
     part: dict[str, str] = {}
     for n in reversed(g.nodes):
         if n.meta.get("phase") != "backward":
@@ -102,11 +99,12 @@ def mark_backward_parts(g: Graph) -> None:
                 return True
             return not _is_sum(r) and r.meta.get("forward") != mine
 
-        part[n.name] = "B" if any(to_input(r) for r in readers[n.name]) else "W"
+        part[n.name] = "B" if any(to_input(g[r]) for r in readers[n.name]) else "W"
         n.meta["backward_part"] = part[n.name]
 
 
-def chunks_of(g: Graph, stages: int, readers: dict[str, list[str]]) -> dict[str, int]:
+def chunks_of(g: Graph, stages: int,
+              readers: dict[str, list[str]] | None = None) -> dict[str, int]:
     """The model chunk of every placed node: its stage (device % stages) without virtual
     stages; with them a forward copy's `chunk`, a backward node's forward node's on the
     same device, else (a recv, a send, a gradient sum) the chunk of a reader on its
@@ -114,6 +112,7 @@ def chunks_of(g: Graph, stages: int, readers: dict[str, list[str]]) -> dict[str,
     if g.meta["split"].get("virtual_stages", 1) == 1:
         return {n.name: n.device % stages for n in g.nodes if n.device is not None}
     chunk = {n.name: n.meta["chunk"] for n in g.nodes if "chunk" in n.meta}
+    readers = readers if readers is not None else g.consumers()
 
     def from_readers(backward: bool) -> None:
         for n in reversed(g.nodes):
@@ -140,10 +139,7 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
     virtual = split.get("virtual_stages", 1)
     if micro < 2:
         return g
-    readers: dict[str, list[str]] = {n.name: [] for n in g.nodes}
-    for n in g.nodes:
-        for i in n.inputs:
-            readers[i].append(n.name)
+    readers = g.consumers()
     if schedule == "zb-h1" and stages > 1:
         mark_backward_parts(g)
     timed = stages > 1 and (schedule == "zb-h1" or virtual > 1)

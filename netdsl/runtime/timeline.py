@@ -92,11 +92,7 @@ def task_times(g: Graph, rep: Replay) -> dict[Task, float]:
     model chunk (a stage, without virtual stages), a gradient sum's add counted with the
     micro-batch it adds."""
     split = g.meta["split"]
-    readers: dict[str, list[str]] = {n.name: [] for n in g.nodes}
-    for n in g.nodes:
-        for i in n.inputs:
-            readers[i].append(n.name)
-    chunk = chunks_of(g, split["pipeline"], readers)
+    chunk = chunks_of(g, split["pipeline"])
     out: dict[Task, float] = {}
     for name, (_, s, e) in rep.intervals.items():
         n = g[name]

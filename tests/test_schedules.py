@@ -116,8 +116,9 @@ def test_zb_h1_marks_weight_gradients_w_and_input_gradients_b():
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_executors_measured_bubble_equals_the_formula(name):
     """Each kernel timed by the executor, the devices' work replayed side by side: the
-    measured bubble, and the formula's, lie in the interval the measured task times allow
-    (`bubble_bounds`: equal task times would make it the formula's alone)."""
+    measured bubble lies in the interval the measured task times allow around the
+    formula (`bubble_bounds`: it holds the formula's whatever the times, and shrinks to
+    it as the task times become equal)."""
     spec = SCHEDULES[name]
     net, g = chain_step(spec)
     data = make_dataset(net.graph, net.train.data, 0)
@@ -125,7 +126,6 @@ def test_the_executors_measured_bubble_equals_the_formula(name):
     order, durations = measure(Executor(g, "numpy", "f32", 0), feeds, runs=3)
     b = bubble_bounds(g, replay(g, order, durations))
     assert b.low <= b.measured <= b.high, b
-    assert b.low <= b.formula <= b.high, b
 
 
 @pytest.mark.parametrize("net_name", ["transformer", "resnet20"])

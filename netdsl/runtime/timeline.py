@@ -118,7 +118,8 @@ def bubble_bounds(g: Graph, rep: Replay) -> Bounds:
     ends, each end a start plus a duration), so with every task between a and b times its
     unit cost (`schedules`: F = B = W = 1, an undivided backward 2) the span lies between
     a and b times the unit-time timeline's, plus the work outside any task (the loss
-    seed); equal times (a = b) give the formula's bubble."""
+    seed). The interval always holds the formula's bubble, and is that alone when the
+    task times are equal (a = b)."""
     split = g.meta["split"]
     p, m, v = split["pipeline"], split["microbatches"], split.get("virtual_stages", 1)
     unit = timeline(split["schedule"], p, m, v)

@@ -238,3 +238,11 @@ def test_two_mpi_ranks_run_the_new_orders_as_one_process_does(tmp_path, order):
     b = netdsl(*args, "--log", str(two), ranks=2)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert losses(two) == losses(one)
+
+
+def test_zb_h1_marks_stay_w_through_the_replicas_gradient_all_reduce():
+    net = api.load(CHAIN)
+    g = split_step(net.graph, 64, SplitSpec(data=2, pipeline=2, microbatches=2,
+                                            schedule="zb-h1"), {"kind": "sgd", "lr": 0.1})
+    parts = {n.meta["backward_part"] for n in g.nodes if n.op == "linear_grad_weight"}
+    assert parts == {"W"}

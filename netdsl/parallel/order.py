@@ -82,9 +82,10 @@ def _sum_in_schedule_order(g: Graph, key: dict, readers: dict) -> None:
 def mark_backward_parts(g: Graph) -> None:
     """Mark each backward node "B" (on the way to the gradient of another layer's input:
     what the device before waits for) or "W" (on the way to parameter gradients alone,
-    which ZB-H1 defers). A node is B when a reader is the backward node of another
-    forward node, or a send, or a B node; autodiff's gradient sums are looked through,
-    so a weight gradient summed over micro-batches stays W."""
+    which ZB-H1 defers). A node is B when a reader is a micro-batch's backward node of
+    another forward node, or a send, or a B node; gradient sums and the replicas'
+    gradient all-reduce are looked through, so a weight gradient summed over
+    micro-batches and replicas stays W."""
     readers = g.consumers()
     part: dict[str, str] = {}
     for n in reversed(g.nodes):
@@ -97,7 +98,8 @@ def mark_backward_parts(g: Graph) -> None:
                 return False
             if r.op == "send" or part.get(r.name) == "B":
                 return True
-            return not _is_sum(r) and r.meta.get("forward") != mine
+            return bool(_MICRO.search(r.name)) and not _is_sum(r) and \
+                r.meta.get("forward") != mine
 
         part[n.name] = "B" if any(to_input(g[r]) for r in readers[n.name]) else "W"
         n.meta["backward_part"] = part[n.name]

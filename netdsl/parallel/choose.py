@@ -418,9 +418,12 @@ class _Run:
     def weigh_orders(self) -> list[Choice]:
         """The other orders of the pipeline chosen (`Request.orders`: ZB-H1, interleaved),
         each built and predicted here (every rank alike) and chosen where it fits and is
-        faster; a planned choice keeps its order (another would need a plan of its own)."""
+        faster; a planned choice keeps its order (another would need a plan of its own).
+        A worker process (`Share.needs_step` False) leaves it to the caller, which has
+        the graph of whichever it chooses."""
         best = self.best
-        if best is None or best.memory is not None:
+        if best is None or best.memory is not None or (
+                self.share is not None and not self.share.needs_step):
             return []
         out = []
         for spec in self.request.orders(best.spec):

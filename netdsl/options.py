@@ -99,8 +99,8 @@ class StepOptions:
     virtual_stages: int | None = option(
         None, "model chunks per pipeline stage (interleaved 1F1B: the layers cut into "
         "pipeline x V chunks, chunk c on stage c % pipeline, the bubble divided by V); "
-        "needs --schedule 1f1b and micro-batches a multiple of the stages (default: the "
-        "file's `parallel { }`, else 1)", min=1)
+        "in 1f1b order (the default with it) with micro-batches a multiple of the stages "
+        "(default: the file's `parallel { }`, else 1)", min=1)
     shard: int | None = option(
         None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
         "too, 3 the parameters too (gathered layer by layer); each replica then updates and "

@@ -246,3 +246,25 @@ def test_zb_h1_marks_stay_w_through_the_replicas_gradient_all_reduce():
                                             schedule="zb-h1"), {"kind": "sgd", "lr": 0.1})
     parts = {n.meta["backward_part"] for n in g.nodes if n.op == "linear_grad_weight"}
     assert parts == {"W"}
+
+
+def test_split_command_reports_the_schedule_and_refuses_in_words():
+    import json
+
+    from typer.testing import CliRunner
+
+    from netdsl_cli.app import app
+    runner = CliRunner()
+    base = ["split", str(CHAIN), "--devices", "2", "--strategy", "pipeline", "--batch", "64",
+            "--microbatches", "4"]
+    out = runner.invoke(app, [*base, "--schedule", "zb-h1", "--json"])
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.output)
+    assert d["schedule"] == "zb-h1" and d["ideal_bubble"] == pytest.approx(1 / 13)
+    assert 0 < d["bubble"] < 1
+    out = runner.invoke(app, [*base, "--virtual-stages", "2"])
+    assert out.exit_code == 0 and "its formula (p-1)/(vm+p-1) = 11.1%" in out.output, \
+        out.output
+    out = runner.invoke(app, [*base, "--virtual-stages", "2", "--schedule", "zb-h1"])
+    assert out.exit_code != 0 and "Traceback" not in out.output
+    assert "does not combine with --schedule zb-h1" in out.output

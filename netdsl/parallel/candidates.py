@@ -108,6 +108,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
     sharded so (--shard; None: the file's, else auto's choice); `virtual`: a pipeline's
     virtual stages (--virtual-stages; None: the file's, else 1))."""
     v = virtual or declared.get("virtual_stages", 1)
+    if v > 1 and not (schedule or declared.get("schedule")):
+        schedule = "1f1b"  # (interleaving is of 1F1B)
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
                                                      else "gpipe")

@@ -33,6 +33,7 @@ from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel import fanout
 from netdsl.parallel.candidates import (
+    ORDER_GAIN,
     Choice,
     ahead,
     beats,
@@ -418,7 +419,8 @@ class _Run:
     def weigh_orders(self) -> list[Choice]:
         """The other orders of the pipeline chosen (`Request.orders`: ZB-H1, interleaved),
         each built and predicted here (every rank alike) and chosen where it fits and is
-        faster; a planned choice keeps its order (another would need a plan of its own).
+        predicted ORDER_GAIN faster than 1F1B; a planned choice keeps its order (another
+        would need a plan of its own).
         A worker process (`Share.needs_step` False) leaves it to the caller, which has
         the graph of whichever it chooses."""
         best = self.best
@@ -426,6 +428,7 @@ class _Run:
                 self.share is not None and not self.share.needs_step):
             return []
         out = []
+        bar = (1 - ORDER_GAIN) * best.report.predicted_step_s
         for spec in self.request.orders(best.spec):
             try:
                 g = self.build(spec)
@@ -436,7 +439,8 @@ class _Run:
             c = Choice(spec, g, rep, _fits(rep, self.cap), exact=best.exact,
                        ranks_exact=best.ranks_exact)
             out.append(c)
-            self.keep_if_best(c)
+            if rep.predicted_step_s <= bar:
+                self.keep_if_best(c)
         return out
 
     def fetch_chosen(self) -> None:

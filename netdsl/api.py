@@ -260,7 +260,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
           schedule: str | None = None, mpi: bool = False,
           jobs: int | None = None, backend: str = "numpy",
           precision: str | None = None, shard: int | None = None,
-          offload_state: bool = False) -> SplitResult:
+          offload_state: bool = False,
+          virtual_stages: int | None = None) -> SplitResult:
     """Split `net`'s training step over `devices` devices (`netdsl split`): the scheme
     `strategy` picks (auto: the fastest predicted that fits), its per-device table and
     predictions (strategy None: the file's `parallel { }`, else auto), for a device
@@ -277,7 +278,8 @@ def split(net: Network, devices: int, strategy: str | None = None, batch: int | 
     opts = StepOptions(batch=batch, mem=mem, profile=profile, devices=devices,
                        split=strategy, microbatches=microbatches, schedule=schedule, bn=bn,
                        interconnect=interconnect, jobs=jobs, backend=backend,
-                       precision=precision, shard=shard, offload_state=offload_state)
+                       precision=precision, shard=shard, offload_state=offload_state,
+                       virtual_stages=virtual_stages)
     step = build(net, opts, progress=progress, over_mpi=mpi, fetch_logits=False,
                  weigh_splits=True)
     chosen = step.chosen

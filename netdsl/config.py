@@ -259,6 +259,8 @@ class TrainConfig(_Strict):
 
 SHARD_APPLIES = ("shard applies to data-parallel replicas alone (data = 2 or more, without "
                  "pipeline, tensor or spatial splits)")
+VIRTUAL_STAGES_APPLY = ("virtual_stages (interleaved 1F1B) needs a pipeline of 2 or more "
+                        "stages in 1f1b order, with microbatches a multiple of pipeline")
 MICROBATCHES_APPLY = ("microbatches apply to pipelines, to data-parallel replicas and to one "
                       "device (gradient accumulation), not to tensor or spatial splits")
 
@@ -274,10 +276,12 @@ class ParallelConfig(_Strict):
     spatial: int = Field(1, ge=1, le=INT_MAX)
     # a pipeline's order; None: the scheme's own (GPipe for a declared pipeline, 1F1B for
     # micro-batches accumulated and for `auto`)
-    schedule: Literal["gpipe", "1f1b"] | None = None
+    schedule: Literal["gpipe", "1f1b", "zb-h1"] | None = None
     # the data replicas' state sharded (ZeRO): 1 optimizer state, 2 and gradients, 3 and
     # parameters
     shard: Literal[0, 1, 2, 3] = 0
+    # model chunks per pipeline stage: interleaved 1F1B (Megatron-LM's virtual stages)
+    virtual_stages: int = Field(1, ge=1, le=INT_MAX)
 
     @property
     def devices(self) -> int:
@@ -291,4 +295,7 @@ class ParallelConfig(_Strict):
             raise ValueError(MICROBATCHES_APPLY)
         if self.shard and (self.data == 1 or self.devices != self.data):
             raise ValueError(SHARD_APPLIES)
+        if self.virtual_stages > 1 and (self.pipeline == 1 or self.schedule not in (None, "1f1b")
+                                        or self.microbatches % self.pipeline):
+            raise ValueError(VIRTUAL_STAGES_APPLY)
         return self

@@ -20,7 +20,7 @@ DTYPES = ("f32", "f64")
 PRECISIONS = ("f32", "bf16", "f16")
 MEMORY_STRATEGIES = ("auto", "none", "checkpoint-sqrt", "offload-all", "recompute-all")
 SPLITS = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 SHARD_STAGES = (0, 1, 2, 3)  # ZeRO's: none, optimizer state, and gradients, and parameters
 BN_MODES = ("sync", "local")
 INTERCONNECTS = ("shm", "pcie3", "nvlink4", "ib-hdr", "10gbe")
@@ -93,8 +93,15 @@ class StepOptions:
         "accumulates gradients over, one after the other (batchnorm normalises each part "
         "alone; default: the file's `parallel { }`)", flags=("--microbatches", "-m"), min=1)
     schedule: str | None = option(
-        None, "the micro-batches' order: gpipe or 1f1b (default: the file's, else 1f1b where "
-        "auto chooses and gradients are accumulated, else gpipe)")
+        None, "the micro-batches' order: gpipe, 1f1b or zb-h1 (zero bubble: each backward "
+        "split into input and weight gradients, the latter deferred into the bubble; "
+        "default: the file's, else 1f1b where auto chooses and gradients are accumulated, "
+        "else gpipe)")
+    virtual_stages: int | None = option(
+        None, "model chunks per pipeline stage (interleaved 1F1B: the layers cut into "
+        "pipeline x V chunks, chunk c on stage c % pipeline, the bubble divided by V); "
+        "in 1f1b order (the default with it) with micro-batches a multiple of the stages "
+        "(default: the file's `parallel { }`, else 1)", min=1)
     shard: int | None = option(
         None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
         "too, 3 the parameters too (gathered layer by layer); each replica then updates and "
@@ -193,6 +200,10 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
                           "recomputing and offloading activations")
     if opts.shard is not None:
         _shard_conflicts(opts)
+    if opts.schedule is not None:
+        _choice(opts.schedule, SCHEDULES, "--schedule")
+    if (opts.virtual_stages or 1) > 1:
+        _virtual_conflicts(opts)
     if isinstance(opts, RunOptions):
         _run_conflicts(opts)
     return [f"{_value(opts, name)} {why}" for name, used, why in _IDLE
@@ -218,6 +229,25 @@ def _shard_conflicts(opts: StepOptions) -> None:
         raise NetdslError(f"--shard {opts.shard} does not combine with --precision "
                           f"{opts.precision} yet (the sharded update and gathers are built "
                           "for f32 steps); train sharded in f32, or leave --shard out")
+
+
+def _virtual_conflicts(opts: StepOptions) -> None:
+    """Interleaved 1F1B's conditions that the options alone decide (the pipeline's size
+    and its layers are checked where the split is made)."""
+    v = opts.virtual_stages
+    if opts.split not in (None, "auto", "pipeline", "hybrid"):
+        raise NetdslError(f"--virtual-stages {v} interleaves a pipeline's stages; --split "
+                          f"{opts.split} has no pipeline (give --split pipeline or hybrid)")
+    if opts.devices == 1 and not opts.distributed:
+        raise NetdslError(f"--virtual-stages {v} interleaves a pipeline's stages, but the "
+                          "step runs on one device; give --devices N (N >= 2)")
+    if opts.schedule not in (None, "1f1b"):
+        raise NetdslError(f"--virtual-stages {v} is interleaved 1F1B; it does not combine "
+                          f"with --schedule {opts.schedule} (give --schedule 1f1b or leave "
+                          "it out)")
+    if opts.shard:
+        raise NetdslError(f"--virtual-stages {v} needs a pipeline, and --shard {opts.shard} "
+                          "shards data replicas alone; give one of them")
 
 
 def _run_conflicts(opts: RunOptions) -> None:

@@ -176,7 +176,8 @@ CASES = [
     ("parallel-string", net('parallel { data = "two" }\noutput x'),
      'invalid parallel declaration: `data` must be an integer, not "two"', 4, 16),
     ("parallel-schedule", net('parallel { pipeline = 2; schedule = "zigzag" }\noutput x'),
-     'invalid parallel declaration: `schedule` must be "gpipe" or "1f1b", not "zigzag"',
+     'invalid parallel declaration: `schedule` must be "gpipe", "1f1b" or "zb-h1", not '
+     '"zigzag"',
      4, 30),
     ("parallel-microbatches", net("parallel { tensor = 2; microbatches = 4 }\noutput x"),
      "microbatches apply to pipelines, to data-parallel replicas and to one device "

@@ -80,6 +80,7 @@ SplitOpt = option("split", "--strategy")  # (`split` took the scheme as --strate
 ScheduleOpt = option("schedule")
 BnOpt = option("bn")
 ShardOpt = option("shard")
+VirtualStagesOpt = option("virtual_stages")
 InterconnectOpt = option("interconnect")
 JobsOpt = option("jobs")
 SeedOpt = option("seed")

@@ -38,6 +38,7 @@ from netdsl_cli.options import (
     ScheduleOpt,
     ShardOpt,
     SplitOpt,
+    VirtualStagesOpt,
 )
 
 
@@ -58,6 +59,7 @@ def split(
     bn: BnOpt = DEFAULTS.bn,
     shard: ShardOpt = DEFAULTS.shard,
     schedule: ScheduleOpt = DEFAULTS.schedule,
+    virtual_stages: VirtualStagesOpt = DEFAULTS.virtual_stages,
     precision: PrecisionOpt = DEFAULTS.precision,
     verify: Annotated[bool, typer.Option(help="run the split and the single-device step on "
                                          "one batch in float64 and compare every "
@@ -83,7 +85,8 @@ def split(
         kw = dict(devices=n, strategy=split, batch=batch, microbatches=microbatches,
                   mem=mem, profile=profile, interconnect=interconnect, bn=bn, verify=verify,
                   schedule=schedule, mpi=mpi, jobs=jobs, backend=backend,
-                  precision=precision, shard=shard, offload_state=offload_state)
+                  precision=precision, shard=shard, offload_state=offload_state,
+                  virtual_stages=virtual_stages)
         with fraction_bar("split", json_output) as progress:
             res = split_api(net, progress=progress, **kw)
         keep_to_exit(res)
@@ -148,8 +151,12 @@ def _print(res) -> None:
               + ("; slower than one device: this split divides the memory, not the time"
                  if rep.predicted_speedup < 1 else ""))
     if rep.ideal_bubble is not None:
-        out.print(f"pipeline bubble {rep.bubble:.1%} ({best.graph.meta['split']['schedule']}"
-                  f"; GPipe's (p-1)/(m+p-1) = {rep.ideal_bubble:.1%})")
+        split = best.graph.meta["split"]
+        formula = {"zb-h1": "(p-1)/(3m+p-1)"}.get(split["schedule"], "(p-1)/(m+p-1)")
+        if split.get("virtual_stages", 1) > 1:
+            formula = "(p-1)/(vm+p-1)"
+        out.print(f"pipeline bubble {rep.bubble:.1%} ({best.spec.describe()}; its formula "
+                  f"{formula} = {rep.ideal_bubble:.1%} with equal stage times)")
     out.print(f"sent per step {format_bytes(rep.comm_bytes_total)} (ring lower bound "
               f"{format_bytes(rep.comm_bytes_lower_bound)})")
     if len(res.chosen.considered) > 1:

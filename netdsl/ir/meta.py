@@ -51,6 +51,15 @@ NODE_META: dict[str, MetaKey] = _table(
     MetaKey("forward", str,
             "the forward node a backward, recomputed or prefetched node stands for",
             set_by=("passes.autodiff", "memory.strategies"), read_by=("passes.fuse",)),
+    MetaKey("backward_part", str,
+            'a ZB-H1 pipeline\'s backward node: "B" (on the way to an input\'s gradient, '
+            'which the stage before waits for) or "W" (to parameter gradients alone: '
+            "deferred to fill the bubble)",
+            set_by=("parallel.order",), read_by=("parallel.order", "runtime.timeline")),
+    MetaKey("chunk", int,
+            "a forward copy's model chunk in a pipeline with virtual stages (chunk c of "
+            "pipeline x virtual_stages on stage c % pipeline)",
+            set_by=("parallel.split",), read_by=("parallel.order",)),
     MetaKey("sums_gradient_of", str,
             "on an `add` of autodiff's sum of a value's gradient contributions: that value",
             set_by=("passes.autodiff",),

@@ -42,10 +42,15 @@ from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
 from netdsl.parallel.predict import SplitReport
+from netdsl.parallel.schedules import SCHEDULES
 from netdsl.parallel.split import SHARD_STAGES, SplitSpec
-from netdsl.sizes import format_bytes
+from netdsl.sizes import format_bytes, format_seconds
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
+# another pipeline order than 1F1B is taken where it is predicted this much faster: less
+# is within what the simulation misses of a step (the measured and predicted bubbles of
+# docs/parallel.md's schedules table differ by up to 0.05 of the step)
+ORDER_GAIN = 0.03
 # ops whose result depends on the other samples of the batch (its statistics)
 BATCH_STATISTICS_OPS = ("batchnorm",)
 
@@ -101,16 +106,22 @@ def inexact_note(c: Choice, cap: int) -> str:
 
 def candidates(strategy: str | None, devices: int, batch: int, microbatches: int | None,
                declared: dict, bn: str, schedule: str | None = None,
-               has_conv: bool = False, shard: int | None = None) -> list[SplitSpec]:
+               has_conv: bool = False, shard: int | None = None,
+               virtual: int | None = None) -> list[SplitSpec]:
     """The specs `strategy` allows on `devices` devices (pipelines in `schedule` order,
     else the file's `parallel { schedule = ... }`, else GPipe's; `has_conv`: the network
     has 2-d convolutions, which a spatial split cuts; `shard`: the data replicas' state
-    sharded so (--shard; None: the file's, else auto's choice))."""
+    sharded so (--shard; None: the file's, else auto's choice); `virtual`: a pipeline's
+    virtual stages (--virtual-stages; None: the file's, else 1))."""
+    v = virtual or declared.get("virtual_stages", 1)
+    if v > 1 and not (schedule or declared.get("schedule")):
+        schedule = "1f1b"  # (interleaving is of 1F1B)
     # auto prefers 1F1B: the same bubble as GPipe with fewer activations alive
     sched = schedule or declared.get("schedule") or ("1f1b" if strategy == "auto"
                                                      else "gpipe")
-    if sched not in ("gpipe", "1f1b"):
-        raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
+    if sched not in SCHEDULES:
+        raise SplitError(f"--schedule must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}, "
+                         f"not {sched!r}")
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
         d, p, t, s = (declared.get(k, 1) for k in ("data", "pipeline", "tensor", "spatial"))
         if ParallelConfig(**declared).devices == devices > 1:
@@ -118,7 +129,8 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
                 sched = "1f1b"  # replicas accumulating micro-batches: each part in turn
             return [SplitSpec(data=d, pipeline=p, tensor=t, spatial=s, bn=bn, schedule=sched,
                               microbatches=microbatches or declared.get("microbatches", 1),
-                              shard=declared.get("shard", 0) if shard is None else shard)]
+                              shard=declared.get("shard", 0) if shard is None else shard,
+                              virtual_stages=v)]
         strategy = "auto"
         sched = schedule or declared.get("schedule") or "1f1b"
     if strategy not in CHOICES:
@@ -138,15 +150,51 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         return [SplitSpec(spatial=devices, bn=bn)]
     if strategy == "pipeline":
         m = microbatches if microbatches is not None else min(batch, 4 * devices)
-        return [SplitSpec(pipeline=devices, microbatches=m, bn=bn, schedule=sched)]
+        return [SplitSpec(pipeline=devices, microbatches=m, bn=bn, schedule=sched,
+                          virtual_stages=v)]
     if strategy == "hybrid":
         d = declared.get("data", 1)
         p = declared.get("pipeline", 1)
         if d * p != devices or d == 1 or p == 1:
             d, p = _hybrid_factors(devices)
         m = microbatches or declared.get("microbatches") or min(batch // d or 1, 4 * p)
-        return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched)]
-    return _auto(devices, batch, microbatches, bn, sched, has_conv, shard)
+        return [SplitSpec(data=d, pipeline=p, microbatches=m, bn=bn, schedule=sched,
+                          virtual_stages=v)]
+    specs = _auto(devices, batch, microbatches, bn, sched, has_conv, shard)
+    if v > 1:
+        specs = [replace(s, virtual_stages=v) for s in specs
+                 if s.pipeline > 1 and s.microbatches % s.pipeline == 0]
+        if not specs:
+            raise SplitError(f"virtual_stages={v} needs a pipeline whose micro-batches are a "
+                             f"multiple of its stages, and auto has none on {devices} devices "
+                             f"at batch {batch}; give --split pipeline with --microbatches")
+        return specs
+    return specs
+
+
+def other_orders(spec: SplitSpec, pinned: bool) -> list[SplitSpec]:
+    """The orders auto also weighs for the 1F1B pipeline it chose (`choose`): ZB-H1, and
+    1F1B interleaved over 2 virtual stages where the micro-batches go in groups of the
+    stages and no layer is `pinned` to a stage. Weighed for the chosen pipeline alone: a
+    new order changes its bubble, not which data x pipeline split wins by far."""
+    if spec.pipeline < 2 or spec.schedule != "1f1b" or spec.virtual_stages > 1 \
+            or spec.microbatches < spec.pipeline:
+        return []
+    out = [replace(spec, schedule="zb-h1")]
+    if spec.microbatches % spec.pipeline == 0 and not pinned:
+        out.append(replace(spec, virtual_stages=2))
+    return out
+
+
+def weighs_orders(strategy: str | None, declared: dict, devices: int, schedule: str | None,
+                  virtual: int | None) -> bool:
+    """Whether auto weighs other orders for its pipeline: it chose the split (not the
+    file's `parallel { }`), and neither --schedule, --virtual-stages nor the file named
+    an order."""
+    declared_here = strategy is None and ParallelConfig(**declared).devices == devices > 1
+    return (strategy == "auto" or (strategy is None and not declared_here)) and \
+        schedule is None and virtual is None and declared.get("schedule") is None and \
+        declared.get("virtual_stages", 1) == 1
 
 
 def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: str,
@@ -371,6 +419,29 @@ def _timed(c: Choice) -> str:
     """A candidate and its predicted step, for `shard_reason`."""
     how = ", planned" if c.memory is not None else ""
     return f"{c.spec.describe()}{how} ({c.report.predicted_step_s:.4g} s)"
+
+
+def schedule_reason(best: Choice, considered: list[Choice]) -> str | None:
+    """Why auto ordered the pipeline it chose so: the predicted step and bubble of each
+    order it weighed for that pipeline (`_schedules`)."""
+    if best.spec.pipeline < 2:
+        return None
+    base = replace(best.spec, schedule="1f1b", virtual_stages=1)
+    rivals = [c for c in considered if c is not best
+              and replace(c.spec, schedule="1f1b", virtual_stages=1) == base]
+    if not rivals:
+        return None
+
+    def said(c: Choice) -> str:
+        v = c.spec.virtual_stages
+        name = f"interleaved 1F1B (V={v})" if v > 1 else c.spec.schedule.upper()
+        return (f"{name} {format_seconds(c.report.predicted_step_s)}, bubble "
+                f"{c.report.bubble:.1%}")
+
+    against = "; ".join(said(c) + ("" if c.fits else " (does not fit)") for c in rivals)
+    return (f"auto ordered the pipeline's micro-batches by the predicted step (another "
+            f"order than 1F1B where it fits and is {ORDER_GAIN:.0%} faster or more): "
+            f"{said(best)}; against {against}")
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

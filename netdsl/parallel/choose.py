@@ -33,6 +33,7 @@ from netdsl.ir.graph import Graph
 from netdsl.memory.profiles import Profile
 from netdsl.parallel import fanout
 from netdsl.parallel.candidates import (
+    ORDER_GAIN,
     Choice,
     ahead,
     beats,
@@ -42,10 +43,13 @@ from netdsl.parallel.candidates import (
     has_batch_statistics,
     inexact_note,
     needless,
+    other_orders,
     planning_order,
     prefers_exact,
     rounds,
+    schedule_reason,
     shard_reason,
+    weighs_orders,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -86,7 +90,8 @@ class Chosen:
     unavailable: list[str] = field(default_factory=list)
     # said first where auto chose a split that changes the numbers (none exact fits)
     note: str | None = None
-    # why auto sharded the data split it chose (`candidates.shard_reason`)
+    # why auto sharded the data split it chose (`candidates.shard_reason`), or ordered
+    # its pipeline so (`candidates.schedule_reason`)
     reason: str | None = None
 
 
@@ -148,6 +153,7 @@ class Request:
     precision: str = "f32"
     shard: int | None = None
     offload_state: bool = False  # plans may stream optimizer state from the hosts
+    virtual_stages: int | None = None
 
     @property
     def prefer_exact(self) -> bool:
@@ -159,7 +165,16 @@ class Request:
         """The candidates (`candidates.candidates`)."""
         return candidates(self.strategy, self.devices, self.batch, self.microbatches,
                           dict(self.fwd.parallel), self.bn, self.schedule,
-                          any(n.op == "conv2d" for n in self.fwd.nodes), self.shard)
+                          any(n.op == "conv2d" for n in self.fwd.nodes), self.shard,
+                          self.virtual_stages)
+
+    def orders(self, best: SplitSpec) -> list[SplitSpec]:
+        """The other orders auto weighs for the pipeline it chose (`other_orders`)."""
+        if not weighs_orders(self.strategy, dict(self.fwd.parallel), self.devices,
+                             self.schedule, self.virtual_stages):
+            return []
+        return other_orders(best, any("stage" in n.annotations or "device" in n.annotations
+                                      for n in self.fwd.nodes))
 
 
 def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer: dict,
@@ -170,7 +185,8 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
            mem_strategy: str = "auto", over_mpi: bool = False,
            share: Share | None = None, jobs: int | None = None,
            precision: str = "f32", shard: int | None = None,
-           offload_state: bool = False) -> Chosen:
+           offload_state: bool = False,
+           virtual_stages: int | None = None) -> Chosen:
     """Build and predict the candidates (module docstring); raise SplitError if none fits.
     `outputs`: output roles to add to every split step (the trainer's logits); `over_mpi`:
     the step runs one process per device, whose sends MPI holds until the peer has them
@@ -182,7 +198,7 @@ def choose(fwd: Graph, batch: int, strategy: str | None, devices: int, optimizer
     return choose_request(Request(fwd, batch, strategy, devices, optimizer, profile, link,
                                   mem, microbatches, bn, gather, float_dtype, schedule, plan,
                                   outputs, mem_strategy, over_mpi, precision, shard,
-                                  offload_state),
+                                  offload_state, virtual_stages),
                           progress, share, jobs)
 
 
@@ -223,6 +239,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
             run.plan_unfitting(_considered(taken, found))
     considered = _considered(taken, found)
     errors = [c for k in sorted(taken) if isinstance(c := found[k], str)]
+    orders = run.weigh_orders()
     run.fetch_chosen()
     if run.best is None:
         raise _no_fit(considered, errors, request.devices, run.cap)
@@ -230,7 +247,8 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
-                  shard_reason(run.best, considered, run.cap, request.plan))
+                  shard_reason(run.best, considered, run.cap, request.plan)
+                  or schedule_reason(run.best, considered + orders))
 
 
 def _considered(taken: set[int], found: dict[int, Choice | str]) -> list[Choice]:
@@ -417,6 +435,33 @@ class _Run:
                 if beats(c, self.best):
                     _take_plan(c, *plans[j], self.cap, g if j == r else None)
                     self.keep_if_best(c, considered)
+
+    def weigh_orders(self) -> list[Choice]:
+        """The other orders of the pipeline chosen (`Request.orders`: ZB-H1, interleaved),
+        each built and predicted here (every rank alike) and chosen where it fits and is
+        predicted ORDER_GAIN faster than 1F1B; a planned choice keeps its order (another
+        would need a plan of its own).
+        A worker process (`Share.needs_step` False) leaves it to the caller, which has
+        the graph of whichever it chooses."""
+        best = self.best
+        if best is None or best.memory is not None or (
+                self.share is not None and not self.share.needs_step):
+            return []
+        out = []
+        bar = (1 - ORDER_GAIN) * best.report.predicted_step_s
+        for spec in self.request.orders(best.spec):
+            try:
+                g = self.build(spec)
+            except SplitError:  # (a network too short for 2 chunks a stage)
+                continue
+            r = self.request
+            rep, _ = report(g, self.single_step, r.profile, r.link, r.float_dtype)
+            c = Choice(spec, g, rep, _fits(rep, self.cap), exact=best.exact,
+                       ranks_exact=best.ranks_exact)
+            out.append(c)
+            if rep.predicted_step_s <= bar:
+                self.keep_if_best(c)
+        return out
 
     def fetch_chosen(self) -> None:
         """The chosen step's graph: from the rank that built it where only rank 0 needs

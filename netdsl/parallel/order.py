@@ -12,6 +12,10 @@ each device's work by micro-batch:
   instead of all m. On one stage (micro-batches on one device, or on each data
   replica: gradient accumulation) 1F1B is forward then backward of each micro-batch in
   turn, one micro-batch's activations alive at a time.
+- ZB-H1 and interleaved 1F1B (virtual stages): each node takes the start time of its
+  task in the schedule's unit-time timeline (`schedules.timeline`), a task being (phase,
+  chunk, micro-batch); for ZB-H1 each backward node is first marked an input-gradient
+  (B) or a weight-gradient (W) node (`mark_backward_parts`).
 The result is a topological order (Kahn's algorithm, lowest priority first, ties in the
 old order, so a collective's members stay side by side); what depends on no input (the
 loss seed and the gradients of the parts' loss weights sent back to them) goes first, and
@@ -24,6 +28,7 @@ import heapq
 import re
 
 from netdsl.ir.graph import Graph
+from netdsl.parallel.schedules import timeline
 
 _MICRO = re.compile(r"@m(\d+)")
 
@@ -74,12 +79,77 @@ def _sum_in_schedule_order(g: Graph, key: dict, readers: dict) -> None:
             prev = a.name
 
 
+def mark_backward_parts(g: Graph) -> None:
+    """Mark each backward node "B" (on the way to the gradient of another layer's input:
+    what the device before waits for) or "W" (on the way to parameter gradients alone,
+    which ZB-H1 defers). A node is B when a reader is a micro-batch's backward node of
+    another forward node, or a send, or a B node; gradient sums and the replicas'
+    gradient all-reduce are looked through, so a weight gradient summed over
+    micro-batches and replicas stays W."""
+    readers = g.consumers()
+    part: dict[str, str] = {}
+    for n in reversed(g.nodes):
+        if n.meta.get("phase") != "backward":
+            continue
+        mine = n.meta.get("forward")
+
+        def to_input(r) -> bool:
+            if r.meta.get("phase") != "backward":
+                return False
+            if r.op == "send" or part.get(r.name) == "B":
+                return True
+            return bool(_MICRO.search(r.name)) and not _is_sum(r) and \
+                r.meta.get("forward") != mine
+
+        part[n.name] = "B" if any(to_input(g[r]) for r in readers[n.name]) else "W"
+        n.meta["backward_part"] = part[n.name]
+
+
+def chunks_of(g: Graph, stages: int,
+              readers: dict[str, list[str]] | None = None) -> dict[str, int]:
+    """The model chunk of every placed node: its stage (device % stages) without virtual
+    stages; with them a forward copy's `chunk`, a backward node's forward node's on the
+    same device, else (a recv, a send, a gradient sum) the chunk of a reader on its
+    device."""
+    if g.meta["split"].get("virtual_stages", 1) == 1:
+        return {n.name: n.device % stages for n in g.nodes if n.device is not None}
+    chunk = {n.name: n.meta["chunk"] for n in g.nodes if "chunk" in n.meta}
+    readers = readers if readers is not None else g.consumers()
+
+    def from_readers(backward: bool) -> None:
+        for n in reversed(g.nodes):
+            if n.name in chunk or n.device is None or \
+                    (n.meta.get("phase") == "backward") != backward:
+                continue
+            got = [chunk[r] for r in readers[n.name]
+                   if r in chunk and g[r].device == n.device]
+            if got:
+                chunk[n.name] = min(got)
+
+    from_readers(False)  # a forward recv: its reader's
+    for n in g.nodes:
+        f = n.meta.get("forward")
+        if n.meta.get("phase") == "backward" and f in chunk and g[f].device == n.device:
+            chunk[n.name] = chunk[f]
+    from_readers(True)
+    return chunk
+
+
 def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
     split = g.meta.get("split", {})
     stages, micro = split.get("pipeline", 1), split.get("microbatches", 1)
+    virtual = split.get("virtual_stages", 1)
     if micro < 2:
         return g
-    tasks = {s: _tasks(s, stages, micro, schedule) for s in range(stages)}
+    readers = g.consumers()
+    if schedule == "zb-h1" and stages > 1:
+        mark_backward_parts(g)
+    timed = stages > 1 and (schedule == "zb-h1" or virtual > 1)
+    if timed:
+        start = timeline(schedule, stages, micro, virtual).start
+        chunk = chunks_of(g, stages, readers)
+    else:
+        tasks = {s: _tasks(s, stages, micro, schedule) for s in range(stages)}
     inf = float("inf")
     key: dict[str, float] = {}
     for n in g.nodes:
@@ -90,7 +160,12 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
         if m is None or n.device is None:
             continue
         phase = "B" if n.meta.get("phase") == "backward" else "F"
-        key[n.name] = tasks[n.device % stages].get((phase, int(m.group(1))), inf)
+        if not timed:
+            key[n.name] = tasks[n.device % stages].get((phase, int(m.group(1))), inf)
+        elif n.name in chunk:
+            phase = n.meta.get("backward_part", phase)
+            key[n.name] = start.get((n.device % stages, (phase, chunk[n.name],
+                                                         int(m.group(1)))), inf)
     # what depends on no input at all (the loss seed, the gradient of the parts' loss
     # weights, its sends) runs first: device 0 must not hold a part's backward back
     constant: set[str] = set()
@@ -98,11 +173,11 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
         if not n.is_source and all(i in constant for i in n.inputs):
             constant.add(n.name)
             key[n.name] = -1
-    readers: dict[str, list[str]] = {n.name: [] for n in g.nodes}
-    for n in g.nodes:
-        for i in n.inputs:
-            readers[i].append(n.name)
     _sum_in_schedule_order(g, key, readers)
+    if timed:  # a send as soon as its value is made, not after the work of its time
+        for n in g.nodes:
+            if n.op == "send" and n.name not in key and n.inputs[0] in key:
+                key[n.name] = key[n.inputs[0]]
     for n in reversed(g.nodes):  # unkeyed nodes: their earliest reader's priority
         if n.name not in key:
             key[n.name] = min((key[r] for r in readers[n.name]), default=inf)

@@ -13,7 +13,8 @@ memory plan's host copies (`to_host`, `to_device`) run on the device's copy stre
 their direction, as in `memory.cost`: issued when compute reaches them, taking bytes /
 host-link bandwidth, without holding compute up; a reader waits for the copy. The
 bubble of a pipeline is the share of device time spent idle: 1 - busy / (devices x step);
-GPipe's ideal is (p-1)/(m+p-1).
+the ideal is its schedule's formula (`schedules.formula_bubble`: GPipe's and 1F1B's
+(p-1)/(m+p-1), interleaved 1F1B's (p-1)/(vm+p-1), ZB-H1's (p-1)/(3m+p-1)).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from netdsl.ir.ops.comm import COLLECTIVES, comm_bytes
 from netdsl.ir.placement import devices_of
 from netdsl.memory.plan import device_peaks, make_plan, process_reserves, value_bytes
 from netdsl.memory.profiles import Profile
+from netdsl.parallel.schedules import formula_bubble
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,13 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
     k, m = split.get("pipeline", 1), split.get("microbatches", 1)
     total_busy = sum(busy.values())
     bubble = 1.0 - total_busy / (len(per) * step) if step else 0.0
-    ideal = (k - 1) / (m + k - 1) if k > 1 else None
+    ideal = formula_bubble(split.get("schedule", "gpipe"), k, m,
+                           split.get("virtual_stages", 1)) if k > 1 else None
     rep = SplitReport(split.get("strategy", "none"), len(per), per, step, single_step, bubble,
                       ideal, lower, profile.name, link.name,
                       {k_: v for k_, v in split.items() if k_ in ("data", "pipeline",
                                                                    "microbatches", "bn",
-                                                                   "stages", "shard")})
+                                                                   "stages", "shard",
+                                                                   "schedule",
+                                                                   "virtual_stages")})
     return rep, timeline

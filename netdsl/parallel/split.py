@@ -10,7 +10,9 @@ with its communication, comes from the gradient rules):
   balanced predicted time (`@stage(k)` pins a node), each on its own device, the batch cut
   into M micro-batches that flow through the stages; the state of a stage stays on it.
   GPipe order (every device runs its micro-batches' forward parts in order, then their
-  backward parts in reverse order) or 1F1B (`schedule="1f1b"`): `order.order_micro_batches`.
+  backward parts in reverse order), 1F1B (`schedule="1f1b"`) or ZB-H1 (`"zb-h1"`):
+  `order.order_micro_batches`. With `virtual_stages=V` (interleaved 1F1B) the layers are
+  cut into P x V chunks, chunk c on stage c % P.
 - hybrids: `data=D, pipeline=P` uses D x P devices, replica r's stage s on r * P + s.
 - **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels.
 - **spatial** (`spatial=S`, `spatial.py`): the image height split into S strips, with halo
@@ -39,6 +41,7 @@ from netdsl.parallel.check import check
 from netdsl.parallel.order import order_micro_batches
 from netdsl.parallel.predict import node_time
 from netdsl.parallel.replicate import Part, batch_rows, combine, connect, copy_forward
+from netdsl.parallel.schedules import SCHEDULES
 from netdsl.parallel.syncbn import NORMS, defer_running_stats, sync_batchnorms
 from netdsl.parallel.zero_params import shard_parameters
 from netdsl.passes.device import for_device
@@ -61,6 +64,7 @@ class SplitSpec:
     schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
     spatial: int = 1  # strips of the image height (alone)
     shard: int = 0  # ZeRO stage of the data replicas' state (0: replicated; `zero.py`)
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved 1F1B)
 
     @property
     def devices(self) -> int:
@@ -84,7 +88,9 @@ class SplitSpec:
             parts.append(f"data={self.data}" + (f", shard={self.shard}" if self.shard else ""))
         if self.pipeline > 1:
             parts.append(f"pipeline={self.pipeline}, microbatches={self.microbatches}"
-                         + (", 1f1b" if self.schedule == "1f1b" else ""))
+                         + (f", {self.schedule}" if self.schedule != "gpipe" else "")
+                         + (f", virtual_stages={self.virtual_stages}"
+                            if self.virtual_stages > 1 else ""))
         if self.tensor > 1:
             parts.append(f"tensor={self.tensor}")
         if self.spatial > 1:
@@ -109,14 +115,15 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
         raise SplitError(f"the loss %{loss.name} is not reduced (reduction=\"none\"); a "
                          "split needs a scalar loss", )
     _check_devices(fwd, spec)  # (a tensor or spatial split ignored the pins)
+    _check_virtual(fwd, spec)
     if spec.tensor > 1:
         return _tensor_forward(fwd, batch, spec, gather)
     if spec.spatial > 1:
         return _spatial_forward(fwd, batch, spec, gather)
-    stages = spec.pipeline
+    stages, virtual = spec.pipeline, spec.virtual_stages
     if stages > 1:
         stage_of = stage_of or assign_stages(
-            fwd, stages, profile, max(1, batch // (spec.data * spec.microbatches)))
+            fwd, stages * virtual, profile, max(1, batch // (spec.data * spec.microbatches)))
     micro = spec.microbatches
     synced = spec.bn == "sync" and spec.data > 1
     rows = _part_rows(batch, spec.data, micro, by_micro=synced)
@@ -131,12 +138,16 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
 
     def device_of(n: Node, p: Part) -> int:
         base = (p.device or 0) * stages
-        return base + (stage_of[n.name] if stages > 1 else 0)
+        return base + (stage_of[n.name] % stages if stages > 1 else 0)
 
     def state_name(n: Node, p: Part) -> str:
         return n.name if not p.device else copy_name(n.name, p.device)
 
     g, copies = copy_forward(fwd, parts, batch, state_name, device_of)
+    if virtual > 1:
+        for orig, names in copies.items():
+            for x in names:
+                g[x].meta["chunk"] = stage_of[orig]
     if micro > 1 and spec.bn == "sync":
         _normalise_micro_batches(g, copies, fwd, rows, spec.data, micro)
     elif synced:
@@ -151,7 +162,9 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                        "microbatches": micro, "bn": spec.bn, "devices": spec.devices,
                        "strategy": spec.name}
     if stage_of:
-        g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
+        g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages * virtual)
+    if virtual > 1:
+        g.meta["split"]["virtual_stages"] = virtual
     return g
 
 
@@ -313,8 +326,9 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
                      verify="structure")
     if spec.shard:
         g.meta["split"]["shard"] = spec.shard
-    if spec.schedule not in ("gpipe", "1f1b"):
-        raise SplitError(f"--schedule must be gpipe or 1f1b, not {spec.schedule!r}")
+    if spec.schedule not in SCHEDULES:
+        raise SplitError(f"--schedule must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}, "
+                         f"not {spec.schedule!r}")
     g = order_micro_batches(defer_results(g), spec.schedule)
     # after the reordering, which re-chains gradient sums by part: gradient sums of one
     # device into the kernels that make them (fuse_grads), q/k/v's into a concat
@@ -329,6 +343,36 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g.meta["split"].setdefault("schedule", spec.schedule)
     check(g, fwd)
     return g
+
+
+def _check_virtual(fwd: Graph, spec: SplitSpec) -> None:
+    """Interleaved 1F1B's conditions (Megatron-LM's): a pipeline in 1F1B order whose
+    micro-batches go in groups of `pipeline`, no stage pinned (a pin names a stage, and
+    a stage holds several chunks)."""
+    v, p = spec.virtual_stages, spec.pipeline
+    if v == 1:
+        return
+    if v < 1:
+        raise SplitError(f"virtual_stages must be 1 or more, not {v}")
+    if p < 2 or spec.schedule != "1f1b" or spec.microbatches % p:
+        raise SplitError(
+            f"virtual_stages={v} interleaves a pipeline's stages (interleaved 1F1B), and "
+            "needs a pipeline of 2 or more stages in 1f1b order with micro-batches a "
+            f"multiple of the stages; {spec.describe()} has "
+            + ("no pipeline" if p < 2 else f"schedule {spec.schedule}"
+               if spec.schedule != "1f1b" else f"{spec.microbatches} micro-batches"))
+    layers = sum(not n.is_source for n in fwd.nodes)
+    if layers < p * v:
+        raise SplitError(f"virtual_stages={v} cuts network `{fwd.name}` into {p} x {v} = "
+                         f"{p * v} chunks, but it has {layers} operators; use at most "
+                         f"{layers // p} virtual stages on {p} stages")
+    pinned = next((n for n in fwd.nodes if "stage" in n.annotations
+                   or "device" in n.annotations), None)
+    if pinned is not None:
+        raise SplitError(f"%{pinned.name}{f' ({pinned.loc})' if pinned.loc else ''} is pinned "
+                         f"to a stage, which virtual_stages={v} does not combine with (a "
+                         "stage holds several chunks of the layers); drop the @stage/@device "
+                         "annotations or the virtual stages")
 
 
 def _shardable(spec: SplitSpec) -> int:

@@ -23,6 +23,7 @@ node, every value's bytes and memory space):
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -166,6 +167,16 @@ def in_parallel(fn, items: list) -> list:
         return list(pool.map(fn, items))
 
 
+def _timed(call, times: dict[str, float]):
+    """`call` that also keeps each node's kernel time in `times`."""
+    def timed(n: Node, inputs: list, ctx: KernelContext):
+        t0 = time.perf_counter()
+        out = call(n, inputs, ctx)
+        times[n.name] = time.perf_counter() - t0
+        return out
+    return timed
+
+
 def _where(n: Node) -> str:
     return f"%{n.name} = {n.op}(...)" + (f" (from {n.loc})" if n.loc else "")
 
@@ -233,6 +244,9 @@ class Executor:
         # the last run's f16 loss-scale flags (netdsl.passes.precision): {flag node: whether
         # it was set, so that the updates it gates were skipped}
         self.gates: dict[str, bool] = {}
+        # {node: seconds its kernel took in the last run}, kept where set to a dict
+        # (runtime/timeline.py); None: not timed
+        self.node_times: dict[str, float] | None = None
         self.bytes_by_device: dict[int, int] = {}
         self.peak_by_device: dict[int, int] = {}
         self.state: dict[str, Any] = {} if state is None else state
@@ -356,6 +370,8 @@ class Executor:
             self._alloc(d, w)
         prog = self._program(roles, plan)
         call, feed, state, take, give = self._call, self._feed, self.state, self._take, self._give
+        if self.node_times is not None:
+            call = _timed(call, self.node_times)
         try:
             with self.backend.running():  # the NumPy backend's threads (numpy_fused)
                 for name, n, kind, ins, nb, where, frees in prog:

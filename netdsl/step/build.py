@@ -203,7 +203,7 @@ def _split(step: Step, world: World | None, say, progress) -> None:
                     step.cfg.optimizer.model_dump(), req.profile,
                     get_interconnect(req.interconnect), mem=budget,
                     microbatches=req.microbatches, schedule=req.schedule, bn=req.bn,
-                    shard=req.shard,
+                    shard=req.shard, virtual_stages=req.virtual_stages,
                     gather=_gather(labels), plan=budget is not None,
                     mem_strategy=req.strategy, float_dtype=req.dtype,
                     outputs={"logits": [labels[0]]} if labels else None,

@@ -59,6 +59,7 @@ class StepRequest:
     schedule: str | None = None
     bn: str = "sync"
     shard: int | None = None  # None: the file's, else none (or auto's choice)
+    virtual_stages: int | None = None  # None: the file's, else 1 (or auto's choice)
     interconnect: str = "shm"
     over_mpi: bool = False  # one process a device: MPI holds each message until received
     jobs: int | None = None
@@ -128,6 +129,7 @@ def request_for(opts: StepOptions, cfg: TrainConfig, backend=None, *, runs: bool
         budget_bytes=budget, strategy=opts.strategy, offload_state=opts.offload_state,
         devices=opts.devices, split=opts.split, microbatches=opts.microbatches,
         schedule=opts.schedule, bn=opts.bn, shard=opts.shard,
+        virtual_stages=opts.virtual_stages,
         interconnect="shm" if runs else opts.interconnect, over_mpi=opts.distributed,
         jobs=opts.jobs, runs=runs), **overrides)
 

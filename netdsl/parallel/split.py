@@ -12,7 +12,10 @@ with its communication, comes from the gradient rules):
   GPipe order (every device runs its micro-batches' forward parts in order, then their
   backward parts in reverse order) or 1F1B (`schedule="1f1b"`): `order.order_micro_batches`.
 - hybrids: `data=D, pipeline=P` uses D x P devices, replica r's stage s on r * P + s.
-- **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels.
+- **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels,
+  alone or in each replica, stage and micro-batch of a data x pipeline split (3-D).
+- devices are numbered in Megatron-LM's order (`device_index`): replica r's stage s,
+  tensor rank t on (r * P + s) * T + t.
 - **spatial** (`spatial=S`, `spatial.py`): the image height split into S strips, with halo
   exchange for convolutions and pooling; the head runs on device 0.
 - **shard** (`shard=1|2|3`, with data replicas alone): ZeRO's sharded state, the optimizer
@@ -57,7 +60,7 @@ class SplitSpec:
     pipeline: int = 1
     microbatches: int = 1
     bn: str = "sync"  # sync | local
-    tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
+    tensor: int = 1  # output-channel splits of linear and conv2d layers
     schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
     spatial: int = 1  # strips of the image height (alone)
     shard: int = 0  # ZeRO stage of the data replicas' state (0: replicated; `zero.py`)
@@ -71,7 +74,7 @@ class SplitSpec:
         if self.devices == 1:
             return "none"
         if self.tensor > 1:
-            return "tensor" if self.data == 1 else "hybrid"
+            return "tensor" if self.data == self.pipeline == 1 else "hybrid"
         if self.spatial > 1:
             return "spatial" if self.data == 1 else "hybrid"
         if self.pipeline == 1:
@@ -110,7 +113,7 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                          "split needs a scalar loss", )
     _check_devices(fwd, spec)  # (a tensor or spatial split ignored the pins)
     if spec.tensor > 1:
-        return _tensor_forward(fwd, batch, spec, gather)
+        return _tensor_forward(fwd, batch, spec, gather, stage_of, profile)
     if spec.spatial > 1:
         return _spatial_forward(fwd, batch, spec, gather)
     stages = spec.pipeline
@@ -130,8 +133,7 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                               m if stages > 1 or micro > 1 else None, lo, hi))
 
     def device_of(n: Node, p: Part) -> int:
-        base = (p.device or 0) * stages
-        return base + (stage_of[n.name] if stages > 1 else 0)
+        return device_index(spec, p.device or 0, stage_of[n.name] if stages > 1 else 0, 0)
 
     def state_name(n: Node, p: Part) -> str:
         return n.name if not p.device else copy_name(n.name, p.device)
@@ -189,32 +191,58 @@ def _part_rows(batch: int, data: int, micro: int, by_micro: bool) -> list[list[t
     return [[blocks[m][r] for m in range(micro)] for r in range(data)]
 
 
-def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
-    """Every device of a replica a copy of the replica's rows; the chosen layers split by
-    channels over the replica's `tensor` devices (replica r's rank t on r * tensor + t)."""
+def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...],
+                   stage_of: dict[str, int] | None = None,
+                   profile: Profile | None = None) -> Graph:
+    """Every tensor rank a copy of its part's rows; the chosen layers split by channels over
+    the `tensor` ranks of each replica, stage and micro-batch. Devices in Megatron's order
+    (`device_index`): replica r's stage s, tensor rank t on r * P * T + s * T + t."""
     from netdsl.parallel.tensor import split_layers
-    if spec.pipeline > 1:
-        raise SplitError("a tensor split does not combine with pipeline splits yet")
-    ways, replicas = spec.tensor, spec.data
-    rows = batch_rows(batch, replicas, "data-parallel replicas")
-    parts = [Part(r * ways + t, None, lo, hi, mirror=t > 0)
-             for r, (lo, hi) in enumerate(rows) for t in range(ways)]
+    ways, replicas, stages, micro = spec.tensor, spec.data, spec.pipeline, spec.microbatches
+    if stages > 1:
+        stage_of = stage_of or assign_stages(fwd, stages, profile,
+                                             max(1, batch // (replicas * micro)))
+    synced = spec.bn == "sync" and replicas > 1
+    rows = _part_rows(batch, replicas, micro, by_micro=synced)
+    # a part's `device` is its column r * T + t (it names the copies and the state); the
+    # devices are placed by stage
+    parts = [Part(r * ways + t, m if stages > 1 else None, lo, hi, mirror=t > 0)
+             for r in range(replicas) for m, (lo, hi) in enumerate(rows[r])
+             for t in range(ways)]
+
+    def device_of(n: Node, p: Part) -> int:
+        r, t = divmod(p.device, ways)
+        return device_index(spec, r, stage_of[n.name] if stages > 1 else 0, t)
+
     g, copies = copy_forward(
-        fwd, parts, batch, lambda n, p: n.name if not p.device else copy_name(n.name, p.device))
-    if spec.bn == "sync" and replicas > 1:
-        # each tensor rank's batchnorm copies are synchronised over the replicas (the
-        # mirrors of one replica see the same rows and must not count them twice)
-        for t in range(ways):
-            sync_batchnorms(g, {o: names[t::ways] for o, names in copies.items()}, fwd, batch)
-    else:
-        running_stats_once(g, copies)  # every device's batchnorm sees its replica's rows
-    split_layers(g, copies, fwd, ways, replicas)
+        fwd, parts, batch, lambda n, p: n.name if not p.device else copy_name(n.name, p.device),
+        device_of)
+    # each tensor rank's batchnorm copies are normalised as the data x pipeline split's
+    # (the mirrors of one part see the same rows and must not count them twice)
+    for t in range(ways):
+        mine = {o: names[t::ways] for o, names in copies.items()}
+        if micro > 1 and spec.bn == "sync":
+            _normalise_micro_batches(g, mine, fwd, rows, replicas, micro)
+        elif synced:
+            sync_batchnorms(g, mine, fwd, batch)
+        else:
+            running_stats_once(g, mine)  # every device's batchnorm sees its part's rows
+    split_layers(g, copies, fwd, ways, replicas * micro)
     combine(g, fwd, parts, copies, batch, 0, gather)
     connect(g)
-    g.meta["split"] = {"data": replicas, "pipeline": 1, "microbatches": 1, "tensor": ways,
-                       "bn": spec.bn, "devices": spec.devices, "strategy": spec.name,
-                       "layers": len(g.meta.get("tensor_layers", []))}
+    g.meta["split"] = {"data": replicas, "pipeline": stages, "microbatches": micro,
+                       "tensor": ways, "bn": spec.bn, "devices": spec.devices,
+                       "strategy": spec.name, "layers": len(g.meta.get("tensor_layers", []))}
+    if stages > 1:
+        g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
     return g
+
+
+def device_index(spec: SplitSpec, replica: int, stage: int, rank: int) -> int:
+    """The device of data replica `replica`'s pipeline stage `stage`, tensor rank `rank`:
+    Megatron-LM's order, tensor ranks fastest, then stages, then replicas (the devices of
+    one tensor group side by side, where the interconnect is fastest)."""
+    return (replica * spec.pipeline + stage) * spec.tensor + rank
 
 
 def _spatial_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:

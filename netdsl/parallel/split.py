@@ -227,7 +227,9 @@ def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, 
             sync_batchnorms(g, mine, fwd, batch)
         else:
             running_stats_once(g, mine)  # every device's batchnorm sees its part's rows
-    split_layers(g, copies, fwd, ways, replicas * micro)
+    # sharded state's pieces are ranges of a parameter's rows (`flat_piece_shard`), which a
+    # pair's input-channel shards are not: with shards every layer is gathered
+    split_layers(g, copies, fwd, ways, replicas * micro, pair=not spec.shard)
     combine(g, fwd, parts, copies, batch, 0, gather)
     connect(g)
     g.meta["split"] = {"data": replicas, "pipeline": stages, "microbatches": micro,
@@ -360,16 +362,16 @@ def split_step(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
 
 
 def _shardable(spec: SplitSpec) -> int:
-    """The ZeRO stage of `spec`, which shards the state of data replicas only."""
+    """The ZeRO stage of `spec`, which shards the state over data replicas: alone, or the
+    replicas of each (tensor rank, stage) position of a 3-D split."""
     if spec.shard not in SHARD_STAGES:
         raise SplitError(f"shard must be {', '.join(map(str, SHARD_STAGES))}, not "
                          f"{spec.shard}")
-    if spec.data < 2 or spec.devices != spec.data:
+    if spec.data < 2 or spec.spatial > 1:
         raise SplitError(f"shard={spec.shard} shards the state of data-parallel replicas; "
                          f"{spec.describe()} has "
                          + ("no data split" if spec.data < 2 else
-                            "other splits besides (pipeline, tensor or spatial), which it "
-                            "does not combine with yet"))
+                            "a spatial split besides, which it does not combine with yet"))
     return spec.shard
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.placement import FLAT, canonical, copy_name, even_parts
+from netdsl.ir.placement import canonical, copy_name, even_parts, flat_piece_shard
 from netdsl.ir.rewrite import make_node, splice
 from netdsl.parallel.gradsync import BUCKET_BYTES, adder, flatten_bucket, plan_buckets
 from netdsl.passes.optimizer import group_updates
@@ -120,7 +120,7 @@ def _pieces(g: Graph, b: int, bucket, params, shards: list[str], grads: list[str
             piece = make_node(g, g.fresh_name(copy_name(canonical(p.name), dev, strip=j)),
                               "flat_piece", [p.name], {"start": a, "stop": z}, like=p,
                               device=dev, meta={"phase": "optimizer",
-                                                "shard": (FLAT, a, z, tuple(p.type.shape))})
+                                                "shard": flat_piece_shard(p, a, z)})
             pieces.append(g.add(piece))
             part = shards[j]
             if z - a != hi - lo:

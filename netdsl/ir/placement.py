@@ -158,6 +158,14 @@ def even_parts(n: int, p: int) -> list[tuple[int, int]]:
     return out
 
 
+def position_of(split: dict, device: int) -> dict[str, int]:
+    """Where device `device` of a split (its graph's `meta["split"]`) sits: its data
+    replica, pipeline stage and tensor rank, in Megatron-LM's order (tensor ranks
+    fastest, then stages, then replicas: device (replica * P + stage) * T + rank)."""
+    t, p = split.get("tensor", 1), split.get("pipeline", 1)
+    return {"replica": device // (p * t), "stage": device // t % p, "tensor_rank": device % t}
+
+
 def devices_of(g: Graph) -> list[int]:
     """The devices a graph uses, in order (a graph with no placement uses device 0)."""
     devs = sorted({n.device for n in g.nodes if n.device is not None})

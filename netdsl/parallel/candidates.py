@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
+from netdsl.options import split_sizes
 from netdsl.parallel.predict import SplitReport
 from netdsl.parallel.split import SHARD_STAGES, SplitSpec
 from netdsl.sizes import format_bytes
@@ -109,6 +110,13 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
                                                      else "gpipe")
     if sched not in ("gpipe", "1f1b"):
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
+    sizes = split_sizes(strategy)
+    if sizes is not None:  # `--split data=2,pipeline=2,tensor=2`: as a file declares it
+        if ParallelConfig(**sizes).devices != devices:
+            raise SplitError(f"--split {strategy} splits the step over "
+                             f"{ParallelConfig(**sizes).devices} devices, not {devices}")
+        declared = {k: v for k, v in declared.items() if k in ("schedule", "shard")} | sizes
+        strategy = None
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
         d, p, t, s = (declared.get(k, 1) for k in ("data", "pipeline", "tensor", "spatial"))
         if ParallelConfig(**declared).devices == devices > 1:

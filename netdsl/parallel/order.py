@@ -24,13 +24,9 @@ import heapq
 import re
 
 from netdsl.ir.graph import Graph
+from netdsl.ir.placement import position_of
 
 _MICRO = re.compile(r"@m(\d+)")
-
-
-def stage_of_device(split: dict, device: int) -> int:
-    """The pipeline stage device `device` of a split graph (its `meta["split"]`) runs."""
-    return (device // split.get("tensor", 1)) % split.get("pipeline", 1)
 
 
 def _tasks(stage: int, stages: int, micro: int, schedule: str) -> dict[tuple[str, int], int]:
@@ -95,7 +91,8 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
         if m is None or n.device is None:
             continue
         phase = "B" if n.meta.get("phase") == "backward" else "F"
-        key[n.name] = tasks[stage_of_device(split, n.device)].get((phase, int(m.group(1))), inf)
+        stage = position_of(split, n.device)["stage"]
+        key[n.name] = tasks[stage].get((phase, int(m.group(1))), inf)
     # what depends on no input at all (the loss seed, the gradient of the parts' loss
     # weights, its sends) runs first: device 0 must not hold a part's backward back
     constant: set[str] = set()

@@ -24,7 +24,7 @@ from netdsl.errors import NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.ops.comm import COLLECTIVES, comm_bytes
-from netdsl.ir.placement import devices_of
+from netdsl.ir.placement import devices_of, position_of
 from netdsl.memory.plan import device_peaks, make_plan, process_reserves, value_bytes
 from netdsl.memory.profiles import Profile
 
@@ -76,6 +76,8 @@ class DeviceReport:
     # that the optimizer state (a sharded data split: 1/N of the replicas')
     state_bytes: int = 0
     optimizer_state_bytes: int = 0
+    # its data replica, pipeline stage and tensor rank (`placement.position_of`)
+    position: dict | None = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -242,6 +244,9 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
            for d, (nodes, params, sent, sends, colls, state, opt_state) in count.items()]
     lower = sum(d.comm_bytes for d in per)
     split = g.meta.get("split", {})
+    if split.get("spatial", 1) == 1:
+        for d in per:
+            d.position = position_of(split, d.device)
     k, m = split.get("pipeline", 1), split.get("microbatches", 1)
     total_busy = sum(busy.values())
     bubble = 1.0 - total_busy / (len(per) * step) if step else 0.0
@@ -250,5 +255,6 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
                       ideal, lower, profile.name, link.name,
                       {k_: v for k_, v in split.items() if k_ in ("data", "pipeline",
                                                                    "microbatches", "bn",
-                                                                   "stages", "shard")})
+                                                                   "stages", "shard",
+                                                                   "tensor")})
     return rep, timeline

@@ -243,7 +243,8 @@ def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, 
 def device_index(spec: SplitSpec, replica: int, stage: int, rank: int) -> int:
     """The device of data replica `replica`'s pipeline stage `stage`, tensor rank `rank`:
     Megatron-LM's order, tensor ranks fastest, then stages, then replicas (the devices of
-    one tensor group side by side, where the interconnect is fastest)."""
+    one tensor group side by side, where the interconnect is fastest; the inverse is
+    `placement.position_of`)."""
     return (replica * spec.pipeline + stage) * spec.tensor + rank
 
 

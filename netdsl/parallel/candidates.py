@@ -3,8 +3,9 @@
 `candidates` lists the specs a `--strategy` allows: one for `data`, `pipeline`, `hybrid`,
 `tensor` and `spatial` (the schemes of `split.py`); for `auto`, every data x pipeline
 factorisation of the device count (with micro-batch counts 1, 2, 4 ... up to the batch
-for pipelines), the tensor split and its data x tensor hybrids and (for a network with
-convolutions) the spatial split and its data x spatial hybrids.
+for pipelines), the tensor split, its data x tensor hybrids and its tensor x pipeline
+(x data) splits of three dimensions, and (for a network with convolutions) the spatial
+split and its data x spatial hybrids.
 
 The candidates are built in rounds (`rounds`): a pipeline's micro-batch counts in rising
 order, each only while it could still win (`past_its_best`); the counts not built are
@@ -175,11 +176,28 @@ def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: st
         out.append(SplitSpec(tensor=devices, bn=bn))
         out.extend(SplitSpec(data=d, tensor=devices // d, bn=bn)
                    for d in range(2, devices) if devices % d == 0 and d <= batch)
+        out.extend(_three_d(devices, batch, microbatches, bn, sched))
     if devices > 1 and has_conv:
         out.append(SplitSpec(spatial=devices, bn=bn))
         if bn == "sync":
             out.extend(SplitSpec(data=d, spatial=devices // d, bn=bn)
                        for d in range(2, devices) if devices % d == 0 and d <= batch)
+    return out
+
+
+def _three_d(devices: int, batch: int, microbatches: int | None, bn: str,
+              sched: str) -> list[SplitSpec]:
+    """Tensor x pipeline splits (with data replicas where devices remain), each pipeline
+    with the micro-batch counts of `_micro_counts`."""
+    out = []
+    for t in range(2, devices):
+        for p in range(2, devices // t + 1):
+            if devices % (t * p):
+                continue
+            d = devices // (t * p)
+            out.extend(SplitSpec(data=d, pipeline=p, tensor=t, microbatches=m, bn=bn,
+                                 schedule=sched)
+                       for m in _micro_counts(p, batch, microbatches) if d * m <= batch)
     return out
 
 
@@ -328,6 +346,26 @@ def shard_reason(best: Choice, considered: list[Choice], cap: int) -> str | None
     return (f"auto sharded the replicas' state (ZeRO stage {best.spec.shard}): "
             f"{plain.spec.describe()} needs {format_bytes(need)} ({need:,} bytes) on a "
             f"device, more than its {format_bytes(cap)} ({cap:,} bytes)")
+
+
+def choice_reason(best: Choice, considered: list[Choice], cap: int) -> str | None:
+    """Why auto chose `best`, where it is not the obvious one: the replicas' state sharded
+    (`shard_reason`), or a split of three dimensions (tensor ranks in pipeline stages),
+    against the best of the splits of fewer dimensions."""
+    why = shard_reason(best, considered, cap)
+    if why or best.spec.tensor == 1 or best.spec.pipeline == 1:
+        return why
+    alt = min((c for c in considered if c.fits and (c.spec.tensor == 1 or c.spec.pipeline == 1)
+               and c.ranks_exact >= best.ranks_exact), key=rank, default=None)
+    t = best.report.predicted_step_s
+    if alt is None:
+        return (f"auto chose {best.spec.describe()}, tensor ranks in pipeline stages "
+                f"({t:.3g} s a step predicted): no split of fewer dimensions"
+                + (" that computes the same numbers" if best.ranks_exact else "")
+                + f" fits {format_bytes(cap)} a device")
+    return (f"auto chose {best.spec.describe()}, tensor ranks in pipeline stages: "
+            f"{t:.3g} s a step predicted, against {alt.report.predicted_step_s:.3g} s for "
+            f"{alt.spec.describe()}, the fastest split of fewer dimensions that fits")
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

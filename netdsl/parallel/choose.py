@@ -37,6 +37,7 @@ from netdsl.parallel.candidates import (
     ahead,
     beats,
     candidates,
+    choice_reason,
     exact,
     families,
     has_batch_statistics,
@@ -45,7 +46,6 @@ from netdsl.parallel.candidates import (
     planning_order,
     prefers_exact,
     rounds,
-    shard_reason,
     work_of,
 )
 from netdsl.parallel.predict import Interconnect, SplitReport, report, step_time
@@ -86,7 +86,7 @@ class Chosen:
     unavailable: list[str] = field(default_factory=list)
     # said first where auto chose a split that changes the numbers (none exact fits)
     note: str | None = None
-    # why auto sharded the data split it chose (`candidates.shard_reason`)
+    # why auto chose a sharded or 3-D split (`candidates.choice_reason`)
     reason: str | None = None
 
 
@@ -219,7 +219,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
-                  shard_reason(run.best, considered, run.cap))
+                  choice_reason(run.best, considered, run.cap))
 
 
 def _agreed(share: Share | None, specs: list[SplitSpec]) -> Share | None:

@@ -187,17 +187,20 @@ def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: st
 
 def _three_d(devices: int, batch: int, microbatches: int | None, bn: str,
               sched: str) -> list[SplitSpec]:
-    """Tensor x pipeline splits (with data replicas where devices remain), each pipeline
-    with the micro-batch counts of `_micro_counts`."""
+    """Tensor x pipeline splits (with data replicas where devices remain), each with one
+    micro-batch and with four a stage (as `--strategy pipeline`), or --microbatches: two
+    counts, not the pipelines' every power of two, since each such candidate holds a copy
+    of the network per micro-batch and tensor rank, the dearest to build."""
     out = []
     for t in range(2, devices):
         for p in range(2, devices // t + 1):
             if devices % (t * p):
                 continue
             d = devices // (t * p)
+            counts = [microbatches] if microbatches is not None else sorted(
+                {1, max(p, min(4 * p, batch // d))})
             out.extend(SplitSpec(data=d, pipeline=p, tensor=t, microbatches=m, bn=bn,
-                                 schedule=sched)
-                       for m in _micro_counts(p, batch, microbatches) if d * m <= batch)
+                                 schedule=sched) for m in counts if d * m <= batch)
     return out
 
 

@@ -18,8 +18,9 @@ with its communication, comes from the gradient rules):
   tensor rank t on (r * P + s) * T + t.
 - **spatial** (`spatial=S`, `spatial.py`): the image height split into S strips, with halo
   exchange for convolutions and pooling; the head runs on device 0.
-- **shard** (`shard=1|2|3`, with data replicas alone): ZeRO's sharded state, the optimizer
-  state (1), and the gradients (2, `zero.py`), and the parameters (3, `zero_params.py`).
+- **shard** (`shard=1|2|3`, with data replicas: alone, or those of each stage and tensor
+  rank): ZeRO's sharded state, the optimizer state (1), and the gradients (2, `zero.py`),
+  and the parameters (3, `zero_params.py`), over the devices holding a parameter's copies.
 
 After autodiff, the gradients of replicated parameters are all-reduced
 (`gradsync.sync_gradients`), then the optimizer adds each device's updates. `check.check`

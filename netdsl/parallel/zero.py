@@ -20,6 +20,10 @@ Two rewrites of the data split's training graph, around the optimizer pass (in p
   bucket (its range: `pack_flat`), an *all-gather* gives every replica the whole updated
   bucket, and one `assign_flat` writes each parameter of it back in place.
 
+In a split of three dimensions a parameter's copies are those of the replicas of its
+stage (and, for a tensor shard, its tensor rank), and the buckets group parameters held by
+the same devices, so each bucket is reduce-scattered over the devices that hold it.
+
 The step computes the unsharded step's numbers: every element is updated once, by the
 same rule, from the same summed gradient. A reduce-scatter and an all-gather of a bucket
 move what its all-reduce did (the ring's all-reduce is exactly the two), so the bytes

@@ -116,6 +116,20 @@ def test_devices_follow_megatrons_order():
                                                     for d in range(8)]
 
 
+@pytest.mark.parametrize("shard", [0, 3])
+def test_predicted_bytes_are_what_the_communicator_sent(shard):
+    """Each device's predicted bytes (sends, the tensor groups' and the replicas'
+    collectives) are what the in-process communicator counts, to the ring's one-element
+    rounding of each collective's parts."""
+    net, opt, feeds = setup("transformer")
+    spec = SplitSpec(data=2, tensor=2, pipeline=2, microbatches=2, shard=shard)
+    g = split_step(net.graph, BATCH, spec, opt)
+    rep, _ = report(g, 1.0, CPU, SHM, "f64")
+    counted = verify_split(net.graph, BATCH, spec, opt, feeds, split=g).comm_bytes
+    for d in rep.per_device:
+        assert d.comm_bytes > 0 and abs(counted[d.device] - d.comm_bytes) <= 16 * d.collectives
+
+
 @pytest.mark.parametrize("shard", [0, 1, 3])
 def test_sharded_3d_state_is_held_once(shard):
     """ZeRO over the replicas of each stage and tensor rank: the devices' optimizer state
@@ -233,6 +247,7 @@ def test_split_command_takes_the_sizes_and_reports_positions():
                               "--split", "data=2,pipeline=2,tensor=2"])
     assert bad.exit_code != 0 and "Traceback" not in bad.output
     assert "--devices 8" in " ".join(bad.output.split())
+    assert j["reason"] is None  # (the sizes asked for: no choice to explain)
 
 
 def test_a_file_declares_a_sharded_3d_split(tmp_path):
@@ -277,3 +292,4 @@ def test_auto_says_why_it_chose_a_3d_split():
     alone = choice_reason(best, [best, big], 16 * 10**9)
     assert "no split of fewer dimensions that computes the same numbers fits 16.00 GB" in alone
     assert choice_reason(flat, [best, flat], 16 * 10**9) is None
+    assert choice_reason(best, [best], 16 * 10**9) is None  # asked for, not chosen

@@ -356,8 +356,8 @@ def choice_reason(best: Choice, considered: list[Choice], cap: int) -> str | Non
     (`shard_reason`), or a split of three dimensions (tensor ranks in pipeline stages),
     against the best of the splits of fewer dimensions."""
     why = shard_reason(best, considered, cap)
-    if why or best.spec.tensor == 1 or best.spec.pipeline == 1:
-        return why
+    if why or best.spec.tensor == 1 or best.spec.pipeline == 1 or len(considered) < 2:
+        return why  # (one candidate: the split asked for, not a choice)
     alt = min((c for c in considered if c.fits and (c.spec.tensor == 1 or c.spec.pipeline == 1)
                and c.ranks_exact >= best.ranks_exact), key=rank, default=None)
     t = best.report.predicted_step_s

@@ -20,6 +20,7 @@ from netdsl.ir.types import TensorType
 from netdsl.memory.profiles import get_profile
 from netdsl.options import RunOptions, conflicts, split_sizes
 from netdsl.parallel.candidates import Choice, candidates, choice_reason, exact
+from netdsl.parallel.check import SplitCheckError, check
 from netdsl.parallel.predict import SplitReport, get_interconnect, report
 from netdsl.parallel.split import SplitSpec, device_index, split_step
 from netdsl.runtime.executor import Executor
@@ -114,6 +115,9 @@ def test_devices_follow_megatrons_order():
     rep, _ = report(g, 1.0, CPU, SHM)
     assert [d.position for d in rep.per_device] == [position_of(g.meta["split"], d)
                                                     for d in range(8)]
+    g.nodes[-1].device = 8  # a node placed outside the layout
+    with pytest.raises(SplitCheckError, match=r"device\(s\) \[8\] lie outside the split's 8"):
+        check(g, net.graph)
 
 
 @pytest.mark.parametrize("shard", [0, 3])

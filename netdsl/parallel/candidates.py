@@ -113,9 +113,10 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         raise SplitError(f"--schedule must be gpipe or 1f1b, not {sched!r}")
     sizes = split_sizes(strategy)
     if sizes is not None:  # `--split data=2,pipeline=2,tensor=2`: as a file declares it
-        if ParallelConfig(**sizes).devices != devices:
-            raise SplitError(f"--split {strategy} splits the step over "
-                             f"{ParallelConfig(**sizes).devices} devices, not {devices}")
+        if (n := ParallelConfig(**sizes).devices) != devices:
+            raise SplitError(f"--split {strategy} splits the step over {n} devices, but "
+                             f"there are {devices} (--devices, or the ranks under mpiexec); "
+                             f"give {n} (mpiexec -n {n})")
         declared = {k: v for k, v in declared.items() if k in ("schedule", "shard")} | sizes
         strategy = None
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto

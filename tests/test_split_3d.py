@@ -15,7 +15,7 @@ from test_split import NETS, ROOT, runner, setup
 from test_zero import round_trip_state
 
 from netdsl import api
-from netdsl.errors import NetdslError
+from netdsl.errors import NetdslError, SplitError
 from netdsl.ir.placement import FLAT, Shard, flat_piece_shard, position_of
 from netdsl.ir.types import TensorType
 from netdsl.memory.profiles import get_profile
@@ -223,6 +223,14 @@ def test_split_sizes_parse_and_refuse():
 def test_3d_options_that_cannot_mean_what_was_asked(opts, phrase):
     with pytest.raises(NetdslError, match=phrase):
         conflicts(opts)
+
+
+def test_sizes_that_miss_the_ranks_are_a_split_error():
+    """Under mpiexec the devices are the ranks, known only once the step is built."""
+    with pytest.raises(SplitError, match="over 4 devices, but there are 2 .*mpiexec -n 4"):
+        candidates("pipeline=2,tensor=2", 2, BATCH, None, {}, "sync")
+    assert candidates("pipeline=2,tensor=2", 4, BATCH, None, {"schedule": "1f1b"}, "sync") \
+        == [SplitSpec(pipeline=2, tensor=2, schedule="1f1b")]
 
 
 def test_3d_options_that_are_fine():

@@ -391,8 +391,9 @@ def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:
 
 
 def _check_devices(fwd: Graph, spec: SplitSpec) -> None:
-    """`@device(k)` places a layer on device k, which only a pipeline of one replica does
-    (there device k is stage k); every other scheme runs each layer on every device. One
+    """`@device(k)` places a layer on device k, which only a pipeline of one replica and
+    no tensor ranks does (there device k is stage k); every other scheme runs each layer on
+    several devices. One
     device (the single-device step `auto` measures its speed-ups against) runs them all."""
     if spec.devices == 1:
         return
@@ -401,10 +402,11 @@ def _check_devices(fwd: Graph, spec: SplitSpec) -> None:
         if k is None:
             continue
         where = f" ({n.loc})" if n.loc else ""
-        if spec.pipeline == 1 or spec.data > 1:
+        if spec.pipeline == 1 or spec.data > 1 or spec.tensor > 1:
+            where_all = ("every device" if spec.pipeline == 1 else
+                         "each replica" if spec.data > 1 else "each tensor rank of a stage")
             raise SplitError(f"@device({k}) on %{n.name}{where} places it on one device, "
-                             f"but a {spec.name} split runs every layer on "
-                             f"{'each replica' if spec.pipeline > 1 else 'every device'}; "
+                             f"but a {spec.name} split runs every layer on {where_all}; "
                              "use a pipeline over the devices, or @stage(k)")
         if k >= spec.pipeline:
             raise SplitError(f"@device({k}) on %{n.name}{where}: the split has only "

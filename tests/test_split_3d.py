@@ -194,14 +194,17 @@ def test_shards_gather_every_layer_instead_of_pairing():
     assert plain.meta["tensor_pairs"] and not sharded.meta["tensor_pairs"]
 
 
-def test_a_layer_pinned_to_a_device_is_refused_by_name():
+def test_pins_and_accumulation_with_tensor_ranks_are_refused_by_name():
     """@device(k) is stage k of a pipeline over the devices; with tensor ranks a stage is
-    several devices, so the pin cannot mean what it says."""
+    several devices, so the pin cannot mean what it says; micro-batches without a pipeline
+    (accumulation) do not combine with tensor ranks."""
     net, opt, _ = setup("vgg")
     g = net.graph.copy()
     next(n for n in g.nodes if n.op == "linear").annotations["device"] = 1
     with pytest.raises(SplitError, match=r"@device\(1\) on %.*each tensor rank of a stage"):
         split_step(g, BATCH, SplitSpec(pipeline=2, tensor=2), opt)
+    with pytest.raises(SplitError, match="microbatches apply to pipelines"):
+        split_step(net.graph, BATCH, SplitSpec(data=2, tensor=2, microbatches=2), opt)
 
 
 # -- declaring them ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" pass)
 import netdsl.parallel.zero  # noqa: F401  (registers the sharded state's passes)
+from netdsl.config import MICROBATCHES_APPLY
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
@@ -200,6 +201,8 @@ def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, 
     (`device_index`): replica r's stage s, tensor rank t on r * P * T + s * T + t."""
     from netdsl.parallel.tensor import split_layers
     ways, replicas, stages, micro = spec.tensor, spec.data, spec.pipeline, spec.microbatches
+    if micro > 1 and stages == 1:
+        raise SplitError(f"microbatches={micro}: {MICROBATCHES_APPLY}")
     if stages > 1:
         stage_of = stage_of or assign_stages(fwd, stages, profile,
                                              max(1, batch // (replicas * micro)))

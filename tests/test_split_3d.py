@@ -24,6 +24,7 @@ from netdsl.parallel.candidates import Choice, candidates, choice_reason, exact
 from netdsl.parallel.check import SplitCheckError, check
 from netdsl.parallel.predict import SplitReport, get_interconnect, report
 from netdsl.parallel.split import SplitSpec, device_index, split_step
+from netdsl.runtime.executor import Executor
 from netdsl.runtime.gate import verify_split
 from netdsl_cli.app import app
 
@@ -157,6 +158,10 @@ def test_sharded_3d_state_is_held_once(shard):
         assert opt_total == one.optimizer_state_bytes
     if shard == 3:
         assert state_total == one.state_bytes
+        # and as the executors allocate it (not the report's count)
+        held = Executor(split_step(net.graph, BATCH, spec, opt), "numpy", "f32").state
+        alone = Executor(split_step(net.graph, BATCH, SplitSpec(), opt), "numpy", "f32").state
+        assert sum(v.nbytes for v in held.values()) == sum(v.nbytes for v in alone.values())
     else:
         assert state_total > one.state_bytes
 

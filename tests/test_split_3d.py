@@ -319,3 +319,19 @@ def test_auto_says_why_it_chose_a_3d_split():
     assert "no split of fewer dimensions that computes the same numbers fits 16.00 GB" in alone
     assert choice_reason(flat, [best, flat], 16 * 10**9) is None
     assert choice_reason(best, [best], 16 * 10**9) is None  # asked for, not chosen
+
+
+def test_a_3d_split_is_planned_into_a_budget_per_device():
+    """`run --mem` plans each device's part of a sharded 3-D split (recomputing what does
+    not fit) and every device's counted peak stays within the budget."""
+    out = runner.invoke(app, ["run", str(NETS["transformer"]), "--devices", "8", "--batch",
+                              "16", "--split", "data=2,pipeline=2,tensor=2,microbatches=4",
+                              "--shard", "1", "--mem", "1.8MB", "--steps", "1",
+                              "--eval-samples", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    j = json.loads(out.output[out.output.index("{"):])
+    plan = j["memory_plan"]
+    assert plan["feasible"] and plan["unplanned_peak_bytes"] > 1_800_000
+    assert sum(d["recompute"] for d in plan["per_device"].values()) > 0
+    assert len(j["peak_by_device"]) == 8
+    assert all(0 < v <= 1_800_000 for v in j["peak_by_device"].values())

@@ -36,6 +36,8 @@ SPECS = {
     "tensor2-pipeline2": SplitSpec(tensor=2, pipeline=2, microbatches=2, schedule="1f1b"),
     "data2-pipeline2-shard1": SplitSpec(data=2, pipeline=2, microbatches=2, shard=1),
     "data2-tensor2-shard3": SplitSpec(data=2, tensor=2, shard=3),
+    # 6 devices: channels not divisible by the tensor ranks (uneven shards)
+    "tensor3-pipeline2": SplitSpec(tensor=3, pipeline=2, microbatches=2),
     # 8 devices
     "tensor2-pipeline4": SplitSpec(tensor=2, pipeline=4, microbatches=4, schedule="1f1b"),
     "data2-tensor2-pipeline2": SplitSpec(data=2, tensor=2, pipeline=2, microbatches=2),
@@ -83,6 +85,16 @@ def setup3(name: str):
     data = make_dataset(net.graph, net.train.data, 0)
     feeds = dict(zip(data.input_names, Loader(data.train, BATCH, 0).next(), strict=True))
     return net, net.train.optimizer.model_dump(), feeds
+
+
+def test_the_gate_weighs_a_shards_gradient_against_its_whole():
+    """A piece whose gradient is rounding noise alone (tensor=3 cuts a key projection's
+    bias, whose gradient is zero mathematically, out of the packed q/k/v bias) is
+    compared at the scale of the whole parameter's gradient, not its own noise."""
+    from netdsl.runtime.gate import rel
+    noise, whole = np.array([2e-19, -1e-19]), np.array([0.5, 2e-19, -1e-19, 0.25])
+    assert rel(noise, np.zeros(2)) > 1e100  # (its own scale: 1e-300)
+    assert rel(noise, np.zeros(2), whole=whole) == pytest.approx(4e-19)
 
 
 def test_devices_follow_megatrons_order():

@@ -98,8 +98,8 @@ class StepOptions:
     shard: int | None = option(
         None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
         "too, 3 the parameters too (gathered layer by layer); each replica then updates and "
-        "holds 1/N of it (a data split; default: the file's `parallel { }`, else none, or "
-        "what auto chooses)", min=0)
+        "holds 1/N of it (a data split, or the data replicas of a 3-D one; default: the "
+        "file's `parallel { }`, else none, or what auto chooses)", min=0)
     bn: str = option(
         "sync", "batchnorm over a split batch: sync (the whole batch's statistics: the "
         "single-device step) or local (each device its own rows', fewer collectives)")

@@ -315,6 +315,17 @@ def test_auto_weighs_3d_splits_with_the_exactness_rule():
     assert exact(SplitSpec(data=2, tensor=2, pipeline=2), batch_statistics=True)
 
 
+def test_auto_with_shards_weighs_the_3d_splits_sharded_alike():
+    """--shard S with auto: the data split and the 3-D splits with data replicas, each
+    sharded at stage S (on 4 devices there is no 3-D split with replicas)."""
+    specs = candidates("auto", 8, 16, None, {}, "sync", shard=1)
+    assert specs[0] == SplitSpec(data=8, shard=1, schedule="1f1b")
+    assert {(s.data, s.pipeline, s.tensor, s.microbatches, s.shard) for s in specs[1:]} == {
+        (2, 2, 2, 1, 1), (2, 2, 2, 8, 1)}
+    assert candidates("auto", 4, 16, None, {}, "sync", shard=2) == [
+        SplitSpec(data=4, shard=2, schedule="1f1b")]
+
+
 def _choice(spec: SplitSpec, step: float, fits: bool = True) -> Choice:
     rep = SplitReport("x", spec.devices, [], step, 1.0, 0.0, None, 0, "cpu", "shm", {})
     return Choice(spec, None, rep, fits)

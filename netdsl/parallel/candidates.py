@@ -138,8 +138,12 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         raise SplitError(f"--microbatches {microbatches}: {MICROBATCHES_APPLY}")
     if strategy == "data" or (strategy == "auto" and shard):
         # micro-batches: each replica accumulates, each part in turn
-        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1, shard=shard or 0,
-                          schedule=schedule or declared.get("schedule") or "1f1b")]
+        out = [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1, shard=shard or 0,
+                         schedule=schedule or declared.get("schedule") or "1f1b")]
+        if strategy == "auto":  # --shard S: the 3-D splits' replicas sharded alike
+            out += [replace(s, shard=shard) for s in _three_d(devices, batch, microbatches,
+                                                               bn, sched) if s.data > 1]
+        return out
     if strategy == "tensor":
         return [SplitSpec(tensor=devices, bn=bn)]
     if strategy == "spatial":

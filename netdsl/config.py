@@ -257,8 +257,11 @@ class TrainConfig(_Strict):
         return self
 
 
-SHARD_APPLIES = ("shard applies to data-parallel replicas alone (data = 2 or more, without "
-                 "pipeline, tensor or spatial splits)")
+SHARD_APPLIES = ("shard applies to data-parallel replicas alone or with pipeline and tensor "
+                 "splits (data = 2 or more: the replicas of each stage and tensor rank), not "
+                 "to spatial splits")
+SPATIAL_ALONE = ("spatial splits combine with data replicas only, not with pipeline or "
+                 "tensor splits")
 VIRTUAL_STAGES_APPLY = ("virtual_stages (interleaved 1F1B) needs a pipeline of 2 or more "
                         "stages in 1f1b order, with microbatches a multiple of pipeline")
 MICROBATCHES_APPLY = ("microbatches apply to pipelines, to data-parallel replicas and to one "
@@ -293,9 +296,11 @@ class ParallelConfig(_Strict):
         # on each data-parallel replica)
         if self.microbatches != 1 and self.pipeline == 1 and self.tensor * self.spatial > 1:
             raise ValueError(MICROBATCHES_APPLY)
-        if self.shard and (self.data == 1 or self.devices != self.data):
+        if self.shard and (self.data == 1 or self.spatial > 1):
             raise ValueError(SHARD_APPLIES)
         if self.virtual_stages > 1 and (self.pipeline == 1 or self.schedule not in (None, "1f1b")
                                         or self.microbatches % self.pipeline):
             raise ValueError(VIRTUAL_STAGES_APPLY)
+        if self.spatial > 1 and self.pipeline * self.tensor > 1:
+            raise ValueError(SPATIAL_ALONE)
         return self

@@ -86,8 +86,9 @@ class StepOptions:
         1, "split the step over this many devices (logical devices in this process, or one "
         "MPI rank each with --distributed)", flags=("--devices", "-n"), min=1)
     split: str | None = option(
-        None, "how to split over --devices: auto, data, pipeline, hybrid, tensor or spatial "
-        "(default: the file's `parallel { }`, else auto)")
+        None, "how to split over --devices: auto, data, pipeline, hybrid, tensor or spatial, "
+        "or the sizes as `parallel { }` gives them: data=2,pipeline=2,tensor=2 (3-D; also "
+        "microbatches=M; default: the file's `parallel { }`, else auto)")
     microbatches: int | None = option(
         None, "micro-batches per step: a pipeline's, or the parts of the batch each device "
         "accumulates gradients over, one after the other (batchnorm normalises each part "
@@ -105,8 +106,8 @@ class StepOptions:
     shard: int | None = option(
         None, "shard the data replicas' state (ZeRO): 1 the optimizer state, 2 the gradients "
         "too, 3 the parameters too (gathered layer by layer); each replica then updates and "
-        "holds 1/N of it (a data split; default: the file's `parallel { }`, else none, or "
-        "what auto chooses)", min=0)
+        "holds 1/N of it (a data split, or the data replicas of a 3-D one; default: the "
+        "file's `parallel { }`, else none, or what auto chooses)", min=0)
     bn: str = option(
         "sync", "batchnorm over a split batch: sync (the whole batch's statistics: the "
         "single-device step) or local (each device its own rows', fewer collectives)")
@@ -198,8 +199,11 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
                           "yet, but for a sharded data split (--shard 1|2|3) over --devices N "
                           "in one process (ZeRO-Offload); other split steps are planned by "
                           "recomputing and offloading activations")
+    sizes = split_sizes(opts.split)
+    if sizes is not None:
+        _sizes_conflicts(opts, sizes)
     if opts.shard is not None:
-        _shard_conflicts(opts)
+        _shard_conflicts(opts, sizes)
     if opts.schedule is not None:
         _choice(opts.schedule, SCHEDULES, "--schedule")
     if (opts.virtual_stages or 1) > 1:
@@ -210,7 +214,48 @@ def conflicts(opts: StepOptions, budgeted: bool = False) -> list[str]:
             if not used(opts, budgeted)]
 
 
-def _shard_conflicts(opts: StepOptions) -> None:
+SPLIT_SIZES = ("data", "pipeline", "tensor", "spatial", "microbatches")
+
+
+def split_sizes(split: str | None) -> dict[str, int] | None:
+    """`--split data=2,pipeline=2,tensor=2`: the sizes it gives, as a file's `parallel { }`
+    declares them; None for a scheme's name (auto, data ...) or no --split."""
+    if split is None or "=" not in split:
+        return None
+    out: dict[str, int] = {}
+    for item in split.split(","):
+        key, _, value = (x.strip() for x in item.partition("="))
+        if key not in SPLIT_SIZES or key in out or not value.isdigit() or int(value) < 1:
+            why = (f"`{key}` is given twice" if key in out else
+                   f"`{key}` is not one of {', '.join(SPLIT_SIZES)}" if key not in SPLIT_SIZES
+                   else f"`{key}` must be a whole number of 1 or more, not {value!r}")
+            raise NetdslError(f"--split {split}: {why}; give the sizes as "
+                              "data=D,pipeline=P,tensor=T (each 1 or more, the devices their "
+                              "product), or a scheme: auto, data, pipeline, hybrid, tensor or "
+                              "spatial")
+        out[key] = int(value)
+    return out
+
+
+def _sizes_conflicts(opts: StepOptions, sizes: dict[str, int]) -> None:
+    from pydantic import ValidationError
+
+    from netdsl.config import ParallelConfig  # (the file's `parallel { }` rules)
+    if "microbatches" in sizes and opts.microbatches is not None:
+        raise NetdslError(f"--split {opts.split} gives microbatches, and --microbatches "
+                          f"{opts.microbatches} gives them again; give them once")
+    try:
+        devices = ParallelConfig(**sizes).devices
+    except ValidationError as e:
+        why = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise NetdslError(f"--split {opts.split}: {why}") from None
+    if not opts.distributed and devices != opts.devices:
+        raise NetdslError(f"--split {opts.split} splits the step over {devices} devices, but "
+                          f"--devices is {opts.devices}; give --devices {devices} (under "
+                          f"mpiexec with --distributed: -n {devices})")
+
+
+def _shard_conflicts(opts: StepOptions, sizes: dict[str, int] | None = None) -> None:
     if opts.shard not in SHARD_STAGES:
         raise NetdslError(f"--shard must be 0 (state replicated), 1 (optimizer state "
                           f"sharded), 2 (gradients too) or 3 (parameters too), not "
@@ -221,10 +266,16 @@ def _shard_conflicts(opts: StepOptions) -> None:
         raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas, "
                           "but the step runs on one device; give --devices N (or run under "
                           "mpiexec with --distributed)")
-    if opts.split not in (None, "auto", "data"):
+    if sizes is not None and (sizes.get("data", 1) < 2 or sizes.get("spatial", 1) > 1):
+        raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas, "
+                          f"alone or in each stage and tensor rank; --split {opts.split} has "
+                          + ("no data replicas (give data=2 or more)" if sizes.get("data", 1) < 2
+                             else "a spatial split, which it does not combine with yet"))
+    if sizes is None and opts.split not in (None, "auto", "data"):
         raise NetdslError(f"--shard {opts.shard} shards the state of data-parallel replicas "
                           f"and does not combine with --split {opts.split} yet; give --split "
-                          "data (or leave --split out)")
+                          "data, or the sizes of a 3-D split (--split data=2,pipeline=2,"
+                          "tensor=2), or leave --split out")
     if opts.precision not in (None, "f32"):
         raise NetdslError(f"--shard {opts.shard} does not combine with --precision "
                           f"{opts.precision} yet (the sharded update and gathers are built "

@@ -157,11 +157,10 @@ def test_checkpoints_resume_on_another_shard_count_exactly(tmp_path):
         assert r["final_loss"] == pytest.approx(base["final_loss"], rel=1e-12), extra
 
 
-def test_state_dict_joins_the_pieces_and_loads_them():
-    """The executor's state in the single-device layout: the pieces joined into whole
-    entries, equal to one device's at the start; loaded back by range."""
-    net, opt, _ = setup("transformer")
-    g = split_step(net.graph, BATCH, SplitSpec(data=4, shard=2), opt)
+def round_trip_state(net, opt, spec: SplitSpec):
+    """`spec`'s step and an executor of it, whose state in the single-device layout is
+    one device's at the start and takes a single-device state dict back."""
+    g = split_step(net.graph, BATCH, spec, opt)
     ex = Executor(g, "numpy", "f64", seed=3)
     single = Executor(split_step(net.graph, BATCH, SplitSpec(), opt), "numpy", "f64", seed=3)
     a, b = ex.state_dict(), single.state_dict()
@@ -169,6 +168,14 @@ def test_state_dict_joins_the_pieces_and_loads_them():
     b = {k: v + np.arange(v.size).reshape(v.shape) for k, v in b.items()}
     ex.load_state_dict(b)
     assert all(np.array_equal(ex.state_dict()[k], b[k]) for k in b)
+    return g, ex
+
+
+def test_state_dict_joins_the_pieces_and_loads_them():
+    """The executor's state in the single-device layout: the pieces joined into whole
+    entries, equal to one device's at the start; loaded back by range."""
+    net, opt, _ = setup("transformer")
+    g, ex = round_trip_state(net, opt, SplitSpec(data=4, shard=2))
     pieces = [x for x in ex.layout if len(ex.layout[x]) > 1
               and Shard.of(g[ex.layout[x][0]]) is not None]
     assert pieces and all(canonical(ex.layout[x][0]) == x for x in pieces)

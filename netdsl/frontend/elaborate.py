@@ -214,7 +214,7 @@ class Elaborator(Expressions, ArgumentBinding):
             err = e.errors()[0]
             field = err["loc"][0] if err["loc"] else None
             if field is None:  # the model-level checks, each named by its setting
-                field = next((f for f in ("virtual_stages", "shard", "microbatches")
+                field = next((f for f in ("virtual_stages", "shard", "microbatches", "spatial")
                               if f in vals and f in str(err["msg"])), None)
             loc = next((s.loc for s in st.settings if s.name == field), st.loc)
             if err["type"] == "extra_forbidden":

@@ -123,6 +123,21 @@ class Shard:
         return Shard(int(axis), int(lo), int(hi), tuple(full))
 
 
+def flat_piece_shard(p: Node, a: int, z: int) -> tuple:
+    """`meta["shard"]` of elements [a, z) of state node `p` flattened, in the single-device
+    entry's coordinates: a range of the entry flattened. A shard of the entry's rows (a
+    tensor split's output channels, axis 0) is a contiguous range of it, so its piece is
+    one too; a shard along another axis is not, and is refused."""
+    sh = Shard.of(p)
+    if sh is None:
+        return (FLAT, a, z, tuple(p.type.shape))
+    if sh.axis != 0:
+        raise ValueError(f"%{p.name} is a shard along axis {sh.axis}: its elements are not "
+                         "a contiguous range of the whole")
+    inner = int(np.prod(sh.full[1:], dtype=np.int64))
+    return (FLAT, sh.lo * inner + a, sh.lo * inner + z, sh.full)
+
+
 def replica_key(n: Node) -> str:
     """What the copies of one piece of state share: the single-device name, and for a
     shard its range (the same shard in several data-parallel replicas is one piece)."""
@@ -141,6 +156,14 @@ def even_parts(n: int, p: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi
     return out
+
+
+def position_of(split: dict, device: int) -> dict[str, int]:
+    """Where device `device` of a split (its graph's `meta["split"]`) sits: its data
+    replica, pipeline stage and tensor rank, in Megatron-LM's order (tensor ranks
+    fastest, then stages, then replicas: device (replica * P + stage) * T + rank)."""
+    t, p = split.get("tensor", 1), split.get("pipeline", 1)
+    return {"replica": device // (p * t), "stage": device // t % p, "tensor_rank": device % t}
 
 
 def devices_of(g: Graph) -> list[int]:

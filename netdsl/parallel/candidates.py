@@ -3,8 +3,9 @@
 `candidates` lists the specs a `--strategy` allows: one for `data`, `pipeline`, `hybrid`,
 `tensor` and `spatial` (the schemes of `split.py`); for `auto`, every data x pipeline
 factorisation of the device count (with micro-batch counts 1, 2, 4 ... up to the batch
-for pipelines), the tensor split and its data x tensor hybrids and (for a network with
-convolutions) the spatial split and its data x spatial hybrids.
+for pipelines), the tensor split, its data x tensor hybrids and its tensor x pipeline
+(x data) splits of three dimensions, and (for a network with convolutions) the spatial
+split and its data x spatial hybrids.
 
 The candidates are built in rounds (`rounds`): a pipeline's micro-batch counts in rising
 order, each only while it could still win (`past_its_best`); the counts not built are
@@ -41,6 +42,7 @@ from dataclasses import dataclass, replace
 from netdsl.config import MICROBATCHES_APPLY, ParallelConfig
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph
+from netdsl.options import split_sizes
 from netdsl.parallel.predict import SplitReport
 from netdsl.parallel.schedules import SCHEDULES
 from netdsl.parallel.split import SHARD_STAGES, SplitSpec
@@ -122,6 +124,14 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
     if sched not in SCHEDULES:
         raise SplitError(f"--schedule must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}, "
                          f"not {sched!r}")
+    sizes = split_sizes(strategy)
+    if sizes is not None:  # `--split data=2,pipeline=2,tensor=2`: as a file declares it
+        if (n := ParallelConfig(**sizes).devices) != devices:
+            raise SplitError(f"--split {strategy} splits the step over {n} devices, but "
+                             f"there are {devices} (--devices, or the ranks under mpiexec); "
+                             f"give {n} (mpiexec -n {n})")
+        declared = {k: v for k, v in declared.items() if k in ("schedule", "shard")} | sizes
+        strategy = None
     if strategy is None:  # the file's `parallel { }` if it declares devices, else auto
         d, p, t, s = (declared.get(k, 1) for k in ("data", "pipeline", "tensor", "spatial"))
         if ParallelConfig(**declared).devices == devices > 1:
@@ -142,8 +152,12 @@ def candidates(strategy: str | None, devices: int, batch: int, microbatches: int
         raise SplitError(f"--microbatches {microbatches}: {MICROBATCHES_APPLY}")
     if strategy == "data" or (strategy == "auto" and shard):
         # micro-batches: each replica accumulates, each part in turn
-        return [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1, shard=shard or 0,
-                          schedule=schedule or declared.get("schedule") or "1f1b")]
+        out = [SplitSpec(data=devices, bn=bn, microbatches=microbatches or 1, shard=shard or 0,
+                         schedule=schedule or declared.get("schedule") or "1f1b")]
+        if strategy == "auto":  # --shard S: the 3-D splits' replicas sharded alike
+            out += [replace(s, shard=shard) for s in _three_d(devices, batch, microbatches,
+                                                               bn, sched) if s.data > 1]
+        return out
     if strategy == "tensor":
         return [SplitSpec(tensor=devices, bn=bn)]
     if strategy == "spatial":
@@ -217,11 +231,31 @@ def _auto(devices: int, batch: int, microbatches: int | None, bn: str, sched: st
         out.append(SplitSpec(tensor=devices, bn=bn))
         out.extend(SplitSpec(data=d, tensor=devices // d, bn=bn)
                    for d in range(2, devices) if devices % d == 0 and d <= batch)
+        out.extend(_three_d(devices, batch, microbatches, bn, sched))
     if devices > 1 and has_conv:
         out.append(SplitSpec(spatial=devices, bn=bn))
         if bn == "sync":
             out.extend(SplitSpec(data=d, spatial=devices // d, bn=bn)
                        for d in range(2, devices) if devices % d == 0 and d <= batch)
+    return out
+
+
+def _three_d(devices: int, batch: int, microbatches: int | None, bn: str,
+              sched: str) -> list[SplitSpec]:
+    """Tensor x pipeline splits (with data replicas where devices remain), each with one
+    micro-batch and with four a stage (as `--strategy pipeline`), or --microbatches: two
+    counts, not the pipelines' every power of two, since each such candidate holds a copy
+    of the network per micro-batch and tensor rank, the dearest to build."""
+    out = []
+    for t in range(2, devices):
+        for p in range(2, devices // t + 1):
+            if devices % (t * p):
+                continue
+            d = devices // (t * p)
+            counts = [microbatches] if microbatches is not None else sorted(
+                {1, max(p, min(4 * p, batch // d))})
+            out.extend(SplitSpec(data=d, pipeline=p, tensor=t, microbatches=m, bn=bn,
+                                 schedule=sched) for m in counts if d * m <= batch)
     return out
 
 
@@ -442,6 +476,27 @@ def schedule_reason(best: Choice, considered: list[Choice]) -> str | None:
     return (f"auto ordered the pipeline's micro-batches by the predicted step (another "
             f"order than 1F1B where it fits and is {ORDER_GAIN:.0%} faster or more): "
             f"{said(best)}; against {against}")
+
+
+def choice_reason(best: Choice, considered: list[Choice], cap: int,
+                  planning: bool = False) -> str | None:
+    """Why auto chose `best`, where it is not the obvious one: the replicas' state sharded
+    (`shard_reason`), or a split of three dimensions (tensor ranks in pipeline stages),
+    against the best of the splits of fewer dimensions (`planning`: with --mem)."""
+    why = shard_reason(best, considered, cap, planning)
+    if why or best.spec.tensor == 1 or best.spec.pipeline == 1 or len(considered) < 2:
+        return why  # (one candidate: the split asked for, not a choice)
+    alt = min((c for c in considered if c.fits and (c.spec.tensor == 1 or c.spec.pipeline == 1)
+               and c.ranks_exact >= best.ranks_exact), key=rank, default=None)
+    t = best.report.predicted_step_s
+    if alt is None:
+        return (f"auto chose {best.spec.describe()}, tensor ranks in pipeline stages "
+                f"({t:.3g} s a step predicted): no split of fewer dimensions"
+                + (" that computes the same numbers" if best.ranks_exact else "")
+                + f" fits {format_bytes(cap)} a device")
+    return (f"auto chose {best.spec.describe()}, tensor ranks in pipeline stages: "
+            f"{t:.3g} s a step predicted, against {alt.report.predicted_step_s:.3g} s for "
+            f"{alt.spec.describe()}, the fastest split of fewer dimensions that fits")
 
 
 def planning_order(considered: list[Choice]) -> list[Choice]:

@@ -7,6 +7,7 @@ report; this catches it before anything runs):
   the whole network) - a synchronised batchnorm's ops count as its batchnorm, a split
   layer's shards as the layer;
 - every parameter copy's gradient reaches its update;
+- every device is one of the split's (numbered replica x stage x tensor rank);
 - no node reads a value held on another device except through a communication op;
 - a collective's members sit side by side in the node order (every rank then enters its
   collectives in one order, which is what keeps MPI runs from deadlocking).
@@ -45,6 +46,12 @@ def check(g: Graph, fwd: Graph) -> None:
                 f"split check: forward node %{n.name} ({n.op}) is computed "
                 f"{counts[n.name]} times, once per part ({want}) was expected",
                 loc=n.loc, stack=n.stack)
+    devices = g.meta["split"].get("devices", 1)
+    stray = sorted({n.device for n in g.nodes if n.device is not None} - set(range(devices)))
+    if stray:  # a layout bug: Megatron's order numbers every device below their count
+        raise SplitCheckError(f"split check: device(s) {stray} lie outside the split's "
+                              f"{devices} (replica x stage x tensor rank: "
+                              "placement.position_of)")
     update_names = set(g.outputs.get("updates", []))
     read_by_update = {i for n in g.nodes if n.name in update_names for i in n.inputs}
     # a clipped gradient reaches its update through its scaled copy (passes.optimizer)

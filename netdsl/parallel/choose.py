@@ -38,6 +38,7 @@ from netdsl.parallel.candidates import (
     ahead,
     beats,
     candidates,
+    choice_reason,
     exact,
     families,
     has_batch_statistics,
@@ -48,7 +49,6 @@ from netdsl.parallel.candidates import (
     prefers_exact,
     rounds,
     schedule_reason,
-    shard_reason,
     weighs_orders,
     work_of,
 )
@@ -90,8 +90,8 @@ class Chosen:
     unavailable: list[str] = field(default_factory=list)
     # said first where auto chose a split that changes the numbers (none exact fits)
     note: str | None = None
-    # why auto sharded the data split it chose (`candidates.shard_reason`), or ordered
-    # its pipeline so (`candidates.schedule_reason`)
+    # why auto chose a sharded or 3-D split (`candidates.choice_reason`), or ordered its
+    # pipeline so (`candidates.schedule_reason`)
     reason: str | None = None
 
 
@@ -247,7 +247,7 @@ def _choose(request: Request, specs: list[SplitSpec], share: Share | None,
     note = None if run.best.exact or not request.prefer_exact else inexact_note(run.best,
                                                                                  run.cap)
     return Chosen(run.best, run.single, considered, skipped, errors, note,
-                  shard_reason(run.best, considered, run.cap, request.plan)
+                  choice_reason(run.best, considered, run.cap, request.plan)
                   or schedule_reason(run.best, considered + orders))
 
 

@@ -28,6 +28,7 @@ import heapq
 import re
 
 from netdsl.ir.graph import Graph
+from netdsl.ir.placement import position_of
 from netdsl.parallel.schedules import timeline
 
 _MICRO = re.compile(r"@m(\d+)")
@@ -107,12 +108,14 @@ def mark_backward_parts(g: Graph) -> None:
 
 def chunks_of(g: Graph, stages: int,
               readers: dict[str, list[str]] | None = None) -> dict[str, int]:
-    """The model chunk of every placed node: its stage (device % stages) without virtual
+    """The model chunk of every placed node: its stage (`position_of`) without virtual
     stages; with them a forward copy's `chunk`, a backward node's forward node's on the
     same device, else (a recv, a send, a gradient sum) the chunk of a reader on its
     device."""
     if g.meta["split"].get("virtual_stages", 1) == 1:
-        return {n.name: n.device % stages for n in g.nodes if n.device is not None}
+        split = g.meta["split"]
+        return {n.name: position_of(split, n.device)["stage"] for n in g.nodes
+                if n.device is not None}
     chunk = {n.name: n.meta["chunk"] for n in g.nodes if "chunk" in n.meta}
     readers = readers if readers is not None else g.consumers()
 
@@ -160,12 +163,12 @@ def order_micro_batches(g: Graph, schedule: str = "gpipe") -> Graph:
         if m is None or n.device is None:
             continue
         phase = "B" if n.meta.get("phase") == "backward" else "F"
+        stage = position_of(split, n.device)["stage"]
         if not timed:
-            key[n.name] = tasks[n.device % stages].get((phase, int(m.group(1))), inf)
+            key[n.name] = tasks[stage].get((phase, int(m.group(1))), inf)
         elif n.name in chunk:
             phase = n.meta.get("backward_part", phase)
-            key[n.name] = start.get((n.device % stages, (phase, chunk[n.name],
-                                                         int(m.group(1)))), inf)
+            key[n.name] = start.get((stage, (phase, chunk[n.name], int(m.group(1)))), inf)
     # what depends on no input at all (the loss seed, the gradient of the parts' loss
     # weights, its sends) runs first: device 0 must not hold a part's backward back
     constant: set[str] = set()

@@ -25,7 +25,7 @@ from netdsl.errors import NetdslError
 from netdsl.ir import registry
 from netdsl.ir.graph import STATE_OPS, Graph
 from netdsl.ir.ops.comm import COLLECTIVES, comm_bytes
-from netdsl.ir.placement import devices_of
+from netdsl.ir.placement import devices_of, position_of
 from netdsl.memory.plan import device_peaks, make_plan, process_reserves, value_bytes
 from netdsl.memory.profiles import Profile
 from netdsl.parallel.schedules import formula_bubble
@@ -78,6 +78,8 @@ class DeviceReport:
     # that the optimizer state (a sharded data split: 1/N of the replicas')
     state_bytes: int = 0
     optimizer_state_bytes: int = 0
+    # its data replica, pipeline stage and tensor rank (`placement.position_of`)
+    position: dict | None = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -244,6 +246,9 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
            for d, (nodes, params, sent, sends, colls, state, opt_state) in count.items()]
     lower = sum(d.comm_bytes for d in per)
     split = g.meta.get("split", {})
+    if split.get("spatial", 1) == 1:
+        for d in per:
+            d.position = position_of(split, d.device)
     k, m = split.get("pipeline", 1), split.get("microbatches", 1)
     total_busy = sum(busy.values())
     bubble = 1.0 - total_busy / (len(per) * step) if step else 0.0
@@ -255,5 +260,6 @@ def report(g: Graph, single_step: float, profile: Profile, link: Interconnect,
                                                                    "microbatches", "bn",
                                                                    "stages", "shard",
                                                                    "schedule",
-                                                                   "virtual_stages")})
+                                                                   "virtual_stages",
+                                                                   "tensor")})
     return rep, timeline

@@ -14,11 +14,15 @@ with its communication, comes from the gradient rules):
   `order.order_micro_batches`. With `virtual_stages=V` (interleaved 1F1B) the layers are
   cut into P x V chunks, chunk c on stage c % P.
 - hybrids: `data=D, pipeline=P` uses D x P devices, replica r's stage s on r * P + s.
-- **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels.
+- **tensor** (`tensor=T`, `tensor.py`): linear and conv2d layers split by output channels,
+  alone or in each replica, stage and micro-batch of a data x pipeline split (3-D).
+- devices are numbered in Megatron-LM's order (`device_index`): replica r's stage s,
+  tensor rank t on (r * P + s) * T + t.
 - **spatial** (`spatial=S`, `spatial.py`): the image height split into S strips, with halo
   exchange for convolutions and pooling; the head runs on device 0.
-- **shard** (`shard=1|2|3`, with data replicas alone): ZeRO's sharded state, the optimizer
-  state (1), and the gradients (2, `zero.py`), and the parameters (3, `zero_params.py`).
+- **shard** (`shard=1|2|3`, with data replicas: alone, or those of each stage and tensor
+  rank): ZeRO's sharded state, the optimizer state (1), and the gradients (2, `zero.py`),
+  and the parameters (3, `zero_params.py`), over the devices holding a parameter's copies.
 
 After autodiff, the gradients of replicated parameters are all-reduced
 (`gradsync.sync_gradients`), then the optimizer adds each device's updates. `check.check`
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 import netdsl.parallel.gradsync  # noqa: F401  (registers the "sync_gradients" pass)
 import netdsl.parallel.zero  # noqa: F401  (registers the sharded state's passes)
+from netdsl.config import MICROBATCHES_APPLY
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
@@ -60,7 +65,7 @@ class SplitSpec:
     pipeline: int = 1
     microbatches: int = 1
     bn: str = "sync"  # sync | local
-    tensor: int = 1  # output-channel splits of linear and conv2d layers (alone)
+    tensor: int = 1  # output-channel splits of linear and conv2d layers
     schedule: str = "gpipe"  # gpipe | 1f1b: the order of a pipeline's micro-batches
     spatial: int = 1  # strips of the image height (alone)
     shard: int = 0  # ZeRO stage of the data replicas' state (0: replicated; `zero.py`)
@@ -75,7 +80,7 @@ class SplitSpec:
         if self.devices == 1:
             return "none"
         if self.tensor > 1:
-            return "tensor" if self.data == 1 else "hybrid"
+            return "tensor" if self.data == self.pipeline == 1 else "hybrid"
         if self.spatial > 1:
             return "spatial" if self.data == 1 else "hybrid"
         if self.pipeline == 1:
@@ -117,7 +122,7 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
     _check_devices(fwd, spec)  # (a tensor or spatial split ignored the pins)
     _check_virtual(fwd, spec)
     if spec.tensor > 1:
-        return _tensor_forward(fwd, batch, spec, gather)
+        return _tensor_forward(fwd, batch, spec, gather, stage_of, profile)
     if spec.spatial > 1:
         return _spatial_forward(fwd, batch, spec, gather)
     stages, virtual = spec.pipeline, spec.virtual_stages
@@ -137,8 +142,8 @@ def split_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ..
                               m if stages > 1 or micro > 1 else None, lo, hi))
 
     def device_of(n: Node, p: Part) -> int:
-        base = (p.device or 0) * stages
-        return base + (stage_of[n.name] % stages if stages > 1 else 0)
+        return device_index(spec, p.device or 0,
+                            stage_of[n.name] % stages if stages > 1 else 0, 0)
 
     def state_name(n: Node, p: Part) -> str:
         return n.name if not p.device else copy_name(n.name, p.device)
@@ -202,32 +207,63 @@ def _part_rows(batch: int, data: int, micro: int, by_micro: bool) -> list[list[t
     return [[blocks[m][r] for m in range(micro)] for r in range(data)]
 
 
-def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
-    """Every device of a replica a copy of the replica's rows; the chosen layers split by
-    channels over the replica's `tensor` devices (replica r's rank t on r * tensor + t)."""
+def _tensor_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...],
+                   stage_of: dict[str, int] | None = None,
+                   profile: Profile | None = None) -> Graph:
+    """Every tensor rank a copy of its part's rows; the chosen layers split by channels over
+    the `tensor` ranks of each replica, stage and micro-batch. Devices in Megatron's order
+    (`device_index`): replica r's stage s, tensor rank t on r * P * T + s * T + t."""
     from netdsl.parallel.tensor import split_layers
-    if spec.pipeline > 1:
-        raise SplitError("a tensor split does not combine with pipeline splits yet")
-    ways, replicas = spec.tensor, spec.data
-    rows = batch_rows(batch, replicas, "data-parallel replicas")
-    parts = [Part(r * ways + t, None, lo, hi, mirror=t > 0)
-             for r, (lo, hi) in enumerate(rows) for t in range(ways)]
+    ways, replicas, stages, micro = spec.tensor, spec.data, spec.pipeline, spec.microbatches
+    if micro > 1 and stages == 1:
+        raise SplitError(f"microbatches={micro}: {MICROBATCHES_APPLY}")
+    if stages > 1:
+        stage_of = stage_of or assign_stages(fwd, stages, profile,
+                                             max(1, batch // (replicas * micro)))
+    synced = spec.bn == "sync" and replicas > 1
+    rows = _part_rows(batch, replicas, micro, by_micro=synced)
+    # a part's `device` is its column r * T + t (it names the copies and the state); the
+    # devices are placed by stage
+    parts = [Part(r * ways + t, m if stages > 1 else None, lo, hi, mirror=t > 0)
+             for r in range(replicas) for m, (lo, hi) in enumerate(rows[r])
+             for t in range(ways)]
+
+    def device_of(n: Node, p: Part) -> int:
+        r, t = divmod(p.device, ways)
+        return device_index(spec, r, stage_of[n.name] if stages > 1 else 0, t)
+
     g, copies = copy_forward(
-        fwd, parts, batch, lambda n, p: n.name if not p.device else copy_name(n.name, p.device))
-    if spec.bn == "sync" and replicas > 1:
-        # each tensor rank's batchnorm copies are synchronised over the replicas (the
-        # mirrors of one replica see the same rows and must not count them twice)
-        for t in range(ways):
-            sync_batchnorms(g, {o: names[t::ways] for o, names in copies.items()}, fwd, batch)
-    else:
-        running_stats_once(g, copies)  # every device's batchnorm sees its replica's rows
-    split_layers(g, copies, fwd, ways, replicas)
+        fwd, parts, batch, lambda n, p: n.name if not p.device else copy_name(n.name, p.device),
+        device_of)
+    # each tensor rank's batchnorm copies are normalised as the data x pipeline split's
+    # (the mirrors of one part see the same rows and must not count them twice)
+    for t in range(ways):
+        mine = {o: names[t::ways] for o, names in copies.items()}
+        if micro > 1 and spec.bn == "sync":
+            _normalise_micro_batches(g, mine, fwd, rows, replicas, micro)
+        elif synced:
+            sync_batchnorms(g, mine, fwd, batch)
+        else:
+            running_stats_once(g, mine)  # every device's batchnorm sees its part's rows
+    # sharded state's pieces are ranges of a parameter's rows (`flat_piece_shard`), which a
+    # pair's input-channel shards are not: with shards every layer is gathered
+    split_layers(g, copies, fwd, ways, replicas * micro, pair=not spec.shard)
     combine(g, fwd, parts, copies, batch, 0, gather)
     connect(g)
-    g.meta["split"] = {"data": replicas, "pipeline": 1, "microbatches": 1, "tensor": ways,
-                       "bn": spec.bn, "devices": spec.devices, "strategy": spec.name,
-                       "layers": len(g.meta.get("tensor_layers", []))}
+    g.meta["split"] = {"data": replicas, "pipeline": stages, "microbatches": micro,
+                       "tensor": ways, "bn": spec.bn, "devices": spec.devices,
+                       "strategy": spec.name, "layers": len(g.meta.get("tensor_layers", []))}
+    if stages > 1:
+        g.meta["split"]["stages"] = stages_summary(fwd, stage_of, stages)
     return g
+
+
+def device_index(spec: SplitSpec, replica: int, stage: int, rank: int) -> int:
+    """The device of data replica `replica`'s pipeline stage `stage`, tensor rank `rank`:
+    Megatron-LM's order, tensor ranks fastest, then stages, then replicas (the devices of
+    one tensor group side by side, where the interconnect is fastest; the inverse is
+    `placement.position_of`)."""
+    return (replica * spec.pipeline + stage) * spec.tensor + rank
 
 
 def _spatial_forward(fwd: Graph, batch: int, spec: SplitSpec, gather: tuple[str, ...]) -> Graph:
@@ -361,6 +397,9 @@ def _check_virtual(fwd: Graph, spec: SplitSpec) -> None:
             f"multiple of the stages; {spec.describe()} has "
             + ("no pipeline" if p < 2 else f"schedule {spec.schedule}"
                if spec.schedule != "1f1b" else f"{spec.microbatches} micro-batches"))
+    if spec.tensor > 1:
+        raise SplitError(f"virtual_stages={v} does not combine with tensor splits yet "
+                         f"({spec.describe()}); give virtual_stages=1, or no tensor split")
     layers = sum(not n.is_source for n in fwd.nodes)
     if layers < p * v:
         raise SplitError(f"virtual_stages={v} cuts network `{fwd.name}` into {p} x {v} = "
@@ -376,16 +415,16 @@ def _check_virtual(fwd: Graph, spec: SplitSpec) -> None:
 
 
 def _shardable(spec: SplitSpec) -> int:
-    """The ZeRO stage of `spec`, which shards the state of data replicas only."""
+    """The ZeRO stage of `spec`, which shards the state over data replicas: alone, or the
+    replicas of each (tensor rank, stage) position of a 3-D split."""
     if spec.shard not in SHARD_STAGES:
         raise SplitError(f"shard must be {', '.join(map(str, SHARD_STAGES))}, not "
                          f"{spec.shard}")
-    if spec.data < 2 or spec.devices != spec.data:
+    if spec.data < 2 or spec.spatial > 1:
         raise SplitError(f"shard={spec.shard} shards the state of data-parallel replicas; "
                          f"{spec.describe()} has "
                          + ("no data split" if spec.data < 2 else
-                            "other splits besides (pipeline, tensor or spatial), which it "
-                            "does not combine with yet"))
+                            "a spatial split besides, which it does not combine with yet"))
     return spec.shard
 
 
@@ -403,8 +442,9 @@ def _fusing(fwd: Graph, spec: SplitSpec, device: str) -> dict | None:
 
 
 def _check_devices(fwd: Graph, spec: SplitSpec) -> None:
-    """`@device(k)` places a layer on device k, which only a pipeline of one replica does
-    (there device k is stage k); every other scheme runs each layer on every device. One
+    """`@device(k)` places a layer on device k, which only a pipeline of one replica and
+    no tensor ranks does (there device k is stage k); every other scheme runs each layer on
+    several devices. One
     device (the single-device step `auto` measures its speed-ups against) runs them all."""
     if spec.devices == 1:
         return
@@ -413,10 +453,11 @@ def _check_devices(fwd: Graph, spec: SplitSpec) -> None:
         if k is None:
             continue
         where = f" ({n.loc})" if n.loc else ""
-        if spec.pipeline == 1 or spec.data > 1:
+        if spec.pipeline == 1 or spec.data > 1 or spec.tensor > 1:
+            where_all = ("every device" if spec.pipeline == 1 else
+                         "each replica" if spec.data > 1 else "each tensor rank of a stage")
             raise SplitError(f"@device({k}) on %{n.name}{where} places it on one device, "
-                             f"but a {spec.name} split runs every layer on "
-                             f"{'each replica' if spec.pipeline > 1 else 'every device'}; "
+                             f"but a {spec.name} split runs every layer on {where_all}; "
                              "use a pipeline over the devices, or @stage(k)")
         if k >= spec.pipeline:
             raise SplitError(f"@device({k}) on %{n.name}{where}: the split has only "

@@ -96,10 +96,11 @@ def _shard_state(g: Graph, name: str, lo: int, hi: int, axis: int = 0) -> None:
 
 
 def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int,
-                 replicas: int = 1) -> Graph:
+                 replicas: int = 1, pair: bool = True) -> Graph:
     """Replace each chosen layer's copies (one per device) by shards and a gather (or,
-    for a pair, an all-reduce). With data-parallel `replicas`, `copies` lists replica r's
-    `ways` copies at [r * ways, (r + 1) * ways), and each replica is split alike."""
+    for a pair, an all-reduce). With `replicas` parts (data replicas, micro-batches),
+    `copies` lists part r's `ways` copies at [r * ways, (r + 1) * ways), and each part is
+    split alike. `pair` False: no pairs, every shard one of output channels (rows)."""
     layers = chosen_layers(fwd, ways)
     if not layers:
         raise SplitError(f"network `{fwd.name}` has no linear or conv2d layer with {ways} or "
@@ -108,7 +109,7 @@ def split_layers(g: Graph, copies: dict[str, list[str]], fwd: Graph, ways: int,
     # then the gather's members, which take the copies' names: every reader of a copy
     # reads the whole output
     rewrite: dict[str, list[Node]] = {}
-    paired = pairs(fwd, layers)
+    paired = pairs(fwd, layers) if pair else []
     in_pairs = {x for a, _, b in paired for x in (a, b)}
     for r in range(replicas):
         mine = {o: names[r * ways:(r + 1) * ways] for o, names in copies.items()}

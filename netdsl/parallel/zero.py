@@ -20,6 +20,10 @@ Two rewrites of the data split's training graph, around the optimizer pass (in p
   bucket (its range: `pack_flat`), an *all-gather* gives every replica the whole updated
   bucket, and one `assign_flat` writes each parameter of it back in place.
 
+In a split of three dimensions a parameter's copies are those of the replicas of its
+stage (and, for a tensor shard, its tensor rank), and the buckets group parameters held by
+the same devices, so each bucket is reduce-scattered over the devices that hold it.
+
 The step computes the unsharded step's numbers: every element is updated once, by the
 same rule, from the same summed gradient. A reduce-scatter and an all-gather of a bucket
 move what its all-reduce did (the ring's all-reduce is exactly the two), so the bytes
@@ -31,7 +35,7 @@ from __future__ import annotations
 from netdsl.errors import SplitError
 from netdsl.ir import registry
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.placement import FLAT, canonical, copy_name, even_parts
+from netdsl.ir.placement import canonical, copy_name, even_parts, flat_piece_shard
 from netdsl.ir.rewrite import make_node, splice
 from netdsl.parallel.gradsync import BUCKET_BYTES, adder, flatten_bucket, plan_buckets
 from netdsl.passes.optimizer import group_updates
@@ -120,7 +124,7 @@ def _pieces(g: Graph, b: int, bucket, params, shards: list[str], grads: list[str
             piece = make_node(g, g.fresh_name(copy_name(canonical(p.name), dev, strip=j)),
                               "flat_piece", [p.name], {"start": a, "stop": z}, like=p,
                               device=dev, meta={"phase": "optimizer",
-                                                "shard": (FLAT, a, z, tuple(p.type.shape))})
+                                                "shard": flat_piece_shard(p, a, z)})
             pieces.append(g.add(piece))
             part = shards[j]
             if z - a != hi - lo:

@@ -26,12 +26,16 @@ parallelism's all-reduce.
 """
 from __future__ import annotations
 
+import re
+
 from netdsl.errors import SplitError
 from netdsl.ir.graph import Graph, Node
-from netdsl.ir.placement import FLAT, copy_name, even_parts, replica_key
+from netdsl.ir.placement import copy_name, even_parts, flat_piece_shard, replica_key
 from netdsl.ir.rewrite import make_node, splice
 from netdsl.ir.types import TensorType
 from netdsl.passes.registry import register_pass
+
+_SHARD_KEY = re.compile(r"\.shard\d+_\d+$")  # `replica_key`'s range of a shard
 
 
 def shard_parameters(g: Graph) -> Graph:
@@ -146,7 +150,8 @@ def _gather(g: Graph, unit: str, params: list[tuple[str, list[Node]]], phase: st
         for (key, ps), off, n in zip(params, offsets, sizes, strict=True):
             a, z = max(lo, off) - off, min(hi, off + n) - off
             if a < z:
-                name = copy_name(key, dev, strip=j)
+                # named by the single-device entry (a tensor shard's key names its rows)
+                name = copy_name(_SHARD_KEY.sub("", key), dev, strip=j)
                 mine.append(_piece(g, ps[j], name, a, z, made) if pieces else name)
         joined.append(mine[0] if len(mine) == 1 else add(
             f"{unit}.pieces@d{dev}", "concat", mine, {"axis": 0}, g[mine[0]], dev))
@@ -170,11 +175,10 @@ def _gather(g: Graph, unit: str, params: list[tuple[str, list[Node]]], phase: st
 
 def _piece(g: Graph, p: Node, name: str, a: int, z: int, made: list[Node]) -> str:
     """Replica `p`'s piece [a, z) of its elements: a parameter of its own."""
-    full = tuple(p.type.shape)
     attrs = dict(p.attrs)
     if "shape" in attrs:
         attrs["shape"] = (z - a,)
     piece = p.copy(name=name, type=TensorType((z - a,), p.type.dtype), attrs=attrs,
-                   meta={**p.meta, "shard": (FLAT, a, z, full)})
+                   meta={**p.meta, "shard": flat_piece_shard(p, a, z)})
     made.append(g.add(piece))
     return name

@@ -47,9 +47,13 @@ class GateResult:
         return dict(self.__dict__)
 
 
-def rel(a, b) -> float:
+def rel(a, b, whole=None) -> float:
+    """The largest difference of `a` from `b` relative to `b`'s largest magnitude, or to
+    that of `whole`, the single-device value `b` is a piece of (a shard's gradient can be
+    rounding noise alone: a key projection's bias gets none, mathematically)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(float(np.abs(b).max(initial=0.0)), 1e-300)
+    ref = b if whole is None else np.asarray(whole, np.float64)
+    scale = max(float(np.abs(ref).max(initial=0.0)), 1e-300)
     return float(np.abs(a - b).max(initial=0.0)) / scale
 
 
@@ -85,7 +89,8 @@ def verify_split(fwd: Graph, batch: int, spec: SplitSpec, optimizer: dict,
     g1 = dict(zip([canonical(p.name) for p in single.params()], o1["grads"], strict=True))
     worst, grad_rel = "", 0.0
     for p, gv in zip(updated(split), o2["grads"], strict=True):
-        r = rel(gv, _slice_of(p, g1[canonical(p.name)]))
+        full = g1[canonical(p.name)]
+        r = rel(gv, _slice_of(p, full), whole=full)
         if r > grad_rel:
             worst, grad_rel = f"gradient of {p.name}", r
     s1, s2 = e1.state_dict(), e2.state_dict()

@@ -49,13 +49,18 @@ RESOLUTION = {"mobilenet_v2.net": 64, "squeezenet1_1.net": 70}
 CHECKED = ["mobilenet_v2.net", "squeezenet1_1.net",
            pytest.param("resnet152.net", marks=pytest.mark.slow),
            pytest.param("vgg16.net", marks=pytest.mark.slow),
-           pytest.param("resnet2504.net", marks=pytest.mark.slow)]
+           pytest.param("resnet2504.net", marks=pytest.mark.slow),
+           pytest.param("gpt-100m.net", marks=pytest.mark.slow)]
+# examples built from another's operators, only bigger: exporting the other covers them
+# (gpt-1b's 4.2 GB of weights on a CI disk would check nothing gpt-100m does not)
+SAME_OPERATORS = {"gpt-1b.net": "gpt-100m.net"}
 
 
 def test_every_example_is_covered():
     from _examples import EXAMPLES
     listed = {p if isinstance(p, str) else p.values[0] for p in COMPARED + CHECKED}
-    assert listed == {p.name for p in EXAMPLES}
+    assert set(SAME_OPERATORS.values()) <= listed
+    assert listed | set(SAME_OPERATORS) == {p.name for p in EXAMPLES}
 
 
 def load_at(name: str) -> netdsl.Network:
@@ -99,9 +104,10 @@ def test_big_example_exports_and_checks(name, tmp_path):
     onnx.checker.check_model(str(path), full_check=True)
     assert r.weights == sum(n.type.numel() for n in net.lower().nodes
                             if n.op in ("param", "buffer"))
-    # all but the small tensors (biases, BN statistics), which stay inline
+    # all but the small tensors (biases, BN statistics), which stay inline (a GPT's
+    # smallest, its 768-wide norms, go out too)
     assert r.data_path is not None
-    assert 0.99 * r.weight_bytes < r.data_path.stat().st_size < r.weight_bytes
+    assert 0.99 * r.weight_bytes < r.data_path.stat().st_size <= r.weight_bytes
 
 
 def test_blocks_are_local_functions(tmp_path):

@@ -103,20 +103,6 @@ def test_rows_read_follows_a_data_splits_copies():
     assert rows_read(mine, "x", 8) == (4, 8)
 
 
-def test_workers_run_below_the_steps_priority(folder_net):
-    from netdsl.runtime.data.workers import WORKER_NICENESS
-    data = load_dataset(folder_net.graph, folder_net.train)
-    bg = BackgroundLoader(data.train, 4, 5, workers=2)
-    try:
-        bg.next()  # (a batch made: the workers are past their start)
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        theirs = [os.getpriority(os.PRIO_PROCESS, p.pid) for p in bg._procs]
-        assert theirs == [min(mine + WORKER_NICENESS, 19)] * 2
-        assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # (the step's own is untouched)
-    finally:
-        bg.close()
-
-
 def test_a_worker_that_dies_is_named_and_nothing_hangs(folder_net):
     data = load_dataset(folder_net.graph, folder_net.train)
     bg = BackgroundLoader(data.train, 4, 5, workers=2)

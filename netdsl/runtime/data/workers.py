@@ -19,8 +19,6 @@ import numpy as np
 
 from netdsl.errors import NetdslError
 
-WORKER_NICENESS = 10  # added to the main process's: see `work`
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -75,10 +73,6 @@ def work(wid: int, split, slots: list[str], layout: Layout, jobs, results,
     rows [lo, hi) of that slot, and answer (job, worker, skipped or an error message).
     A worker whose main process is gone (killed: nothing told it to stop) ends itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the main process stops the run)
-    # below the step's priority: the step is the critical path and the prefetched
-    # batches absorb the worker's delay, so decoding takes the cores' idle time
-    # instead of the step's threads' time
-    os.nice(WORKER_NICENESS)
     blocks = [attach(n) for n in slots]
     views = [layout.arrays(b.buf) for b in blocks]
     try:

@@ -108,6 +108,25 @@ def split(
 def _print(res) -> None:
     out = console()
     best = res.chosen.best
+    _print_devices(out, res)
+    _print_step(out, best)
+    if len(res.chosen.considered) > 1:
+        _print_considered(out, res.chosen.considered, best)
+    if res.chosen.reason:
+        out.print(res.chosen.reason)
+    for why in res.chosen.unavailable:
+        out.print(f"cannot be made: {why}")
+    if res.chosen.skipped:
+        out.print("not built (more micro-batches of a pipeline, already slower than a split "
+                  "that fits or changing the numbers where an exact split fits): "
+                  + "; ".join(s.describe() for s in res.chosen.skipped))
+    if res.gate is not None:
+        _print_gate(out, res.gate)
+
+
+def _print_devices(out, res) -> None:
+    """The chosen split's table, a row per device."""
+    best = res.chosen.best
     rep = best.report
     t = Table(title=f"{best.graph.name} on {rep.devices} device(s): {best.spec.describe()} "
                     f"(batch {res.batch}"
@@ -131,6 +150,11 @@ def _print(res) -> None:
                     f"{m.get('offload', 0):,} ({format_bytes(m.get('offload_bytes', 0))})"]
         t.add_row(*row)
     out.print(t)
+
+
+def _print_step(out, best) -> None:
+    """What the chosen split holds besides, its plan, its predicted step and bubble."""
+    rep = best.report
     reserve = max(d.outside_plan_bytes for d in rep.per_device)
     if reserve:
         out.print(f"each device's process also holds up to {format_bytes(reserve)} besides "
@@ -159,33 +183,28 @@ def _print(res) -> None:
                   f"{formula} = {rep.ideal_bubble:.1%} with equal stage times)")
     out.print(f"sent per step {format_bytes(rep.comm_bytes_total)} (ring lower bound "
               f"{format_bytes(rep.comm_bytes_lower_bound)})")
-    if len(res.chosen.considered) > 1:
-        alt = Table(title="considered")
-        for col in ("split", "fits", "exact", "step", "speed-up", "bubble", "max peak"):
-            alt.add_column(col, justify="right")
-        for c in sorted(res.chosen.considered, key=lambda c: c.report.predicted_step_s):
-            fits = "no" if not c.fits else "planned" if c.memory is not None else "yes"
-            alt.add_row(c.spec.describe() + (" *" if c is best else ""),
-                        fits, "yes" if c.exact else "no",
-                        format_seconds(c.report.predicted_step_s),
-                        f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
-                        format_bytes(max(d.peak_bytes for d in c.report.per_device)))
-        out.print(alt)
-    if res.chosen.reason:
-        out.print(res.chosen.reason)
-    for why in res.chosen.unavailable:
-        out.print(f"cannot be made: {why}")
-    if res.chosen.skipped:
-        out.print("not built (more micro-batches of a pipeline, already slower than a split "
-                  "that fits or changing the numbers where an exact split fits): "
-                  + "; ".join(s.describe() for s in res.chosen.skipped))
-    g = res.gate
-    if g is not None:
-        verdict = "equal" if g.ok else "DIFFERENT"
-        out.print(f"verify: {verdict} to the {g.reference} within {g.rtol:g} (loss "
-                  f"{g.loss_rel:.2g}, gradients {g.grad_rel:.2g}, state {g.state_rel:.2g}; "
-                  f"largest: {g.worst or '-'}); sent "
-                  f"{format_bytes(sum(g.comm_bytes.values()))} as counted by the "
-                  "communicator (float64)")
-        if g.first_divergence:
-            out.print(f"first difference: {g.first_divergence}")
+
+
+def _print_considered(out, considered, best) -> None:
+    alt = Table(title="considered")
+    for col in ("split", "fits", "exact", "step", "speed-up", "bubble", "max peak"):
+        alt.add_column(col, justify="right")
+    for c in sorted(considered, key=lambda c: c.report.predicted_step_s):
+        fits = "no" if not c.fits else "planned" if c.memory is not None else "yes"
+        alt.add_row(c.spec.describe() + (" *" if c is best else ""),
+                    fits, "yes" if c.exact else "no",
+                    format_seconds(c.report.predicted_step_s),
+                    f"{c.report.predicted_speedup:.2f}x", f"{c.report.bubble:.1%}",
+                    format_bytes(max(d.peak_bytes for d in c.report.per_device)))
+    out.print(alt)
+
+
+def _print_gate(out, g) -> None:
+    verdict = "equal" if g.ok else "DIFFERENT"
+    out.print(f"verify: {verdict} to the {g.reference} within {g.rtol:g} (loss "
+              f"{g.loss_rel:.2g}, gradients {g.grad_rel:.2g}, state {g.state_rel:.2g}; "
+              f"largest: {g.worst or '-'}); sent "
+              f"{format_bytes(sum(g.comm_bytes.values()))} as counted by the "
+              "communicator (float64)")
+    if g.first_divergence:
+        out.print(f"first difference: {g.first_divergence}")

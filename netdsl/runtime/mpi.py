@@ -23,11 +23,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from netdsl.errors import CommError, NetdslError
+from netdsl.errors import CommError
 from netdsl.ir.placement import even_parts
 from netdsl.runtime.comm import Communicator
 from netdsl.runtime.state_parts import StateParts, gather_order
-from netdsl.step.request import World
 
 COLLECTIVE_TAG = 32766  # ring traffic; ordered per pair, collectives run in one order
 STATE_TAG = 32765  # the state's pieces on their way to rank 0 (between steps)
@@ -47,22 +46,6 @@ def world() -> tuple[int, int]:
     """(rank, size) of this process in MPI_COMM_WORLD."""
     c = _mpi().COMM_WORLD
     return c.Get_rank(), c.Get_size()
-
-
-def join(devices: int, backend) -> tuple[World, MPIComm, str | None]:
-    """This rank's place among the ranks of `mpiexec`, one device each, its communicator
-    (NCCL's on GPUs where every rank has it: `runtime.nccl`) and what the run says about
-    it; refused where there is one rank, or `devices` is not their count."""
-    rank, size = world()
-    if size == 1:  # (a split of one device has no parts to spread)
-        raise NetdslError("--distributed runs one process per device under `mpiexec -n N` "
-                        "with N of 2 or more, and this is one process; run without "
-                        "--distributed, or under mpiexec")
-    if devices not in (1, size):
-        raise NetdslError(f"--devices {devices} but mpiexec started {size} ranks; with "
-                        "--distributed there is one device per rank")
-    from netdsl.runtime.nccl import communicator  # (it extends MPIComm)
-    return World(rank, size, allgather), *communicator(backend)
 
 
 def world_on_this_machine() -> tuple[int, int]:

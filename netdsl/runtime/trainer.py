@@ -66,7 +66,7 @@ class Trainer:
         backend = backend_for(opts)
         self.rank, world, comm = 0, None, None
         if opts.distributed:
-            from netdsl.runtime.mpi import join
+            from netdsl.runtime.ranks import join
             world, comm, note = join(opts.devices, backend)
             self.warnings += [note] if note else []
             self.rank, self.opts = world.rank, replace(opts, devices=world.size)

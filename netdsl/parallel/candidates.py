@@ -50,8 +50,8 @@ from netdsl.sizes import format_bytes, format_seconds
 
 CHOICES = ("auto", "data", "pipeline", "hybrid", "tensor", "spatial")
 # another pipeline order than 1F1B is taken where it is predicted this much faster: less
-# is within what the simulation misses of a step (the measured and predicted bubbles of
-# docs/parallel.md's schedules table differ by up to 0.05 of the step)
+# is within what the simulation misses of a step (docs/parallel.md's schedules table sets
+# the predicted bubbles beside the measured ones)
 ORDER_GAIN = 0.03
 # ops whose result depends on the other samples of the batch (its statistics)
 BATCH_STATISTICS_OPS = ("batchnorm",)
